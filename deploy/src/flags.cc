@@ -1,0 +1,112 @@
+#include "flags.h"
+
+#include <cstdlib>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+
+namespace moe::deploy {
+
+void Flags::Add(const std::string& name, const std::string& value_name, const std::string& help,
+                const std::string& default_value) {
+  order_.push_back(name);
+  specs_[name] = Spec{value_name, help, default_value, false};
+}
+
+void Flags::AddSwitch(const std::string& name, const std::string& help) {
+  order_.push_back(name);
+  specs_[name] = Spec{"", help, "", true};
+}
+
+absl::Status Flags::Parse(int argc, char** argv) {
+  for (int i = 0; i < argc; ++i) {
+    absl::string_view arg = argv[i];
+    if (!absl::ConsumePrefix(&arg, "--")) {
+      return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", arg, "' (flags start with --)"));
+    }
+    std::string name(arg), value;
+    bool has_value = false;
+    if (auto eq = name.find('='); eq != std::string::npos) {
+      value = name.substr(eq + 1);
+      name = name.substr(0, eq);
+      has_value = true;
+    }
+    auto spec = specs_.find(name);
+    if (spec == specs_.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("unknown flag --", name, " (see moeserve ", command_, " --help)"));
+    }
+    if (spec->second.is_switch) {
+      if (has_value) return absl::InvalidArgumentError(absl::StrCat("--", name, " takes no value"));
+      values_[name] = "1";
+      continue;
+    }
+    if (!has_value) {
+      if (i + 1 >= argc) return absl::InvalidArgumentError(absl::StrCat("--", name, " needs a value"));
+      value = argv[++i];
+    }
+    values_[name] = value;
+  }
+  return absl::OkStatus();
+}
+
+bool Flags::Has(const std::string& name) const {
+  return values_.count(name) > 0 || !specs_.at(name).default_value.empty();
+}
+
+std::string Flags::Get(const std::string& name) const {
+  auto it = values_.find(name);
+  return it != values_.end() ? it->second : specs_.at(name).default_value;
+}
+
+absl::StatusOr<std::string> Flags::Required(const std::string& name) const {
+  if (!Has(name) || Get(name).empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("--", name, " is required (see moeserve ", command_, " --help)"));
+  }
+  return Get(name);
+}
+
+absl::StatusOr<int64_t> Flags::Int(const std::string& name) const {
+  int64_t v;
+  if (!absl::SimpleAtoi(Get(name), &v)) {
+    return absl::InvalidArgumentError(absl::StrCat("--", name, " must be an integer, got '", Get(name), "'"));
+  }
+  return v;
+}
+
+absl::StatusOr<double> Flags::Double(const std::string& name) const {
+  double v;
+  if (!absl::SimpleAtod(Get(name), &v)) {
+    return absl::InvalidArgumentError(absl::StrCat("--", name, " must be a number, got '", Get(name), "'"));
+  }
+  return v;
+}
+
+std::string Flags::Help() const {
+  std::string s = absl::StrCat("usage: moeserve ", command_, " [flags]\n\n", summary_, "\n\nflags:\n");
+  for (const std::string& name : order_) {
+    const Spec& spec = specs_.at(name);
+    std::string left = absl::StrCat("  --", name, spec.is_switch ? "" : " " + spec.value_name);
+    if (left.size() < 28) left.append(28 - left.size(), ' ');
+    absl::StrAppend(&s, left, " ", spec.help);
+    if (!spec.default_value.empty()) absl::StrAppend(&s, " (default ", spec.default_value, ")");
+    absl::StrAppend(&s, "\n");
+  }
+  return s;
+}
+
+absl::StatusOr<std::vector<int32_t>> ParseIdList(const std::string& text, const std::string& flag) {
+  std::vector<int32_t> ids;
+  for (absl::string_view part : absl::StrSplit(text, ',')) {
+    part = absl::StripAsciiWhitespace(part);
+    int32_t id;
+    if (part.empty() || !absl::SimpleAtoi(part, &id)) {
+      return absl::InvalidArgumentError(absl::StrCat("--", flag, ": '", part, "' is not a token id (want e.g. 1,2,3)"));
+    }
+    ids.push_back(id);
+  }
+  return ids;
+}
+
+}  // namespace moe::deploy

@@ -1,0 +1,53 @@
+// Element types of weights and activations, and the scalar conversions between them.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <string_view>
+
+namespace moe::core {
+
+enum class DType { kBF16, kF16, kF32, kI8, kI32, kI64 };
+
+// Bytes per element.
+constexpr int64_t DTypeSize(DType t) {
+  switch (t) {
+    case DType::kBF16:
+    case DType::kF16: return 2;
+    case DType::kF32:
+    case DType::kI32: return 4;
+    case DType::kI8: return 1;
+    case DType::kI64: return 8;
+  }
+  return 0;
+}
+
+// The safetensors spelling: "BF16", "F16", "F32", "I8", "I32", "I64".
+const char* DTypeName(DType t);
+std::optional<DType> DTypeFromName(std::string_view name);
+
+// bfloat16: the top 16 bits of an IEEE float.
+inline float Bf16ToFloat(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// Round to nearest even, as torch does; NaN stays NaN.
+inline uint16_t FloatToBf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// IEEE half precision to float (subnormals, infinities and NaN included).
+float F16ToFloat(uint16_t h);
+
+// Converts `n` elements of type `src_type` to float.
+void ConvertToFloat(const void* src, DType src_type, float* dst, int64_t n);
+
+}  // namespace moe::core

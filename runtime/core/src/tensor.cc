@@ -1,0 +1,15 @@
+#include "moe/core/tensor.h"
+
+#include "absl/strings/str_join.h"
+
+namespace moe::core {
+
+std::string ShapeString(const Shape& shape) { return "[" + absl::StrJoin(shape, ", ") + "]"; }
+
+int64_t NumElements(const Shape& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+}  // namespace moe::core

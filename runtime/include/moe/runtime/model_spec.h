@@ -1,0 +1,78 @@
+// ModelSpec: everything the forward pass needs to know about a model's shape and math, read
+// from a Hugging Face `config.json`. One struct for every supported architecture; the
+// architecture-specific parts (routing function, shared experts, dense layers, partial rotary,
+// QK-norm, attention bias) are plain fields so that the forward is written once.
+#pragma once
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace moe::runtime {
+
+enum class Architecture { kQwen3Moe, kQwen2Moe, kMixtral, kGlm4Moe };
+
+// The `model_type` values moeserve can load, in the order they were added.
+const std::vector<std::string>& SupportedModelTypes();
+std::string_view ArchitectureName(Architecture arch);
+
+enum class ScoringFunction {
+  kSoftmax,  // softmax over all experts, then top-k (Qwen, Mixtral)
+  kSigmoid,  // sigmoid per expert, bias-corrected group-limited top-k (GLM-4.5, DeepSeek-V3)
+};
+
+struct RoutingSpec {
+  ScoringFunction scoring = ScoringFunction::kSoftmax;
+  int num_experts = 0;
+  int top_k = 0;
+  bool normalize_top_k = false;      // renormalise the chosen weights to sum to 1
+  bool has_correction_bias = false;  // `e_score_correction_bias` added for the choice only
+  int n_group = 1;                   // experts split into groups; the best `topk_group` kept
+  int topk_group = 1;
+  float routed_scaling_factor = 1.0f;
+};
+
+struct ModelSpec {
+  Architecture arch = Architecture::kQwen3Moe;
+  std::string model_type;
+
+  int vocab_size = 0;
+  int hidden_size = 0;
+  int num_layers = 0;
+  int num_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int rotary_dim = 0;  // head_dim * partial_rotary_factor; the rest of each head is not rotated
+  float rope_theta = 10000.0f;
+  float rms_norm_eps = 1e-6f;
+  bool qkv_bias = false;  // q/k/v projections carry a bias
+  bool qk_norm = false;   // per-head RMSNorm of q and k before RoPE
+  int max_position_embeddings = 0;
+  bool tie_word_embeddings = false;
+
+  int intermediate_size = 0;      // FFN width of dense layers
+  int moe_intermediate_size = 0;  // FFN width of one routed expert
+  std::vector<bool> layer_is_moe;  // per layer: routed experts (true) or a dense FFN
+  RoutingSpec routing;
+  int shared_expert_intermediate_size = 0;  // 0: no shared expert
+  bool shared_expert_gate = false;          // shared output scaled by sigmoid(x . w_gate)
+
+  std::vector<int> eos_token_ids;
+
+  bool IsMoeLayer(int layer) const { return layer_is_moe[layer]; }
+  int num_moe_layers() const;
+  // One line: "qwen3_moe: 48 layers, hidden 2048, 32/4 heads x 128, 128 experts top-8 ..."
+  std::string Summary() const;
+};
+
+// Parses and checks a config.json text. `source` names the file in error messages.
+// kInvalidArgument for malformed JSON, a missing or impossible value, or an unsupported
+// model_type (the message lists the supported ones).
+absl::StatusOr<ModelSpec> ParseModelSpec(std::string_view config_json, std::string_view source);
+
+// Reads `<model_dir>/config.json`.
+absl::StatusOr<ModelSpec> LoadModelSpec(const std::string& model_dir);
+
+}  // namespace moe::runtime

@@ -1,0 +1,93 @@
+#include "moe/runtime/generate.h"
+
+#include <algorithm>
+#include <chrono>
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+#include "moe/core/status.h"
+
+namespace moe::runtime {
+namespace {
+
+double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+}  // namespace
+
+absl::StatusOr<GenerateResult> Generate(Model& model, const std::vector<int32_t>& prompt,
+                                        const GenerateOptions& options) {
+  const ModelSpec& spec = model.spec();
+  if (prompt.empty()) return absl::InvalidArgumentError("prompt is empty");
+  if (options.max_new_tokens < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("max_new_tokens must be >= 0, got ", options.max_new_tokens));
+  }
+  MOE_RETURN_IF_ERROR(options.sampling.Validate());
+  const int64_t total = static_cast<int64_t>(prompt.size()) + options.max_new_tokens;
+  if (total > spec.max_position_embeddings) {
+    return absl::InvalidArgumentError(absl::StrCat("prompt of ", prompt.size(), " tokens plus max_new_tokens=",
+                                                   options.max_new_tokens, " exceeds the context of ",
+                                                   spec.max_position_embeddings, " positions"));
+  }
+  for (size_t i = 0; i < prompt.size(); ++i) {
+    if (prompt[i] < 0 || prompt[i] >= spec.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("prompt token ", i, " is ", prompt[i],
+                                                     ", outside the vocabulary [0, ", spec.vocab_size, ")"));
+    }
+  }
+
+  const int blocks = std::max(1, BlocksFor(total, options.block_size));
+  MOE_ASSIGN_OR_RETURN(auto cache, model.NewKvCache(blocks, options.block_size));
+  std::vector<int32_t> table(blocks);
+  std::iota(table.begin(), table.end(), 0);
+
+  GenerateResult result;
+  Sampler sampler(options.sampling);
+  const int vocab = spec.vocab_size;
+  std::vector<float> logits;
+
+  // Prefill: the whole prompt in one step.
+  ForwardBatch batch;
+  batch.token_ids = prompt;
+  batch.sequences = {SequenceChunk{0, static_cast<int32_t>(prompt.size()), table.data(), blocks}};
+  if (options.prompt_logits) {
+    batch.logit_rows.resize(prompt.size());
+    std::iota(batch.logit_rows.begin(), batch.logit_rows.end(), 0);
+  } else {
+    batch.logit_rows = {static_cast<int32_t>(prompt.size() - 1)};
+  }
+  auto start = std::chrono::steady_clock::now();
+  MOE_RETURN_IF_ERROR(model.Forward(batch, *cache, &logits));
+  result.prefill_seconds = SecondsSince(start);
+  if (options.prompt_logits) {
+    for (size_t i = 0; i < prompt.size(); ++i) {
+      result.prompt_logits.emplace_back(logits.begin() + i * vocab, logits.begin() + (i + 1) * vocab);
+    }
+  }
+  const float* last = logits.data() + (logits.size() - vocab);
+
+  // Decode: one token per step, reading the cache.
+  start = std::chrono::steady_clock::now();
+  int64_t position = static_cast<int64_t>(prompt.size());
+  for (int step = 0; step < options.max_new_tokens; ++step) {
+    if (options.step_logits) result.step_logits.emplace_back(last, last + vocab);
+    const int32_t token = sampler.Sample(last, vocab);
+    result.generated_ids.push_back(token);
+    if (options.stop_at_eos &&
+        std::find(spec.eos_token_ids.begin(), spec.eos_token_ids.end(), token) != spec.eos_token_ids.end()) {
+      break;
+    }
+    if (step + 1 == options.max_new_tokens) break;
+    batch.token_ids = {token};
+    batch.sequences = {SequenceChunk{position, 1, table.data(), blocks}};
+    batch.logit_rows = {0};
+    MOE_RETURN_IF_ERROR(model.Forward(batch, *cache, &logits));
+    last = logits.data();
+    ++position;
+  }
+  result.decode_seconds = SecondsSince(start);
+  return result;
+}
+
+}  // namespace moe::runtime

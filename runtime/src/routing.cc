@@ -1,0 +1,89 @@
+#include "moe/runtime/routing.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+namespace moe::runtime {
+namespace {
+
+// Indices of the k largest values, best first; ties go to the lower index (as torch.topk on CPU
+// returns them for distinct values; exact ties do not occur with real logits).
+void TopK(const float* values, int n, int k, int32_t* out) {
+  std::vector<int32_t> idx(n);
+  std::iota(idx.begin(), idx.end(), 0);
+  std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), [&](int32_t a, int32_t b) {
+    return values[a] > values[b] || (values[a] == values[b] && a < b);
+  });
+  std::copy(idx.begin(), idx.begin() + k, out);
+}
+
+void RouteSoftmax(const RoutingSpec& spec, const float* logits, int32_t* ids, float* weights) {
+  const int e = spec.num_experts;
+  std::vector<float> probs(e);
+  const float max_logit = *std::max_element(logits, logits + e);
+  float sum = 0;
+  for (int i = 0; i < e; ++i) sum += probs[i] = std::exp(logits[i] - max_logit);
+  for (float& p : probs) p /= sum;
+  TopK(probs.data(), e, spec.top_k, ids);
+  float chosen = 0;
+  for (int i = 0; i < spec.top_k; ++i) chosen += weights[i] = probs[ids[i]];
+  for (int i = 0; i < spec.top_k; ++i) {
+    if (spec.normalize_top_k) weights[i] /= chosen;
+    weights[i] *= spec.routed_scaling_factor;
+  }
+}
+
+// Sigmoid scores; the correction bias shifts the choice only; groups ranked by the sum of their
+// two best biased scores; experts outside the best `topk_group` groups score 0 for the choice.
+void RouteSigmoid(const RoutingSpec& spec, const float* logits, const float* bias, int32_t* ids, float* weights) {
+  const int e = spec.num_experts;
+  const int per_group = e / spec.n_group;
+  std::vector<float> scores(e), choice(e);
+  for (int i = 0; i < e; ++i) {
+    scores[i] = 1.0f / (1.0f + std::exp(-logits[i]));
+    choice[i] = scores[i] + (bias != nullptr ? bias[i] : 0.0f);
+  }
+  if (spec.n_group > 1) {
+    std::vector<float> group_score(spec.n_group);
+    const int best_of = std::min(2, per_group);
+    for (int g = 0; g < spec.n_group; ++g) {
+      std::vector<float> members(choice.begin() + g * per_group, choice.begin() + (g + 1) * per_group);
+      std::partial_sort(members.begin(), members.begin() + best_of, members.end(), std::greater<float>());
+      group_score[g] = std::accumulate(members.begin(), members.begin() + best_of, 0.0f);
+    }
+    std::vector<int32_t> kept(spec.topk_group);
+    TopK(group_score.data(), spec.n_group, spec.topk_group, kept.data());
+    std::vector<bool> keep(spec.n_group, false);
+    for (int32_t g : kept) keep[g] = true;
+    for (int i = 0; i < e; ++i) {
+      if (!keep[i / per_group]) choice[i] = 0.0f;
+    }
+  }
+  TopK(choice.data(), e, spec.top_k, ids);
+  float chosen = 0;
+  for (int i = 0; i < spec.top_k; ++i) chosen += weights[i] = scores[ids[i]];
+  for (int i = 0; i < spec.top_k; ++i) {
+    if (spec.normalize_top_k) weights[i] /= (chosen + 1e-20f);
+    weights[i] *= spec.routed_scaling_factor;
+  }
+}
+
+}  // namespace
+
+void RouteTokens(const RoutingSpec& spec, const float* router_logits, int64_t num_tokens, const float* correction_bias,
+                 int32_t* topk_ids, float* topk_weights) {
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const float* logits = router_logits + t * spec.num_experts;
+    int32_t* ids = topk_ids + t * spec.top_k;
+    float* weights = topk_weights + t * spec.top_k;
+    if (spec.scoring == ScoringFunction::kSoftmax) {
+      RouteSoftmax(spec, logits, ids, weights);
+    } else {
+      RouteSigmoid(spec, logits, correction_bias, ids, weights);
+    }
+  }
+}
+
+}  // namespace moe::runtime
