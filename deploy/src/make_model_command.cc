@@ -20,7 +20,7 @@ int MakeModelCommand(int argc, char** argv) {
   flags.Add("layers", "N", "number of layers instead of the preset's");
   flags.Add("vocab", "N", "vocabulary size instead of the preset's");
   flags.Add("seed", "S", "random seed", "0");
-  flags.Add("max-shard-mb", "MB", "largest safetensors shard; bigger models get an index", "4096");
+  flags.Add("max-shard-mb", "MB", "tensor bytes per safetensors shard; bigger checkpoints are split, with an index", "4096");
   flags.Add("out", "DIR", "output directory");
   flags.AddSwitch("quiet", "no progress lines");
   flags.AddSwitch("help", "show this help");

@@ -1,0 +1,196 @@
+// The `moeserve` binary as a user runs it: generate, make-model, help, and its errors.
+#include <filesystem>
+#include <fstream>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "test_util.h"
+
+namespace moe {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+namespace fs = std::filesystem;
+
+std::string Join(const std::vector<int>& ids) {
+  std::string s;
+  for (int id : ids) s += (s.empty() ? "" : ",") + std::to_string(id);
+  return s;
+}
+
+nlohmann::json LastJsonLine(const std::string& out) {
+  const auto end = out.find_last_not_of('\n');
+  const auto start = out.rfind('\n', end);
+  return nlohmann::json::parse(out.substr(start == std::string::npos ? 0 : start + 1, end + 1));
+}
+
+TEST(CliTest, GenerateJsonAndLogitsMatchTheGoldens) {
+  const auto golden = testing::LoadGolden("glm4_moe")["cases"][2];
+  testing::ScratchDir dir;
+  const std::vector<int> prompt = golden["prompt_ids"];
+  const std::vector<int> want = golden["greedy_ids"];
+  auto r = testing::RunMoeserve({"generate", "--model", testing::FixtureDir("glm4_moe"), "--prompt-ids", Join(prompt),
+                                 "--max-new-tokens", std::to_string(want.size()), "--temperature", "0", "--json",
+                                 "--dump-logits", dir / "logits.json", "--rope-freqs", "bf16"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json out = LastJsonLine(r.out);
+  EXPECT_EQ(out["generated_ids"].get<std::vector<int>>(), want);
+  EXPECT_EQ(out["prompt_tokens"], prompt.size());
+  EXPECT_GT(out["prefill_tokens_per_s"].get<double>(), 0);
+  EXPECT_GT(out["decode_tokens_per_s"].get<double>(), 0);
+  std::ifstream in(dir / "logits.json");
+  const nlohmann::json rows = nlohmann::json::parse(in);
+  ASSERT_EQ(rows.size(), prompt.size());
+  float worst = 0;
+  for (size_t i = 0; i < golden["logits"].size(); ++i) {
+    for (size_t v = 0; v < rows[i].size(); ++v) {
+      worst = std::max(worst, std::abs(rows[i][v].get<float>() - golden["logits"][i][v].get<float>()));
+    }
+  }
+  EXPECT_LT(worst, 1e-3f);
+}
+
+TEST(CliTest, BrokenModelsExitNonZeroWithTheMessage) {
+  struct Case {
+    const char* what;
+    std::function<void(const std::string&)> breakit;
+    std::vector<const char*> messages;
+  };
+  const std::vector<Case> cases = {
+      {"missing tensor",
+       [](const std::string& m) {
+         testing::RewriteWeights(m, [](runtime::TensorEntry& e) { return e.name != "lm_head.weight"; });
+       },
+       {"tensor lm_head.weight is missing"}},
+      {"wrong shape",
+       [](const std::string& m) {
+         testing::RewriteWeights(m, [](runtime::TensorEntry& e) {
+           if (e.name == "model.layers.0.self_attn.k_proj.weight") e.shape = {32, 128};
+           return true;
+         });
+       },
+       {"model.layers.0.self_attn.k_proj.weight: shape [32, 128]", "config expects [64, 128]"}},
+      {"truncated",
+       [](const std::string& m) { fs::resize_file(m + "/model.safetensors", 100000); },
+       {"model.safetensors", "truncated"}},
+      {"unknown model_type",
+       [](const std::string& m) { testing::EditConfig(m, [](nlohmann::json& j) { j["model_type"] = "bert"; }); },
+       {"model_type 'bert' is not supported", "qwen3_moe"}},
+      {"top-k above experts",
+       [](const std::string& m) { testing::EditConfig(m, [](nlohmann::json& j) { j["num_experts_per_tok"] = 99; }); },
+       {"num_experts_per_tok=99"}},
+      {"heads not dividing hidden",
+       [](const std::string& m) {
+         testing::EditConfig(m, [](nlohmann::json& j) {
+           j.erase("head_dim");
+           j["num_attention_heads"] = 5;
+           j["num_key_value_heads"] = 1;
+         });
+       },
+       {"num_attention_heads=5 does not divide hidden_size=128"}},
+  };
+  for (const Case& c : cases) {
+    testing::ScratchDir dir;
+    const std::string model = dir / "m";
+    testing::CopyFixture("qwen3_moe", model);
+    c.breakit(model);
+    auto r = testing::RunMoeserve({"generate", "--model", model, "--prompt-ids", "1,2,3"});
+    EXPECT_EQ(r.exit_code, 1) << c.what << ": " << r.err;
+    EXPECT_THAT(r.err, HasSubstr("moeserve generate: error: ")) << c.what;
+    for (const char* m : c.messages) EXPECT_THAT(r.err, HasSubstr(m)) << c.what;
+    EXPECT_TRUE(r.out.empty()) << c.what;
+  }
+}
+
+TEST(CliTest, BadRequestsAndFlagsAreExplained) {
+  const std::string model = testing::FixtureDir("qwen3_moe");
+  auto r = testing::RunMoeserve({"generate", "--model", model, "--prompt-ids", "1,2,x"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("--prompt-ids: 'x' is not a token id"));
+  r = testing::RunMoeserve({"generate", "--model", model, "--prompt-ids", "1,600"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("prompt token 1 is 600, outside the vocabulary [0, 512)"));
+  r = testing::RunMoeserve({"generate", "--model", model, "--prompt-ids", "1", "--max-new-tokens", "5000"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("exceeds the context of 2048 positions"));
+  r = testing::RunMoeserve({"generate", "--model", model, "--prompt-ids", "1", "--top-p", "0"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("top_p must be in (0, 1]"));
+  r = testing::RunMoeserve({"generate", "--model", model, "--prompt-ids", "1", "--tempreature", "1"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("unknown flag --tempreature"));
+  r = testing::RunMoeserve({"generate", "--prompt-ids", "1"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("--model is required"));
+  r = testing::RunMoeserve({"generate", "--model", "/nonexistent", "--prompt-ids", "1"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("/nonexistent/config.json"));
+  r = testing::RunMoeserve({"frobnicate"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("unknown command 'frobnicate'"));
+}
+
+TEST(CliTest, HelpExplainsTheCommands) {
+  auto r = testing::RunMoeserve({"--help"});
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_THAT(r.out, AllOf(HasSubstr("generate"), HasSubstr("make-model")));
+  r = testing::RunMoeserve({"generate", "--help"});
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_THAT(r.out, AllOf(HasSubstr("--prompt-ids"), HasSubstr("--dump-logits"), HasSubstr("--seed")));
+  r = testing::RunMoeserve({"make-model", "--help"});
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_THAT(r.out, AllOf(HasSubstr("qwen3-30b-a3b"), HasSubstr("--layers")));
+}
+
+TEST(CliTest, SameSeedSameTokens) {
+  std::vector<std::string> args = {"generate", "--model", testing::FixtureDir("mixtral"), "--prompt-ids", "5,6,7",
+                                   "--max-new-tokens", "12", "--temperature", "1.0", "--top-p", "0.9", "--seed", "11",
+                                   "--ignore-eos", "--json"};
+  auto a = testing::RunMoeserve(args), b = testing::RunMoeserve(args);
+  ASSERT_EQ(a.exit_code, 0) << a.err;
+  EXPECT_EQ(LastJsonLine(a.out)["generated_ids"], LastJsonLine(b.out)["generated_ids"]);
+  EXPECT_EQ(LastJsonLine(a.out)["generated_ids"].size(), 12u);
+}
+
+TEST(CliTest, MakeModelTinyGeneratesWithSpeed) {
+  testing::ScratchDir dir;
+  auto r = testing::RunMoeserve({"make-model", "--arch", "qwen3_moe", "--preset", "tiny", "--out", dir / "tiny"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("make-model: written"));
+  r = testing::RunMoeserve({"generate", "--model", dir / "tiny", "--prompt-ids", "1,2,3,4", "--max-new-tokens", "8"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, AllOf(HasSubstr("generated 8 tokens"), HasSubstr("prefill: 4 tokens"), HasSubstr("tokens/s")));
+}
+
+TEST(CliTest, MakeModelShardsBigCheckpointsAndLoadsThemTheSame) {
+  testing::ScratchDir dir;
+  auto r = testing::RunMoeserve({"make-model", "--preset", "tiny", "--seed", "3", "--quiet", "--out", dir / "one"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  r = testing::RunMoeserve(
+      {"make-model", "--preset", "tiny", "--seed", "3", "--quiet", "--max-shard-mb", "1", "--out", dir / "sharded"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(fs::exists(dir / "sharded/model.safetensors.index.json"));
+  EXPECT_FALSE(fs::exists(dir / "sharded/model.safetensors"));
+  int shards = 0;
+  for (const auto& entry : fs::directory_iterator(dir / "sharded")) {
+    shards += entry.path().filename().string().rfind("model-0", 0) == 0;
+    // The limit counts tensor bytes, as Hugging Face's max_shard_size does; the header comes on top.
+    if (entry.path().extension() == ".safetensors") EXPECT_LE(fs::file_size(entry.path()), (1u << 20) + 65536);
+  }
+  EXPECT_GE(shards, 2);
+  std::vector<std::string> ids;
+  for (const char* m : {"one", "sharded"}) {
+    r = testing::RunMoeserve({"generate", "--model", dir / m, "--prompt-ids", "9,8,7", "--max-new-tokens", "6", "--json"});
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    ids.push_back(LastJsonLine(r.out)["generated_ids"].dump());
+  }
+  EXPECT_EQ(ids[0], ids[1]);
+  r = testing::RunMoeserve({"make-model", "--preset", "huge", "--out", dir / "x"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("unknown preset 'huge'; presets: tiny, qwen3-30b-a3b"));
+}
+
+}  // namespace
+}  // namespace moe

@@ -1,0 +1,178 @@
+// Numerics against transformers itself: every fixture model's logits and greedy continuations,
+// the KV cache against full recomputation, and batching against single sequences.
+#include <cmath>
+#include <iostream>
+#include <numeric>
+
+#include "gtest/gtest.h"
+#include "moe/runtime/generate.h"
+#include "moe/runtime/model.h"
+#include "test_util.h"
+
+namespace moe {
+namespace {
+
+using runtime::ForwardBatch;
+using runtime::Model;
+using runtime::SequenceChunk;
+
+std::unique_ptr<Model> LoadFixture(const std::string& arch,
+                                   runtime::RopeFrequencies freqs = runtime::RopeFrequencies::kBFloat16) {
+  runtime::ModelOptions options;
+  options.rope_frequencies = freqs;  // the goldens were made from a model cast whole to bf16
+  auto model = Model::Load(testing::FixtureDir(arch), options);
+  EXPECT_TRUE(model.ok()) << model.status();
+  return model.ok() ? std::move(*model) : nullptr;
+}
+
+// Logits of every position of `ids`, computed in one step on a fresh cache.
+std::vector<std::vector<float>> FullForward(Model& model, const std::vector<int32_t>& ids) {
+  const int blocks = runtime::BlocksFor(ids.size(), 16);
+  auto cache = model.NewKvCache(blocks);
+  EXPECT_TRUE(cache.ok());
+  std::vector<int32_t> table(blocks);
+  std::iota(table.begin(), table.end(), 0);
+  ForwardBatch batch;
+  batch.token_ids = ids;
+  batch.sequences = {SequenceChunk{0, static_cast<int32_t>(ids.size()), table.data(), blocks}};
+  batch.logit_rows.resize(ids.size());
+  std::iota(batch.logit_rows.begin(), batch.logit_rows.end(), 0);
+  std::vector<float> logits;
+  EXPECT_TRUE(model.Forward(batch, **cache, &logits).ok());
+  const int vocab = model.spec().vocab_size;
+  std::vector<std::vector<float>> rows;
+  for (size_t i = 0; i < ids.size(); ++i) rows.emplace_back(logits.begin() + i * vocab, logits.begin() + (i + 1) * vocab);
+  return rows;
+}
+
+float MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
+  float worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::abs(a[i] - b[i]));
+  return worst;
+}
+
+class GoldensTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(GoldensTest, LogitsAndGreedyIdsMatchTransformers) {
+  auto model = LoadFixture(GetParam());
+  ASSERT_NE(model, nullptr);
+  const nlohmann::json golden = testing::LoadGolden(GetParam());
+  float worst = 0;
+  for (size_t c = 0; c < golden["cases"].size(); ++c) {
+    const auto& gc = golden["cases"][c];
+    const std::vector<int32_t> prompt = gc["prompt_ids"];
+    const std::vector<int32_t> want_ids = gc["greedy_ids"];
+    runtime::GenerateOptions options;
+    options.max_new_tokens = static_cast<int>(want_ids.size());
+    options.prompt_logits = true;
+    options.stop_at_eos = false;
+    auto result = runtime::Generate(*model, prompt, options);
+    ASSERT_TRUE(result.ok()) << result.status();
+    ASSERT_EQ(result->prompt_logits.size(), prompt.size());
+    const size_t from = gc["logits_from_position"];
+    for (size_t r = 0; r < gc["logits"].size(); ++r) {
+      const std::vector<float> want = gc["logits"][r];
+      worst = std::max(worst, MaxAbsDiff(result->prompt_logits[from + r], want));
+    }
+    EXPECT_EQ(result->generated_ids, want_ids) << GetParam() << " case " << c;
+  }
+  std::cout << "[ goldens ] " << GetParam() << ": worst logit error " << worst << " over "
+            << golden["cases"].size() << " cases\n";
+  RecordProperty("worst_logit_error", std::to_string(worst));
+  EXPECT_LT(worst, 1e-3f);
+}
+
+TEST_P(GoldensTest, DecodeWithKvCacheMatchesFullRecompute) {
+  auto model = LoadFixture(GetParam());
+  ASSERT_NE(model, nullptr);
+  const std::vector<int32_t> prompt = testing::LoadGolden(GetParam())["cases"][1]["prompt_ids"];
+  runtime::GenerateOptions options;
+  options.max_new_tokens = 10;
+  options.step_logits = true;
+  options.stop_at_eos = false;
+  options.block_size = 4;  // several blocks, so decode crosses block boundaries
+  auto result = runtime::Generate(*model, prompt, options);
+  ASSERT_TRUE(result.ok()) << result.status();
+  std::vector<int32_t> ids = prompt;
+  float worst = 0;
+  for (size_t step = 0; step < result->step_logits.size(); ++step) {
+    const auto full = FullForward(*model, ids);
+    worst = std::max(worst, MaxAbsDiff(full.back(), result->step_logits[step]));
+    ids.push_back(result->generated_ids[step]);
+  }
+  std::cout << "[ kv cache ] " << GetParam() << ": decode vs recompute " << worst << "\n";
+  EXPECT_LT(worst, 1e-4f);
+}
+
+TEST_P(GoldensTest, BatchingSequencesChangesNothing) {
+  auto model = LoadFixture(GetParam());
+  ASSERT_NE(model, nullptr);
+  const nlohmann::json golden = testing::LoadGolden(GetParam());
+  const std::vector<int32_t> a = golden["cases"][0]["prompt_ids"], b = golden["cases"][2]["prompt_ids"];
+  const auto alone_a = FullForward(*model, a), alone_b = FullForward(*model, b);
+
+  const int blocks_a = runtime::BlocksFor(a.size(), 16), blocks_b = runtime::BlocksFor(b.size(), 16);
+  auto cache = model->NewKvCache(blocks_a + blocks_b);
+  ASSERT_TRUE(cache.ok());
+  std::vector<int32_t> table_b(blocks_b), table_a(blocks_a);
+  std::iota(table_b.begin(), table_b.end(), 0);  // b takes the low blocks this time
+  std::iota(table_a.begin(), table_a.end(), blocks_b);
+  ForwardBatch batch;
+  batch.token_ids = a;
+  batch.token_ids.insert(batch.token_ids.end(), b.begin(), b.end());
+  batch.sequences = {SequenceChunk{0, static_cast<int32_t>(a.size()), table_a.data(), blocks_a},
+                     SequenceChunk{0, static_cast<int32_t>(b.size()), table_b.data(), blocks_b}};
+  batch.logit_rows = {static_cast<int32_t>(a.size() - 1), static_cast<int32_t>(a.size() + b.size() - 1)};
+  std::vector<float> logits;
+  ASSERT_TRUE(model->Forward(batch, **cache, &logits).ok());
+  const int vocab = model->spec().vocab_size;
+  EXPECT_LT(MaxAbsDiff(std::vector<float>(logits.begin(), logits.begin() + vocab), alone_a.back()), 1e-5f);
+  EXPECT_LT(MaxAbsDiff(std::vector<float>(logits.begin() + vocab, logits.end()), alone_b.back()), 1e-5f);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, GoldensTest, ::testing::Values("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"),
+                         [](const auto& info) { return info.param; });
+
+// fp32 RoPE frequencies (the serving default) agree with the goldens where the rotation is the
+// identity (position 0) and differ measurably later, which is what the option is for.
+TEST(RopeFrequenciesTest, Fp32DiffersFromTheBf16CastGoldensOnlyAfterPositionZero) {
+  auto f32 = LoadFixture("qwen3_moe", runtime::RopeFrequencies::kFloat32);
+  auto bf16 = LoadFixture("qwen3_moe", runtime::RopeFrequencies::kBFloat16);
+  ASSERT_TRUE(f32 && bf16);
+  const std::vector<int32_t> prompt = testing::LoadGolden("qwen3_moe")["cases"][1]["prompt_ids"];
+  const auto a = FullForward(*f32, prompt), b = FullForward(*bf16, prompt);
+  EXPECT_LT(MaxAbsDiff(a[0], b[0]), 1e-6f);
+  EXPECT_GT(MaxAbsDiff(a.back(), b.back()), 1e-4f);
+}
+
+TEST(ForwardTest, MalformedBatchesAreRejectedWithoutTouchingTheCache) {
+  auto model = LoadFixture("qwen3_moe");
+  ASSERT_NE(model, nullptr);
+  auto cache = model->NewKvCache(2, 4);
+  ASSERT_TRUE(cache.ok());
+  std::vector<int32_t> table = {0, 1};
+  std::vector<float> logits;
+  ForwardBatch batch;
+  batch.token_ids = {1, 2, 9999};
+  batch.sequences = {SequenceChunk{0, 3, table.data(), 2}};
+  batch.logit_rows = {2};
+  absl::Status s = model->Forward(batch, **cache, &logits);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("token id 9999 at batch row 2"), std::string::npos) << s;
+
+  batch.token_ids = {1, 2, 3};
+  batch.sequences = {SequenceChunk{6, 3, table.data(), 2}};  // positions up to 9 need 3 blocks of 4
+  s = model->Forward(batch, **cache, &logits);
+  EXPECT_NE(s.message().find("need 3 KV blocks, its block table has 2"), std::string::npos) << s;
+
+  batch.sequences = {SequenceChunk{0, 3, table.data(), 2}};
+  batch.logit_rows = {3};
+  s = model->Forward(batch, **cache, &logits);
+  EXPECT_NE(s.message().find("logit row 3 outside [0, 3)"), std::string::npos) << s;
+
+  batch.logit_rows = {2};
+  EXPECT_TRUE(model->Forward(batch, **cache, &logits).ok());
+}
+
+}  // namespace
+}  // namespace moe

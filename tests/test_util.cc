@@ -1,0 +1,108 @@
+#include "test_util.h"
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "gtest/gtest.h"
+#include "moe/runtime/weight_source.h"
+
+namespace moe::testing {
+
+namespace fs = std::filesystem;
+
+std::string FixtureDir(const std::string& arch) { return std::string(MOE_TESTDATA_DIR) + "/fixtures/" + arch; }
+
+nlohmann::json LoadGolden(const std::string& arch) {
+  std::ifstream in(FixtureDir(arch) + "/golden.json");
+  return nlohmann::json::parse(in);
+}
+
+ScratchDir::ScratchDir() {
+  static std::atomic<int> counter{0};
+  path_ = fs::temp_directory_path() / ("moeserve_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
+  fs::remove_all(path_);
+  fs::create_directories(path_);
+}
+
+ScratchDir::~ScratchDir() {
+  std::error_code ec;
+  fs::remove_all(path_, ec);
+}
+
+void CopyFixture(const std::string& arch, const std::string& dir) {
+  fs::create_directories(dir);
+  for (const char* f : {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}) {
+    fs::copy_file(FixtureDir(arch) + "/" + f, dir + "/" + f, fs::copy_options::overwrite_existing);
+    fs::permissions(dir + "/" + f, fs::perms::owner_write, fs::perm_options::add);
+  }
+}
+
+void EditConfig(const std::string& dir, const std::function<void(nlohmann::json&)>& edit) {
+  nlohmann::json j;
+  {
+    std::ifstream in(dir + "/config.json");
+    j = nlohmann::json::parse(in);
+  }
+  edit(j);
+  std::ofstream(dir + "/config.json", std::ios::trunc) << j.dump(2);
+}
+
+void RewriteWeights(const std::string& dir, const std::function<bool(runtime::TensorEntry&)>& edit) {
+  const std::string path = dir + "/model.safetensors";
+  std::vector<runtime::TensorEntry> entries;
+  std::vector<std::string> bytes;
+  {
+    auto source = runtime::OpenSafetensorsFile(path);
+    ASSERT_TRUE(source.ok()) << source.status();
+    for (const std::string& name : (*source)->Names()) {
+      auto view = (*source)->Get(name);
+      runtime::TensorEntry e{name, view->dtype, view->shape};
+      if (!edit(e)) continue;
+      std::string b(static_cast<const char*>(view->data), view->bytes());
+      b.resize(e.bytes(), '\0');
+      entries.push_back(e);
+      bytes.push_back(std::move(b));
+    }
+  }
+  auto writer = runtime::SafetensorsWriter::Create(path, entries);
+  ASSERT_TRUE(writer.ok()) << writer.status();
+  for (size_t i = 0; i < entries.size(); ++i) std::memcpy(writer->data(i), bytes[i].data(), bytes[i].size());
+  ASSERT_TRUE(writer->Finish().ok());
+}
+
+CommandResult RunMoeserve(const std::vector<std::string>& args) {
+  ScratchDir scratch;
+  const std::string out_path = scratch / "stdout", err_path = scratch / "stderr";
+  CommandResult result;
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    std::vector<std::string> argv_storage = {std::string(MOE_BINARY_DIR) + "/moeserve"};
+    argv_storage.insert(argv_storage.end(), args.begin(), args.end());
+    std::vector<char*> argv;
+    for (std::string& a : argv_storage) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    if (!std::freopen(out_path.c_str(), "w", stdout) || !std::freopen(err_path.c_str(), "w", stderr)) _exit(126);
+    ::execv(argv[0], argv.data());
+    _exit(127);
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  auto slurp = [](const std::string& p) {
+    std::ifstream in(p);
+    std::stringstream s;
+    s << in.rdbuf();
+    return s.str();
+  };
+  result.out = slurp(out_path);
+  result.err = slurp(err_path);
+  return result;
+}
+
+}  // namespace moe::testing

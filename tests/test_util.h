@@ -1,0 +1,46 @@
+// Helpers for the integration tests: fixture paths, scratch directories, broken copies of a
+// fixture model, and running the real `moeserve` binary.
+#pragma once
+
+#include <filesystem>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "moe/runtime/safetensors_writer.h"
+#include "nlohmann/json.hpp"
+
+namespace moe::testing {
+
+std::string FixtureDir(const std::string& arch);
+nlohmann::json LoadGolden(const std::string& arch);
+
+// A fresh directory under the system temp dir, removed on destruction.
+class ScratchDir {
+ public:
+  ScratchDir();
+  ~ScratchDir();
+  const std::filesystem::path& path() const { return path_; }
+  std::string operator/(const std::string& name) const { return (path_ / name).string(); }
+
+ private:
+  std::filesystem::path path_;
+};
+
+// Copies fixture `arch` into `dir` (config, weights, tokenizer).
+void CopyFixture(const std::string& arch, const std::string& dir);
+void EditConfig(const std::string& dir, const std::function<void(nlohmann::json&)>& edit);
+// Rewrites dir/model.safetensors: `edit` sees every tensor with its bytes and may change the
+// entry (shape, dtype; the bytes are cut or zero-padded to fit) or return false to drop it.
+void RewriteWeights(const std::string& dir,
+                    const std::function<bool(runtime::TensorEntry&)>& edit);
+
+struct CommandResult {
+  int exit_code = -1;
+  std::string out;
+  std::string err;
+};
+// Runs the built `moeserve` binary with `args`, capturing stdout and stderr.
+CommandResult RunMoeserve(const std::vector<std::string>& args);
+
+}  // namespace moe::testing
