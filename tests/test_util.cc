@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -16,7 +17,12 @@ namespace moe::testing {
 
 namespace fs = std::filesystem;
 
-std::string FixtureDir(const std::string& arch) { return std::string(MOE_TESTDATA_DIR) + "/fixtures/" + arch; }
+std::string TestdataDir() {
+  const char* env = std::getenv("MOE_TESTDATA_DIR");
+  return env != nullptr ? env : MOE_TESTDATA_DIR;
+}
+
+std::string FixtureDir(const std::string& arch) { return TestdataDir() + "/fixtures/" + arch; }
 
 nlohmann::json LoadGolden(const std::string& arch) {
   std::ifstream in(FixtureDir(arch) + "/golden.json");
@@ -82,7 +88,8 @@ CommandResult RunMoeserve(const std::vector<std::string>& args) {
   CommandResult result;
   pid_t pid = ::fork();
   if (pid == 0) {
-    std::vector<std::string> argv_storage = {std::string(MOE_BINARY_DIR) + "/moeserve"};
+    const char* bin_dir = std::getenv("MOE_BINARY_DIR");
+    std::vector<std::string> argv_storage = {std::string(bin_dir != nullptr ? bin_dir : MOE_BINARY_DIR) + "/moeserve"};
     argv_storage.insert(argv_storage.end(), args.begin(), args.end());
     std::vector<char*> argv;
     for (std::string& a : argv_storage) argv.push_back(a.data());

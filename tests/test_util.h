@@ -12,6 +12,9 @@
 
 namespace moe::testing {
 
+// testdata/ of the source tree, or $MOE_TESTDATA_DIR when set (tests run from a bundle on
+// another machine); the moeserve binary likewise comes from $MOE_BINARY_DIR when set.
+std::string TestdataDir();
 std::string FixtureDir(const std::string& arch);
 nlohmann::json LoadGolden(const std::string& arch);
 

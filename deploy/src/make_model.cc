@@ -143,8 +143,12 @@ class Progress {
   void Print(bool last) {
     const double secs = std::chrono::duration<double>(Clock::now() - start_).count();
     const double done = static_cast<double>(done_.load());
-    std::string line = absl::StrFormat("make-model: written %.2f / %.2f GB (%.0f%%), %.2f GB/s", done / 1e9,
-                                       total_ / 1e9, 100.0 * done / std::max<double>(total_, 1), done / 1e9 / std::max(secs, 1e-9));
+    // MB for small checkpoints, GB for real ones.
+    const bool gb = total_ >= (1ll << 30);
+    const double unit = gb ? 1e9 : 1e6;
+    std::string line = absl::StrFormat("make-model: written %.2f / %.2f %s (%.0f%%), %.2f GB/s", done / unit,
+                                       total_ / unit, gb ? "GB" : "MB", 100.0 * done / std::max<double>(total_, 1),
+                                       done / 1e9 / std::max(secs, 1e-9));
     if (tty_) {
       std::fprintf(stderr, "\r%s%s", line.c_str(), last ? "\n" : "");
     } else {

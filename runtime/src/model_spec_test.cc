@@ -1,5 +1,6 @@
 #include "moe/runtime/model_spec.h"
 
+#include <cstdlib>
 #include <string>
 
 #include "gmock/gmock.h"
@@ -12,7 +13,10 @@ namespace {
 using ::testing::HasSubstr;
 using Json = nlohmann::json;
 
-std::string Fixture(const std::string& arch) { return std::string(MOE_TESTDATA_DIR) + "/fixtures/" + arch; }
+std::string Fixture(const std::string& arch) {
+  const char* env = std::getenv("MOE_TESTDATA_DIR");  // set when the tests run from a bundle
+  return std::string(env != nullptr ? env : MOE_TESTDATA_DIR) + "/fixtures/" + arch;
+}
 
 // A minimal valid qwen3_moe config in the older key spellings of real checkpoints.
 Json Qwen3Config() {
