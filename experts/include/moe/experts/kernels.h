@@ -1,0 +1,86 @@
+// CPU expert kernels: y[m][n] = sum_k x[m][k] * W[n][k] over a range of 16-row blocks of a packed
+// matrix (packed.h), for M tokens. Chosen at run time from the CPU's features.
+//
+// What each kernel computes with:
+//   bf16  portable, avx512:     fp32 activations, fp32 FMA on the bf16 weights (exact products)
+//   bf16  avx512bf16, amx:      activations rounded to bf16 (vdpbf16ps / AMX tiles), fp32 sums
+//   int8, int4 (every kernel):  activations quantized to int8 per token (symmetric, per-token
+//                               scale); integer dot products; one fp32 scale per row (int8) or per
+//                               row and group (int4)
+// Speed bounds: at few tokens every kernel streams the weights once (memory bandwidth); at many
+// tokens avx512/vnni are bound by vector FMA throughput and amx by tile throughput.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "moe/core/cpu_features.h"
+#include "moe/core/memory.h"
+#include "moe/experts/packed.h"
+
+namespace moe::experts {
+
+enum class KernelKind { kPortable, kAvx512, kAvx512Bf16, kVnni, kAmx };
+
+const char* KernelName(KernelKind k);
+absl::StatusOr<KernelKind> ParseKernel(const std::string& name);
+
+// The kernels that exist for `format` (whatever the CPU), fastest-at-scale last.
+std::vector<KernelKind> KernelsFor(ExpertFormat format);
+// "" if `kind` runs on this CPU, else what is missing ("needs AMX-INT8").
+std::string KernelUnsupportedReason(KernelKind kind, ExpertFormat format, const core::CpuFeatures& cpu);
+
+// One call's activations, in the forms the kernel needs. Rows are padded to a multiple of 32
+// and columns to k_pad with zeros.
+class Activations {
+ public:
+  // Fills the forms `kind` needs from x [m x k] (row stride k). `sum_group`: columns per
+  // quantized-sum group (the int4 group; k_pad for int8).
+  absl::Status Prepare(const float* x, int64_t m, int64_t k, int64_t k_pad, KernelKind kind, ExpertFormat format,
+                       int sum_group);
+
+  int64_t m() const { return m_; }
+  int64_t m_pad() const { return m_pad_; }
+  int64_t k_pad() const { return k_pad_; }
+  const float* f32(int64_t row) const { return f32_.as<float>() + row * k_pad_; }
+  const uint16_t* bf16(int64_t row) const { return bf16_.as<uint16_t>() + row * k_pad_; }
+  const int8_t* i8(int64_t row) const { return i8_.as<int8_t>() + row * k_pad_; }
+  float i8_scale(int64_t row) const { return i8_scale_[row]; }
+  // Sum of the quantized values of `row` in group g (columns [g*sum_group, (g+1)*sum_group)).
+  int32_t i8_sum(int64_t row, int64_t g) const { return i8_sum_[row * groups_ + g]; }
+
+ private:
+  absl::Status Grow(core::AlignedBuffer& buffer, size_t bytes);
+  int64_t m_ = 0, m_pad_ = 0, k_pad_ = 0, groups_ = 0;
+  core::AlignedBuffer f32_, bf16_, i8_;
+  std::vector<float> i8_scale_;
+  std::vector<int32_t> i8_sum_;
+};
+
+// Computes y[m * ldy + (n - block_begin*16)] for blocks [block_begin, block_end) and m < a.m().
+using MatmulKernel = void (*)(const PackedMatrix& w, const Activations& a, int64_t block_begin, int64_t block_end,
+                              float* y, int64_t ldy);
+
+// The kernel for (kind, format), or null if that pair does not exist.
+MatmulKernel GetKernel(KernelKind kind, ExpertFormat format);
+
+// Per-thread CPU state a kernel needs before its first call on a thread (AMX: permission and tile
+// configuration). kFailedPrecondition if the OS refuses AMX.
+absl::Status PrepareThreadForKernel(KernelKind kind);
+
+namespace internal {
+// Implementations, one translation unit per instruction set.
+void MatmulPortable(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, float* y, int64_t ldy);
+void MatmulAvx512Bf16F32(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, float* y, int64_t ldy);
+void MatmulAvx512Bf16Dp(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, float* y, int64_t ldy);
+void MatmulVnniInt8(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, float* y, int64_t ldy);
+void MatmulVnniInt4(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, float* y, int64_t ldy);
+void MatmulAmxBf16(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, float* y, int64_t ldy);
+void MatmulAmxInt8(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, float* y, int64_t ldy);
+bool EnableAmxForProcess();
+void ConfigureAmxTiles();
+}  // namespace internal
+
+}  // namespace moe::experts

@@ -1,0 +1,77 @@
+// Packed expert weights: the one layout every CPU expert kernel reads.
+//
+// A matrix W [N x K] (N output rows, K inputs, as stored by Hugging Face) is padded to
+// N_pad = round_up(N, 16) rows and K_pad = round_up(K, 64) columns (to a multiple of the int4 group
+// too), zeros in the padding, and cut into blocks of 16 output rows. Within a block the K axis
+// is interleaved so that one 64-byte line holds one k-step for all 16 rows:
+//
+//   bf16: line j = (W[n][2j], W[n][2j+1]) for n = 0..15                      (K_pad / 2 lines)
+//   int8: line j = (W[n][4j .. 4j+3]) for n = 0..15, each stored as q + 128  (K_pad / 4 lines)
+//   int4: half-line j (32 bytes) holds the 64 values of int8 line j as q + 8, value i in the low
+//         nibble of byte i and value i + 32 in the high nibble                (K_pad / 4 half-lines)
+//
+// This is the B-tile layout of AMX (16 lines make one tile) and the operand layout of AVX-512
+// VNNI (vpdpbusd) and BF16 (vdpbf16ps) with broadcast activations, so a one-token GEMV reads each
+// weight byte once, sequentially, with no horizontal sums.
+//
+// Scales: int8 has one fp32 scale per output row (symmetric, q in [-127, 127]); int4 has one per
+// row and group of `group` columns (q in [-8, 7]), stored [block][group][16 rows]. Unsigned
+// storage (offset 128 or 8) pairs with signed int8 activations: the kernels subtract
+// offset * sum(activations) once per token (per group for int4).
+//
+// A packed matrix is: blocks (block_bytes each), then scales. All offsets are 64-byte aligned.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "moe/core/tensor.h"
+
+namespace moe::experts {
+
+enum class ExpertFormat { kBF16, kInt8, kInt4 };
+
+const char* FormatName(ExpertFormat f);
+absl::StatusOr<ExpertFormat> ParseFormat(const std::string& name);
+
+struct MatrixLayout {
+  ExpertFormat format = ExpertFormat::kBF16;
+  int64_t n = 0, k = 0;          // logical shape
+  int64_t n_pad = 0, k_pad = 0;  // padded shape
+  int group = 32;                // int4 group size along K (32, 64 or 128)
+
+  int64_t blocks() const { return n_pad / 16; }
+  int64_t block_bytes() const;   // weight bytes of one 16-row block
+  int64_t weight_bytes() const { return blocks() * block_bytes(); }
+  int64_t scale_bytes() const;   // after the blocks
+  int64_t bytes() const { return weight_bytes() + scale_bytes(); }
+  int64_t groups() const { return k_pad / group; }
+};
+
+// kInvalidArgument for a group that is not 32, 64 or 128.
+absl::StatusOr<MatrixLayout> MakeLayout(ExpertFormat format, int64_t n, int64_t k, int group = 32);
+
+// A read-only view of one packed matrix.
+struct PackedMatrix {
+  MatrixLayout layout;
+  const uint8_t* data = nullptr;  // layout.bytes() bytes, 64-byte aligned
+
+  const uint8_t* block(int64_t b) const { return data + b * layout.block_bytes(); }
+  const float* scales() const { return reinterpret_cast<const float*>(data + layout.weight_bytes()); }
+  // int8: scale of row n. int4: the 16 scales of block b, group g.
+  const float* block_scales(int64_t b, int64_t g) const {
+    return scales() + (b * layout.groups() + g) * 16;
+  }
+};
+
+// Packs `w` ([n x k], bf16, f16 or f32) into `out` (layout.bytes() bytes, 64-byte aligned).
+// kInvalidArgument if the tensor does not have the layout's shape.
+absl::Status PackMatrix(const core::TensorView& w, const MatrixLayout& layout, uint8_t* out);
+
+// The value the kernels compute with, for tests and the portable kernel: W[n][k] after
+// quantization (0 in the padding).
+float UnpackValue(const PackedMatrix& m, int64_t n, int64_t k);
+
+}  // namespace moe::experts

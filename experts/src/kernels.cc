@@ -1,0 +1,191 @@
+// Kernel selection, activation preparation and the portable kernels.
+#include "moe/experts/kernels.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "moe/core/dtype.h"
+
+namespace moe::experts {
+
+const char* KernelName(KernelKind k) {
+  switch (k) {
+    case KernelKind::kPortable: return "portable";
+    case KernelKind::kAvx512: return "avx512";
+    case KernelKind::kAvx512Bf16: return "avx512bf16";
+    case KernelKind::kVnni: return "vnni";
+    case KernelKind::kAmx: return "amx";
+  }
+  return "?";
+}
+
+absl::StatusOr<KernelKind> ParseKernel(const std::string& name) {
+  for (KernelKind k : {KernelKind::kPortable, KernelKind::kAvx512, KernelKind::kAvx512Bf16, KernelKind::kVnni,
+                       KernelKind::kAmx}) {
+    if (name == KernelName(k)) return k;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("expert kernel '", name, "' is not one of portable, avx512, avx512bf16, vnni, amx"));
+}
+
+std::vector<KernelKind> KernelsFor(ExpertFormat format) {
+  if (format == ExpertFormat::kBF16) {
+    return {KernelKind::kPortable, KernelKind::kAvx512, KernelKind::kAvx512Bf16, KernelKind::kAmx};
+  }
+  if (format == ExpertFormat::kInt8) return {KernelKind::kPortable, KernelKind::kVnni, KernelKind::kAmx};
+  return {KernelKind::kPortable, KernelKind::kVnni};
+}
+
+std::string KernelUnsupportedReason(KernelKind kind, ExpertFormat format, const core::CpuFeatures& cpu) {
+  const auto& list = KernelsFor(format);
+  if (std::find(list.begin(), list.end(), kind) == list.end()) {
+    return absl::StrCat("no ", KernelName(kind), " kernel for ", FormatName(format));
+  }
+  const bool avx512 = cpu.avx512f && cpu.avx512bw && cpu.avx512vl;
+  switch (kind) {
+    case KernelKind::kPortable: return "";
+    case KernelKind::kAvx512: return avx512 ? "" : "needs AVX-512 (F, BW, VL)";
+    case KernelKind::kAvx512Bf16: return avx512 && cpu.avx512_bf16 ? "" : "needs AVX-512 BF16";
+    case KernelKind::kVnni: return avx512 && cpu.avx512_vnni ? "" : "needs AVX-512 VNNI";
+    case KernelKind::kAmx:
+      if (!cpu.amx_tile) return "needs AMX tiles";
+      if (format == ExpertFormat::kBF16 && !cpu.amx_bf16) return "needs AMX-BF16";
+      if (format == ExpertFormat::kInt8 && !cpu.amx_int8) return "needs AMX-INT8";
+      return internal::EnableAmxForProcess() ? "" : "the OS refused AMX tile data (arch_prctl)";
+  }
+  return "unknown kernel";
+}
+
+MatmulKernel GetKernel(KernelKind kind, ExpertFormat format) {
+  switch (kind) {
+    case KernelKind::kPortable: return internal::MatmulPortable;
+    case KernelKind::kAvx512: return format == ExpertFormat::kBF16 ? internal::MatmulAvx512Bf16F32 : nullptr;
+    case KernelKind::kAvx512Bf16: return format == ExpertFormat::kBF16 ? internal::MatmulAvx512Bf16Dp : nullptr;
+    case KernelKind::kVnni:
+      if (format == ExpertFormat::kInt8) return internal::MatmulVnniInt8;
+      if (format == ExpertFormat::kInt4) return internal::MatmulVnniInt4;
+      return nullptr;
+    case KernelKind::kAmx:
+      if (format == ExpertFormat::kBF16) return internal::MatmulAmxBf16;
+      if (format == ExpertFormat::kInt8) return internal::MatmulAmxInt8;
+      return nullptr;
+  }
+  return nullptr;
+}
+
+absl::Status PrepareThreadForKernel(KernelKind kind) {
+  if (kind != KernelKind::kAmx) return absl::OkStatus();
+  if (!internal::EnableAmxForProcess()) {
+    return absl::FailedPreconditionError("the OS refused AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM)");
+  }
+  internal::ConfigureAmxTiles();
+  return absl::OkStatus();
+}
+
+absl::Status Activations::Grow(core::AlignedBuffer& buffer, size_t bytes) {
+  if (buffer.size() >= bytes) return absl::OkStatus();
+  auto grown = core::AlignedBuffer::Allocate(bytes, 64);
+  if (!grown.ok()) return grown.status();
+  buffer = std::move(*grown);
+  return absl::OkStatus();
+}
+
+absl::Status Activations::Prepare(const float* x, int64_t m, int64_t k, int64_t k_pad, KernelKind kind,
+                                  ExpertFormat format, int sum_group) {
+  m_ = m;
+  m_pad_ = (m + 31) / 32 * 32;
+  k_pad_ = k_pad;
+  if (absl::Status s = Grow(f32_, m_pad_ * k_pad_ * sizeof(float)); !s.ok()) return s;
+  for (int64_t r = 0; r < m_pad_; ++r) {
+    float* row = f32_.as<float>() + r * k_pad_;
+    if (r < m) {
+      std::memcpy(row, x + r * k, k * sizeof(float));
+      std::fill(row + k, row + k_pad_, 0.0f);
+    } else {
+      std::fill(row, row + k_pad_, 0.0f);
+    }
+  }
+  if (format == ExpertFormat::kBF16) {
+    if (kind == KernelKind::kAvx512Bf16 || kind == KernelKind::kAmx) {
+      if (absl::Status s = Grow(bf16_, m_pad_ * k_pad_ * 2); !s.ok()) return s;
+      const float* src = f32_.as<float>();
+      uint16_t* dst = bf16_.as<uint16_t>();
+      for (int64_t i = 0; i < m_pad_ * k_pad_; ++i) dst[i] = core::FloatToBf16(src[i]);
+    }
+    return absl::OkStatus();
+  }
+  // int8 / int4: symmetric per-token quantization, and sums per group for the offset correction.
+  if (absl::Status s = Grow(i8_, m_pad_ * k_pad_); !s.ok()) return s;
+  groups_ = k_pad_ / sum_group;
+  i8_scale_.assign(m_pad_, 0.0f);
+  i8_sum_.assign(m_pad_ * groups_, 0);
+  for (int64_t r = 0; r < m_pad_; ++r) {
+    const float* row = f32_.as<float>() + r * k_pad_;
+    int8_t* q = i8_.as<int8_t>() + r * k_pad_;
+    float amax = 0;
+    for (int64_t i = 0; i < k_pad_; ++i) amax = std::max(amax, std::abs(row[i]));
+    const float scale = amax > 0 ? amax / 127.0f : 1.0f;
+    const float inv = 1.0f / scale;
+    i8_scale_[r] = scale;
+    for (int64_t i = 0; i < k_pad_; ++i) {
+      q[i] = static_cast<int8_t>(std::lrint(std::clamp(row[i] * inv, -127.0f, 127.0f)));
+      i8_sum_[r * groups_ + i / sum_group] += q[i];
+    }
+  }
+  return absl::OkStatus();
+}
+
+namespace internal {
+
+// The reference for every kernel: the same products as the fast kernels, one at a time.
+void MatmulPortable(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, float* y, int64_t ldy) {
+  const MatrixLayout& l = w.layout;
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* block = w.block(b);
+    for (int64_t m = 0; m < a.m(); ++m) {
+      float* out = y + m * ldy + (b - b0) * 16;
+      for (int r = 0; r < 16; ++r) {
+        const int64_t n = b * 16 + r;
+        switch (l.format) {
+          case ExpertFormat::kBF16: {
+            const uint16_t* wb = reinterpret_cast<const uint16_t*>(block);
+            const float* x = a.f32(m);
+            float acc = 0;
+            for (int64_t k = 0; k < l.k_pad; ++k) acc += x[k] * core::Bf16ToFloat(wb[(k / 2) * 32 + r * 2 + k % 2]);
+            out[r] = acc;
+            break;
+          }
+          case ExpertFormat::kInt8: {
+            const int8_t* x = a.i8(m);
+            int32_t acc = 0;
+            for (int64_t k = 0; k < l.k_pad; ++k) acc += block[(k / 4) * 64 + r * 4 + k % 4] * x[k];
+            acc -= 128 * a.i8_sum(m, 0);
+            out[r] = static_cast<float>(acc) * w.scales()[n] * a.i8_scale(m);
+            break;
+          }
+          case ExpertFormat::kInt4: {
+            const int8_t* x = a.i8(m);
+            float acc = 0;
+            for (int64_t g = 0; g < l.groups(); ++g) {
+              int32_t part = 0;
+              for (int64_t k = g * l.group; k < (g + 1) * l.group; ++k) {
+                const int64_t i = (k % 4) + r * 4;  // position among the 64 values of line k / 4
+                const uint8_t byte = block[(k / 4) * 32 + i % 32];
+                part += (i < 32 ? (byte & 0x0F) : (byte >> 4)) * x[k];
+              }
+              part -= 8 * a.i8_sum(m, g);
+              acc += static_cast<float>(part) * w.block_scales(b, g)[r];
+            }
+            out[r] = acc * a.i8_scale(m);
+            break;
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace internal
+}  // namespace moe::experts

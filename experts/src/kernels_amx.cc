@@ -1,0 +1,139 @@
+// AMX expert kernels: 32 tokens x 32 rows per pass in four accumulator tiles (tmm0-3), two
+// activation tiles (tmm4-5) and two weight tiles (tmm6-7) read straight from the packed blocks.
+// Bound by tile throughput at many tokens.
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "moe/experts/kernels.h"
+
+#define MOE_AMX __attribute__((target("avx512f,avx512bw,avx512vl,amx-tile,amx-int8,amx-bf16")))
+
+namespace moe::experts::internal {
+namespace {
+
+constexpr long kArchReqXcompPerm = 0x1023;
+constexpr long kXfeatureXtiledata = 18;
+
+struct TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Copies the valid rows of a 32 x 32 fp32 scratch into y (nb blocks of 16 columns).
+void CopyRows(const float* scratch, int64_t m0, int64_t m, int nb, float* y, int64_t ldy) {
+  for (int64_t i = 0; i < 32 && m0 + i < m; ++i) std::memcpy(y + (m0 + i) * ldy, scratch + i * 32, nb * 16 * 4);
+}
+
+}  // namespace
+
+bool EnableAmxForProcess() {
+  static const bool enabled = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  return enabled;
+}
+
+MOE_AMX void ConfigureAmxTiles() {
+  thread_local bool configured = false;
+  if (configured) return;
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  // GCC 12's ldtilecfg builtin does not mark the 64-byte struct as read, so the stores above
+  // would be dropped as dead: let the struct escape first.
+  __asm__ volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+  configured = true;
+}
+
+MOE_AMX void MatmulAmxBf16(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, float* y,
+                           int64_t ldy) {
+  ConfigureAmxTiles();
+  alignas(64) float scratch[32 * 32];
+  const int64_t k_tiles = w.layout.k_pad / 32;
+  const int64_t a_stride = a.k_pad() * 2;
+  for (int64_t m0 = 0; m0 < a.m(); m0 += 32) {
+    for (int64_t b = b0; b < b1; b += 2) {
+      const bool two = b + 1 < b1;
+      const auto* w0 = reinterpret_cast<const uint16_t*>(w.block(b));
+      const auto* w1 = reinterpret_cast<const uint16_t*>(w.block(two ? b + 1 : b));
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t t = 0; t < k_tiles; ++t) {
+        _tile_loadd(4, a.bf16(m0) + t * 32, a_stride);
+        _tile_loadd(5, a.bf16(m0 + 16) + t * 32, a_stride);
+        _tile_loadd(6, w0 + t * 16 * 32, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(2, 5, 6);
+        if (two) {
+          _tile_loadd(7, w1 + t * 16 * 32, 64);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      _tile_stored(0, scratch, 128);
+      _tile_stored(1, scratch + 16, 128);
+      _tile_stored(2, scratch + 16 * 32, 128);
+      _tile_stored(3, scratch + 16 * 32 + 16, 128);
+      CopyRows(scratch, m0, a.m(), two ? 2 : 1, y + (b - b0) * 16, ldy);
+    }
+  }
+}
+
+MOE_AMX void MatmulAmxInt8(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, float* y,
+                           int64_t ldy) {
+  ConfigureAmxTiles();
+  alignas(64) int32_t acc[32 * 32];
+  alignas(64) float scratch[32 * 32];
+  const int64_t k_tiles = w.layout.k_pad / 64;
+  const int64_t a_stride = a.k_pad();
+  for (int64_t m0 = 0; m0 < a.m(); m0 += 32) {
+    for (int64_t b = b0; b < b1; b += 2) {
+      const bool two = b + 1 < b1;
+      const uint8_t* w0 = w.block(b);
+      const uint8_t* w1 = w.block(two ? b + 1 : b);
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t t = 0; t < k_tiles; ++t) {
+        _tile_loadd(4, a.i8(m0) + t * 64, a_stride);
+        _tile_loadd(5, a.i8(m0 + 16) + t * 64, a_stride);
+        _tile_loadd(6, w0 + t * 16 * 64, 64);
+        _tile_dpbsud(0, 4, 6);  // signed activations x unsigned (offset 128) weights
+        _tile_dpbsud(2, 5, 6);
+        if (two) {
+          _tile_loadd(7, w1 + t * 16 * 64, 64);
+          _tile_dpbsud(1, 4, 7);
+          _tile_dpbsud(3, 5, 7);
+        }
+      }
+      _tile_stored(0, acc, 128);
+      _tile_stored(1, acc + 16, 128);
+      _tile_stored(2, acc + 16 * 32, 128);
+      _tile_stored(3, acc + 16 * 32 + 16, 128);
+      const int nb = two ? 2 : 1;
+      for (int64_t i = 0; i < 32 && m0 + i < a.m(); ++i) {
+        const __m512i offset = _mm512_set1_epi32(128 * a.i8_sum(m0 + i, 0));
+        const __m512 xs = _mm512_set1_ps(a.i8_scale(m0 + i));
+        for (int c = 0; c < nb; ++c) {
+          const __m512i v = _mm512_sub_epi32(_mm512_load_si512(acc + i * 32 + c * 16), offset);
+          const __m512 ws = _mm512_loadu_ps(w.scales() + (b + c) * 16);
+          _mm512_store_ps(scratch + i * 32 + c * 16, _mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(ws, xs)));
+        }
+      }
+      CopyRows(scratch, m0, a.m(), nb, y + (b - b0) * 16, ldy);
+    }
+  }
+}
+
+}  // namespace moe::experts::internal

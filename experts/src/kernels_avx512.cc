@@ -1,0 +1,208 @@
+// AVX-512 expert kernels. Every function here carries its own target attribute and is only
+// called after the CPU was checked (kernels.cc), so this file builds for the baseline ISA.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "moe/experts/kernels.h"
+
+#define MOE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+#define MOE_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#define MOE_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+
+namespace moe::experts::internal {
+namespace {
+
+int32_t Load32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// Lanes (2r, 2r+1) of `lo` hold row r's two partial sums, of `hi` row 8 + r: sum the pairs and
+// store the 16 rows.
+MOE_AVX512 inline void StorePairSums(__m512 lo, __m512 hi, float* out) {
+  const __m512 sl = _mm512_add_ps(lo, _mm512_permute_ps(lo, 0xB1));
+  const __m512 sh = _mm512_add_ps(hi, _mm512_permute_ps(hi, 0xB1));
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  _mm512_storeu_ps(out, _mm512_permutex2var_ps(sl, even, sh));
+}
+
+// bf16 weights, fp32 activations: each 64-byte line (16 rows x 2 k) is widened to two fp32
+// vectors and multiplied by the broadcast pair (x[2j], x[2j+1]) of each of MM tokens.
+template <int MM>
+MOE_AVX512 void Bf16F32Tile(const uint16_t* blk, int64_t lines, const Activations& a, int64_t m0, float* y,
+                            int64_t ldy) {
+  __m512 lo[MM], hi[MM];
+  const float* x[MM];
+  for (int t = 0; t < MM; ++t) {
+    lo[t] = _mm512_setzero_ps();
+    hi[t] = _mm512_setzero_ps();
+    x[t] = a.f32(m0 + t);
+  }
+  for (int64_t j = 0; j < lines; ++j) {
+    const __m512i v = _mm512_load_si512(blk + j * 32);
+    const __m512 wlo =
+        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
+    const __m512 whi =
+        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
+    for (int t = 0; t < MM; ++t) {
+      double pair;
+      std::memcpy(&pair, x[t] + 2 * j, 8);
+      const __m512 xb = _mm512_castpd_ps(_mm512_set1_pd(pair));
+      lo[t] = _mm512_fmadd_ps(wlo, xb, lo[t]);
+      hi[t] = _mm512_fmadd_ps(whi, xb, hi[t]);
+    }
+  }
+  for (int t = 0; t < MM; ++t) StorePairSums(lo[t], hi[t], y + t * ldy);
+}
+
+template <int MM>
+MOE_AVX512_BF16 void Bf16DpTile(const uint16_t* blk, int64_t lines, const Activations& a, int64_t m0, float* y,
+                                int64_t ldy) {
+  __m512 acc[MM];
+  const uint16_t* x[MM];
+  for (int t = 0; t < MM; ++t) {
+    acc[t] = _mm512_setzero_ps();
+    x[t] = a.bf16(m0 + t);
+  }
+  for (int64_t j = 0; j < lines; ++j) {
+    const __m512bh v = (__m512bh)_mm512_load_si512(blk + j * 32);
+    for (int t = 0; t < MM; ++t) {
+      acc[t] = _mm512_dpbf16_ps(acc[t], v, (__m512bh)_mm512_set1_epi32(Load32(x[t] + 2 * j)));
+    }
+  }
+  for (int t = 0; t < MM; ++t) _mm512_storeu_ps(y + t * ldy, acc[t]);
+}
+
+template <int MM>
+MOE_AVX512_VNNI void Int8Tile(const uint8_t* blk, int64_t lines, const float* w_scale, const Activations& a,
+                              int64_t m0, float* y, int64_t ldy) {
+  __m512i acc[MM];
+  const int8_t* x[MM];
+  for (int t = 0; t < MM; ++t) {
+    acc[t] = _mm512_setzero_si512();
+    x[t] = a.i8(m0 + t);
+  }
+  for (int64_t j = 0; j < lines; ++j) {
+    const __m512i v = _mm512_load_si512(blk + j * 64);
+    for (int t = 0; t < MM; ++t) acc[t] = _mm512_dpbusd_epi32(acc[t], v, _mm512_set1_epi32(Load32(x[t] + 4 * j)));
+  }
+  const __m512 ws = _mm512_loadu_ps(w_scale);
+  for (int t = 0; t < MM; ++t) {
+    const __m512i corrected = _mm512_sub_epi32(acc[t], _mm512_set1_epi32(128 * a.i8_sum(m0 + t, 0)));
+    const __m512 s = _mm512_mul_ps(ws, _mm512_set1_ps(a.i8_scale(m0 + t)));
+    _mm512_storeu_ps(y + t * ldy, _mm512_mul_ps(_mm512_cvtepi32_ps(corrected), s));
+  }
+}
+
+// int4: each 32-byte half-line unpacks to one int8 line (low nibbles: rows 0-7, high: 8-15).
+template <int MM>
+MOE_AVX512_VNNI void Int4Tile(const PackedMatrix& w, int64_t b, const Activations& a, int64_t m0, float* y,
+                              int64_t ldy) {
+  const uint8_t* blk = w.block(b);
+  const int64_t group_lines = w.layout.group / 4;
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  __m512 out[MM];
+  const int8_t* x[MM];
+  for (int t = 0; t < MM; ++t) {
+    out[t] = _mm512_setzero_ps();
+    x[t] = a.i8(m0 + t);
+  }
+  for (int64_t g = 0; g < w.layout.groups(); ++g) {
+    __m512i acc[MM];
+    for (int t = 0; t < MM; ++t) acc[t] = _mm512_setzero_si512();
+    for (int64_t j = g * group_lines; j < (g + 1) * group_lines; ++j) {
+      const __m256i packed = _mm256_load_si256(reinterpret_cast<const __m256i*>(blk + j * 32));
+      const __m256i lo = _mm256_and_si256(packed, mask);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
+      const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+      for (int t = 0; t < MM; ++t) acc[t] = _mm512_dpbusd_epi32(acc[t], v, _mm512_set1_epi32(Load32(x[t] + 4 * j)));
+    }
+    const __m512 scales = _mm512_loadu_ps(w.block_scales(b, g));
+    for (int t = 0; t < MM; ++t) {
+      const __m512i corrected = _mm512_sub_epi32(acc[t], _mm512_set1_epi32(8 * a.i8_sum(m0 + t, g)));
+      out[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(corrected), scales, out[t]);
+    }
+  }
+  for (int t = 0; t < MM; ++t) _mm512_storeu_ps(y + t * ldy, _mm512_mul_ps(out[t], _mm512_set1_ps(a.i8_scale(m0 + t))));
+}
+
+// Runs `tile<MM>` over every block and every group of up to kMax tokens.
+template <int kMax, typename Tile>
+void ForTokenGroups(const Activations& a, int64_t b0, int64_t b1, float* y, int64_t ldy, Tile&& tile) {
+  for (int64_t b = b0; b < b1; ++b) {
+    for (int64_t m0 = 0; m0 < a.m(); m0 += kMax) {
+      tile(b, m0, std::min<int64_t>(kMax, a.m() - m0), y + m0 * ldy + (b - b0) * 16);
+    }
+  }
+}
+
+}  // namespace
+
+void MatmulAvx512Bf16F32(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, float* y, int64_t ldy) {
+  const int64_t lines = w.layout.k_pad / 2;
+  ForTokenGroups<4>(a, b0, b1, y, ldy, [&](int64_t b, int64_t m0, int64_t mm, float* out) {
+    const auto* blk = reinterpret_cast<const uint16_t*>(w.block(b));
+    switch (mm) {
+      case 1: Bf16F32Tile<1>(blk, lines, a, m0, out, ldy); break;
+      case 2: Bf16F32Tile<2>(blk, lines, a, m0, out, ldy); break;
+      case 3: Bf16F32Tile<3>(blk, lines, a, m0, out, ldy); break;
+      default: Bf16F32Tile<4>(blk, lines, a, m0, out, ldy); break;
+    }
+  });
+}
+
+void MatmulAvx512Bf16Dp(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, float* y, int64_t ldy) {
+  const int64_t lines = w.layout.k_pad / 2;
+  ForTokenGroups<8>(a, b0, b1, y, ldy, [&](int64_t b, int64_t m0, int64_t mm, float* out) {
+    const auto* blk = reinterpret_cast<const uint16_t*>(w.block(b));
+    switch (mm) {
+      case 1: Bf16DpTile<1>(blk, lines, a, m0, out, ldy); break;
+      case 2: Bf16DpTile<2>(blk, lines, a, m0, out, ldy); break;
+      case 3: Bf16DpTile<3>(blk, lines, a, m0, out, ldy); break;
+      case 4: Bf16DpTile<4>(blk, lines, a, m0, out, ldy); break;
+      default:
+        for (int64_t t = 0; t < mm; t += 4) {
+          if (mm - t >= 4) {
+            Bf16DpTile<4>(blk, lines, a, m0 + t, out + t * ldy, ldy);
+          } else {
+            for (int64_t u = t; u < mm; ++u) Bf16DpTile<1>(blk, lines, a, m0 + u, out + u * ldy, ldy);
+          }
+        }
+        break;
+    }
+  });
+}
+
+void MatmulVnniInt8(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, float* y, int64_t ldy) {
+  const int64_t lines = w.layout.k_pad / 4;
+  ForTokenGroups<8>(a, b0, b1, y, ldy, [&](int64_t b, int64_t m0, int64_t mm, float* out) {
+    const uint8_t* blk = w.block(b);
+    const float* ws = w.scales() + b * 16;
+    switch (mm) {
+      case 1: Int8Tile<1>(blk, lines, ws, a, m0, out, ldy); break;
+      case 2: Int8Tile<2>(blk, lines, ws, a, m0, out, ldy); break;
+      case 3: Int8Tile<3>(blk, lines, ws, a, m0, out, ldy); break;
+      case 4: Int8Tile<4>(blk, lines, ws, a, m0, out, ldy); break;
+      case 8: Int8Tile<8>(blk, lines, ws, a, m0, out, ldy); break;
+      default:
+        for (int64_t t = 0; t < mm; ++t) Int8Tile<1>(blk, lines, ws, a, m0 + t, out + t * ldy, ldy);
+        break;
+    }
+  });
+}
+
+void MatmulVnniInt4(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, float* y, int64_t ldy) {
+  ForTokenGroups<4>(a, b0, b1, y, ldy, [&](int64_t b, int64_t m0, int64_t mm, float* out) {
+    switch (mm) {
+      case 1: Int4Tile<1>(w, b, a, m0, out, ldy); break;
+      case 2: Int4Tile<2>(w, b, a, m0, out, ldy); break;
+      case 3: Int4Tile<3>(w, b, a, m0, out, ldy); break;
+      default: Int4Tile<4>(w, b, a, m0, out, ldy); break;
+    }
+  });
+}
+
+}  // namespace moe::experts::internal

@@ -1,0 +1,132 @@
+// Every kernel against a plain double-precision reference, on random shapes including odd ones.
+#include "moe/experts/kernels.h"
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "moe/core/dtype.h"
+
+namespace moe::experts {
+namespace {
+
+struct KernelCase {
+  ExpertFormat format;
+  KernelKind kind;
+  int group;
+};
+
+std::string CaseName(const ::testing::TestParamInfo<KernelCase>& info) {
+  std::string s = std::string(FormatName(info.param.format)) + "_" + KernelName(info.param.kind);
+  if (info.param.format == ExpertFormat::kInt4) s += "_g" + std::to_string(info.param.group);
+  return s;
+}
+
+std::vector<KernelCase> AllCases() {
+  std::vector<KernelCase> cases;
+  for (ExpertFormat f : {ExpertFormat::kBF16, ExpertFormat::kInt8, ExpertFormat::kInt4}) {
+    for (KernelKind k : KernelsFor(f)) {
+      if (f == ExpertFormat::kInt4) {
+        for (int g : {32, 64, 128}) cases.push_back({f, k, g});
+      } else {
+        cases.push_back({f, k, 32});
+      }
+    }
+  }
+  return cases;
+}
+
+class KernelTest : public ::testing::TestWithParam<KernelCase> {
+ protected:
+  void SetUp() override {
+    const std::string why = KernelUnsupportedReason(GetParam().kind, GetParam().format, core::GetCpuFeatures());
+    if (!why.empty()) GTEST_SKIP() << KernelName(GetParam().kind) << " not run on this CPU: " << why;
+    ASSERT_TRUE(PrepareThreadForKernel(GetParam().kind).ok());
+  }
+};
+
+// The activation value the kernel multiplies by (fp32, bf16-rounded, or int8-dequantized).
+double ActivationValue(const KernelCase& c, const Activations& a, int64_t m, int64_t k) {
+  if (c.format != ExpertFormat::kBF16) return a.i8(m)[k] * static_cast<double>(a.i8_scale(m));
+  if (c.kind == KernelKind::kAvx512Bf16 || c.kind == KernelKind::kAmx) return core::Bf16ToFloat(a.bf16(m)[k]);
+  return a.f32(m)[k];
+}
+
+TEST_P(KernelTest, MatchesThePlainReference) {
+  const KernelCase c = GetParam();
+  std::mt19937 rng(7);
+  std::normal_distribution<float> dist;
+  for (auto [n, k] : {std::pair<int64_t, int64_t>{16, 64}, {37, 100}, {48, 300}, {96, 768}}) {
+    auto layout = MakeLayout(c.format, n, k, c.group);
+    ASSERT_TRUE(layout.ok());
+    std::vector<float> w(n * k);
+    for (float& v : w) v = dist(rng) * 0.05f;
+    auto storage = core::AlignedBuffer::Allocate(layout->bytes(), 64);
+    ASSERT_TRUE(storage.ok());
+    ASSERT_TRUE(PackMatrix({w.data(), core::DType::kF32, {n, k}}, *layout, storage->as<uint8_t>()).ok());
+    const PackedMatrix packed{*layout, storage->as<uint8_t>()};
+    for (int64_t m : {1, 3, 8, 17, 40}) {
+      std::vector<float> x(m * k);
+      for (float& v : x) v = dist(rng);
+      Activations a;
+      const int sum_group = c.format == ExpertFormat::kInt4 ? c.group : static_cast<int>(layout->k_pad);
+      ASSERT_TRUE(a.Prepare(x.data(), m, k, layout->k_pad, c.kind, c.format, sum_group).ok());
+      const int64_t blocks = layout->blocks();
+      std::vector<float> y(m * blocks * 16, -1.0f);
+      GetKernel(c.kind, c.format)(packed, a, 0, blocks, y.data(), blocks * 16);
+      double worst = 0;
+      for (int64_t i = 0; i < m; ++i) {
+        for (int64_t r = 0; r < n; ++r) {
+          double want = 0, scale = 1e-6;
+          for (int64_t j = 0; j < layout->k_pad; ++j) {
+            const double term = ActivationValue(c, a, i, j) * UnpackValue(packed, r, j);
+            want += term;
+            scale += std::abs(term);
+          }
+          worst = std::max(worst, std::abs(y[i * blocks * 16 + r] - want) / scale);
+        }
+      }
+      EXPECT_LT(worst, 1e-5) << "n=" << n << " k=" << k << " m=" << m;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllKernels, KernelTest, ::testing::ValuesIn(AllCases()), CaseName);
+
+TEST(PackedTest, QuantizationStaysCloseToTheWeights) {
+  std::mt19937 rng(3);
+  std::normal_distribution<float> dist;
+  const int64_t n = 40, k = 200;
+  std::vector<float> w(n * k);
+  for (float& v : w) v = dist(rng);
+  for (auto [format, tol] : {std::pair<ExpertFormat, double>{ExpertFormat::kBF16, 0.005}, {ExpertFormat::kInt8, 0.01},
+                             {ExpertFormat::kInt4, 0.2}}) {
+    auto layout = MakeLayout(format, n, k, 32);
+    ASSERT_TRUE(layout.ok());
+    auto storage = core::AlignedBuffer::Allocate(layout->bytes(), 64);
+    ASSERT_TRUE(PackMatrix({w.data(), core::DType::kF32, {n, k}}, *layout, storage->as<uint8_t>()).ok());
+    const PackedMatrix packed{*layout, storage->as<uint8_t>()};
+    double worst = 0;
+    for (int64_t r = 0; r < n; ++r) {
+      for (int64_t j = 0; j < k; ++j) worst = std::max(worst, double(std::abs(UnpackValue(packed, r, j) - w[r * k + j])));
+      for (int64_t j = k; j < layout->k_pad; ++j) ASSERT_EQ(UnpackValue(packed, r, j), 0.0f);
+    }
+    // Errors relative to the largest weight (about 4 sigma): half a quantization step at most.
+    EXPECT_LT(worst, tol * 4.5) << FormatName(format);
+  }
+}
+
+TEST(PackedTest, RejectsBadShapesAndGroups) {
+  EXPECT_FALSE(MakeLayout(ExpertFormat::kInt4, 16, 64, 48).ok());
+  auto layout = MakeLayout(ExpertFormat::kBF16, 16, 64);
+  std::vector<float> w(10);
+  uint8_t out[64];
+  absl::Status s = PackMatrix({w.data(), core::DType::kF32, {2, 5}}, *layout, out);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_FALSE(ParseFormat("fp8").ok());
+  EXPECT_FALSE(ParseKernel("neon").ok());
+}
+
+}  // namespace
+}  // namespace moe::experts
