@@ -1,20 +1,13 @@
 #include "make_model.h"
 
-#include <unistd.h>
-
-#include <atomic>
-#include <chrono>
-#include <condition_variable>
-#include <cstdio>
 #include <filesystem>
 #include <fstream>
-#include <mutex>
-#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "moe/core/dtype.h"
+#include "moe/core/progress.h"
 #include "moe/core/status.h"
 #include "moe/runtime/safetensors_writer.h"
 #include "nlohmann/json.hpp"
@@ -115,61 +108,8 @@ void FillChunk(const TensorEntry& t, uint16_t* data, int64_t begin, int64_t end,
   }
 }
 
-// Prints "written X / Y GB (Z%), R GB/s" to stderr about twice a second until stopped.
-class Progress {
- public:
-  Progress(int64_t total, bool enabled) : total_(total), enabled_(enabled), start_(Clock::now()) {
-    if (enabled_) thread_ = std::thread([this] { Run(); });
-  }
-  ~Progress() { Stop(); }
-  void Add(int64_t bytes) { done_ += bytes; }
-  void Stop() {
-    if (!thread_.joinable()) return;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
-    Print(true);
-  }
-
- private:
-  using Clock = std::chrono::steady_clock;
-  void Run() {
-    std::unique_lock<std::mutex> lock(mu_);
-    while (!cv_.wait_for(lock, std::chrono::milliseconds(500), [this] { return stop_; })) Print(false);
-  }
-  void Print(bool last) {
-    const double secs = std::chrono::duration<double>(Clock::now() - start_).count();
-    const double done = static_cast<double>(done_.load());
-    // MB for small checkpoints, GB for real ones.
-    const bool gb = total_ >= (1ll << 30);
-    const double unit = gb ? 1e9 : 1e6;
-    std::string line = absl::StrFormat("make-model: written %.2f / %.2f %s (%.0f%%), %.2f GB/s", done / unit,
-                                       total_ / unit, gb ? "GB" : "MB", 100.0 * done / std::max<double>(total_, 1),
-                                       done / 1e9 / std::max(secs, 1e-9));
-    if (tty_) {
-      std::fprintf(stderr, "\r%s%s", line.c_str(), last ? "\n" : "");
-    } else {
-      std::fprintf(stderr, "%s\n", line.c_str());
-    }
-    std::fflush(stderr);
-  }
-
-  const int64_t total_;
-  const bool enabled_;
-  const bool tty_ = ::isatty(2);
-  const Clock::time_point start_;
-  std::atomic<int64_t> done_{0};
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool stop_ = false;
-  std::thread thread_;
-};
-
 absl::Status WriteShard(const std::string& path, std::vector<TensorEntry> tensors, uint64_t seed, size_t first_index,
-                        Progress& progress) {
+                        core::ProgressReporter& progress) {
   MOE_ASSIGN_OR_RETURN(auto writer, runtime::SafetensorsWriter::Create(path, std::move(tensors)));
   constexpr int64_t kChunk = 1 << 20;  // elements
   struct Work {
@@ -234,7 +174,7 @@ absl::Status MakeModel(const MakeModelOptions& o) {
   }
   for (const char* stale : {"/model.safetensors", "/model.safetensors.index.json"}) fs::remove(o.out + stale, ec);
 
-  Progress progress(total, o.progress);
+  core::ProgressReporter progress("make-model: written", total, o.progress);
   nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
   size_t index = 0;
   for (size_t s = 0; s < shards.size(); ++s) {
@@ -245,7 +185,7 @@ absl::Status MakeModel(const MakeModelOptions& o) {
     MOE_RETURN_IF_ERROR(WriteShard(o.out + "/" + name, std::move(shards[s]), o.seed, index, progress));
     index += count;
   }
-  progress.Stop();
+  progress.Finish();
   if (shards.size() > 1) {
     nlohmann::ordered_json idx = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
     std::ofstream out(o.out + "/model.safetensors.index.json");

@@ -72,11 +72,21 @@ absl::Status PackMatrix(const core::TensorView& w, const MatrixLayout& l, uint8_
     return absl::InvalidArgumentError(absl::StrCat("expert matrix has shape ", core::ShapeString(w.shape),
                                                    ", expected [", l.n, ", ", l.k, "]"));
   }
+  const int64_t row_bytes = l.k * core::DTypeSize(w.dtype);
+  PackRows(
+      l,
+      [&](int64_t n, float* dst) {
+        core::ConvertToFloat(static_cast<const uint8_t*>(w.data) + n * row_bytes, w.dtype, dst, l.k);
+      },
+      out);
+  return absl::OkStatus();
+}
+
+void PackRows(const MatrixLayout& l, const std::function<void(int64_t n, float* dst)>& source, uint8_t* out) {
   std::memset(out, 0, l.bytes());
   std::vector<float> row(l.k_pad, 0.0f);
-  const int64_t elem = core::DTypeSize(w.dtype);
   for (int64_t n = 0; n < l.n; ++n) {
-    core::ConvertToFloat(static_cast<const uint8_t*>(w.data) + n * l.k * elem, w.dtype, row.data(), l.k);
+    source(n, row.data());
     uint8_t* block = out + (n / 16) * l.block_bytes();
     const int64_t r = n % 16;
     switch (l.format) {
@@ -133,7 +143,6 @@ absl::Status PackMatrix(const core::TensorView& w, const MatrixLayout& l, uint8_
       }
     }
   }
-  return absl::OkStatus();
 }
 
 float UnpackValue(const PackedMatrix& m, int64_t n, int64_t k) {

@@ -24,6 +24,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -69,6 +70,9 @@ struct PackedMatrix {
 // Packs `w` ([n x k], bf16, f16 or f32) into `out` (layout.bytes() bytes, 64-byte aligned).
 // kInvalidArgument if the tensor does not have the layout's shape.
 absl::Status PackMatrix(const core::TensorView& w, const MatrixLayout& layout, uint8_t* out);
+
+// Packs rows produced by `row(n, dst)`, which writes the layout.k floats of row n < layout.n.
+void PackRows(const MatrixLayout& layout, const std::function<void(int64_t n, float* dst)>& row, uint8_t* out);
 
 // The value the kernels compute with, for tests and the portable kernel: W[n][k] after
 // quantization (0 in the padding).

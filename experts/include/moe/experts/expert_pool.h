@@ -1,0 +1,112 @@
+// ExpertPool: the routed experts of every MoE layer, held packed in a HostArena and computed by
+// the CPU cores.
+//
+// Submit(layer, hidden[T x H], topk_ids[T x k], topk_weights[T x k], out[T x H]) computes, for
+// each token, the weighted sum of its top-k experts' SwiGLU outputs. Tokens are grouped by
+// expert; each expert's fused gate+up blocks, then its down blocks, are split into tasks over a
+// oneTBB arena of pinned threads, so a single token's decode uses every core. At one token the
+// speed is bounded by reading the touched experts' weights from RAM (MeasureReadBandwidth gives
+// the bound on the same threads); at many tokens by the kernels' arithmetic.
+//
+// Submit returns at once; Wait() joins the work (the waiting thread helps). One call in flight
+// at a time; the arrays passed to Submit must stay valid until Wait returns.
+// Thread-safety: Submit and Wait from one thread at a time.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "moe/core/tensor.h"
+#include "moe/experts/arena.h"
+#include "moe/experts/kernels.h"
+#include "moe/experts/packed.h"
+
+namespace moe::experts {
+
+struct ExpertShape {
+  int num_layers = 0;  // MoE layers held, addressed 0..num_layers-1 in Submit
+  int num_experts = 0;
+  int top_k = 0;
+  int64_t hidden = 0;
+  int64_t intermediate = 0;
+};
+
+// One expert's weights as the checkpoint holds them: gate and up [I x H], down [H x I].
+struct ExpertWeights {
+  core::TensorView gate, up, down;
+};
+using ExpertWeightSource = std::function<absl::StatusOr<ExpertWeights>(int layer, int expert)>;
+
+struct ExpertPoolOptions {
+  ExpertFormat format = ExpertFormat::kBF16;
+  int group = 32;                     // int4 group size: 32, 64 or 128
+  int threads = 0;                    // 0: every core this process may use
+  std::optional<KernelKind> kernel;   // unset: chosen per call from the CPU and the token count
+  bool pin_threads = true;
+  std::string shm_name;               // share the arena across processes under this name
+  std::string model_id;               // identifies the weights in a shared segment's key
+  bool progress = true;               // loading progress on stderr
+};
+
+class ExpertPool {
+ public:
+  // Packs every expert from `source` into the arena (or attaches to a published shared segment).
+  // kInvalidArgument for a bad shape or option; kFailedPrecondition for a kernel this CPU lacks.
+  static absl::StatusOr<std::unique_ptr<ExpertPool>> Create(const ExpertShape& shape, const ExpertPoolOptions& options,
+                                                            const ExpertWeightSource& source);
+  ~ExpertPool();
+
+  struct Ticket {
+    uint64_t id = 0;
+  };
+  // kInvalidArgument for a layer or expert id out of range (nothing is started);
+  // kFailedPrecondition if a call is already in flight.
+  absl::StatusOr<Ticket> Submit(int layer, const float* hidden, int64_t num_tokens, const int32_t* topk_ids,
+                                const float* topk_weights, float* out);
+  absl::Status Wait(const Ticket& ticket);
+  absl::Status Compute(int layer, const float* hidden, int64_t num_tokens, const int32_t* topk_ids,
+                       const float* topk_weights, float* out);
+
+  const ExpertShape& shape() const { return shape_; }
+  const ExpertPoolOptions& options() const { return options_; }
+  int threads() const { return threads_; }
+  const HostArena& arena() const { return *arena_; }
+  int64_t expert_bytes() const { return expert_bytes_; }
+  double load_seconds() const { return load_seconds_; }
+  int64_t loaded_bytes() const { return loaded_bytes_; }  // checkpoint bytes read (0 when attached)
+  // The kernel a call with `tokens` tokens per expert uses.
+  KernelKind KernelFor(int64_t tokens) const;
+  // Reads a `bytes` buffer with the pool's threads, best of `repeats`: GB/s.
+  double MeasureReadBandwidth(size_t bytes, int repeats = 5);
+  // "int8 experts: 2 layers x 128, 1.2 GB in transparent huge pages, 32 pinned threads"
+  std::string Describe() const;
+
+  class Impl;
+
+ private:
+  ExpertPool() = default;
+  absl::Status Load(const ExpertWeightSource& source);
+  absl::Status Run(int layer, const float* hidden, int64_t num_tokens, const int32_t* topk_ids,
+                   const float* topk_weights, float* out);
+  PackedMatrix GateUp(int layer, int expert) const;
+  PackedMatrix Down(int layer, int expert) const;
+
+  ExpertShape shape_;
+  ExpertPoolOptions options_;
+  int threads_ = 0;
+  MatrixLayout gate_up_, down_;
+  int64_t expert_bytes_ = 0;
+  std::unique_ptr<HostArena> arena_;
+  std::unique_ptr<Impl> impl_;
+  double load_seconds_ = 0;
+  int64_t loaded_bytes_ = 0;
+  uint64_t next_ticket_ = 1;
+  bool in_flight_ = false;
+};
+
+}  // namespace moe::experts

@@ -1,0 +1,79 @@
+#include "moe/experts/arena.h"
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace moe::experts {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::string SegmentName(const char* what) { return "moeserve_test_" + std::to_string(::getpid()) + "_" + what; }
+
+TEST(HostArenaTest, PrivateArenaIsHugePageAligned) {
+  auto arena = HostArena::CreatePrivate(5 << 20);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  EXPECT_EQ(reinterpret_cast<uintptr_t>((*arena)->data()) % (2 << 20), 0u);
+  EXPECT_FALSE((*arena)->attached());
+  EXPECT_FALSE((*arena)->page_kind().empty());
+  std::memset((*arena)->data(), 7, 5 << 20);
+  EXPECT_EQ((*arena)->data()[(5 << 20) - 1], 7);
+}
+
+TEST(HostArenaTest, SecondProcessAttachesToAPublishedSegment) {
+  const std::string name = SegmentName("attach");
+  ASSERT_TRUE(HostArena::Unlink(name).ok());
+  auto owner = HostArena::OpenShared(name, 42, 3 << 20);
+  ASSERT_TRUE(owner.ok()) << owner.status();
+  EXPECT_FALSE((*owner)->attached());
+  EXPECT_EQ(reinterpret_cast<uintptr_t>((*owner)->data()) % (2 << 20), 0u);
+  for (int i = 0; i < (3 << 20); i += 4096) (*owner)->data()[i] = static_cast<uint8_t>(i / 4096);
+  (*owner)->Publish();
+
+  // A real second process maps it read-only and reads what the first one wrote.
+  pid_t child = ::fork();
+  if (child == 0) {
+    auto other = HostArena::OpenShared(name, 42, 3 << 20);
+    if (!other.ok() || !(*other)->attached()) _exit(2);
+    for (int i = 0; i < (3 << 20); i += 4096) {
+      if ((*other)->data()[i] != static_cast<uint8_t>(i / 4096)) _exit(3);
+    }
+    _exit(0);
+  }
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+
+  auto wrong = HostArena::OpenShared(name, 43, 3 << 20);
+  EXPECT_EQ(wrong.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(wrong.status().message(), HasSubstr("holds other expert weights"));
+  owner->reset();
+  EXPECT_TRUE(HostArena::Unlink(name).ok());
+}
+
+TEST(HostArenaTest, UnpublishedSegmentOfADeadCreatorIsReplaced) {
+  const std::string name = SegmentName("stale");
+  ASSERT_TRUE(HostArena::Unlink(name).ok());
+  pid_t child = ::fork();
+  if (child == 0) {
+    auto a = HostArena::OpenShared(name, 5, 1 << 20);
+    _exit(a.ok() ? 0 : 1);  // dies without publishing
+  }
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  ASSERT_EQ(WEXITSTATUS(status), 0);
+  auto fresh = HostArena::OpenShared(name, 5, 1 << 20);
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  EXPECT_FALSE((*fresh)->attached());  // created anew, to be filled
+  fresh->reset();
+  EXPECT_TRUE(HostArena::Unlink(name).ok());
+}
+
+}  // namespace
+}  // namespace moe::experts

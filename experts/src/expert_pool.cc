@@ -1,0 +1,472 @@
+#include "moe/experts/expert_pool.h"
+
+#include <pthread.h>
+#include <sched.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <mutex>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "moe/core/dtype.h"
+#include "moe/core/progress.h"
+#include "oneapi/tbb/blocked_range.h"
+#include "oneapi/tbb/global_control.h"
+#include "oneapi/tbb/info.h"
+#include "oneapi/tbb/parallel_for.h"
+#include "oneapi/tbb/partitioner.h"
+#include "oneapi/tbb/task_arena.h"
+#include "oneapi/tbb/task_group.h"
+#include "oneapi/tbb/task_scheduler_observer.h"
+
+namespace moe::experts {
+namespace {
+
+std::vector<int> AllowedCpus() {
+  cpu_set_t set;
+  std::vector<int> cpus;
+  if (sched_getaffinity(0, sizeof(set), &set) != 0) return cpus;
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (CPU_ISSET(c, &set)) cpus.push_back(c);
+  }
+  return cpus;
+}
+
+// Pins each thread that enters the arena to one CPU, by arena slot. A thread that joins from
+// outside (the caller in Wait) gets its own affinity back when it leaves.
+class PinningObserver : public tbb::task_scheduler_observer {
+ public:
+  PinningObserver(tbb::task_arena& arena, std::vector<int> cpus)
+      : tbb::task_scheduler_observer(arena), cpus_(std::move(cpus)) {
+    observe(true);
+  }
+  ~PinningObserver() override { observe(false); }
+
+  void on_scheduler_entry(bool worker) override {
+    const int slot = tbb::this_task_arena::current_thread_index();
+    if (slot < 0 || cpus_.empty()) return;
+    if (!worker) saved_valid_ = pthread_getaffinity_np(pthread_self(), sizeof(saved_), &saved_) == 0;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpus_[slot % cpus_.size()], &set);
+    pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+  }
+  void on_scheduler_exit(bool worker) override {
+    if (!worker && saved_valid_) pthread_setaffinity_np(pthread_self(), sizeof(saved_), &saved_);
+  }
+
+ private:
+  std::vector<int> cpus_;
+  static thread_local cpu_set_t saved_;
+  static thread_local bool saved_valid_;
+};
+thread_local cpu_set_t PinningObserver::saved_;
+thread_local bool PinningObserver::saved_valid_ = false;
+
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) float SumFloats(const float* p,
+                                                                                               size_t n) {
+  float acc[16] = {};
+  for (size_t i = 0; i + 16 <= n; i += 16) {
+    for (int j = 0; j < 16; ++j) acc[j] += p[i + j];
+  }
+  float s = 0;
+  for (float v : acc) s += v;
+  return s;
+}
+
+float Silu(float x) { return x / (1.0f + std::exp(-x)); }
+
+// Columns per quantized-sum group of the activations for a matrix.
+int SumGroup(const MatrixLayout& l) {
+  return l.format == ExpertFormat::kInt4 ? l.group : static_cast<int>(l.k_pad);
+}
+
+uint64_t ArenaKey(const ExpertShape& s, const ExpertPoolOptions& o) {
+  const std::string text = absl::StrCat(o.model_id, "|", FormatName(o.format), "|", o.group, "|", s.num_layers, "|",
+                                        s.num_experts, "|", s.hidden, "|", s.intermediate, "|layout1");
+  return std::hash<std::string>{}(text);
+}
+
+// Keeps the first error of a parallel job.
+class FirstError {
+ public:
+  void Set(const absl::Status& s) {
+    if (s.ok()) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (status_.ok()) status_ = s;
+    failed_.store(true);
+  }
+  bool failed() const { return failed_.load(); }
+  absl::Status status() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return status_;
+  }
+
+ private:
+  std::mutex mu_;
+  absl::Status status_;
+  std::atomic<bool> failed_{false};
+};
+
+}  // namespace
+
+class ExpertPool::Impl {
+ public:
+  explicit Impl(int threads) : arena(threads, 1) {}
+
+  tbb::task_arena arena;
+  std::unique_ptr<tbb::global_control> control;
+  std::unique_ptr<PinningObserver> observer;
+  tbb::task_group group;
+  absl::Status result;
+  uint64_t ticket = 0;
+  std::vector<KernelKind> usable;  // kernels this CPU runs for the pool's format
+
+  // Per-call scratch, grown as needed. Slots (token, choice) are ordered by expert ("positions").
+  std::vector<int32_t> count, offset, slot_at, position_of;
+  std::vector<float> gathered;    // [positions x H]
+  std::vector<float> inter;       // [positions x I]
+  std::vector<float> expert_out;  // [positions x H_pad]
+  std::vector<Activations> act_in, act_mid;  // per expert
+};
+
+ExpertPool::~ExpertPool() {
+  if (impl_ != nullptr && in_flight_) {
+    impl_->arena.execute([&] { impl_->group.wait(); });
+  }
+}
+
+absl::StatusOr<std::unique_ptr<ExpertPool>> ExpertPool::Create(const ExpertShape& shape,
+                                                               const ExpertPoolOptions& options,
+                                                               const ExpertWeightSource& source) {
+  if (shape.num_layers <= 0 || shape.num_experts <= 0 || shape.hidden <= 0 || shape.intermediate <= 0 ||
+      shape.top_k <= 0 || shape.top_k > shape.num_experts) {
+    return absl::InvalidArgumentError(absl::StrCat("expert pool: bad shape: ", shape.num_layers, " layers, ",
+                                                   shape.num_experts, " experts, top-", shape.top_k, ", hidden ",
+                                                   shape.hidden, ", intermediate ", shape.intermediate));
+  }
+  std::unique_ptr<ExpertPool> pool(new ExpertPool());
+  pool->shape_ = shape;
+  pool->options_ = options;
+  const int64_t inter_pad = (shape.intermediate + 15) / 16 * 16;
+  auto gate_up = MakeLayout(options.format, 2 * inter_pad, shape.hidden, options.group);
+  if (!gate_up.ok()) return gate_up.status();
+  auto down = MakeLayout(options.format, shape.hidden, shape.intermediate, options.group);
+  if (!down.ok()) return down.status();
+  pool->gate_up_ = *gate_up;
+  pool->down_ = *down;
+  pool->expert_bytes_ = gate_up->bytes() + down->bytes();
+
+  const core::CpuFeatures& cpu = core::GetCpuFeatures();
+  if (options.kernel.has_value()) {
+    const std::string why = KernelUnsupportedReason(*options.kernel, options.format, cpu);
+    if (!why.empty()) {
+      return absl::FailedPreconditionError(absl::StrCat("expert kernel ", KernelName(*options.kernel), " for ",
+                                                        FormatName(options.format), ": ", why, " (this CPU: ",
+                                                        cpu.ToString(), ")"));
+    }
+  }
+  const std::vector<int> cpus = AllowedCpus();
+  pool->threads_ = options.threads > 0 ? options.threads : std::max<int>(1, static_cast<int>(cpus.size()));
+  pool->impl_ = std::make_unique<Impl>(pool->threads_);
+  Impl& impl = *pool->impl_;
+  for (KernelKind k : KernelsFor(options.format)) {
+    if (KernelUnsupportedReason(k, options.format, cpu).empty()) impl.usable.push_back(k);
+  }
+  if (pool->threads_ > tbb::info::default_concurrency()) {
+    impl.control = std::make_unique<tbb::global_control>(tbb::global_control::max_allowed_parallelism,
+                                                         pool->threads_);
+  }
+  if (options.pin_threads) impl.observer = std::make_unique<PinningObserver>(impl.arena, cpus);
+  impl.act_in.resize(shape.num_experts);
+  impl.act_mid.resize(shape.num_experts);
+  if (absl::Status s = pool->Load(source); !s.ok()) return s;
+  return pool;
+}
+
+PackedMatrix ExpertPool::GateUp(int layer, int expert) const {
+  const int64_t index = static_cast<int64_t>(layer) * shape_.num_experts + expert;
+  return PackedMatrix{gate_up_, arena_->data() + index * expert_bytes_};
+}
+
+PackedMatrix ExpertPool::Down(int layer, int expert) const {
+  const int64_t index = static_cast<int64_t>(layer) * shape_.num_experts + expert;
+  return PackedMatrix{down_, arena_->data() + index * expert_bytes_ + gate_up_.bytes()};
+}
+
+absl::Status ExpertPool::Load(const ExpertWeightSource& source) {
+  const auto start = std::chrono::steady_clock::now();
+  const int64_t jobs = static_cast<int64_t>(shape_.num_layers) * shape_.num_experts;
+  const size_t bytes = static_cast<size_t>(jobs * expert_bytes_);
+  if (!options_.shm_name.empty()) {
+    auto arena = HostArena::OpenShared(options_.shm_name, ArenaKey(shape_, options_), bytes);
+    if (!arena.ok()) return arena.status();
+    arena_ = std::move(*arena);
+    if (arena_->attached()) {
+      load_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      return absl::OkStatus();
+    }
+  } else {
+    auto arena = HostArena::CreatePrivate(bytes);
+    if (!arena.ok()) return arena.status();
+    arena_ = std::move(*arena);
+  }
+
+  const int64_t h = shape_.hidden, inter = shape_.intermediate;
+  core::ProgressReporter progress(absl::StrCat("loading ", FormatName(options_.format), " experts"),
+                                  jobs * 3 * h * inter * 2, options_.progress);
+  FirstError error;
+  std::atomic<int64_t> read{0};
+  impl_->arena.execute([&] {
+    tbb::parallel_for(int64_t{0}, jobs, [&](int64_t job) {
+      if (error.failed()) return;
+      const int layer = static_cast<int>(job / shape_.num_experts);
+      const int expert = static_cast<int>(job % shape_.num_experts);
+      auto w = source(layer, expert);
+      if (!w.ok()) return error.Set(w.status());
+      const core::Shape io = {inter, h}, oi = {h, inter};
+      if (w->gate.shape != io || w->up.shape != io || w->down.shape != oi) {
+        return error.Set(absl::InvalidArgumentError(absl::StrCat(
+            "MoE layer ", layer, " expert ", expert, ": gate ", core::ShapeString(w->gate.shape), ", up ",
+            core::ShapeString(w->up.shape), ", down ", core::ShapeString(w->down.shape), "; expected gate and up ",
+            core::ShapeString(io), ", down ", core::ShapeString(oi))));
+      }
+      // Fused gate+up: 16 gate rows, then the same 16 up rows, block after block.
+      const PackedMatrix gu = GateUp(layer, expert);
+      PackRows(
+          gate_up_,
+          [&](int64_t n, float* dst) {
+            const int64_t unit = (n / 32) * 16 + n % 16;
+            const core::TensorView& src = (n / 16) % 2 == 0 ? w->gate : w->up;
+            if (unit >= inter) {
+              std::fill(dst, dst + h, 0.0f);
+              return;
+            }
+            const int64_t elem = core::DTypeSize(src.dtype);
+            core::ConvertToFloat(static_cast<const uint8_t*>(src.data) + unit * h * elem, src.dtype, dst, h);
+          },
+          const_cast<uint8_t*>(gu.data));
+      const PackedMatrix d = Down(layer, expert);
+      error.Set(PackMatrix(w->down, down_, const_cast<uint8_t*>(d.data)));
+      const int64_t n = w->gate.bytes() + w->up.bytes() + w->down.bytes();
+      read += n;
+      progress.Add(n);
+    });
+  });
+  load_seconds_ = progress.Finish();
+  loaded_bytes_ = read.load();
+  if (error.failed()) return error.status();
+  arena_->Publish();
+  return absl::OkStatus();
+}
+
+KernelKind ExpertPool::KernelFor(int64_t tokens) const {
+  if (options_.kernel.has_value()) return *options_.kernel;
+  auto usable = [&](KernelKind k) {
+    return std::find(impl_->usable.begin(), impl_->usable.end(), k) != impl_->usable.end();
+  };
+  switch (options_.format) {
+    case ExpertFormat::kBF16:
+      // AMX rounds activations to bf16: only where its speed matters, at many tokens.
+      if (tokens >= 64 && usable(KernelKind::kAmx)) return KernelKind::kAmx;
+      return usable(KernelKind::kAvx512) ? KernelKind::kAvx512 : KernelKind::kPortable;
+    case ExpertFormat::kInt8:
+      if (tokens >= 16 && usable(KernelKind::kAmx)) return KernelKind::kAmx;
+      return usable(KernelKind::kVnni) ? KernelKind::kVnni : KernelKind::kPortable;
+    case ExpertFormat::kInt4:
+      return usable(KernelKind::kVnni) ? KernelKind::kVnni : KernelKind::kPortable;
+  }
+  return KernelKind::kPortable;
+}
+
+absl::StatusOr<ExpertPool::Ticket> ExpertPool::Submit(int layer, const float* hidden, int64_t num_tokens,
+                                                      const int32_t* topk_ids, const float* topk_weights, float* out) {
+  if (in_flight_) return absl::FailedPreconditionError("expert pool: a call is already in flight; Wait first");
+  if (layer < 0 || layer >= shape_.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("expert pool: MoE layer ", layer, " outside [0, ", shape_.num_layers, ")"));
+  }
+  for (int64_t i = 0; i < num_tokens * shape_.top_k; ++i) {
+    if (topk_ids[i] < 0 || topk_ids[i] >= shape_.num_experts) {
+      return absl::InvalidArgumentError(absl::StrCat("expert pool: expert id ", topk_ids[i], " of token ",
+                                                     i / shape_.top_k, " outside [0, ", shape_.num_experts, ")"));
+    }
+  }
+  in_flight_ = true;
+  const Ticket ticket{next_ticket_++};
+  impl_->ticket = ticket.id;
+  impl_->arena.execute([&] {
+    impl_->group.run([this, layer, hidden, num_tokens, topk_ids, topk_weights, out] {
+      impl_->result = Run(layer, hidden, num_tokens, topk_ids, topk_weights, out);
+    });
+  });
+  return ticket;
+}
+
+absl::Status ExpertPool::Wait(const Ticket& ticket) {
+  if (!in_flight_ || ticket.id != impl_->ticket) {
+    return absl::FailedPreconditionError("expert pool: no call in flight for this ticket");
+  }
+  impl_->arena.execute([&] { impl_->group.wait(); });
+  in_flight_ = false;
+  return impl_->result;
+}
+
+absl::Status ExpertPool::Compute(int layer, const float* hidden, int64_t num_tokens, const int32_t* topk_ids,
+                                 const float* topk_weights, float* out) {
+  auto ticket = Submit(layer, hidden, num_tokens, topk_ids, topk_weights, out);
+  if (!ticket.ok()) return ticket.status();
+  return Wait(*ticket);
+}
+
+absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens, const int32_t* topk_ids,
+                             const float* topk_weights, float* out) {
+  Impl& s = *impl_;
+  const int num_experts = shape_.num_experts, k = shape_.top_k;
+  const int64_t h = shape_.hidden, inter = shape_.intermediate, h_pad = down_.n_pad;
+  const int64_t slots = num_tokens * k;
+
+  // Order the (token, choice) slots by expert: counting sort.
+  s.count.assign(num_experts, 0);
+  for (int64_t i = 0; i < slots; ++i) ++s.count[topk_ids[i]];
+  s.offset.assign(num_experts + 1, 0);
+  for (int e = 0; e < num_experts; ++e) s.offset[e + 1] = s.offset[e] + s.count[e];
+  s.slot_at.resize(slots);
+  s.position_of.resize(slots);
+  std::vector<int32_t> cursor(s.offset.begin(), s.offset.end() - 1);
+  for (int64_t i = 0; i < slots; ++i) {
+    const int32_t pos = cursor[topk_ids[i]]++;
+    s.slot_at[pos] = static_cast<int32_t>(i);
+    s.position_of[i] = pos;
+  }
+  if (s.gathered.size() < static_cast<size_t>(slots * h)) s.gathered.resize(slots * h);
+  if (s.inter.size() < static_cast<size_t>(slots * inter)) s.inter.resize(slots * inter);
+  if (s.expert_out.size() < static_cast<size_t>(slots * h_pad)) s.expert_out.resize(slots * h_pad);
+
+  std::vector<int> active;
+  for (int e = 0; e < num_experts; ++e) {
+    if (s.count[e] > 0) active.push_back(e);
+  }
+  // About four tasks per thread over each stage.
+  const int64_t pairs = gate_up_.blocks() / 2, down_blocks = down_.blocks();
+  const int64_t want = 4 * static_cast<int64_t>(threads_);
+  const int64_t pair_chunk = std::max<int64_t>(1, pairs * static_cast<int64_t>(active.size()) / want);
+  const int64_t down_chunk = std::max<int64_t>(1, down_blocks * static_cast<int64_t>(active.size()) / want);
+
+  FirstError error;
+  std::unique_ptr<std::atomic<int64_t>[]> remaining(new std::atomic<int64_t>[num_experts]);
+  tbb::task_group tg;
+
+  // The down projection of expert e, once all of its gate+up blocks are done.
+  auto start_down = [&](int e) {
+    const int64_t m = s.count[e], base = s.offset[e];
+    const KernelKind kind = KernelFor(m);
+    absl::Status st = s.act_mid[e].Prepare(s.inter.data() + base * inter, m, inter, down_.k_pad, kind,
+                                           options_.format, SumGroup(down_));
+    if (!st.ok()) return error.Set(st);
+    const MatmulKernel kernel = GetKernel(kind, options_.format);
+    const PackedMatrix w = Down(layer, e);
+    for (int64_t b0 = 0; b0 < down_blocks; b0 += down_chunk) {
+      const int64_t b1 = std::min(down_blocks, b0 + down_chunk);
+      tg.run([&, e, b0, b1, kernel, w, base] {
+        kernel(w, s.act_mid[e], b0, b1, s.expert_out.data() + base * h_pad + b0 * 16, h_pad);
+      });
+    }
+  };
+
+  for (int e : active) {
+    tg.run([&, e] {
+      const int64_t m = s.count[e], base = s.offset[e];
+      for (int64_t i = 0; i < m; ++i) {
+        std::memcpy(s.gathered.data() + (base + i) * h, hidden + (s.slot_at[base + i] / k) * h, h * sizeof(float));
+      }
+      const KernelKind kind = KernelFor(m);
+      absl::Status st = s.act_in[e].Prepare(s.gathered.data() + base * h, m, h, gate_up_.k_pad, kind,
+                                            options_.format, SumGroup(gate_up_));
+      if (!st.ok()) return error.Set(st);
+      const MatmulKernel kernel = GetKernel(kind, options_.format);
+      const PackedMatrix w = GateUp(layer, e);
+      remaining[e].store((pairs + pair_chunk - 1) / pair_chunk);
+      for (int64_t p0 = 0; p0 < pairs; p0 += pair_chunk) {
+        const int64_t p1 = std::min(pairs, p0 + pair_chunk);
+        tg.run([&, e, p0, p1, m, base, kernel, w] {
+          // Gate and up blocks alternate: one kernel call yields both, then SiLU(gate) * up.
+          thread_local std::vector<float> tmp;
+          const int64_t ld = (p1 - p0) * 32;
+          if (tmp.size() < static_cast<size_t>(m * ld)) tmp.resize(m * ld);
+          kernel(w, s.act_in[e], 2 * p0, 2 * p1, tmp.data(), ld);
+          for (int64_t i = 0; i < m; ++i) {
+            float* dst = s.inter.data() + (base + i) * inter;
+            const float* row = tmp.data() + i * ld;
+            for (int64_t p = p0; p < p1; ++p) {
+              for (int r = 0; r < 16 && p * 16 + r < inter; ++r) {
+                dst[p * 16 + r] = Silu(row[(p - p0) * 32 + r]) * row[(p - p0) * 32 + 16 + r];
+              }
+            }
+          }
+          if (remaining[e].fetch_sub(1) == 1) start_down(e);
+        });
+      }
+    });
+  }
+  tg.wait();
+  if (error.failed()) return error.status();
+
+  // out[t] = sum_j weight[t, j] * expert_out[position of (t, j)], choices in order.
+  const int64_t h_chunk = num_tokens >= 4 * threads_ ? h : std::max<int64_t>(256, h / 8);
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, num_tokens * ((h + h_chunk - 1) / h_chunk)),
+                    [&](const tbb::blocked_range<int64_t>& range) {
+    const int64_t chunks = (h + h_chunk - 1) / h_chunk;
+    for (int64_t job = range.begin(); job < range.end(); ++job) {
+      const int64_t t = job / chunks, c0 = (job % chunks) * h_chunk, c1 = std::min(h, c0 + h_chunk);
+      float* dst = out + t * h;
+      std::fill(dst + c0, dst + c1, 0.0f);
+      for (int j = 0; j < k; ++j) {
+        const float wt = topk_weights[t * k + j];
+        const float* src = s.expert_out.data() + static_cast<int64_t>(s.position_of[t * k + j]) * h_pad;
+        for (int64_t i = c0; i < c1; ++i) dst[i] += wt * src[i];
+      }
+    }
+  });
+  return absl::OkStatus();
+}
+
+double ExpertPool::MeasureReadBandwidth(size_t bytes, int repeats) {
+  const size_t n = bytes / sizeof(float);
+  auto buffer = core::AlignedBuffer::Allocate(n * sizeof(float), 2u << 20);
+  if (!buffer.ok()) return 0.0;
+  float* data = buffer->as<float>();
+  const size_t chunk = (n / threads_ + 15) / 16 * 16;
+  auto each_chunk = [&](auto&& f) {
+    impl_->arena.execute([&] {
+      tbb::parallel_for(tbb::blocked_range<size_t>(0, static_cast<size_t>(threads_), 1),
+                        [&](const tbb::blocked_range<size_t>& r) {
+        for (size_t t = r.begin(); t < r.end(); ++t) {
+          const size_t b = std::min(n, t * chunk), e = std::min(n, b + chunk);
+          f(data + b, e - b);
+        }
+      }, tbb::static_partitioner());
+    });
+  };
+  each_chunk([](float* p, size_t len) { std::fill(p, p + len, 1.0f); });  // fault the pages in first
+  double best = 0;
+  std::atomic<float> sink{0};
+  for (int r = 0; r < repeats; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    each_chunk([&](float* p, size_t len) { sink.store(sink.load() + SumFloats(p, len)); });
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, static_cast<double>(n * sizeof(float)) / secs / 1e9);
+  }
+  return best;
+}
+
+std::string ExpertPool::Describe() const {
+  return absl::StrFormat("%s experts: %d layers x %d, %.2f GB in %s, %d %sthreads", FormatName(options_.format),
+                         shape_.num_layers, shape_.num_experts, arena_->size() / 1e9, arena_->page_kind(), threads_,
+                         options_.pin_threads ? "pinned " : "");
+}
+
+}  // namespace moe::experts

@@ -1,0 +1,263 @@
+#include "moe/experts/expert_pool.h"
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "moe/core/dtype.h"
+
+namespace moe::experts {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Random bf16 experts, as a checkpoint would hold them, and a plain double MoE reference.
+class Experts {
+ public:
+  Experts(const ExpertShape& s, uint32_t seed) : shape_(s) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> dist;
+    const int64_t per = 3 * s.hidden * s.intermediate;
+    data_.resize(static_cast<size_t>(s.num_layers) * s.num_experts * per);
+    for (auto& v : data_) v = core::FloatToBf16(dist(rng) / std::sqrt(float(s.hidden)));
+  }
+  const uint16_t* Matrix(int layer, int e, int which) const {
+    const int64_t m = shape_.hidden * shape_.intermediate;
+    return data_.data() + ((static_cast<int64_t>(layer) * shape_.num_experts + e) * 3 + which) * m;
+  }
+  ExpertWeightSource Source() const {
+    return [this](int layer, int e) -> absl::StatusOr<ExpertWeights> {
+      const core::Shape io = {shape_.intermediate, shape_.hidden}, oi = {shape_.hidden, shape_.intermediate};
+      return ExpertWeights{{Matrix(layer, e, 0), core::DType::kBF16, io},
+                           {Matrix(layer, e, 1), core::DType::kBF16, io},
+                           {Matrix(layer, e, 2), core::DType::kBF16, oi}};
+    };
+  }
+  std::vector<double> Reference(int layer, const std::vector<float>& x, const std::vector<int32_t>& ids,
+                                const std::vector<float>& w) const {
+    const int64_t h = shape_.hidden, inter = shape_.intermediate, k = shape_.top_k, t_count = x.size() / h;
+    std::vector<double> out(x.size(), 0.0), mid(inter);
+    for (int64_t t = 0; t < t_count; ++t) {
+      for (int64_t j = 0; j < k; ++j) {
+        const int e = ids[t * k + j];
+        const uint16_t *g = Matrix(layer, e, 0), *u = Matrix(layer, e, 1), *d = Matrix(layer, e, 2);
+        for (int64_t i = 0; i < inter; ++i) {
+          double gs = 0, us = 0;
+          for (int64_t c = 0; c < h; ++c) {
+            gs += core::Bf16ToFloat(g[i * h + c]) * double(x[t * h + c]);
+            us += core::Bf16ToFloat(u[i * h + c]) * double(x[t * h + c]);
+          }
+          mid[i] = gs / (1 + std::exp(-gs)) * us;
+        }
+        for (int64_t c = 0; c < h; ++c) {
+          double acc = 0;
+          for (int64_t i = 0; i < inter; ++i) acc += core::Bf16ToFloat(d[c * inter + i]) * mid[i];
+          out[t * h + c] += w[t * k + j] * acc;
+        }
+      }
+    }
+    return out;
+  }
+
+ private:
+  ExpertShape shape_;
+  std::vector<uint16_t> data_;
+};
+
+// Odd sizes on purpose: hidden not a multiple of 64, intermediate not a multiple of 16.
+ExpertShape SmallShape() { return ExpertShape{2, 8, 3, 96, 40}; }
+
+struct Routing {
+  std::vector<float> x, w;
+  std::vector<int32_t> ids;
+};
+
+Routing RandomRouting(const ExpertShape& s, int64_t tokens, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist;
+  Routing r;
+  r.x.resize(tokens * s.hidden);
+  for (float& v : r.x) v = dist(rng);
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::vector<int32_t> all(s.num_experts);
+    for (int e = 0; e < s.num_experts; ++e) all[e] = e;
+    std::shuffle(all.begin(), all.end(), rng);
+    for (int j = 0; j < s.top_k; ++j) {
+      r.ids.push_back(all[j]);
+      r.w.push_back(0.2f + std::uniform_real_distribution<float>(0, 1)(rng));
+    }
+  }
+  return r;
+}
+
+struct PoolCase {
+  ExpertFormat format;
+  std::optional<KernelKind> kernel;
+  double tolerance;  // relative RMS error
+};
+
+std::string PoolCaseName(const ::testing::TestParamInfo<PoolCase>& info) {
+  return std::string(FormatName(info.param.format)) + "_" +
+         (info.param.kernel ? KernelName(*info.param.kernel) : "auto");
+}
+
+class ExpertPoolTest : public ::testing::TestWithParam<PoolCase> {};
+
+TEST_P(ExpertPoolTest, MatchesThePlainMoe) {
+  const PoolCase c = GetParam();
+  if (c.kernel) {
+    const std::string why = KernelUnsupportedReason(*c.kernel, c.format, core::GetCpuFeatures());
+    if (!why.empty()) GTEST_SKIP() << KernelName(*c.kernel) << " not run on this CPU: " << why;
+  }
+  const ExpertShape shape = SmallShape();
+  Experts experts(shape, 1);
+  ExpertPoolOptions options;
+  options.format = c.format;
+  options.kernel = c.kernel;
+  options.threads = 2;
+  options.progress = false;
+  auto pool = ExpertPool::Create(shape, options, experts.Source());
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  for (int64_t tokens : {1, 5, 70}) {
+    for (int layer = 0; layer < shape.num_layers; ++layer) {
+      Routing r = RandomRouting(shape, tokens, 10 + tokens + layer);
+      std::vector<float> out(r.x.size(), -1.0f);
+      ASSERT_TRUE((*pool)->Compute(layer, r.x.data(), tokens, r.ids.data(), r.w.data(), out.data()).ok());
+      const std::vector<double> want = experts.Reference(layer, r.x, r.ids, r.w);
+      // Relative RMS error: quantization noise over signal.
+      double signal = 0, noise = 0;
+      for (size_t i = 0; i < want.size(); ++i) {
+        signal += want[i] * want[i];
+        noise += (out[i] - want[i]) * (out[i] - want[i]);
+      }
+      const double error = std::sqrt(noise / signal);
+      EXPECT_LT(error, c.tolerance) << "tokens=" << tokens << " layer=" << layer;
+      RecordProperty("relative_rms_error_" + std::to_string(tokens) + "_" + std::to_string(layer), std::to_string(error));
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Kernels, ExpertPoolTest,
+    ::testing::Values(PoolCase{ExpertFormat::kBF16, std::nullopt, 1e-5},
+                      PoolCase{ExpertFormat::kBF16, KernelKind::kPortable, 1e-5},
+                      PoolCase{ExpertFormat::kBF16, KernelKind::kAvx512, 1e-5},
+                      PoolCase{ExpertFormat::kBF16, KernelKind::kAvx512Bf16, 1e-2},
+                      PoolCase{ExpertFormat::kBF16, KernelKind::kAmx, 1e-2},
+                      PoolCase{ExpertFormat::kInt8, std::nullopt, 3e-2},
+                      PoolCase{ExpertFormat::kInt8, KernelKind::kPortable, 3e-2},
+                      PoolCase{ExpertFormat::kInt8, KernelKind::kVnni, 3e-2},
+                      PoolCase{ExpertFormat::kInt8, KernelKind::kAmx, 3e-2},
+                      PoolCase{ExpertFormat::kInt4, std::nullopt, 0.2},
+                      PoolCase{ExpertFormat::kInt4, KernelKind::kPortable, 0.2},
+                      PoolCase{ExpertFormat::kInt4, KernelKind::kVnni, 0.2}),
+    PoolCaseName);
+
+class ExpertPoolBehaviour : public ::testing::Test {
+ protected:
+  std::unique_ptr<ExpertPool> Make(int threads, ExpertFormat format = ExpertFormat::kInt8) {
+    ExpertPoolOptions options;
+    options.format = format;
+    options.threads = threads;
+    options.progress = false;
+    auto pool = ExpertPool::Create(SmallShape(), options, experts_.Source());
+    EXPECT_TRUE(pool.ok()) << pool.status();
+    return pool.ok() ? std::move(*pool) : nullptr;
+  }
+  Experts experts_{SmallShape(), 2};
+};
+
+TEST_F(ExpertPoolBehaviour, SubmitReturnsAndWaitDeliversWhileTheCallerWorks) {
+  auto pool = Make(2);
+  Routing r = RandomRouting(SmallShape(), 9, 3);
+  std::vector<float> out(r.x.size()), again(r.x.size());
+  auto ticket = pool->Submit(1, r.x.data(), 9, r.ids.data(), r.w.data(), out.data());
+  ASSERT_TRUE(ticket.ok());
+  // A second call while one is in flight is refused.
+  auto second = pool->Submit(1, r.x.data(), 9, r.ids.data(), r.w.data(), again.data());
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition);
+  double other_work = 0;
+  for (int i = 0; i < 100000; ++i) other_work += std::sqrt(double(i));  // the caller's own work
+  ASSERT_TRUE(pool->Wait(*ticket).ok());
+  EXPECT_GT(other_work, 0);
+  ASSERT_TRUE(pool->Compute(1, r.x.data(), 9, r.ids.data(), r.w.data(), again.data()).ok());
+  EXPECT_EQ(out, again);
+}
+
+TEST_F(ExpertPoolBehaviour, BadIdsAreRejectedAndThePoolGoesOn) {
+  auto pool = Make(2);
+  Routing r = RandomRouting(SmallShape(), 2, 4);
+  std::vector<float> out(r.x.size());
+  r.ids[4] = 8;
+  absl::Status s = pool->Compute(0, r.x.data(), 2, r.ids.data(), r.w.data(), out.data());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("expert id 8 of token 1 outside [0, 8)"));
+  s = pool->Compute(2, r.x.data(), 2, r.ids.data(), r.w.data(), out.data());
+  EXPECT_THAT(s.message(), HasSubstr("MoE layer 2 outside [0, 2)"));
+  r.ids[4] = 1;
+  EXPECT_TRUE(pool->Compute(0, r.x.data(), 2, r.ids.data(), r.w.data(), out.data()).ok());
+}
+
+TEST_F(ExpertPoolBehaviour, ThreadCountDoesNotChangeTheResult) {
+  Routing r = RandomRouting(SmallShape(), 33, 5);
+  std::vector<float> one(r.x.size()), two(r.x.size()), four(r.x.size());
+  for (auto [threads, out] : {std::pair<int, std::vector<float>*>{1, &one}, {2, &two}, {4, &four}}) {
+    auto pool = Make(threads, ExpertFormat::kBF16);
+    EXPECT_EQ(pool->threads(), threads);
+    ASSERT_TRUE(pool->Compute(0, r.x.data(), 33, r.ids.data(), r.w.data(), out->data()).ok());
+  }
+  EXPECT_EQ(one, two);
+  EXPECT_EQ(one, four);
+}
+
+TEST_F(ExpertPoolBehaviour, WrongExpertShapeNamesLayerAndExpert) {
+  ExpertPoolOptions options;
+  options.progress = false;
+  options.threads = 2;
+  auto source = [&](int layer, int e) -> absl::StatusOr<ExpertWeights> {
+    auto w = experts_.Source()(layer, e);
+    if (layer == 1 && e == 6) w->down.shape = {40, 96};
+    return w;
+  };
+  auto pool = ExpertPool::Create(SmallShape(), options, source);
+  EXPECT_EQ(pool.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(pool.status().message(), HasSubstr("MoE layer 1 expert 6"));
+}
+
+TEST_F(ExpertPoolBehaviour, SharedArenaIsAttachedNotReloaded) {
+  const std::string name = "moeserve_pool_test_" + std::to_string(::getpid());
+  ASSERT_TRUE(HostArena::Unlink(name).ok());
+  ExpertPoolOptions options;
+  options.format = ExpertFormat::kInt4;
+  options.threads = 2;
+  options.progress = false;
+  options.shm_name = name;
+  options.model_id = "test-model";
+  auto first = ExpertPool::Create(SmallShape(), options, experts_.Source());
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_GT((*first)->loaded_bytes(), 0);
+  int fetched = 0;
+  auto counting = [&](int layer, int e) {
+    ++fetched;
+    return experts_.Source()(layer, e);
+  };
+  auto second = ExpertPool::Create(SmallShape(), options, counting);
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_TRUE((*second)->arena().attached());
+  EXPECT_EQ(fetched, 0);
+  EXPECT_EQ((*second)->loaded_bytes(), 0);
+  Routing r = RandomRouting(SmallShape(), 4, 6);
+  std::vector<float> a(r.x.size()), b(r.x.size());
+  ASSERT_TRUE((*first)->Compute(1, r.x.data(), 4, r.ids.data(), r.w.data(), a.data()).ok());
+  ASSERT_TRUE((*second)->Compute(1, r.x.data(), 4, r.ids.data(), r.w.data(), b.data()).ok());
+  EXPECT_EQ(a, b);
+  options.format = ExpertFormat::kInt8;  // same name, other weights: refused
+  auto other = ExpertPool::Create(SmallShape(), options, experts_.Source());
+  EXPECT_EQ(other.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(HostArena::Unlink(name).ok());
+}
+
+}  // namespace
+}  // namespace moe::experts

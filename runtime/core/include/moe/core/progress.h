@@ -1,0 +1,47 @@
+// Progress of a long job (writing a checkpoint, loading experts) on stderr: a line about twice a
+// second with bytes done, percent and rate; rewritten in place on a terminal. Add() is
+// thread-safe; the reporting thread stops at Finish() or destruction.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <thread>
+
+namespace moe::core {
+
+class ProgressReporter {
+ public:
+  // `label` starts each line ("loading experts"); nothing is printed when !enabled.
+  ProgressReporter(std::string label, int64_t total_bytes, bool enabled = true);
+  ~ProgressReporter();
+  ProgressReporter(const ProgressReporter&) = delete;
+  ProgressReporter& operator=(const ProgressReporter&) = delete;
+
+  void Add(int64_t bytes) { done_.fetch_add(bytes, std::memory_order_relaxed); }
+  // Stops reporting and prints the final line; returns the seconds since construction.
+  double Finish();
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  void Run();
+  void Print(bool last);
+
+  const std::string label_;
+  const int64_t total_;
+  const bool enabled_;
+  const bool tty_;
+  const Clock::time_point start_;
+  std::atomic<int64_t> done_{0};
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  bool finished_ = false;
+  double seconds_ = 0;
+  std::thread thread_;
+};
+
+}  // namespace moe::core
