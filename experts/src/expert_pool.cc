@@ -271,8 +271,8 @@ KernelKind ExpertPool::KernelFor(int64_t tokens) const {
   };
   switch (options_.format) {
     case ExpertFormat::kBF16:
-      // AMX rounds activations to bf16: only where its speed matters, at many tokens.
-      if (tokens >= 64 && usable(KernelKind::kAmx)) return KernelKind::kAmx;
+      // AMX (with split activations) where there are enough tokens to fill its tiles.
+      if (tokens >= 16 && usable(KernelKind::kAmx)) return KernelKind::kAmx;
       return usable(KernelKind::kAvx512) ? KernelKind::kAvx512 : KernelKind::kPortable;
     case ExpertFormat::kInt8:
       if (tokens >= 16 && usable(KernelKind::kAmx)) return KernelKind::kAmx;

@@ -113,6 +113,11 @@ absl::Status Activations::Prepare(const float* x, int64_t m, int64_t k, int64_t 
       const float* src = f32_.as<float>();
       uint16_t* dst = bf16_.as<uint16_t>();
       for (int64_t i = 0; i < m_pad_ * k_pad_; ++i) dst[i] = core::FloatToBf16(src[i]);
+      if (kind == KernelKind::kAmx) {
+        if (absl::Status s = Grow(bf16_lo_, m_pad_ * k_pad_ * 2); !s.ok()) return s;
+        uint16_t* lo = bf16_lo_.as<uint16_t>();
+        for (int64_t i = 0; i < m_pad_ * k_pad_; ++i) lo[i] = core::FloatToBf16(src[i] - core::Bf16ToFloat(dst[i]));
+      }
     }
     return absl::OkStatus();
   }

@@ -53,38 +53,52 @@ MOE_AMX void ConfigureAmxTiles() {
   configured = true;
 }
 
+// 16 tokens x up to 64 rows per pass: the hi and lo activation tiles both multiply each weight
+// tile into the same accumulator, so x * w = (hi + lo) * w to about 16 mantissa bits of x.
 MOE_AMX void MatmulAmxBf16(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, float* y,
                            int64_t ldy) {
   ConfigureAmxTiles();
-  alignas(64) float scratch[32 * 32];
+  alignas(64) float scratch[16 * 64];
   const int64_t k_tiles = w.layout.k_pad / 32;
   const int64_t a_stride = a.k_pad() * 2;
-  for (int64_t m0 = 0; m0 < a.m(); m0 += 32) {
-    for (int64_t b = b0; b < b1; b += 2) {
-      const bool two = b + 1 < b1;
-      const auto* w0 = reinterpret_cast<const uint16_t*>(w.block(b));
-      const auto* w1 = reinterpret_cast<const uint16_t*>(w.block(two ? b + 1 : b));
+  for (int64_t m0 = 0; m0 < a.m(); m0 += 16) {
+    for (int64_t b = b0; b < b1; b += 4) {
+      const int nb = static_cast<int>(std::min<int64_t>(4, b1 - b));
+      const uint16_t* blk[4];
+      for (int c = 0; c < 4; ++c) blk[c] = reinterpret_cast<const uint16_t*>(w.block(b + std::min(c, nb - 1)));
       _tile_zero(0);
       _tile_zero(1);
       _tile_zero(2);
       _tile_zero(3);
       for (int64_t t = 0; t < k_tiles; ++t) {
         _tile_loadd(4, a.bf16(m0) + t * 32, a_stride);
-        _tile_loadd(5, a.bf16(m0 + 16) + t * 32, a_stride);
-        _tile_loadd(6, w0 + t * 16 * 32, 64);
+        _tile_loadd(5, a.bf16_lo(m0) + t * 32, a_stride);
+        _tile_loadd(6, blk[0] + t * 16 * 32, 64);
         _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(2, 5, 6);
-        if (two) {
-          _tile_loadd(7, w1 + t * 16 * 32, 64);
+        _tile_dpbf16ps(0, 5, 6);
+        if (nb > 1) {
+          _tile_loadd(7, blk[1] + t * 16 * 32, 64);
           _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(1, 5, 7);
+        }
+        if (nb > 2) {
+          _tile_loadd(6, blk[2] + t * 16 * 32, 64);
+          _tile_dpbf16ps(2, 4, 6);
+          _tile_dpbf16ps(2, 5, 6);
+        }
+        if (nb > 3) {
+          _tile_loadd(7, blk[3] + t * 16 * 32, 64);
+          _tile_dpbf16ps(3, 4, 7);
           _tile_dpbf16ps(3, 5, 7);
         }
       }
-      _tile_stored(0, scratch, 128);
-      _tile_stored(1, scratch + 16, 128);
-      _tile_stored(2, scratch + 16 * 32, 128);
-      _tile_stored(3, scratch + 16 * 32 + 16, 128);
-      CopyRows(scratch, m0, a.m(), two ? 2 : 1, y + (b - b0) * 16, ldy);
+      _tile_stored(0, scratch, 256);
+      _tile_stored(1, scratch + 16, 256);
+      _tile_stored(2, scratch + 32, 256);
+      _tile_stored(3, scratch + 48, 256);
+      for (int64_t i = 0; i < 16 && m0 + i < a.m(); ++i) {
+        std::memcpy(y + (m0 + i) * ldy + (b - b0) * 16, scratch + i * 64, nb * 16 * 4);
+      }
     }
   }
 }

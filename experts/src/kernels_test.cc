@@ -49,7 +49,8 @@ class KernelTest : public ::testing::TestWithParam<KernelCase> {
 // The activation value the kernel multiplies by (fp32, bf16-rounded, or int8-dequantized).
 double ActivationValue(const KernelCase& c, const Activations& a, int64_t m, int64_t k) {
   if (c.format != ExpertFormat::kBF16) return a.i8(m)[k] * static_cast<double>(a.i8_scale(m));
-  if (c.kind == KernelKind::kAvx512Bf16 || c.kind == KernelKind::kAmx) return core::Bf16ToFloat(a.bf16(m)[k]);
+  if (c.kind == KernelKind::kAvx512Bf16) return core::Bf16ToFloat(a.bf16(m)[k]);
+  if (c.kind == KernelKind::kAmx) return double(core::Bf16ToFloat(a.bf16(m)[k])) + core::Bf16ToFloat(a.bf16_lo(m)[k]);
   return a.f32(m)[k];
 }
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 
 #include "absl/strings/str_cat.h"
 #include "model_weights.h"
@@ -45,6 +46,17 @@ absl::Status RunFfn(Backend& b, const FfnWeights& w, const float* x, int64_t row
   return absl::OkStatus();
 }
 
+// out = shared expert FFN of x, scaled per row by sigmoid(x . gate) where the model has the gate.
+absl::Status RunSharedExpert(Backend& b, const LayerWeights& lw, const float* x, int64_t rows, float* out) {
+  MOE_RETURN_IF_ERROR(RunFfn(b, lw.shared, x, rows, out));
+  if (lw.shared_gate == nullptr) return absl::OkStatus();
+  Workspace ws(b);
+  MOE_ASSIGN_OR_RETURN(float* gate, ws.Get(rows));
+  b.Linear(x, rows, *lw.shared_gate, nullptr, gate);
+  b.ScaleRowsBySigmoid(out, rows, lw.shared.down->rows(), gate);
+  return absl::OkStatus();
+}
+
 // The plain routed-expert path: tokens grouped by expert, each expert's FFN run on its rows
 // through the backend, outputs scattered back with their routing weights.
 class ReferenceRoutedExperts : public RoutedExperts {
@@ -52,8 +64,10 @@ class ReferenceRoutedExperts : public RoutedExperts {
   ReferenceRoutedExperts(const ModelSpec& spec, const Model::Weights& weights, Backend& backend)
       : spec_(spec), weights_(weights), backend_(backend) {}
 
-  absl::Status Compute(int layer, const float* hidden, int64_t num_tokens, const int32_t* topk_ids,
-                       const float* topk_weights, float* out) override {
+  absl::Status Finish() override { return absl::OkStatus(); }
+
+  absl::Status Start(int layer, const float* hidden, int64_t num_tokens, const int32_t* topk_ids,
+                     const float* topk_weights, float* out) override {
     const int k = spec_.routing.top_k;
     const int64_t h = spec_.hidden_size;
     std::vector<std::vector<int32_t>> rows(spec_.routing.num_experts);
@@ -88,6 +102,63 @@ class ReferenceRoutedExperts : public RoutedExperts {
   Backend& backend_;
 };
 
+// Routed experts through the CPU expert pool, which numbers MoE layers consecutively.
+class PoolRoutedExperts : public RoutedExperts {
+ public:
+  PoolRoutedExperts(experts::ExpertPool& pool, const ModelSpec& spec) : pool_(pool) {
+    for (int l = 0, moe = 0; l < spec.num_layers; ++l) moe_index_.push_back(spec.IsMoeLayer(l) ? moe++ : -1);
+  }
+  absl::Status Start(int layer, const float* hidden, int64_t num_tokens, const int32_t* topk_ids,
+                     const float* topk_weights, float* out) override {
+    MOE_ASSIGN_OR_RETURN(ticket_, pool_.Submit(moe_index_[layer], hidden, num_tokens, topk_ids, topk_weights, out));
+    return absl::OkStatus();
+  }
+  absl::Status Finish() override { return pool_.Wait(ticket_); }
+
+ private:
+  experts::ExpertPool& pool_;
+  std::vector<int> moe_index_;
+  experts::ExpertPool::Ticket ticket_;
+};
+
+// Names of one routed expert's tensors in the checkpoint.
+struct ExpertTensorNames {
+  std::string gate, up, down;
+};
+ExpertTensorNames ExpertNames(const ModelSpec& spec, int layer, int expert) {
+  const bool mixtral = spec.arch == Architecture::kMixtral;
+  const std::string p = absl::StrCat("model.layers.", layer, mixtral ? ".block_sparse_moe" : ".mlp", ".experts.",
+                                     expert, ".");
+  if (mixtral) return {p + "w1.weight", p + "w3.weight", p + "w2.weight"};
+  return {p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"};
+}
+
+absl::StatusOr<std::unique_ptr<experts::ExpertPool>> CreatePool(const ModelSpec& spec, const WeightSource& source,
+                                                                experts::ExpertPoolOptions options,
+                                                                const std::string& model_dir) {
+  std::vector<int> moe_layers;
+  for (int l = 0; l < spec.num_layers; ++l) {
+    if (spec.IsMoeLayer(l)) moe_layers.push_back(l);
+  }
+  experts::ExpertShape shape;
+  shape.num_layers = static_cast<int>(moe_layers.size());
+  shape.num_experts = spec.routing.num_experts;
+  shape.top_k = spec.routing.top_k;
+  shape.hidden = spec.hidden_size;
+  shape.intermediate = spec.moe_intermediate_size;
+  std::error_code ec;
+  const auto canonical = std::filesystem::weakly_canonical(model_dir, ec);
+  options.model_id = ec ? model_dir : canonical.string();
+  return experts::ExpertPool::Create(
+      shape, options, [&](int moe_layer, int expert) -> absl::StatusOr<experts::ExpertWeights> {
+        const ExpertTensorNames names = ExpertNames(spec, moe_layers[moe_layer], expert);
+        MOE_ASSIGN_OR_RETURN(core::TensorView gate, source.Get(names.gate));
+        MOE_ASSIGN_OR_RETURN(core::TensorView up, source.Get(names.up));
+        MOE_ASSIGN_OR_RETURN(core::TensorView down, source.Get(names.down));
+        return experts::ExpertWeights{gate, up, down};
+      });
+}
+
 }  // namespace
 
 Model::~Model() = default;
@@ -110,10 +181,16 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& model_dir,
   model->rope_inv_freq_ = RopeInverseFrequencies(model->spec_, options.rope_frequencies);
   model->backend_ = backend != nullptr ? std::move(backend) : std::shared_ptr<Backend>(CreateCpuBackend(options.threads));
   MOE_ASSIGN_OR_RETURN(model->source_, OpenSafetensors(model_dir));
-  MOE_ASSIGN_OR_RETURN(model->weights_, internal::LoadWeights(model->spec_, *model->source_, *model->backend_));
-  model->reference_experts_ =
-      std::make_unique<ReferenceRoutedExperts>(model->spec_, *model->weights_, *model->backend_);
-  model->routed_experts_ = model->reference_experts_.get();
+  const bool pool = options.experts == RoutedExpertsMode::kPool;
+  MOE_ASSIGN_OR_RETURN(model->weights_, internal::LoadWeights(model->spec_, *model->source_, *model->backend_,
+                                                              /*prepare_routed_experts=*/!pool));
+  if (pool && model->spec_.num_moe_layers() > 0) {
+    MOE_ASSIGN_OR_RETURN(model->pool_, CreatePool(model->spec_, *model->source_, options.pool, model_dir));
+    model->own_experts_ = std::make_unique<PoolRoutedExperts>(*model->pool_, model->spec_);
+  } else {
+    model->own_experts_ = std::make_unique<ReferenceRoutedExperts>(model->spec_, *model->weights_, *model->backend_);
+  }
+  model->routed_experts_ = model->own_experts_.get();
   MOE_LOG(kDebug) << "loaded " << model->spec_.Summary() << " on " << model->backend_->name();
   return model;
 }
@@ -184,19 +261,17 @@ absl::Status Model::RunMoe(int layer, const float* h, int64_t rows, float* out) 
   std::vector<float> topk_weights(rows * r.top_k);
   RouteTokens(r, host_logits.data(), rows, lw.correction_bias.empty() ? nullptr : lw.correction_bias.data(),
               topk_ids.data(), topk_weights.data());
-  MOE_RETURN_IF_ERROR(routed_experts_->Compute(layer, h, rows, topk_ids.data(), topk_weights.data(), out));
-
+  // The routed experts start; the shared expert runs meanwhile, into its own buffer.
+  const int64_t hidden = spec_.hidden_size;
+  float* shared = nullptr;
   if (spec_.shared_expert_intermediate_size > 0) {
-    const int64_t hidden = spec_.hidden_size;
-    MOE_ASSIGN_OR_RETURN(float* shared, ws.Get(rows * hidden));
-    MOE_RETURN_IF_ERROR(RunFfn(b, lw.shared, h, rows, shared));
-    if (lw.shared_gate != nullptr) {
-      MOE_ASSIGN_OR_RETURN(float* gate, ws.Get(rows));
-      b.Linear(h, rows, *lw.shared_gate, nullptr, gate);
-      b.ScaleRowsBySigmoid(shared, rows, hidden, gate);
-    }
-    b.Add(out, shared, rows * hidden);
+    MOE_ASSIGN_OR_RETURN(shared, ws.Get(rows * hidden));
   }
+  MOE_RETURN_IF_ERROR(routed_experts_->Start(layer, h, rows, topk_ids.data(), topk_weights.data(), out));
+  const absl::Status shared_status = shared != nullptr ? RunSharedExpert(b, lw, h, rows, shared) : absl::OkStatus();
+  MOE_RETURN_IF_ERROR(routed_experts_->Finish());
+  MOE_RETURN_IF_ERROR(shared_status);
+  if (shared != nullptr) b.Add(out, shared, rows * hidden);
   return absl::OkStatus();
 }
 

@@ -34,11 +34,18 @@ class WeightLoader {
     return absl::OkStatus();
   }
 
+  // Loads an FFN's three matrices; with out == null only checks them.
   absl::Status LoadFfn(const std::string& prefix, const char* gate, const char* up, const char* down, int64_t hidden,
                        int64_t width, const std::string& why, FfnWeights* out) {
-    MOE_ASSIGN_OR_RETURN(out->gate, Load(prefix + gate + ".weight", {width, hidden}, why));
-    MOE_ASSIGN_OR_RETURN(out->up, Load(prefix + up + ".weight", {width, hidden}, why));
-    MOE_ASSIGN_OR_RETURN(out->down, Load(prefix + down + ".weight", {hidden, width}, why));
+    const std::string names[3] = {prefix + gate + ".weight", prefix + up + ".weight", prefix + down + ".weight"};
+    const Shape shapes[3] = {{width, hidden}, {width, hidden}, {hidden, width}};
+    if (out == nullptr) {
+      for (int i = 0; i < 3; ++i) MOE_RETURN_IF_ERROR(Check(names[i], shapes[i], why).status());
+      return absl::OkStatus();
+    }
+    MOE_ASSIGN_OR_RETURN(out->gate, Load(names[0], shapes[0], why));
+    MOE_ASSIGN_OR_RETURN(out->up, Load(names[1], shapes[1], why));
+    MOE_ASSIGN_OR_RETURN(out->down, Load(names[2], shapes[2], why));
     return absl::OkStatus();
   }
 
@@ -103,7 +110,7 @@ absl::Status LoadAttention(const ModelSpec& s, const std::string& p, WeightLoade
   return absl::OkStatus();
 }
 
-absl::Status LoadMoe(const ModelSpec& s, const std::string& p, WeightLoader& w, LayerWeights& l) {
+absl::Status LoadMoe(const ModelSpec& s, const std::string& p, WeightLoader& w, bool prepare_experts, LayerWeights& l) {
   const int64_t h = s.hidden_size;
   const int e = s.routing.num_experts;
   const bool mixtral = s.arch == Architecture::kMixtral;
@@ -115,14 +122,14 @@ absl::Status LoadMoe(const ModelSpec& s, const std::string& p, WeightLoader& w, 
   }
   const std::string width = mixtral ? absl::StrCat("intermediate_size=", s.moe_intermediate_size)
                                     : absl::StrCat("moe_intermediate_size=", s.moe_intermediate_size);
-  l.experts.resize(e);
+  if (prepare_experts) l.experts.resize(e);
   for (int i = 0; i < e; ++i) {
     const std::string ep = absl::StrCat(block, "experts.", i, ".");
+    FfnWeights* out = prepare_experts ? &l.experts[i] : nullptr;
     if (mixtral) {
-      MOE_RETURN_IF_ERROR(w.LoadFfn(ep, "w1", "w3", "w2", h, s.moe_intermediate_size, width, &l.experts[i]));
+      MOE_RETURN_IF_ERROR(w.LoadFfn(ep, "w1", "w3", "w2", h, s.moe_intermediate_size, width, out));
     } else {
-      MOE_RETURN_IF_ERROR(
-          w.LoadFfn(ep, "gate_proj", "up_proj", "down_proj", h, s.moe_intermediate_size, width, &l.experts[i]));
+      MOE_RETURN_IF_ERROR(w.LoadFfn(ep, "gate_proj", "up_proj", "down_proj", h, s.moe_intermediate_size, width, out));
     }
   }
   if (s.shared_expert_intermediate_size > 0) {
@@ -143,7 +150,7 @@ absl::Status LoadMoe(const ModelSpec& s, const std::string& p, WeightLoader& w, 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Model::Weights>> LoadWeights(const ModelSpec& s, const WeightSource& source,
-                                                            Backend& backend) {
+                                                            Backend& backend, bool prepare_routed_experts) {
   WeightLoader w(source, backend);
   auto weights = std::make_unique<Model::Weights>();
   const int64_t h = s.hidden_size, vocab = s.vocab_size;
@@ -161,7 +168,7 @@ absl::StatusOr<std::unique_ptr<Model::Weights>> LoadWeights(const ModelSpec& s, 
     LayerWeights& l = weights->layers[layer];
     MOE_RETURN_IF_ERROR(LoadAttention(s, p, w, l));
     if (s.IsMoeLayer(layer)) {
-      MOE_RETURN_IF_ERROR(LoadMoe(s, p, w, l));
+      MOE_RETURN_IF_ERROR(LoadMoe(s, p, w, prepare_routed_experts, l));
     } else {
       MOE_RETURN_IF_ERROR(w.LoadFfn(p + "mlp.", "gate_proj", "up_proj", "down_proj", h, s.intermediate_size,
                                     absl::StrCat("intermediate_size=", s.intermediate_size, " (dense layer)"),

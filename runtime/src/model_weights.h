@@ -35,9 +35,11 @@ struct LayerWeights {
 };
 
 // Loads every tensor the spec needs. Errors name the tensor, its file, the expected and the
-// found shape or dtype, and the config key the expectation comes from.
+// found shape or dtype, and the config key the expectation comes from. Routed experts are always
+// checked, but handed to the backend only when `prepare_routed_experts` (the expert pool holds
+// them otherwise).
 absl::StatusOr<std::unique_ptr<Model::Weights>> LoadWeights(const ModelSpec& spec, const WeightSource& source,
-                                                            Backend& backend);
+                                                            Backend& backend, bool prepare_routed_experts);
 
 }  // namespace internal
 

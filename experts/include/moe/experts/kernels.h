@@ -3,7 +3,10 @@
 //
 // What each kernel computes with:
 //   bf16  portable, avx512:     fp32 activations, fp32 FMA on the bf16 weights (exact products)
-//   bf16  avx512bf16, amx:      activations rounded to bf16 (vdpbf16ps / AMX tiles), fp32 sums
+//   bf16  avx512bf16:           activations rounded to bf16 (vdpbf16ps), fp32 sums
+//   bf16  amx:                  activations split in two bf16 terms, hi = bf16(x) and
+//                               lo = bf16(x - hi), both through the tiles: about 16 mantissa bits,
+//                               close to fp32 (products of bf16 values are exact in the tiles)
 //   int8, int4 (every kernel):  activations quantized to int8 per token (symmetric, per-token
 //                               scale); integer dot products; one fp32 scale per row (int8) or per
 //                               row and group (int4)
@@ -46,6 +49,8 @@ class Activations {
   int64_t k_pad() const { return k_pad_; }
   const float* f32(int64_t row) const { return f32_.as<float>() + row * k_pad_; }
   const uint16_t* bf16(int64_t row) const { return bf16_.as<uint16_t>() + row * k_pad_; }
+  // bf16(x - bf16(x)): what bf16 rounding left out (amx only).
+  const uint16_t* bf16_lo(int64_t row) const { return bf16_lo_.as<uint16_t>() + row * k_pad_; }
   const int8_t* i8(int64_t row) const { return i8_.as<int8_t>() + row * k_pad_; }
   float i8_scale(int64_t row) const { return i8_scale_[row]; }
   // Sum of the quantized values of `row` in group g (columns [g*sum_group, (g+1)*sum_group)).
@@ -54,7 +59,7 @@ class Activations {
  private:
   absl::Status Grow(core::AlignedBuffer& buffer, size_t bytes);
   int64_t m_ = 0, m_pad_ = 0, k_pad_ = 0, groups_ = 0;
-  core::AlignedBuffer f32_, bf16_, i8_;
+  core::AlignedBuffer f32_, bf16_, bf16_lo_, i8_;
   std::vector<float> i8_scale_;
   std::vector<int32_t> i8_sum_;
 };

@@ -15,6 +15,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "moe/experts/expert_pool.h"
 #include "moe/runtime/backend.h"
 #include "moe/runtime/kv_cache.h"
 #include "moe/runtime/model_spec.h"
@@ -29,14 +30,17 @@ struct ForwardBatch {
   std::vector<int32_t> logit_rows;  // rows of token_ids whose logits are returned, in this order
 };
 
-// Computes the weighted sum of each token's routed experts for one MoE layer.
+// Computes the weighted sum of each token's routed experts for one MoE layer, in two phases so
+// that the caller can run the shared experts in between.
 class RoutedExperts {
  public:
   virtual ~RoutedExperts() = default;
-  // hidden: [tokens x hidden_size] (backend memory); topk_ids/topk_weights: host
-  // [tokens x top_k]; out: [tokens x hidden_size] backend memory, overwritten.
-  virtual absl::Status Compute(int layer, const float* hidden, int64_t num_tokens,
-                               const int32_t* topk_ids, const float* topk_weights, float* out) = 0;
+  // hidden: [tokens x hidden_size]; topk_ids/topk_weights: host [tokens x top_k]; out:
+  // [tokens x hidden_size], overwritten. All must stay valid until Finish().
+  virtual absl::Status Start(int layer, const float* hidden, int64_t num_tokens, const int32_t* topk_ids,
+                             const float* topk_weights, float* out) = 0;
+  // Waits for the call Start began.
+  virtual absl::Status Finish() = 0;
 };
 
 // Precision of the RoPE inverse frequencies. transformers keeps them in fp32 when it loads a
@@ -46,9 +50,15 @@ class RoutedExperts {
 // references.
 enum class RopeFrequencies { kFloat32, kBFloat16 };
 
+// Where routed experts run: the plain path through the backend (a reference), or the CPU
+// expert pool (packed bf16/int8/int4 weights in a host arena, optimised kernels).
+enum class RoutedExpertsMode { kReference, kPool };
+
 struct ModelOptions {
   int threads = 0;  // CPU backend threads; 0: all cores
   RopeFrequencies rope_frequencies = RopeFrequencies::kFloat32;
+  RoutedExpertsMode experts = RoutedExpertsMode::kPool;
+  experts::ExpertPoolOptions pool;  // used with kPool; model_id is filled in by Load
 };
 
 // 1 / theta^(2i / rotary_dim) for i < rotary_dim / 2, computed in fp32 as transformers does,
@@ -78,6 +88,8 @@ class Model {
 
   // Replaces the routed-expert implementation (not owned; must outlive the model's use).
   void SetRoutedExperts(RoutedExperts* experts) { routed_experts_ = experts; }
+  // The CPU expert pool, or null on the reference path.
+  experts::ExpertPool* expert_pool() { return pool_.get(); }
 
   struct Weights;
 
@@ -91,7 +103,8 @@ class Model {
   std::unique_ptr<WeightSource> source_;
   std::unique_ptr<Weights> weights_;
   std::vector<float> rope_inv_freq_;
-  std::unique_ptr<RoutedExperts> reference_experts_;
+  std::unique_ptr<experts::ExpertPool> pool_;
+  std::unique_ptr<RoutedExperts> own_experts_;  // the reference path or the pool's adapter
   RoutedExperts* routed_experts_ = nullptr;
 };
 
