@@ -16,6 +16,8 @@ void PrintUsage(std::ostream& out) {
       << "commands:\n"
       << "  generate     run one prompt (token ids) through a model and print the tokens and speed\n"
       << "  make-model   write a random-weight checkpoint at a real model's shape (tiny, qwen3-30b-a3b)\n"
+      << "  bench        benchmarks: `bench experts` (the CPU expert pool vs the read-bandwidth roofline),\n"
+      << "               `bench load` (loading and attaching the expert arena)\n"
       << "  version      print the version\n";
 }
 
@@ -29,6 +31,7 @@ int main(int argc, char** argv) {
   const std::string command = argv[1];
   if (command == "generate") return moe::deploy::GenerateCommand(argc - 2, argv + 2);
   if (command == "make-model") return moe::deploy::MakeModelCommand(argc - 2, argv + 2);
+  if (command == "bench") return moe::deploy::BenchCommand(argc - 2, argv + 2);
   if (command == "version" || command == "--version") {
     std::cout << "moeserve " << kVersion << "\n";
     return 0;

@@ -264,6 +264,18 @@ absl::Status ExpertPool::Load(const ExpertWeightSource& source) {
   return absl::OkStatus();
 }
 
+absl::Status ExpertPool::SetKernel(std::optional<KernelKind> kernel) {
+  if (kernel.has_value()) {
+    const std::string why = KernelUnsupportedReason(*kernel, options_.format, core::GetCpuFeatures());
+    if (!why.empty()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("expert kernel ", KernelName(*kernel), " for ", FormatName(options_.format), ": ", why));
+    }
+  }
+  options_.kernel = kernel;
+  return absl::OkStatus();
+}
+
 KernelKind ExpertPool::KernelFor(int64_t tokens) const {
   if (options_.kernel.has_value()) return *options_.kernel;
   auto usable = [&](KernelKind k) {

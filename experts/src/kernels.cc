@@ -92,53 +92,75 @@ absl::Status Activations::Grow(core::AlignedBuffer& buffer, size_t bytes) {
   return absl::OkStatus();
 }
 
+namespace {
+
+#define MOE_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+
+MOE_CLONES float AbsMax(const float* x, int64_t n) {
+  float m = 0;
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, std::abs(x[i]));
+  return m;
+}
+
+// q[i] = round-to-nearest-even(x[i] * inv), clamped to [-127, 127]; sums[g] += q over groups.
+MOE_CLONES void QuantizeRow(const float* x, int64_t n, float inv, int group, int8_t* q, int32_t* sums) {
+  for (int64_t g0 = 0; g0 < n; g0 += group) {
+    int32_t sum = 0;
+    for (int64_t i = g0; i < g0 + group; ++i) {
+      const float v = std::min(127.0f, std::max(-127.0f, x[i] * inv));
+      const int32_t r = static_cast<int32_t>(__builtin_roundevenf(v));
+      q[i] = static_cast<int8_t>(r);
+      sum += r;
+    }
+    sums[g0 / group] = sum;
+  }
+}
+
+MOE_CLONES void ToBf16(const float* x, int64_t n, uint16_t* hi, uint16_t* lo) {
+  for (int64_t i = 0; i < n; ++i) {
+    hi[i] = core::FloatToBf16(x[i]);
+    if (lo != nullptr) lo[i] = core::FloatToBf16(x[i] - core::Bf16ToFloat(hi[i]));
+  }
+}
+
+}  // namespace
+
 absl::Status Activations::Prepare(const float* x, int64_t m, int64_t k, int64_t k_pad, KernelKind kind,
                                   ExpertFormat format, int sum_group) {
+  // Only AMX reads whole tiles of rows; the other kernels read exactly m rows.
+  const bool amx = kind == KernelKind::kAmx;
   m_ = m;
-  m_pad_ = (m + 31) / 32 * 32;
+  m_pad_ = amx ? (m + 31) / 32 * 32 : m;
   k_pad_ = k_pad;
-  if (absl::Status s = Grow(f32_, m_pad_ * k_pad_ * sizeof(float)); !s.ok()) return s;
-  for (int64_t r = 0; r < m_pad_; ++r) {
-    float* row = f32_.as<float>() + r * k_pad_;
-    if (r < m) {
-      std::memcpy(row, x + r * k, k * sizeof(float));
-      std::fill(row + k, row + k_pad_, 0.0f);
-    } else {
-      std::fill(row, row + k_pad_, 0.0f);
-    }
+  if (absl::Status s = Grow(f32_, std::max<int64_t>(m_pad_, 1) * k_pad_ * sizeof(float)); !s.ok()) return s;
+  float* f32 = f32_.as<float>();
+  for (int64_t r = 0; r < m; ++r) {
+    std::memcpy(f32 + r * k_pad_, x + r * k, k * sizeof(float));
+    std::fill(f32 + r * k_pad_ + k, f32 + (r + 1) * k_pad_, 0.0f);
   }
+  std::fill(f32 + m * k_pad_, f32 + m_pad_ * k_pad_, 0.0f);
   if (format == ExpertFormat::kBF16) {
-    if (kind == KernelKind::kAvx512Bf16 || kind == KernelKind::kAmx) {
-      if (absl::Status s = Grow(bf16_, m_pad_ * k_pad_ * 2); !s.ok()) return s;
-      const float* src = f32_.as<float>();
-      uint16_t* dst = bf16_.as<uint16_t>();
-      for (int64_t i = 0; i < m_pad_ * k_pad_; ++i) dst[i] = core::FloatToBf16(src[i]);
-      if (kind == KernelKind::kAmx) {
-        if (absl::Status s = Grow(bf16_lo_, m_pad_ * k_pad_ * 2); !s.ok()) return s;
-        uint16_t* lo = bf16_lo_.as<uint16_t>();
-        for (int64_t i = 0; i < m_pad_ * k_pad_; ++i) lo[i] = core::FloatToBf16(src[i] - core::Bf16ToFloat(dst[i]));
-      }
+    if (kind != KernelKind::kAvx512Bf16 && !amx) return absl::OkStatus();
+    if (absl::Status s = Grow(bf16_, m_pad_ * k_pad_ * 2); !s.ok()) return s;
+    if (amx) {
+      if (absl::Status s = Grow(bf16_lo_, m_pad_ * k_pad_ * 2); !s.ok()) return s;
     }
+    ToBf16(f32, m_pad_ * k_pad_, bf16_.as<uint16_t>(), amx ? bf16_lo_.as<uint16_t>() : nullptr);
     return absl::OkStatus();
   }
   // int8 / int4: symmetric per-token quantization, and sums per group for the offset correction.
-  if (absl::Status s = Grow(i8_, m_pad_ * k_pad_); !s.ok()) return s;
+  if (absl::Status s = Grow(i8_, std::max<int64_t>(m_pad_, 1) * k_pad_); !s.ok()) return s;
   groups_ = k_pad_ / sum_group;
-  i8_scale_.assign(m_pad_, 0.0f);
+  i8_scale_.assign(m_pad_, 1.0f);
   i8_sum_.assign(m_pad_ * groups_, 0);
-  for (int64_t r = 0; r < m_pad_; ++r) {
-    const float* row = f32_.as<float>() + r * k_pad_;
-    int8_t* q = i8_.as<int8_t>() + r * k_pad_;
-    float amax = 0;
-    for (int64_t i = 0; i < k_pad_; ++i) amax = std::max(amax, std::abs(row[i]));
+  for (int64_t r = 0; r < m; ++r) {
+    const float* row = f32 + r * k_pad_;
+    const float amax = AbsMax(row, k_pad_);
     const float scale = amax > 0 ? amax / 127.0f : 1.0f;
-    const float inv = 1.0f / scale;
     i8_scale_[r] = scale;
-    for (int64_t i = 0; i < k_pad_; ++i) {
-      q[i] = static_cast<int8_t>(std::lrint(std::clamp(row[i] * inv, -127.0f, 127.0f)));
-      i8_sum_[r * groups_ + i / sum_group] += q[i];
-    }
+    QuantizeRow(row, k_pad_, 1.0f / scale, sum_group, i8_.as<int8_t>() + r * k_pad_, i8_sum_.data() + r * groups_);
   }
+  std::memset(i8_.as<int8_t>() + m * k_pad_, 0, (m_pad_ - m) * k_pad_);
   return absl::OkStatus();
 }
 

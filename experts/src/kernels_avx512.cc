@@ -34,28 +34,32 @@ MOE_AVX512 inline void StorePairSums(__m512 lo, __m512 hi, float* out) {
 template <int MM>
 MOE_AVX512 void Bf16F32Tile(const uint16_t* blk, int64_t lines, const Activations& a, int64_t m0, float* y,
                             int64_t ldy) {
-  __m512 lo[MM], hi[MM];
+  // Two independent accumulator sets (even and odd lines) halve the FMA dependency chains.
+  __m512 lo[2][MM], hi[2][MM];
   const float* x[MM];
   for (int t = 0; t < MM; ++t) {
-    lo[t] = _mm512_setzero_ps();
-    hi[t] = _mm512_setzero_ps();
+    lo[0][t] = lo[1][t] = hi[0][t] = hi[1][t] = _mm512_setzero_ps();
     x[t] = a.f32(m0 + t);
   }
-  for (int64_t j = 0; j < lines; ++j) {
-    const __m512i v = _mm512_load_si512(blk + j * 32);
-    const __m512 wlo =
-        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
-    const __m512 whi =
-        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
-    for (int t = 0; t < MM; ++t) {
-      double pair;
-      std::memcpy(&pair, x[t] + 2 * j, 8);
-      const __m512 xb = _mm512_castpd_ps(_mm512_set1_pd(pair));
-      lo[t] = _mm512_fmadd_ps(wlo, xb, lo[t]);
-      hi[t] = _mm512_fmadd_ps(whi, xb, hi[t]);
+  for (int64_t j = 0; j < lines; j += 2) {  // k_pad is a multiple of 64: lines is even
+    for (int u = 0; u < 2; ++u) {
+      const __m512i v = _mm512_load_si512(blk + (j + u) * 32);
+      const __m512 wlo =
+          _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
+      const __m512 whi =
+          _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
+      for (int t = 0; t < MM; ++t) {
+        double pair;
+        std::memcpy(&pair, x[t] + 2 * (j + u), 8);
+        const __m512 xb = _mm512_castpd_ps(_mm512_set1_pd(pair));
+        lo[u][t] = _mm512_fmadd_ps(wlo, xb, lo[u][t]);
+        hi[u][t] = _mm512_fmadd_ps(whi, xb, hi[u][t]);
+      }
     }
   }
-  for (int t = 0; t < MM; ++t) StorePairSums(lo[t], hi[t], y + t * ldy);
+  for (int t = 0; t < MM; ++t) {
+    StorePairSums(_mm512_add_ps(lo[0][t], lo[1][t]), _mm512_add_ps(hi[0][t], hi[1][t]), y + t * ldy);
+  }
 }
 
 template <int MM>
@@ -79,19 +83,24 @@ MOE_AVX512_BF16 void Bf16DpTile(const uint16_t* blk, int64_t lines, const Activa
 template <int MM>
 MOE_AVX512_VNNI void Int8Tile(const uint8_t* blk, int64_t lines, const float* w_scale, const Activations& a,
                               int64_t m0, float* y, int64_t ldy) {
-  __m512i acc[MM];
+  __m512i acc[2][MM];
   const int8_t* x[MM];
   for (int t = 0; t < MM; ++t) {
-    acc[t] = _mm512_setzero_si512();
+    acc[0][t] = acc[1][t] = _mm512_setzero_si512();
     x[t] = a.i8(m0 + t);
   }
-  for (int64_t j = 0; j < lines; ++j) {
-    const __m512i v = _mm512_load_si512(blk + j * 64);
-    for (int t = 0; t < MM; ++t) acc[t] = _mm512_dpbusd_epi32(acc[t], v, _mm512_set1_epi32(Load32(x[t] + 4 * j)));
+  for (int64_t j = 0; j < lines; j += 2) {  // lines = k_pad / 4 is even
+    for (int u = 0; u < 2; ++u) {
+      const __m512i v = _mm512_load_si512(blk + (j + u) * 64);
+      for (int t = 0; t < MM; ++t) {
+        acc[u][t] = _mm512_dpbusd_epi32(acc[u][t], v, _mm512_set1_epi32(Load32(x[t] + 4 * (j + u))));
+      }
+    }
   }
   const __m512 ws = _mm512_loadu_ps(w_scale);
   for (int t = 0; t < MM; ++t) {
-    const __m512i corrected = _mm512_sub_epi32(acc[t], _mm512_set1_epi32(128 * a.i8_sum(m0 + t, 0)));
+    const __m512i sum = _mm512_add_epi32(acc[0][t], acc[1][t]);
+    const __m512i corrected = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * a.i8_sum(m0 + t, 0)));
     const __m512 s = _mm512_mul_ps(ws, _mm512_set1_ps(a.i8_scale(m0 + t)));
     _mm512_storeu_ps(y + t * ldy, _mm512_mul_ps(_mm512_cvtepi32_ps(corrected), s));
   }
@@ -111,18 +120,23 @@ MOE_AVX512_VNNI void Int4Tile(const PackedMatrix& w, int64_t b, const Activation
     x[t] = a.i8(m0 + t);
   }
   for (int64_t g = 0; g < w.layout.groups(); ++g) {
-    __m512i acc[MM];
-    for (int t = 0; t < MM; ++t) acc[t] = _mm512_setzero_si512();
-    for (int64_t j = g * group_lines; j < (g + 1) * group_lines; ++j) {
-      const __m256i packed = _mm256_load_si256(reinterpret_cast<const __m256i*>(blk + j * 32));
-      const __m256i lo = _mm256_and_si256(packed, mask);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
-      const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-      for (int t = 0; t < MM; ++t) acc[t] = _mm512_dpbusd_epi32(acc[t], v, _mm512_set1_epi32(Load32(x[t] + 4 * j)));
+    __m512i acc[2][MM];
+    for (int t = 0; t < MM; ++t) acc[0][t] = acc[1][t] = _mm512_setzero_si512();
+    for (int64_t j = g * group_lines; j < (g + 1) * group_lines; j += 2) {  // group_lines >= 8
+      for (int u = 0; u < 2; ++u) {
+        const __m256i packed = _mm256_load_si256(reinterpret_cast<const __m256i*>(blk + (j + u) * 32));
+        const __m256i lo = _mm256_and_si256(packed, mask);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
+        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        for (int t = 0; t < MM; ++t) {
+          acc[u][t] = _mm512_dpbusd_epi32(acc[u][t], v, _mm512_set1_epi32(Load32(x[t] + 4 * (j + u))));
+        }
+      }
     }
     const __m512 scales = _mm512_loadu_ps(w.block_scales(b, g));
     for (int t = 0; t < MM; ++t) {
-      const __m512i corrected = _mm512_sub_epi32(acc[t], _mm512_set1_epi32(8 * a.i8_sum(m0 + t, g)));
+      const __m512i sum = _mm512_add_epi32(acc[0][t], acc[1][t]);
+      const __m512i corrected = _mm512_sub_epi32(sum, _mm512_set1_epi32(8 * a.i8_sum(m0 + t, g)));
       out[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(corrected), scales, out[t]);
     }
   }

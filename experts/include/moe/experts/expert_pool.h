@@ -81,6 +81,8 @@ class ExpertPool {
   int64_t loaded_bytes() const { return loaded_bytes_; }  // checkpoint bytes read (0 when attached)
   // The kernel a call with `tokens` tokens per expert uses.
   KernelKind KernelFor(int64_t tokens) const;
+  // Forces a kernel for later calls (unset: per call); kFailedPrecondition if this CPU lacks it.
+  absl::Status SetKernel(std::optional<KernelKind> kernel);
   // Reads a `bytes` buffer with the pool's threads, best of `repeats`: GB/s.
   double MeasureReadBandwidth(size_t bytes, int repeats = 5);
   // "int8 experts: 2 layers x 128, 1.2 GB in transparent huge pages, 32 pinned threads"

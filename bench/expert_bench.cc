@@ -1,0 +1,136 @@
+#include "expert_bench.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <random>
+#include <set>
+
+#include "absl/strings/str_format.h"
+#include "moe/core/dtype.h"
+#include "moe/core/status.h"
+#include "moe/experts/expert_pool.h"
+
+namespace moe::bench {
+namespace {
+
+// Distinct random bf16 experts; expert e of every layer reuses variant e % kVariants (the
+// arena still holds a separate copy of each, so every expert is its own memory).
+constexpr int kVariants = 16;
+
+struct RandomExperts {
+  RandomExperts(int64_t h, int64_t inter) : h(h), inter(inter) {
+    std::mt19937 rng(1);
+    std::normal_distribution<float> dist(0.0f, 1.0f / std::sqrt(static_cast<float>(h)));
+    data.resize(static_cast<size_t>(kVariants) * 3 * h * inter);
+    for (auto& v : data) v = core::FloatToBf16(dist(rng));
+  }
+  experts::ExpertWeightSource Source() const {
+    return [this](int, int e) -> absl::StatusOr<experts::ExpertWeights> {
+      const uint16_t* base = data.data() + static_cast<size_t>(e % kVariants) * 3 * h * inter;
+      return experts::ExpertWeights{{base, core::DType::kBF16, {inter, h}},
+                                    {base + h * inter, core::DType::kBF16, {inter, h}},
+                                    {base + 2 * h * inter, core::DType::kBF16, {h, inter}}};
+    };
+  }
+  int64_t h, inter;
+  std::vector<uint16_t> data;
+};
+
+struct Call {
+  int layer;
+  std::vector<int32_t> ids;
+  std::vector<float> weights;
+  int distinct;
+};
+
+std::vector<Call> MakeCalls(const ExpertBenchOptions& o, int batch, int count, std::mt19937& rng) {
+  std::vector<Call> calls(count);
+  std::vector<int32_t> all(o.num_experts);
+  for (int c = 0; c < count; ++c) {
+    Call& call = calls[c];
+    call.layer = c % o.layers;
+    std::set<int32_t> used;
+    for (int t = 0; t < batch; ++t) {
+      for (int e = 0; e < o.num_experts; ++e) all[e] = e;
+      for (int j = 0; j < o.top_k; ++j) {
+        std::swap(all[j], all[j + rng() % (o.num_experts - j)]);
+        call.ids.push_back(all[j]);
+        call.weights.push_back(1.0f / o.top_k);
+        used.insert(all[j]);
+      }
+    }
+    call.distinct = static_cast<int>(used.size());
+  }
+  return calls;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<ExpertBenchRow>> RunExpertBench(const ExpertBenchOptions& o, std::ostream& log) {
+  const RandomExperts source(o.hidden, o.intermediate);
+  experts::ExpertShape shape{o.layers, o.num_experts, o.top_k, o.hidden, o.intermediate};
+  std::vector<ExpertBenchRow> rows;
+  std::mt19937 rng(7);
+  const int max_batch = *std::max_element(o.batches.begin(), o.batches.end());
+  std::vector<float> hidden(static_cast<size_t>(max_batch) * o.hidden), out(hidden.size());
+  for (auto& v : hidden) v = std::normal_distribution<float>()(rng);
+
+  for (const std::string& format_name : o.formats) {
+    experts::ExpertPoolOptions po;
+    MOE_ASSIGN_OR_RETURN(po.format, experts::ParseFormat(format_name));
+    po.threads = o.threads;
+    po.progress = false;
+    MOE_ASSIGN_OR_RETURN(auto pool, experts::ExpertPool::Create(shape, po, source.Source()));
+    const double read_gbps = pool->MeasureReadBandwidth(static_cast<size_t>(o.read_bytes));
+    log << absl::StrFormat("%s | read bandwidth %.1f GB/s (%d threads, %.1f GB buffer)\n", pool->Describe(), read_gbps,
+                           pool->threads(), o.read_bytes / 1e9);
+    for (experts::KernelKind kind : experts::KernelsFor(po.format)) {
+      const std::string kernel_name = experts::KernelName(kind);
+      if (!o.kernels.empty() && std::find(o.kernels.begin(), o.kernels.end(), kernel_name) == o.kernels.end()) continue;
+      const std::string why = experts::KernelUnsupportedReason(kind, po.format, core::GetCpuFeatures());
+      if (!why.empty()) {
+        log << absl::StrFormat("  %s %s: skipped, %s\n", format_name, kernel_name, why);
+        continue;
+      }
+      MOE_RETURN_IF_ERROR(pool->SetKernel(kind));
+      for (int batch : o.batches) {
+        if (kind == experts::KernelKind::kPortable && batch > o.portable_max_batch) continue;
+        // Warm up, then as many calls as fit in the time per point (at least 3).
+        std::vector<Call> calls = MakeCalls(o, batch, 2, rng);
+        for (const Call& c : calls) {
+          MOE_RETURN_IF_ERROR(pool->Compute(c.layer, hidden.data(), batch, c.ids.data(), c.weights.data(), out.data()));
+        }
+        const auto probe_start = std::chrono::steady_clock::now();
+        MOE_RETURN_IF_ERROR(
+            pool->Compute(calls[0].layer, hidden.data(), batch, calls[0].ids.data(), calls[0].weights.data(), out.data()));
+        const double probe = std::chrono::duration<double>(std::chrono::steady_clock::now() - probe_start).count();
+        const int count = std::clamp(static_cast<int>(o.seconds_per_point / std::max(probe, 1e-6)), 3, 200);
+        calls = MakeCalls(o, batch, count, rng);
+        double bytes = 0;
+        const auto start = std::chrono::steady_clock::now();
+        for (const Call& c : calls) {
+          MOE_RETURN_IF_ERROR(pool->Compute(c.layer, hidden.data(), batch, c.ids.data(), c.weights.data(), out.data()));
+          bytes += static_cast<double>(c.distinct) * pool->expert_bytes();
+        }
+        const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        ExpertBenchRow row;
+        row.format = format_name;
+        row.kernel = kernel_name;
+        row.batch = batch;
+        row.ms_per_call = secs / count * 1e3;
+        row.weight_gbps = bytes / secs / 1e9;
+        row.read_gbps = read_gbps;
+        row.ratio = row.weight_gbps / read_gbps;
+        row.tflops = 2.0 * batch * o.top_k * 3 * o.hidden * o.intermediate * count / secs / 1e12;
+        log << absl::StrFormat("  %-5s %-10s batch %5d: %8.3f ms/call  %6.1f GB/s of weights (%4.0f%% of read)  %6.2f TFLOP/s\n",
+                               row.format, row.kernel, row.batch, row.ms_per_call, row.weight_gbps, 100 * row.ratio,
+                               row.tflops);
+        rows.push_back(row);
+      }
+    }
+  }
+  return rows;
+}
+
+}  // namespace moe::bench

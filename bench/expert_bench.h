@@ -1,0 +1,43 @@
+// The expert pool benchmark: one MoE layer call at a real layer shape (Qwen3-30B-A3B by default:
+// hidden 2048, 128 experts, top-8, intermediate 768) for each format, kernel and batch size,
+// against the host read bandwidth measured with the same threads in the same run.
+#pragma once
+
+#include <cstdint>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace moe::bench {
+
+struct ExpertBenchOptions {
+  int64_t hidden = 2048;
+  int64_t intermediate = 768;
+  int num_experts = 128;
+  int top_k = 8;
+  int layers = 4;  // calls cycle through layers so the touched experts come from RAM, not cache
+  std::vector<int> batches = {1, 4, 16, 64, 256, 1024};
+  std::vector<std::string> formats = {"bf16", "int8", "int4"};
+  std::vector<std::string> kernels;  // empty: every kernel this CPU has
+  int threads = 0;
+  int64_t read_bytes = 2ll << 30;  // buffer for the read-bandwidth roofline
+  double seconds_per_point = 0.3;
+  int portable_max_batch = 16;  // the portable kernel is a reference, not a contender
+};
+
+struct ExpertBenchRow {
+  std::string format, kernel;
+  int batch = 0;
+  double ms_per_call = 0;
+  double weight_gbps = 0;  // bytes of the experts touched per call / time
+  double read_gbps = 0;    // the roofline, same threads
+  double ratio = 0;
+  double tflops = 0;
+};
+
+// Runs the sweep; `log` gets one human-readable line per point as it goes.
+absl::StatusOr<std::vector<ExpertBenchRow>> RunExpertBench(const ExpertBenchOptions& options, std::ostream& log);
+
+}  // namespace moe::bench

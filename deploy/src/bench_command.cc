@@ -1,0 +1,177 @@
+// moeserve bench: the expert pool against its rooflines, and loading the expert arena.
+#include <chrono>
+#include <iostream>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "commands.h"
+#include "expert_bench.h"
+#include "flags.h"
+#include "moe/core/status.h"
+#include "moe/experts/arena.h"
+#include "moe/runtime/model.h"
+#include "nlohmann/json.hpp"
+
+namespace moe::deploy {
+namespace {
+
+int Fail(const absl::Status& s, int code) {
+  std::cerr << "moeserve bench: error: " << s.message() << "\n";
+  return code;
+}
+
+std::vector<std::string> SplitList(const std::string& text) {
+  std::vector<std::string> out;
+  for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipEmpty())) out.emplace_back(part);
+  return out;
+}
+
+absl::Status ReadBenchOptions(const Flags& flags, bench::ExpertBenchOptions* o) {
+  MOE_ASSIGN_OR_RETURN(int64_t threads, flags.Int("threads"));
+  MOE_ASSIGN_OR_RETURN(int64_t layers, flags.Int("layers"));
+  MOE_ASSIGN_OR_RETURN(int64_t read_mb, flags.Int("read-mb"));
+  MOE_ASSIGN_OR_RETURN(double seconds, flags.Double("seconds"));
+  MOE_ASSIGN_OR_RETURN(o->hidden, flags.Int("hidden"));
+  MOE_ASSIGN_OR_RETURN(o->intermediate, flags.Int("intermediate"));
+  MOE_ASSIGN_OR_RETURN(int64_t experts, flags.Int("experts"));
+  MOE_ASSIGN_OR_RETURN(int64_t top_k, flags.Int("top-k"));
+  o->threads = static_cast<int>(threads);
+  o->layers = static_cast<int>(layers);
+  o->read_bytes = read_mb << 20;
+  o->seconds_per_point = seconds;
+  o->num_experts = static_cast<int>(experts);
+  o->top_k = static_cast<int>(top_k);
+  o->formats = SplitList(flags.Get("formats"));
+  o->kernels = SplitList(flags.Get("kernels"));
+  o->batches.clear();
+  for (const std::string& b : SplitList(flags.Get("batches"))) {
+    int v;
+    if (!absl::SimpleAtoi(b, &v) || v <= 0) {
+      return absl::InvalidArgumentError("--batches: '" + b + "' is not a positive batch size");
+    }
+    o->batches.push_back(v);
+  }
+  if (o->batches.empty() || o->layers <= 0 || o->top_k <= 0 || o->top_k > o->num_experts || read_mb <= 0) {
+    return absl::InvalidArgumentError("--batches, --layers, --top-k (at most --experts) and --read-mb must be positive");
+  }
+  return absl::OkStatus();
+}
+
+int BenchExperts(int argc, char** argv) {
+  Flags flags("bench experts",
+              "Times one MoE layer call of the CPU expert pool at a real layer shape (default Qwen3-30B-A3B:\n"
+              "hidden 2048, 128 experts, top-8, intermediate 768) for every format, kernel and batch, against\n"
+              "the host read bandwidth measured with the same threads in the same run. Weights are random.\n"
+              "Columns: ms per call, GB/s of expert weights touched, ratio to the read bandwidth, TFLOP/s.");
+  flags.Add("threads", "N", "pool threads; 0 uses every core", "0");
+  flags.Add("layers", "N", "layers the calls cycle through (keeps the weights out of the caches)", "4");
+  flags.Add("batches", "LIST", "tokens per call", "1,4,16,64,256,1024");
+  flags.Add("formats", "LIST", "bf16, int8, int4", "bf16,int8,int4");
+  flags.Add("kernels", "LIST", "only these kernels (portable, avx512, avx512bf16, vnni, amx); default all");
+  flags.Add("read-mb", "MB", "buffer for the read-bandwidth roofline", "2048");
+  flags.Add("seconds", "S", "time spent per point", "0.3");
+  flags.Add("hidden", "N", "hidden size", "2048");
+  flags.Add("intermediate", "N", "expert intermediate size", "768");
+  flags.Add("experts", "N", "experts per layer", "128");
+  flags.Add("top-k", "K", "experts per token", "8");
+  flags.AddSwitch("json", "print one JSON array of rows: format, kernel, batch, ms_per_call, weight_gbps, read_gbps, "
+                          "ratio, tflops");
+  flags.AddSwitch("help", "show this help");
+  if (absl::Status s = flags.Parse(argc, argv); !s.ok()) return Fail(s, 2);
+  if (flags.Switch("help")) {
+    std::cout << flags.Help();
+    return 0;
+  }
+  bench::ExpertBenchOptions options;
+  if (absl::Status s = ReadBenchOptions(flags, &options); !s.ok()) return Fail(s, 2);
+  const bool json = flags.Switch("json");
+  auto rows = bench::RunExpertBench(options, json ? std::cerr : std::cout);
+  if (!rows.ok()) return Fail(rows.status(), 1);
+  if (json) {
+    nlohmann::ordered_json out = nlohmann::ordered_json::array();
+    for (const bench::ExpertBenchRow& r : *rows) {
+      out.push_back({{"format", r.format}, {"kernel", r.kernel}, {"batch", r.batch}, {"ms_per_call", r.ms_per_call},
+                     {"weight_gbps", r.weight_gbps}, {"read_gbps", r.read_gbps}, {"ratio", r.ratio},
+                     {"tflops", r.tflops}});
+    }
+    std::cout << out.dump() << std::endl;
+  }
+  return 0;
+}
+
+int BenchLoad(int argc, char** argv) {
+  Flags flags("bench load",
+              "Loads a model's routed experts into the expert arena and reports the speed (checkpoint bytes read\n"
+              "per second). With --expert-shm the arena is a named shared-memory segment: the first run fills it,\n"
+              "later runs attach to it and report the attach time.");
+  flags.Add("model", "DIR", "Hugging Face model directory");
+  flags.Add("expert-format", "bf16|int8|int4", "packed format", "bf16");
+  flags.Add("expert-group", "N", "int4 group size", "32");
+  flags.Add("expert-threads", "N", "threads; 0 uses every core", "0");
+  flags.Add("expert-shm", "NAME", "shared-memory segment /dev/shm/NAME");
+  flags.AddSwitch("unlink", "remove the shared-memory segment at the end");
+  flags.AddSwitch("json", "print one JSON object");
+  flags.AddSwitch("help", "show this help");
+  if (absl::Status s = flags.Parse(argc, argv); !s.ok()) return Fail(s, 2);
+  if (flags.Switch("help")) {
+    std::cout << flags.Help();
+    return 0;
+  }
+  auto model_dir = flags.Required("model");
+  if (!model_dir.ok()) return Fail(model_dir.status(), 2);
+  runtime::ModelOptions options;
+  auto format = experts::ParseFormat(flags.Get("expert-format"));
+  auto group = flags.Int("expert-group");
+  auto threads = flags.Int("expert-threads");
+  for (const absl::Status& s : {format.status(), group.status(), threads.status()}) {
+    if (!s.ok()) return Fail(s, 2);
+  }
+  options.pool.format = *format;
+  options.pool.group = static_cast<int>(*group);
+  options.pool.threads = static_cast<int>(*threads);
+  options.pool.shm_name = flags.Get("expert-shm");
+  options.pool.progress = !flags.Switch("json");
+  const auto start = std::chrono::steady_clock::now();
+  auto model = runtime::Model::Load(*model_dir, options);
+  if (!model.ok()) return Fail(model.status(), 1);
+  const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  experts::ExpertPool* pool = (*model)->expert_pool();
+  if (pool == nullptr) return Fail(absl::FailedPreconditionError("the model has no MoE layers"), 1);
+  const bool attached = pool->arena().attached();
+  const double gbps = attached ? 0.0 : pool->loaded_bytes() / 1e9 / std::max(pool->load_seconds(), 1e-9);
+  if (flags.Switch("json")) {
+    nlohmann::ordered_json j = {{"attached", attached},       {"arena_bytes", pool->arena().size()},
+                                {"checkpoint_bytes", pool->loaded_bytes()}, {"expert_seconds", pool->load_seconds()},
+                                {"load_gbps", gbps},          {"model_load_seconds", total},
+                                {"pages", pool->arena().page_kind()}};
+    std::cout << j.dump() << std::endl;
+  } else {
+    std::cout << pool->Describe() << "\n";
+    if (attached) {
+      std::cout << absl::StrFormat("attached to the published arena in %.3f s (model load %.3f s)\n",
+                                   pool->load_seconds(), total);
+    } else {
+      std::cout << absl::StrFormat("loaded %.2f GB of checkpoint experts in %.2f s: %.2f GB/s (model load %.2f s)\n",
+                                   pool->loaded_bytes() / 1e9, pool->load_seconds(), gbps, total);
+    }
+  }
+  if (flags.Switch("unlink") && !options.pool.shm_name.empty()) {
+    if (absl::Status s = experts::HostArena::Unlink(options.pool.shm_name); !s.ok()) return Fail(s, 1);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int BenchCommand(int argc, char** argv) {
+  const std::string what = argc > 0 ? argv[0] : "";
+  if (what == "experts") return BenchExperts(argc - 1, argv + 1);
+  if (what == "load") return BenchLoad(argc - 1, argv + 1);
+  std::ostream& out = what == "--help" ? std::cout : std::cerr;
+  out << "usage: moeserve bench experts [flags]   the expert pool against the read-bandwidth roofline\n"
+      << "       moeserve bench load --model DIR   loading the expert arena (and attaching to a shared one)\n";
+  return what == "--help" ? 0 : 2;
+}
+
+}  // namespace moe::deploy
