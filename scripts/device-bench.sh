@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The expert-pool measurements on the GPU machine, from a bundle (scripts/device-ctest.sh has the
+# tests): the kernel sweep against the read bandwidth, then loading a 10 GB arena and attaching.
+#   scripts/device-bench.sh BUNDLE_DIR OUT_DIR
+set -uo pipefail
+bundle=$(cd "$1" && pwd); out=$2
+source "$bundle/env.sh"
+B="$bundle/bin/moeserve"
+echo "== machine: $(nproc) cores, $(free -g | awk '/Mem/ {print $2}') GiB"
+grep -o -w -E 'avx512_bf16|avx512_vnni|amx_bf16|amx_int8' /proc/cpuinfo | sort -u | tr '\n' ' '; echo
+echo "== bench experts"
+"$B" bench experts --read-mb 4096 --json > "$out/bench_experts.json" 2> "$out/bench_experts.log"
+cat "$out/bench_experts.log"
+echo "== bench load (qwen3-30b-a3b, 8 layers: about 10 GB of bf16 experts)"
+"$B" make-model --preset qwen3-30b-a3b --layers 8 --out /tmp/q30b8 --quiet
+name=moeserve_bench_$$
+for run in first second; do
+  "$B" bench load --model /tmp/q30b8 --expert-format int8 --expert-shm "$name" --json
+done
+"$B" bench load --model /tmp/q30b8 --expert-format bf16 --json
+sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null && echo "(page cache dropped)" && \
+  "$B" bench load --model /tmp/q30b8 --expert-format bf16 --json
+rm -f "/dev/shm/$name"
