@@ -127,8 +127,8 @@ class ExpertPool::Impl {
   std::vector<KernelKind> usable;  // kernels this CPU runs for the pool's format
 
   // Per-call scratch, grown as needed. Slots (token, choice) are ordered by expert ("positions").
-  std::vector<int32_t> count, offset, slot_at, position_of;
-  std::vector<float> gathered;    // [positions x H]
+  std::vector<int32_t> count, offset, position_of;
+  std::vector<const float*> rows, mid_rows;  // input and intermediate row of each position
   std::vector<float> inter;       // [positions x I]
   std::vector<float> expert_out;  // [positions x H_pad]
   std::vector<Activations> act_in, act_mid;  // per expert
@@ -341,108 +341,122 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
   const int64_t h = shape_.hidden, inter = shape_.intermediate, h_pad = down_.n_pad;
   const int64_t slots = num_tokens * k;
 
-  // Order the (token, choice) slots by expert: counting sort.
+  // Order the (token, choice) slots by expert ("positions"): counting sort.
   s.count.assign(num_experts, 0);
   for (int64_t i = 0; i < slots; ++i) ++s.count[topk_ids[i]];
   s.offset.assign(num_experts + 1, 0);
   for (int e = 0; e < num_experts; ++e) s.offset[e + 1] = s.offset[e] + s.count[e];
-  s.slot_at.resize(slots);
   s.position_of.resize(slots);
+  s.rows.resize(slots);
   std::vector<int32_t> cursor(s.offset.begin(), s.offset.end() - 1);
   for (int64_t i = 0; i < slots; ++i) {
     const int32_t pos = cursor[topk_ids[i]]++;
-    s.slot_at[pos] = static_cast<int32_t>(i);
     s.position_of[i] = pos;
+    s.rows[pos] = hidden + (i / k) * h;
   }
-  if (s.gathered.size() < static_cast<size_t>(slots * h)) s.gathered.resize(slots * h);
   if (s.inter.size() < static_cast<size_t>(slots * inter)) s.inter.resize(slots * inter);
   if (s.expert_out.size() < static_cast<size_t>(slots * h_pad)) s.expert_out.resize(slots * h_pad);
+  s.mid_rows.resize(slots);
+  for (int64_t pos = 0; pos < slots; ++pos) s.mid_rows[pos] = s.inter.data() + pos * inter;
 
   std::vector<int> active;
+  bool uniform = true;  // every active expert has the same token count: equal work items
   for (int e = 0; e < num_experts; ++e) {
-    if (s.count[e] > 0) active.push_back(e);
+    if (s.count[e] == 0) continue;
+    uniform = uniform && (active.empty() || s.count[e] == s.count[active[0]]);
+    active.push_back(e);
   }
-  // About four tasks per thread over each stage.
-  const int64_t pairs = gate_up_.blocks() / 2, down_blocks = down_.blocks();
-  const int64_t want = 4 * static_cast<int64_t>(threads_);
-  const int64_t pair_chunk = std::max<int64_t>(1, pairs * static_cast<int64_t>(active.size()) / want);
-  const int64_t down_chunk = std::max<int64_t>(1, down_blocks * static_cast<int64_t>(active.size()) / want);
-
+  // Many slots: prepare experts in parallel; few: in line (a barrier costs more).
   FirstError error;
-  std::unique_ptr<std::atomic<int64_t>[]> remaining(new std::atomic<int64_t>[num_experts]);
-  tbb::task_group tg;
-
-  // The down projection of expert e, once all of its gate+up blocks are done.
-  auto start_down = [&](int e) {
-    const int64_t m = s.count[e], base = s.offset[e];
-    const KernelKind kind = KernelFor(m);
-    absl::Status st = s.act_mid[e].Prepare(s.inter.data() + base * inter, m, inter, down_.k_pad, kind,
-                                           options_.format, SumGroup(down_));
-    if (!st.ok()) return error.Set(st);
-    const MatmulKernel kernel = GetKernel(kind, options_.format);
-    const PackedMatrix w = Down(layer, e);
-    for (int64_t b0 = 0; b0 < down_blocks; b0 += down_chunk) {
-      const int64_t b1 = std::min(down_blocks, b0 + down_chunk);
-      tg.run([&, e, b0, b1, kernel, w, base] {
-        kernel(w, s.act_mid[e], b0, b1, s.expert_out.data() + base * h_pad + b0 * 16, h_pad);
-      });
+  auto for_each_active = [&](auto&& f) {
+    if (slots < 64) {
+      for (int e : active) f(e);
+    } else {
+      tbb::parallel_for(size_t{0}, active.size(), [&](size_t i) { f(active[i]); });
+    }
+  };
+  // Work items of `unit` blocks; uniform work splits evenly over the threads, the rest is
+  // scheduled dynamically in about 8 items per thread.
+  struct Item {
+    int expert;
+    int64_t b0, b1;
+  };
+  auto make_items = [&](int64_t blocks, int64_t unit) {
+    int64_t chunk = unit;
+    if (!uniform) {
+      int64_t work = 0;
+      for (int e : active) work += blocks;
+      chunk = std::max<int64_t>(unit, (work / (8 * threads_) + unit - 1) / unit * unit);
+    }
+    std::vector<Item> items;
+    for (int e : active) {
+      for (int64_t b = 0; b < blocks; b += chunk) items.push_back({e, b, std::min(blocks, b + chunk)});
+    }
+    return items;
+  };
+  auto run_items = [&](const std::vector<Item>& items, auto&& f) {
+    const tbb::blocked_range<size_t> range(0, items.size(), 1);
+    auto body = [&](const tbb::blocked_range<size_t>& r) {
+      for (size_t i = r.begin(); i < r.end(); ++i) f(items[i]);
+    };
+    if (uniform) {
+      tbb::parallel_for(range, body, tbb::static_partitioner());
+    } else {
+      tbb::parallel_for(range, body);
     }
   };
 
-  for (int e : active) {
-    tg.run([&, e] {
-      const int64_t m = s.count[e], base = s.offset[e];
-      for (int64_t i = 0; i < m; ++i) {
-        std::memcpy(s.gathered.data() + (base + i) * h, hidden + (s.slot_at[base + i] / k) * h, h * sizeof(float));
-      }
-      const KernelKind kind = KernelFor(m);
-      absl::Status st = s.act_in[e].Prepare(s.gathered.data() + base * h, m, h, gate_up_.k_pad, kind,
-                                            options_.format, SumGroup(gate_up_));
-      if (!st.ok()) return error.Set(st);
-      const MatmulKernel kernel = GetKernel(kind, options_.format);
-      const PackedMatrix w = GateUp(layer, e);
-      remaining[e].store((pairs + pair_chunk - 1) / pair_chunk);
-      for (int64_t p0 = 0; p0 < pairs; p0 += pair_chunk) {
-        const int64_t p1 = std::min(pairs, p0 + pair_chunk);
-        tg.run([&, e, p0, p1, m, base, kernel, w] {
-          // Gate and up blocks alternate: one kernel call yields both, then SiLU(gate) * up.
-          thread_local std::vector<float> tmp;
-          const int64_t ld = (p1 - p0) * 32;
-          if (tmp.size() < static_cast<size_t>(m * ld)) tmp.resize(m * ld);
-          kernel(w, s.act_in[e], 2 * p0, 2 * p1, tmp.data(), ld);
-          for (int64_t i = 0; i < m; ++i) {
-            float* dst = s.inter.data() + (base + i) * inter;
-            const float* row = tmp.data() + i * ld;
-            for (int64_t p = p0; p < p1; ++p) {
-              for (int r = 0; r < 16 && p * 16 + r < inter; ++r) {
-                dst[p * 16 + r] = Silu(row[(p - p0) * 32 + r]) * row[(p - p0) * 32 + 16 + r];
-              }
-            }
-          }
-          if (remaining[e].fetch_sub(1) == 1) start_down(e);
-        });
-      }
-    });
-  }
-  tg.wait();
+  // Stage 1: gate and up blocks alternate in the fused matrix; one kernel call yields both,
+  // then SiLU(gate) * up into the intermediate rows.
+  for_each_active([&](int e) {
+    error.Set(s.act_in[e].Prepare(s.rows.data() + s.offset[e], s.count[e], h, gate_up_.k_pad, KernelFor(s.count[e]),
+                                  options_.format, SumGroup(gate_up_)));
+  });
   if (error.failed()) return error.status();
-
-  // out[t] = sum_j weight[t, j] * expert_out[position of (t, j)], choices in order.
-  const int64_t h_chunk = num_tokens >= 4 * threads_ ? h : std::max<int64_t>(256, h / 8);
-  tbb::parallel_for(tbb::blocked_range<int64_t>(0, num_tokens * ((h + h_chunk - 1) / h_chunk)),
-                    [&](const tbb::blocked_range<int64_t>& range) {
-    const int64_t chunks = (h + h_chunk - 1) / h_chunk;
-    for (int64_t job = range.begin(); job < range.end(); ++job) {
-      const int64_t t = job / chunks, c0 = (job % chunks) * h_chunk, c1 = std::min(h, c0 + h_chunk);
-      float* dst = out + t * h;
-      std::fill(dst + c0, dst + c1, 0.0f);
-      for (int j = 0; j < k; ++j) {
-        const float wt = topk_weights[t * k + j];
-        const float* src = s.expert_out.data() + static_cast<int64_t>(s.position_of[t * k + j]) * h_pad;
-        for (int64_t i = c0; i < c1; ++i) dst[i] += wt * src[i];
+  run_items(make_items(gate_up_.blocks(), 2), [&](const Item& it) {
+    const int64_t m = s.count[it.expert], base = s.offset[it.expert];
+    const int64_t ld = (it.b1 - it.b0) * 16;
+    thread_local std::vector<float> tmp;
+    if (tmp.size() < static_cast<size_t>(m * ld)) tmp.resize(m * ld);
+    GetKernel(KernelFor(m), options_.format)(GateUp(layer, it.expert), s.act_in[it.expert], it.b0, it.b1, tmp.data(), ld);
+    for (int64_t i = 0; i < m; ++i) {
+      const float* row = tmp.data() + i * ld;
+      float* dst = s.inter.data() + (base + i) * inter;
+      for (int64_t b = it.b0; b < it.b1; b += 2) {
+        const int64_t unit = b / 2 * 16;
+        const int64_t n = std::min<int64_t>(16, inter - unit);
+        if (n > 0) SiluMul(row + (b - it.b0) * 16, row + (b - it.b0 + 1) * 16, n, dst + unit);
       }
     }
   });
+
+  // Stage 2: the down projection of each expert's intermediate rows.
+  for_each_active([&](int e) {
+    error.Set(s.act_mid[e].Prepare(s.mid_rows.data() + s.offset[e], s.count[e], inter, down_.k_pad,
+                                   KernelFor(s.count[e]), options_.format, SumGroup(down_)));
+  });
+  if (error.failed()) return error.status();
+  run_items(make_items(down_.blocks(), 2), [&](const Item& it) {
+    const int64_t m = s.count[it.expert], base = s.offset[it.expert];
+    GetKernel(KernelFor(m), options_.format)(Down(layer, it.expert), s.act_mid[it.expert], it.b0, it.b1,
+                                             s.expert_out.data() + base * h_pad + it.b0 * 16, h_pad);
+  });
+
+  // out[t] = sum_j weight[t, j] * expert_out[position of (t, j)], choices in order.
+  auto reduce = [&](int64_t t, int64_t c0, int64_t c1) {
+    float* dst = out + t * h;
+    std::fill(dst + c0, dst + c1, 0.0f);
+    for (int j = 0; j < k; ++j) {
+      const float wt = topk_weights[t * k + j];
+      const float* src = s.expert_out.data() + static_cast<int64_t>(s.position_of[t * k + j]) * h_pad;
+      for (int64_t i = c0; i < c1; ++i) dst[i] += wt * src[i];
+    }
+  };
+  if (slots < 64) {
+    for (int64_t t = 0; t < num_tokens; ++t) reduce(t, 0, h);
+  } else {
+    tbb::parallel_for(int64_t{0}, num_tokens, [&](int64_t t) { reduce(t, 0, h); });
+  }
   return absl::OkStatus();
 }
 

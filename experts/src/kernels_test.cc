@@ -118,6 +118,20 @@ TEST(PackedTest, QuantizationStaysCloseToTheWeights) {
   }
 }
 
+TEST(SiluMulTest, MatchesTheLibmReference) {
+  std::vector<float> gate, up, out;
+  for (float x = -90.0f; x <= 90.0f; x += 0.37f) {
+    gate.push_back(x);
+    up.push_back(1.5f);
+  }
+  out.resize(gate.size());
+  SiluMul(gate.data(), up.data(), static_cast<int64_t>(gate.size()), out.data());
+  for (size_t i = 0; i < gate.size(); ++i) {
+    const double want = gate[i] / (1.0 + std::exp(-double(gate[i]))) * 1.5;
+    EXPECT_NEAR(out[i], want, 1e-6 * std::max(1.0, std::abs(want))) << gate[i];
+  }
+}
+
 TEST(PackedTest, RejectsBadShapesAndGroups) {
   EXPECT_FALSE(MakeLayout(ExpertFormat::kInt4, 16, 64, 48).ok());
   auto layout = MakeLayout(ExpertFormat::kBF16, 16, 64);

@@ -43,10 +43,14 @@ class Activations {
   // quantized-sum group (the int4 group; k_pad for int8).
   absl::Status Prepare(const float* x, int64_t m, int64_t k, int64_t k_pad, KernelKind kind, ExpertFormat format,
                        int sum_group);
+  // The same, with row r read from rows[r] (k floats each): gathers and prepares in one pass.
+  absl::Status Prepare(const float* const* rows, int64_t m, int64_t k, int64_t k_pad, KernelKind kind,
+                       ExpertFormat format, int sum_group);
 
   int64_t m() const { return m_; }
   int64_t m_pad() const { return m_pad_; }
   int64_t k_pad() const { return k_pad_; }
+  // fp32 rows (bf16 format only).
   const float* f32(int64_t row) const { return f32_.as<float>() + row * k_pad_; }
   const uint16_t* bf16(int64_t row) const { return bf16_.as<uint16_t>() + row * k_pad_; }
   // bf16(x - bf16(x)): what bf16 rounding left out (amx only).
@@ -63,6 +67,9 @@ class Activations {
   std::vector<float> i8_scale_;
   std::vector<int32_t> i8_sum_;
 };
+
+// out[i] = silu(gate[i]) * up[i] for n values, vectorized (exp to about 1e-7 relative).
+void SiluMul(const float* gate, const float* up, int64_t n, float* out);
 
 // Computes y[m * ldy + (n - block_begin*16)] for blocks [block_begin, block_end) and m < a.m().
 using MatmulKernel = void (*)(const PackedMatrix& w, const Activations& a, int64_t block_begin, int64_t block_end,
