@@ -108,6 +108,7 @@ absl::StatusOr<std::vector<ExpertBenchRow>> RunExpertBench(const ExpertBenchOpti
         const int count = std::clamp(static_cast<int>(o.seconds_per_point / std::max(probe, 1e-6)), 3, 200);
         calls = MakeCalls(o, batch, count, rng);
         double bytes = 0;
+        pool->ResetPhases();
         const auto start = std::chrono::steady_clock::now();
         for (const Call& c : calls) {
           MOE_RETURN_IF_ERROR(pool->Compute(c.layer, hidden.data(), batch, c.ids.data(), c.weights.data(), out.data()));
@@ -126,6 +127,7 @@ absl::StatusOr<std::vector<ExpertBenchRow>> RunExpertBench(const ExpertBenchOpti
         log << absl::StrFormat("  %-5s %-10s batch %5d: %8.3f ms/call  %6.1f GB/s of weights (%4.0f%% of read)  %6.2f TFLOP/s\n",
                                row.format, row.kernel, row.batch, row.ms_per_call, row.weight_gbps, 100 * row.ratio,
                                row.tflops);
+        if (o.phases) log << "      " << pool->PhaseReport() << "\n";
         rows.push_back(row);
       }
     }

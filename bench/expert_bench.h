@@ -25,6 +25,7 @@ struct ExpertBenchOptions {
   int64_t read_bytes = 2ll << 30;  // buffer for the read-bandwidth roofline
   double seconds_per_point = 0.3;
   int portable_max_batch = 16;  // the portable kernel is a reference, not a contender
+  bool phases = false;          // print where each point's time goes
 };
 
 struct ExpertBenchRow {

@@ -42,6 +42,7 @@ absl::Status ReadBenchOptions(const Flags& flags, bench::ExpertBenchOptions* o) 
   o->seconds_per_point = seconds;
   o->num_experts = static_cast<int>(experts);
   o->top_k = static_cast<int>(top_k);
+  o->phases = flags.Switch("phases");
   o->formats = SplitList(flags.Get("formats"));
   o->kernels = SplitList(flags.Get("kernels"));
   o->batches.clear();
@@ -75,6 +76,7 @@ int BenchExperts(int argc, char** argv) {
   flags.Add("intermediate", "N", "expert intermediate size", "768");
   flags.Add("experts", "N", "experts per layer", "128");
   flags.Add("top-k", "K", "experts per token", "8");
+  flags.AddSwitch("phases", "after each point, the time of each phase of a call");
   flags.AddSwitch("json", "print one JSON array of rows: format, kernel, batch, ms_per_call, weight_gbps, read_gbps, "
                           "ratio, tflops");
   flags.AddSwitch("help", "show this help");

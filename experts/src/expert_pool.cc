@@ -132,6 +132,9 @@ class ExpertPool::Impl {
   std::vector<float> inter;       // [positions x I]
   std::vector<float> expert_out;  // [positions x H_pad]
   std::vector<Activations> act_in, act_mid;  // per expert
+  // Wall time per phase of Run (sort, prepare, gate+up, prepare, down, reduce), for the bench.
+  double phase_seconds[6] = {};
+  int64_t calls = 0;
 };
 
 ExpertPool::~ExpertPool() {
@@ -375,8 +378,8 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
       tbb::parallel_for(size_t{0}, active.size(), [&](size_t i) { f(active[i]); });
     }
   };
-  // Work items of `unit` blocks; uniform work splits evenly over the threads, the rest is
-  // scheduled dynamically in about 8 items per thread.
+  // Work items of `unit` blocks when every expert has the same work; otherwise about 8 items per
+  // thread over the layer.
   struct Item {
     int expert;
     int64_t b0, b1;
@@ -394,17 +397,24 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
     }
     return items;
   };
+  // One task per item, taken by whichever thread is free (a static split would wait for the
+  // slowest-waking worker).
   auto run_items = [&](const std::vector<Item>& items, auto&& f) {
-    const tbb::blocked_range<size_t> range(0, items.size(), 1);
-    auto body = [&](const tbb::blocked_range<size_t>& r) {
-      for (size_t i = r.begin(); i < r.end(); ++i) f(items[i]);
-    };
-    if (uniform) {
-      tbb::parallel_for(range, body, tbb::static_partitioner());
-    } else {
-      tbb::parallel_for(range, body);
-    }
+    tbb::parallel_for(
+        tbb::blocked_range<size_t>(0, items.size(), 1),
+        [&](const tbb::blocked_range<size_t>& r) {
+          for (size_t i = r.begin(); i < r.end(); ++i) f(items[i]);
+        },
+        tbb::simple_partitioner());
   };
+  using Clock = std::chrono::steady_clock;
+  auto phase_start = Clock::now();
+  auto end_phase = [&](int phase) {
+    const auto now = Clock::now();
+    s.phase_seconds[phase] += std::chrono::duration<double>(now - phase_start).count();
+    phase_start = now;
+  };
+  end_phase(0);
 
   // Stage 1: gate and up blocks alternate in the fused matrix; one kernel call yields both,
   // then SiLU(gate) * up into the intermediate rows.
@@ -413,6 +423,7 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
                                   options_.format, SumGroup(gate_up_)));
   });
   if (error.failed()) return error.status();
+  end_phase(1);
   run_items(make_items(gate_up_.blocks(), 2), [&](const Item& it) {
     const int64_t m = s.count[it.expert], base = s.offset[it.expert];
     const int64_t ld = (it.b1 - it.b0) * 16;
@@ -430,12 +441,14 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
     }
   });
 
+  end_phase(2);
   // Stage 2: the down projection of each expert's intermediate rows.
   for_each_active([&](int e) {
     error.Set(s.act_mid[e].Prepare(s.mid_rows.data() + s.offset[e], s.count[e], inter, down_.k_pad,
                                    KernelFor(s.count[e]), options_.format, SumGroup(down_)));
   });
   if (error.failed()) return error.status();
+  end_phase(3);
   run_items(make_items(down_.blocks(), 2), [&](const Item& it) {
     const int64_t m = s.count[it.expert], base = s.offset[it.expert];
     GetKernel(KernelFor(m), options_.format)(Down(layer, it.expert), s.act_mid[it.expert], it.b0, it.b1,
@@ -443,6 +456,7 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
   });
 
   // out[t] = sum_j weight[t, j] * expert_out[position of (t, j)], choices in order.
+  end_phase(4);
   auto reduce = [&](int64_t t, int64_t c0, int64_t c1) {
     float* dst = out + t * h;
     std::fill(dst + c0, dst + c1, 0.0f);
@@ -457,7 +471,22 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
   } else {
     tbb::parallel_for(int64_t{0}, num_tokens, [&](int64_t t) { reduce(t, 0, h); });
   }
+  end_phase(5);
+  ++s.calls;
   return absl::OkStatus();
+}
+
+std::string ExpertPool::PhaseReport() const {
+  const Impl& s = *impl_;
+  const double n = std::max<int64_t>(s.calls, 1) / 1e3;  // ms per call
+  return absl::StrFormat("sort %.3f, prepare %.3f, gate+up %.3f, prepare %.3f, down %.3f, reduce %.3f ms/call",
+                         s.phase_seconds[0] / n, s.phase_seconds[1] / n, s.phase_seconds[2] / n,
+                         s.phase_seconds[3] / n, s.phase_seconds[4] / n, s.phase_seconds[5] / n);
+}
+
+void ExpertPool::ResetPhases() {
+  impl_->calls = 0;
+  std::fill(std::begin(impl_->phase_seconds), std::end(impl_->phase_seconds), 0.0);
 }
 
 double ExpertPool::MeasureReadBandwidth(size_t bytes, int repeats) {

@@ -146,7 +146,9 @@ inline float FastExp(float x) {
 
 }  // namespace
 
-MOE_CLONES void SiluMul(const float* gate, const float* up, int64_t n, float* out) {
+void SiluMul(const float* gate, const float* up, int64_t n, float* out) {
+  static const bool avx512 = core::GetCpuFeatures().avx512f;
+  if (avx512) return internal::SiluMulAvx512(gate, up, n, out);
   for (int64_t i = 0; i < n; ++i) out[i] = gate[i] / (1.0f + FastExp(-gate[i])) * up[i];
 }
 
@@ -188,13 +190,19 @@ absl::Status Activations::Prepare(const float* const* x, int64_t m, int64_t k, i
   i8_scale_.assign(m_pad_, 1.0f);
   i8_sum_.assign(m_pad_ * groups_, 0);
   int8_t* q = i8_.as<int8_t>();
+  const core::CpuFeatures& cpu = core::GetCpuFeatures();
+  const bool avx512 = cpu.avx512f && cpu.avx512bw && cpu.avx512vl;
   for (int64_t r = 0; r < m; ++r) {
-    const float amax = AbsMax(x[r], k);
+    const float amax = avx512 ? internal::AbsMaxAvx512(x[r], k) : AbsMax(x[r], k);
     const float scale = amax > 0 ? amax / 127.0f : 1.0f;
     i8_scale_[r] = scale;
     int8_t* qr = q + r * k_pad_;
     std::memset(qr + k, 0, k_pad_ - k);
-    QuantizeRow(x[r], k, 1.0f / scale, sum_group, qr, i8_sum_.data() + r * groups_);
+    if (avx512) {
+      internal::QuantizeRowAvx512(x[r], k, 1.0f / scale, sum_group, qr, i8_sum_.data() + r * groups_);
+    } else {
+      QuantizeRow(x[r], k, 1.0f / scale, sum_group, qr, i8_sum_.data() + r * groups_);
+    }
   }
   std::memset(q + m * k_pad_, 0, (m_pad_ - m) * k_pad_);
   return absl::OkStatus();

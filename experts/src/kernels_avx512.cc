@@ -155,6 +155,61 @@ void ForTokenGroups(const Activations& a, int64_t b0, int64_t b1, float* y, int6
 
 }  // namespace
 
+MOE_AVX512 float AbsMaxAvx512(const float* x, int64_t n) {
+  __m512 m = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+  if (i < n) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1);
+    m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_maskz_loadu_ps(tail, x + i)));
+  }
+  return _mm512_reduce_max_ps(m);
+}
+
+// q = saturate(round_even(x * inv)), clamped to [-127, 127]; sums per group of `group` values.
+MOE_AVX512 void QuantizeRowAvx512(const float* x, int64_t n, float inv, int group, int8_t* q, int32_t* sums) {
+  const __m512 scale = _mm512_set1_ps(inv);
+  const __m512 hi = _mm512_set1_ps(127.0f), lo = _mm512_set1_ps(-127.0f);
+  for (int64_t g0 = 0; g0 < n; g0 += group) {
+    const int64_t g1 = std::min<int64_t>(n, g0 + group);
+    __m512i sum = _mm512_setzero_si512();
+    for (int64_t i = g0; i < g1; i += 16) {
+      const __mmask16 mask = g1 - i >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                           : static_cast<__mmask16>((1u << (g1 - i)) - 1);
+      __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, x + i), scale);
+      v = _mm512_min_ps(hi, _mm512_max_ps(lo, v));
+      const __m512i r = _mm512_cvt_roundps_epi32(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      sum = _mm512_add_epi32(sum, r);
+      _mm512_mask_cvtsepi32_storeu_epi8(q + i, mask, r);
+    }
+    sums[g0 / group] = _mm512_reduce_add_epi32(sum);
+  }
+}
+
+// out = silu(gate) * up; e^-g = 2^t with t = -g log2 e split into round(t) (vscalefps) and a
+// degree-6 polynomial of the remainder, as FastExp in kernels.cc.
+MOE_AVX512 void SiluMulAvx512(const float* gate, const float* up, int64_t n, float* out) {
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), one = _mm512_set1_ps(1.0f);
+  const __m512 lo = _mm512_set1_ps(-126.0f), hi = _mm512_set1_ps(126.0f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 mask = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 g = _mm512_maskz_loadu_ps(mask, gate + i);
+    const __m512 t = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_mul_ps(g, _mm512_sub_ps(_mm512_setzero_ps(), log2e))));
+    const __m512 r = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, r);
+    __m512 p = _mm512_set1_ps(1.5353362e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3398874e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6182458e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503361e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022652e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314720e-1f));
+    p = _mm512_fmadd_ps(p, f, one);
+    const __m512 e = _mm512_scalef_ps(p, r);  // e^-g
+    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, e));
+    _mm512_mask_storeu_ps(out + i, mask, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(mask, up + i)));
+  }
+}
+
 void MatmulAvx512Bf16F32(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, float* y, int64_t ldy) {
   const int64_t lines = w.layout.k_pad / 2;
   ForTokenGroups<4>(a, b0, b1, y, ldy, [&](int64_t b, int64_t m0, int64_t mm, float* out) {

@@ -85,6 +85,9 @@ class ExpertPool {
   absl::Status SetKernel(std::optional<KernelKind> kernel);
   // Reads a `bytes` buffer with the pool's threads, best of `repeats`: GB/s.
   double MeasureReadBandwidth(size_t bytes, int repeats = 5);
+  // Mean wall time of each phase of a call since the last ResetPhases(), for benchmarks.
+  std::string PhaseReport() const;
+  void ResetPhases();
   // "int8 experts: 2 layers x 128, 1.2 GB in transparent huge pages, 32 pinned threads"
   std::string Describe() const;
 
