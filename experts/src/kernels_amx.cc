@@ -61,8 +61,10 @@ MOE_AMX void MatmulAmxBf16(const PackedMatrix& w, const Activations& a, int64_t 
   alignas(64) float scratch[16 * 64];
   const int64_t k_tiles = w.layout.k_pad / 32;
   const int64_t a_stride = a.k_pad() * 2;
-  for (int64_t m0 = 0; m0 < a.m(); m0 += 16) {
-    for (int64_t b = b0; b < b1; b += 4) {
+  // Blocks outer, tokens inner: each weight tile comes from memory once and is reused from L1/L2
+  // for every 16 tokens.
+  for (int64_t b = b0; b < b1; b += 4) {
+    for (int64_t m0 = 0; m0 < a.m(); m0 += 16) {
       const int nb = static_cast<int>(std::min<int64_t>(4, b1 - b));
       const uint16_t* blk[4];
       for (int c = 0; c < 4; ++c) blk[c] = reinterpret_cast<const uint16_t*>(w.block(b + std::min(c, nb - 1)));
@@ -110,8 +112,8 @@ MOE_AMX void MatmulAmxInt8(const PackedMatrix& w, const Activations& a, int64_t 
   alignas(64) float scratch[32 * 32];
   const int64_t k_tiles = w.layout.k_pad / 64;
   const int64_t a_stride = a.k_pad();
-  for (int64_t m0 = 0; m0 < a.m(); m0 += 32) {
-    for (int64_t b = b0; b < b1; b += 2) {
+  for (int64_t b = b0; b < b1; b += 2) {  // blocks outer: the weights stream from memory once
+    for (int64_t m0 = 0; m0 < a.m(); m0 += 32) {
       const bool two = b + 1 < b1;
       const uint8_t* w0 = w.block(b);
       const uint8_t* w1 = w.block(two ? b + 1 : b);

@@ -14,6 +14,10 @@
 namespace moe::experts::internal {
 namespace {
 
+// Software prefetch distance, in 64-byte lines: keeps more misses in flight per thread than the
+// hardware prefetcher alone when one token's GEMV streams weights at memory speed.
+constexpr int64_t kPrefetchLines = 16;
+
 int32_t Load32(const void* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -42,6 +46,8 @@ MOE_AVX512 void Bf16F32Tile(const uint16_t* blk, int64_t lines, const Activation
     x[t] = a.f32(m0 + t);
   }
   for (int64_t j = 0; j < lines; j += 2) {  // k_pad is a multiple of 64: lines is even
+    _mm_prefetch(reinterpret_cast<const char*>(blk + (j + kPrefetchLines) * 32), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(blk + (j + kPrefetchLines + 1) * 32), _MM_HINT_T0);
     for (int u = 0; u < 2; ++u) {
       const __m512i v = _mm512_load_si512(blk + (j + u) * 32);
       const __m512 wlo =
@@ -90,6 +96,8 @@ MOE_AVX512_VNNI void Int8Tile(const uint8_t* blk, int64_t lines, const float* w_
     x[t] = a.i8(m0 + t);
   }
   for (int64_t j = 0; j < lines; j += 2) {  // lines = k_pad / 4 is even
+    _mm_prefetch(reinterpret_cast<const char*>(blk + (j + kPrefetchLines) * 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(blk + (j + kPrefetchLines + 1) * 64), _MM_HINT_T0);
     for (int u = 0; u < 2; ++u) {
       const __m512i v = _mm512_load_si512(blk + (j + u) * 64);
       for (int t = 0; t < MM; ++t) {
@@ -123,6 +131,7 @@ MOE_AVX512_VNNI void Int4Tile(const PackedMatrix& w, int64_t b, const Activation
     __m512i acc[2][MM];
     for (int t = 0; t < MM; ++t) acc[0][t] = acc[1][t] = _mm512_setzero_si512();
     for (int64_t j = g * group_lines; j < (g + 1) * group_lines; j += 2) {  // group_lines >= 8
+      _mm_prefetch(reinterpret_cast<const char*>(blk + (j + 2 * kPrefetchLines) * 32), _MM_HINT_T0);
       for (int u = 0; u < 2; ++u) {
         const __m256i packed = _mm256_load_si256(reinterpret_cast<const __m256i*>(blk + (j + u) * 32));
         const __m256i lo = _mm256_and_si256(packed, mask);
