@@ -132,7 +132,7 @@ class ExpertPool::Impl {
   std::vector<float> inter;       // [positions x I]
   std::vector<float> expert_out;  // [positions x H_pad]
   std::vector<Activations> act_in, act_mid;  // per expert
-  // Wall time per phase of Run (sort, prepare, gate+up, prepare, down, reduce), for the bench.
+  // Wall time per phase of Run (sort, prepare, -, -, experts, reduce), for the bench.
   double phase_seconds[6] = {};
   int64_t calls = 0;
 };
@@ -387,8 +387,7 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
   auto make_items = [&](int64_t blocks, int64_t unit) {
     int64_t chunk = unit;
     if (!uniform) {
-      int64_t work = 0;
-      for (int e : active) work += blocks;
+      const int64_t work = static_cast<int64_t>(active.size()) * blocks;
       chunk = std::max<int64_t>(unit, (work / (8 * threads_) + unit - 1) / unit * unit);
     }
     std::vector<Item> items;
@@ -417,14 +416,43 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
   end_phase(0);
 
   // Stage 1: gate and up blocks alternate in the fused matrix; one kernel call yields both,
-  // then SiLU(gate) * up into the intermediate rows.
+  // then SiLU(gate) * up into the intermediate rows. The thread that finishes an expert's last
+  // stage-1 item runs that expert's stage 2 (the down projection) as a nested parallel loop,
+  // so stage 2 overlaps the other experts' stage 1 and only one tail remains per call.
   for_each_active([&](int e) {
     error.Set(s.act_in[e].Prepare(s.rows.data() + s.offset[e], s.count[e], h, gate_up_.k_pad, KernelFor(s.count[e]),
                                   options_.format, SumGroup(gate_up_)));
   });
   if (error.failed()) return error.status();
   end_phase(1);
-  run_items(make_items(gate_up_.blocks(), 2), [&](const Item& it) {
+  const std::vector<Item> stage1 = make_items(gate_up_.blocks(), 2);
+  const std::vector<Item> stage2 = make_items(down_.blocks(), 2);
+  std::vector<size_t> stage2_begin(num_experts + 1, 0);  // stage-2 items of expert e: [begin[e], begin[e+1])
+  for (const Item& it : stage2) ++stage2_begin[it.expert + 1];
+  for (int e = 0; e < num_experts; ++e) stage2_begin[e + 1] += stage2_begin[e];
+  std::unique_ptr<std::atomic<int>[]> remaining(new std::atomic<int>[num_experts]);
+  for (int e = 0; e < num_experts; ++e) remaining[e].store(0);
+  for (const Item& it : stage1) remaining[it.expert].fetch_add(1);
+
+  auto run_down = [&](int e) {
+    const int64_t m = s.count[e], base = s.offset[e];
+    const KernelKind kind = KernelFor(m);
+    absl::Status st =
+        s.act_mid[e].Prepare(s.mid_rows.data() + base, m, inter, down_.k_pad, kind, options_.format, SumGroup(down_));
+    if (!st.ok()) return error.Set(st);
+    const MatmulKernel kernel = GetKernel(kind, options_.format);
+    const PackedMatrix w = Down(layer, e);
+    tbb::parallel_for(
+        tbb::blocked_range<size_t>(stage2_begin[e], stage2_begin[e + 1], 1),
+        [&](const tbb::blocked_range<size_t>& r) {
+          for (size_t i = r.begin(); i < r.end(); ++i) {
+            const Item& it = stage2[i];
+            kernel(w, s.act_mid[e], it.b0, it.b1, s.expert_out.data() + base * h_pad + it.b0 * 16, h_pad);
+          }
+        },
+        tbb::simple_partitioner());
+  };
+  run_items(stage1, [&](const Item& it) {
     const int64_t m = s.count[it.expert], base = s.offset[it.expert];
     const int64_t ld = (it.b1 - it.b0) * 16;
     thread_local std::vector<float> tmp;
@@ -439,23 +467,10 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
         if (n > 0) SiluMul(row + (b - it.b0) * 16, row + (b - it.b0 + 1) * 16, n, dst + unit);
       }
     }
-  });
-
-  end_phase(2);
-  // Stage 2: the down projection of each expert's intermediate rows.
-  for_each_active([&](int e) {
-    error.Set(s.act_mid[e].Prepare(s.mid_rows.data() + s.offset[e], s.count[e], inter, down_.k_pad,
-                                   KernelFor(s.count[e]), options_.format, SumGroup(down_)));
+    if (remaining[it.expert].fetch_sub(1) == 1) run_down(it.expert);
   });
   if (error.failed()) return error.status();
-  end_phase(3);
-  run_items(make_items(down_.blocks(), 2), [&](const Item& it) {
-    const int64_t m = s.count[it.expert], base = s.offset[it.expert];
-    GetKernel(KernelFor(m), options_.format)(Down(layer, it.expert), s.act_mid[it.expert], it.b0, it.b1,
-                                             s.expert_out.data() + base * h_pad + it.b0 * 16, h_pad);
-  });
 
-  // out[t] = sum_j weight[t, j] * expert_out[position of (t, j)], choices in order.
   end_phase(4);
   auto reduce = [&](int64_t t, int64_t c0, int64_t c1) {
     float* dst = out + t * h;
@@ -479,9 +494,8 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
 std::string ExpertPool::PhaseReport() const {
   const Impl& s = *impl_;
   const double n = std::max<int64_t>(s.calls, 1) / 1e3;  // ms per call
-  return absl::StrFormat("sort %.3f, prepare %.3f, gate+up %.3f, prepare %.3f, down %.3f, reduce %.3f ms/call",
-                         s.phase_seconds[0] / n, s.phase_seconds[1] / n, s.phase_seconds[2] / n,
-                         s.phase_seconds[3] / n, s.phase_seconds[4] / n, s.phase_seconds[5] / n);
+  return absl::StrFormat("sort %.3f, prepare %.3f, experts %.3f, reduce %.3f ms/call", s.phase_seconds[0] / n,
+                         s.phase_seconds[1] / n, s.phase_seconds[4] / n, s.phase_seconds[5] / n);
 }
 
 void ExpertPool::ResetPhases() {

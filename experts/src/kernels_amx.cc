@@ -15,6 +15,15 @@
 namespace moe::experts::internal {
 namespace {
 
+// Brings the 1 KB weight tile at `tile` toward L1 ahead of its tile load, which would otherwise
+// stall the tile pipeline on a memory miss.
+inline void PrefetchTile(const void* tile) {
+  const char* p = static_cast<const char*>(tile);
+  for (int line = 0; line < 16; ++line) _mm_prefetch(p + line * 64, _MM_HINT_T0);
+}
+
+constexpr int64_t kPrefetchTiles = 2;  // k-tiles ahead
+
 constexpr long kArchReqXcompPerm = 0x1023;
 constexpr long kXfeatureXtiledata = 18;
 
@@ -73,6 +82,9 @@ MOE_AMX void MatmulAmxBf16(const PackedMatrix& w, const Activations& a, int64_t 
       _tile_zero(2);
       _tile_zero(3);
       for (int64_t t = 0; t < k_tiles; ++t) {
+        if (m0 == 0 && t + kPrefetchTiles < k_tiles) {
+          for (int c = 0; c < nb; ++c) PrefetchTile(blk[c] + (t + kPrefetchTiles) * 16 * 32);
+        }
         _tile_loadd(4, a.bf16(m0) + t * 32, a_stride);
         _tile_loadd(5, a.bf16_lo(m0) + t * 32, a_stride);
         _tile_loadd(6, blk[0] + t * 16 * 32, 64);
@@ -122,6 +134,10 @@ MOE_AMX void MatmulAmxInt8(const PackedMatrix& w, const Activations& a, int64_t 
       _tile_zero(2);
       _tile_zero(3);
       for (int64_t t = 0; t < k_tiles; ++t) {
+        if (m0 == 0 && t + kPrefetchTiles < k_tiles) {
+          PrefetchTile(w0 + (t + kPrefetchTiles) * 16 * 64);
+          if (two) PrefetchTile(w1 + (t + kPrefetchTiles) * 16 * 64);
+        }
         _tile_loadd(4, a.i8(m0) + t * 64, a_stride);
         _tile_loadd(5, a.i8(m0 + 16) + t * 64, a_stride);
         _tile_loadd(6, w0 + t * 16 * 64, 64);
