@@ -78,8 +78,6 @@ __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) fl
   return s;
 }
 
-float Silu(float x) { return x / (1.0f + std::exp(-x)); }
-
 // Columns per quantized-sum group of the activations for a matrix.
 int SumGroup(const MatrixLayout& l) {
   return l.format == ExpertFormat::kInt4 ? l.group : static_cast<int>(l.k_pad);

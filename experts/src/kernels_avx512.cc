@@ -17,6 +17,8 @@ namespace {
 // Software prefetch distance, in 64-byte lines: keeps more misses in flight per thread than the
 // hardware prefetcher alone when one token's GEMV streams weights at memory speed.
 constexpr int64_t kPrefetchLines = 16;
+// And a second, further stream into L2, which has more miss slots than L1.
+constexpr int64_t kFarLines = 64;
 
 int32_t Load32(const void* p) {
   int32_t v;
@@ -48,6 +50,8 @@ MOE_AVX512 void Bf16F32Tile(const uint16_t* blk, int64_t lines, const Activation
   for (int64_t j = 0; j < lines; j += 2) {  // k_pad is a multiple of 64: lines is even
     _mm_prefetch(reinterpret_cast<const char*>(blk + (j + kPrefetchLines) * 32), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(blk + (j + kPrefetchLines + 1) * 32), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(blk + (j + kFarLines) * 32), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(blk + (j + kFarLines + 1) * 32), _MM_HINT_T1);
     for (int u = 0; u < 2; ++u) {
       const __m512i v = _mm512_load_si512(blk + (j + u) * 32);
       const __m512 wlo =
@@ -98,6 +102,8 @@ MOE_AVX512_VNNI void Int8Tile(const uint8_t* blk, int64_t lines, const float* w_
   for (int64_t j = 0; j < lines; j += 2) {  // lines = k_pad / 4 is even
     _mm_prefetch(reinterpret_cast<const char*>(blk + (j + kPrefetchLines) * 64), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(blk + (j + kPrefetchLines + 1) * 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(blk + (j + kFarLines) * 64), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(blk + (j + kFarLines + 1) * 64), _MM_HINT_T1);
     for (int u = 0; u < 2; ++u) {
       const __m512i v = _mm512_load_si512(blk + (j + u) * 64);
       for (int t = 0; t < MM; ++t) {
@@ -132,6 +138,7 @@ MOE_AVX512_VNNI void Int4Tile(const PackedMatrix& w, int64_t b, const Activation
     for (int t = 0; t < MM; ++t) acc[0][t] = acc[1][t] = _mm512_setzero_si512();
     for (int64_t j = g * group_lines; j < (g + 1) * group_lines; j += 2) {  // group_lines >= 8
       _mm_prefetch(reinterpret_cast<const char*>(blk + (j + 2 * kPrefetchLines) * 32), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(blk + (j + 2 * kFarLines) * 32), _MM_HINT_T1);
       for (int u = 0; u < 2; ++u) {
         const __m256i packed = _mm256_load_si256(reinterpret_cast<const __m256i*>(blk + (j + u) * 32));
         const __m256i lo = _mm256_and_si256(packed, mask);
