@@ -452,17 +452,19 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
   };
   run_items(stage1, [&](const Item& it) {
     const int64_t m = s.count[it.expert], base = s.offset[it.expert];
-    const int64_t ld = (it.b1 - it.b0) * 16;
+    const MatmulKernel kernel = GetKernel(KernelFor(m), options_.format);
+    const PackedMatrix w = GateUp(layer, it.expert);
+    // One block pair (16 gate and 16 up rows) at a time, so the products stay in L1 until the
+    // SiLU consumes them.
     thread_local std::vector<float> tmp;
-    if (tmp.size() < static_cast<size_t>(m * ld)) tmp.resize(m * ld);
-    GetKernel(KernelFor(m), options_.format)(GateUp(layer, it.expert), s.act_in[it.expert], it.b0, it.b1, tmp.data(), ld);
-    for (int64_t i = 0; i < m; ++i) {
-      const float* row = tmp.data() + i * ld;
-      float* dst = s.inter.data() + (base + i) * inter;
-      for (int64_t b = it.b0; b < it.b1; b += 2) {
-        const int64_t unit = b / 2 * 16;
-        const int64_t n = std::min<int64_t>(16, inter - unit);
-        if (n > 0) SiluMul(row + (b - it.b0) * 16, row + (b - it.b0 + 1) * 16, n, dst + unit);
+    if (tmp.size() < static_cast<size_t>(m * 32)) tmp.resize(m * 32);
+    for (int64_t b = it.b0; b < it.b1; b += 2) {
+      kernel(w, s.act_in[it.expert], b, b + 2, tmp.data(), 32);
+      const int64_t unit = b / 2 * 16;
+      const int64_t n = std::min<int64_t>(16, inter - unit);
+      if (n <= 0) continue;
+      for (int64_t i = 0; i < m; ++i) {
+        SiluMul(tmp.data() + i * 32, tmp.data() + i * 32 + 16, n, s.inter.data() + (base + i) * inter + unit);
       }
     }
     if (remaining[it.expert].fetch_sub(1) == 1) run_down(it.expert);
