@@ -83,9 +83,13 @@ MOE_AMX void MatmulAmxBf16(const PackedMatrix& w, const Activations& a, int64_t 
       _tile_zero(1);
       _tile_zero(2);
       _tile_zero(3);
+      const bool next = m0 + 16 >= a.m() && b + 4 < b1;  // last token pass: warm the next blocks
       for (int64_t t = 0; t < k_tiles; ++t) {
         if (m0 == 0 && t + kPrefetchTiles < k_tiles) {
           for (int c = 0; c < nb; ++c) PrefetchTile(blk[c] + (t + kPrefetchTiles) * 16 * 32);
+        }
+        if (next && t < kPrefetchTiles) {
+          for (int64_t c = b + 4; c < std::min(b1, b + 8); ++c) PrefetchTile(w.block(c) + t * 16 * 64);
         }
         _tile_loadd(4, a.bf16(m0) + t * 32, a_stride);
         _tile_loadd(5, a.bf16_lo(m0) + t * 32, a_stride);
@@ -135,10 +139,20 @@ MOE_AMX void MatmulAmxInt8(const PackedMatrix& w, const Activations& a, int64_t 
       _tile_zero(1);
       _tile_zero(2);
       _tile_zero(3);
+      // The first token pass prefetches ahead within this block pair; the last one prefetches
+      // the next pair, so the weights stream from memory without gaps between pairs.
+      const bool last_pass = m0 + 32 >= a.m();
+      const bool next = last_pass && b + 2 < b1;
+      const uint8_t* n0 = next ? w.block(b + 2) : nullptr;
+      const uint8_t* n1 = next && b + 3 < b1 ? w.block(b + 3) : nullptr;
       for (int64_t t = 0; t < k_tiles; ++t) {
         if (m0 == 0 && t + kPrefetchTiles < k_tiles) {
           PrefetchTile(w0 + (t + kPrefetchTiles) * 16 * 64);
           if (two) PrefetchTile(w1 + (t + kPrefetchTiles) * 16 * 64);
+        }
+        if (next && t < kPrefetchTiles) {
+          PrefetchTile(n0 + t * 16 * 64);
+          if (n1 != nullptr) PrefetchTile(n1 + t * 16 * 64);
         }
         _tile_loadd(4, a.i8(m0) + t * 64, a_stride);
         _tile_loadd(5, a.i8(m0 + 16) + t * 64, a_stride);
