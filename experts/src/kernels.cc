@@ -166,26 +166,26 @@ absl::Status Activations::Prepare(const float* const* x, int64_t m, int64_t k, i
   m_ = m;
   m_pad_ = amx ? (m + 31) / 32 * 32 : m;
   k_pad_ = k_pad;
-  const int64_t rows = std::max<int64_t>(m_pad_, 1);
+  const int64_t rows = std::max<int64_t>(m_pad_, 1), ld = stride();
   if (format == ExpertFormat::kBF16) {
-    if (absl::Status s = Grow(f32_, rows * k_pad_ * sizeof(float)); !s.ok()) return s;
+    if (absl::Status s = Grow(f32_, rows * ld * sizeof(float)); !s.ok()) return s;
     float* f32 = f32_.as<float>();
-    for (int64_t r = 0; r < m; ++r) {
-      std::memcpy(f32 + r * k_pad_, x[r], k * sizeof(float));
-      std::fill(f32 + r * k_pad_ + k, f32 + (r + 1) * k_pad_, 0.0f);
+    for (int64_t r = 0; r < m_pad_; ++r) {
+      float* row = f32 + r * ld;
+      if (r < m) std::memcpy(row, x[r], k * sizeof(float));
+      std::fill(row + (r < m ? k : 0), row + ld, 0.0f);
     }
-    std::fill(f32 + m * k_pad_, f32 + m_pad_ * k_pad_, 0.0f);
     if (kind != KernelKind::kAvx512Bf16 && !amx) return absl::OkStatus();
-    if (absl::Status s = Grow(bf16_, rows * k_pad_ * 2); !s.ok()) return s;
+    if (absl::Status s = Grow(bf16_, rows * ld * 2); !s.ok()) return s;
     if (amx) {
-      if (absl::Status s = Grow(bf16_lo_, rows * k_pad_ * 2); !s.ok()) return s;
+      if (absl::Status s = Grow(bf16_lo_, rows * ld * 2); !s.ok()) return s;
     }
-    ToBf16(f32, m_pad_ * k_pad_, bf16_.as<uint16_t>(), amx ? bf16_lo_.as<uint16_t>() : nullptr);
+    ToBf16(f32, m_pad_ * ld, bf16_.as<uint16_t>(), amx ? bf16_lo_.as<uint16_t>() : nullptr);
     return absl::OkStatus();
   }
   // int8 / int4: symmetric per-token quantization straight from the rows, and sums per group
   // for the offset correction; the padding columns and rows are zero.
-  if (absl::Status s = Grow(i8_, rows * k_pad_); !s.ok()) return s;
+  if (absl::Status s = Grow(i8_, rows * ld); !s.ok()) return s;
   groups_ = k_pad_ / sum_group;
   i8_scale_.assign(m_pad_, 1.0f);
   i8_sum_.assign(m_pad_ * groups_, 0);
@@ -196,15 +196,15 @@ absl::Status Activations::Prepare(const float* const* x, int64_t m, int64_t k, i
     const float amax = avx512 ? internal::AbsMaxAvx512(x[r], k) : AbsMax(x[r], k);
     const float scale = amax > 0 ? amax / 127.0f : 1.0f;
     i8_scale_[r] = scale;
-    int8_t* qr = q + r * k_pad_;
-    std::memset(qr + k, 0, k_pad_ - k);
+    int8_t* qr = q + r * ld;
+    std::memset(qr + k, 0, ld - k);
     if (avx512) {
       internal::QuantizeRowAvx512(x[r], k, 1.0f / scale, sum_group, qr, i8_sum_.data() + r * groups_);
     } else {
       QuantizeRow(x[r], k, 1.0f / scale, sum_group, qr, i8_sum_.data() + r * groups_);
     }
   }
-  std::memset(q + m * k_pad_, 0, (m_pad_ - m) * k_pad_);
+  std::memset(q + m * ld, 0, (m_pad_ - m) * ld);
   return absl::OkStatus();
 }
 

@@ -71,7 +71,7 @@ MOE_AMX void MatmulAmxBf16(const PackedMatrix& w, const Activations& a, int64_t 
   ConfigureAmxTiles();
   alignas(64) float scratch[16 * 64];
   const int64_t k_tiles = w.layout.k_pad / 32;
-  const int64_t a_stride = a.k_pad() * 2;
+  const int64_t a_stride = a.stride() * 2;
   // Blocks outer, tokens inner: each weight tile comes from memory once and is reused from L1/L2
   // for every 16 tokens.
   for (int64_t b = b0; b < b1; b += 4) {
@@ -129,7 +129,7 @@ MOE_AMX void MatmulAmxInt8(const PackedMatrix& w, const Activations& a, int64_t 
   alignas(64) int32_t acc[32 * 32];
   alignas(64) float scratch[32 * 32];
   const int64_t k_tiles = w.layout.k_pad / 64;
-  const int64_t a_stride = a.k_pad();
+  const int64_t a_stride = a.stride();
   for (int64_t b = b0; b < b1; b += 2) {  // blocks outer: the weights stream from memory once
     for (int64_t m0 = 0; m0 < a.m(); m0 += 32) {
       const bool two = b + 1 < b1;

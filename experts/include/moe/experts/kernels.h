@@ -50,12 +50,15 @@ class Activations {
   int64_t m() const { return m_; }
   int64_t m_pad() const { return m_pad_; }
   int64_t k_pad() const { return k_pad_; }
+  // Elements between rows: k_pad plus one cache line, so that the 16 rows of an AMX tile do not
+  // all fall in the same few L1 sets (k_pad is a multiple of 64: a power-of-two-like stride).
+  int64_t stride() const { return k_pad_ + 64; }
   // fp32 rows (bf16 format only).
-  const float* f32(int64_t row) const { return f32_.as<float>() + row * k_pad_; }
-  const uint16_t* bf16(int64_t row) const { return bf16_.as<uint16_t>() + row * k_pad_; }
+  const float* f32(int64_t row) const { return f32_.as<float>() + row * stride(); }
+  const uint16_t* bf16(int64_t row) const { return bf16_.as<uint16_t>() + row * stride(); }
   // bf16(x - bf16(x)): what bf16 rounding left out (amx only).
-  const uint16_t* bf16_lo(int64_t row) const { return bf16_lo_.as<uint16_t>() + row * k_pad_; }
-  const int8_t* i8(int64_t row) const { return i8_.as<int8_t>() + row * k_pad_; }
+  const uint16_t* bf16_lo(int64_t row) const { return bf16_lo_.as<uint16_t>() + row * stride(); }
+  const int8_t* i8(int64_t row) const { return i8_.as<int8_t>() + row * stride(); }
   float i8_scale(int64_t row) const { return i8_scale_[row]; }
   // Sum of the quantized values of `row` in group g (columns [g*sum_group, (g+1)*sum_group)).
   int32_t i8_sum(int64_t row, int64_t g) const { return i8_sum_[row * groups_ + g]; }
