@@ -1,5 +1,8 @@
 // The `moeserve` binary as a user runs it: generate, make-model, help, and its errors.
 #include <filesystem>
+#include <unistd.h>
+
+#include <cstdio>
 #include <fstream>
 
 #include "gmock/gmock.h"
@@ -190,6 +193,93 @@ TEST(CliTest, MakeModelShardsBigCheckpointsAndLoadsThemTheSame) {
   r = testing::RunMoeserve({"make-model", "--preset", "huge", "--out", dir / "x"});
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_THAT(r.err, HasSubstr("unknown preset 'huge'; presets: tiny, qwen3-30b-a3b"));
+}
+
+}  // namespace
+}  // namespace moe
+
+namespace moe {
+namespace {
+
+TEST(CliBenchTest, ExpertBenchPrintsRowsAgainstTheMeasuredBandwidth) {
+  auto r = testing::RunMoeserve({"bench", "experts", "--hidden", "128", "--intermediate", "64", "--experts", "8",
+                                 "--top-k", "2", "--layers", "2", "--batches", "1,5", "--formats", "bf16,int8",
+                                 "--kernels", "portable", "--read-mb", "16", "--seconds", "0.01", "--threads", "2",
+                                 "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json rows = LastJsonLine(r.out);
+  ASSERT_EQ(rows.size(), 4u);  // 2 formats x 1 kernel x 2 batches
+  for (const auto& row : rows) {
+    EXPECT_EQ(row["kernel"], "portable");
+    EXPECT_GT(row["ms_per_call"].get<double>(), 0);
+    EXPECT_GT(row["read_gbps"].get<double>(), 0);
+    EXPECT_NEAR(row["ratio"].get<double>(), row["weight_gbps"].get<double>() / row["read_gbps"].get<double>(), 1e-9);
+  }
+  EXPECT_THAT(r.err, HasSubstr("read bandwidth"));  // the human-readable log goes to stderr with --json
+  r = testing::RunMoeserve({"bench", "experts", "--formats", "fp8"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("expert format 'fp8' is not one of bf16, int8, int4"));
+  r = testing::RunMoeserve({"bench", "experts", "--batches", "0"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("--batches: '0' is not a positive batch size"));
+}
+
+TEST(CliBenchTest, ASecondProcessAttachesToTheSharedArena) {
+  const std::string name = "moeserve_cli_test_" + std::to_string(::getpid());
+  const std::string model = testing::FixtureDir("qwen3_moe");
+  std::remove(("/dev/shm/" + name).c_str());
+  auto first = testing::RunMoeserve(
+      {"bench", "load", "--model", model, "--expert-format", "int8", "--expert-shm", name, "--json"});
+  ASSERT_EQ(first.exit_code, 0) << first.err;
+  const nlohmann::json a = LastJsonLine(first.out);
+  EXPECT_FALSE(a["attached"].get<bool>());
+  EXPECT_GT(a["checkpoint_bytes"].get<int64_t>(), 0);
+  auto second = testing::RunMoeserve(
+      {"bench", "load", "--model", model, "--expert-format", "int8", "--expert-shm", name, "--json", "--unlink"});
+  ASSERT_EQ(second.exit_code, 0) << second.err;
+  const nlohmann::json b = LastJsonLine(second.out);
+  EXPECT_TRUE(b["attached"].get<bool>());
+  EXPECT_EQ(b["checkpoint_bytes"].get<int64_t>(), 0);
+  EXPECT_FALSE(std::filesystem::exists("/dev/shm/" + name));
+  // Generation through an attached arena gives the same tokens as a private one.
+  auto third = testing::RunMoeserve({"bench", "load", "--model", model, "--expert-format", "int8", "--expert-shm", name});
+  ASSERT_EQ(third.exit_code, 0) << third.err;
+  std::vector<std::string> ids;
+  for (const std::vector<std::string>& extra : {std::vector<std::string>{"--expert-shm", name}, {}}) {
+    std::vector<std::string> args = {"generate", "--model", model, "--prompt-ids", "3,4,5", "--max-new-tokens", "6",
+                                     "--expert-format", "int8", "--json"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    auto g = testing::RunMoeserve(args);
+    ASSERT_EQ(g.exit_code, 0) << g.err;
+    ids.push_back(LastJsonLine(g.out)["generated_ids"].dump());
+  }
+  EXPECT_EQ(ids[0], ids[1]);
+  std::remove(("/dev/shm/" + name).c_str());
+}
+
+TEST(CliTest, ExpertFlagsChooseThePathAndReportBadValues) {
+  const auto golden = testing::LoadGolden("qwen2_moe")["cases"][2];
+  const std::vector<int> prompt = golden["prompt_ids"];
+  const std::vector<int> want = golden["greedy_ids"];
+  for (const char* experts : {"reference", "pool"}) {
+    auto r = testing::RunMoeserve({"generate", "--model", testing::FixtureDir("qwen2_moe"), "--prompt-ids",
+                                   Join(prompt), "--max-new-tokens", std::to_string(want.size()), "--rope-freqs",
+                                   "bf16", "--experts", experts, "--json"});
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_EQ(LastJsonLine(r.out)["generated_ids"].get<std::vector<int>>(), want) << experts;
+  }
+  auto r = testing::RunMoeserve({"generate", "--model", testing::FixtureDir("qwen2_moe"), "--prompt-ids", "1",
+                                 "--expert-format", "int2"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("expert format 'int2' is not one of bf16, int8, int4"));
+  r = testing::RunMoeserve({"generate", "--model", testing::FixtureDir("qwen2_moe"), "--prompt-ids", "1",
+                            "--expert-kernel", "avx512", "--expert-format", "int8"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("no avx512 kernel for int8"));
+  r = testing::RunMoeserve({"generate", "--model", testing::FixtureDir("qwen2_moe"), "--prompt-ids", "1",
+                            "--expert-group", "48", "--expert-format", "int4"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("int4 group size 48 is not 32, 64 or 128"));
 }
 
 }  // namespace

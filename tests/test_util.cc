@@ -86,6 +86,8 @@ CommandResult RunMoeserve(const std::vector<std::string>& args) {
   ScratchDir scratch;
   const std::string out_path = scratch / "stdout", err_path = scratch / "stderr";
   CommandResult result;
+  std::fflush(stdout);  // or the child would write our buffered output again
+  std::fflush(stderr);
   pid_t pid = ::fork();
   if (pid == 0) {
     const char* bin_dir = std::getenv("MOE_BINARY_DIR");
