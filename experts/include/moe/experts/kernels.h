@@ -95,6 +95,7 @@ void MatmulVnniInt4(const PackedMatrix& w, const Activations& a, int64_t b0, int
 void MatmulAmxBf16(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, float* y, int64_t ldy);
 void MatmulAmxInt8(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, float* y, int64_t ldy);
 float AbsMaxAvx512(const float* x, int64_t n);
+float SumAvx512(const float* x, int64_t n);
 void SiluMulAvx512(const float* gate, const float* up, int64_t n, float* out);
 void QuantizeRowAvx512(const float* x, int64_t n, float inv, int group, int8_t* q, int32_t* sums);
 bool EnableAmxForProcess();
