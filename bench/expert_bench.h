@@ -1,7 +1,8 @@
 // The expert pool benchmark: one MoE layer call at a real layer shape (Qwen3-30B-A3B by default:
 // hidden 2048, 128 experts, top-8, intermediate 768) for each format, kernel and batch size,
 // against the host read bandwidth measured with the same threads in the same run. Each point is
-// the best of three trials, each preceded by its own read-bandwidth measurement.
+// the best of three trials, each preceded by a read-bandwidth measurement; the roofline is the best
+// of all readings of the run.
 #pragma once
 
 #include <cstdint>
@@ -34,8 +35,8 @@ struct ExpertBenchRow {
   int batch = 0;
   double ms_per_call = 0;
   double weight_gbps = 0;  // bytes of the experts touched per call / time
-  double read_gbps = 0;    // the roofline, same threads, measured just before the point's best trial
-  double ratio = 0;
+  double read_gbps = 0;    // the roofline: the best read bandwidth of the run, same threads
+  double ratio = 0;        // weight_gbps / read_gbps
   double tflops = 0;
 };
 
