@@ -171,6 +171,9 @@ int GenerateCommand(int argc, char** argv) {
   std::cout << "model: " << (*model)->spec().Summary() << "\n"
             << "backend: " << (*model)->backend().name() << ", loaded in " << absl::StrFormat("%.2f s", load_seconds)
             << "\n"
+            << ((*model)->expert_pool() != nullptr ? (*model)->expert_pool()->Describe()
+                                                    : std::string("routed experts: reference path"))
+            << "\n"
             << "prompt: " << prompt->size() << " tokens\n"
             << "generated " << generated << " tokens: " << absl::StrJoin(result->generated_ids, " ") << "\n"
             << absl::StrFormat("prefill: %zu tokens in %.1f ms (%.1f tokens/s)\n", prompt->size(),
