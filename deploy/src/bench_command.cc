@@ -80,11 +80,7 @@ int BenchExperts(int argc, char** argv) {
   flags.AddSwitch("json", "print one JSON array of rows: format, kernel, batch, ms_per_call, weight_gbps, read_gbps, "
                           "ratio, tflops");
   flags.AddSwitch("help", "show this help");
-  if (absl::Status s = flags.Parse(argc, argv); !s.ok()) return Fail(s, 2);
-  if (flags.Switch("help")) {
-    std::cout << flags.Help();
-    return 0;
-  }
+  if (std::optional<int> exit_code = flags.ParseOrExit(argc, argv)) return *exit_code;
   bench::ExpertBenchOptions options;
   if (absl::Status s = ReadBenchOptions(flags, &options); !s.ok()) return Fail(s, 2);
   const bool json = flags.Switch("json");
@@ -108,31 +104,18 @@ int BenchLoad(int argc, char** argv) {
               "per second). With --expert-shm the arena is a named shared-memory segment: the first run fills it,\n"
               "later runs attach to it and report the attach time.");
   flags.Add("model", "DIR", "Hugging Face model directory");
-  flags.Add("expert-format", "bf16|int8|int4", "packed format", "bf16");
-  flags.Add("expert-group", "N", "int4 group size", "32");
-  flags.Add("expert-threads", "N", "threads; 0 uses every core", "0");
-  flags.Add("expert-shm", "NAME", "shared-memory segment /dev/shm/NAME");
+  AddExpertFlags(flags);
   flags.AddSwitch("unlink", "remove the shared-memory segment at the end");
   flags.AddSwitch("json", "print one JSON object");
   flags.AddSwitch("help", "show this help");
-  if (absl::Status s = flags.Parse(argc, argv); !s.ok()) return Fail(s, 2);
-  if (flags.Switch("help")) {
-    std::cout << flags.Help();
-    return 0;
-  }
+  if (std::optional<int> exit_code = flags.ParseOrExit(argc, argv)) return *exit_code;
   auto model_dir = flags.Required("model");
   if (!model_dir.ok()) return Fail(model_dir.status(), 2);
   runtime::ModelOptions options;
-  auto format = experts::ParseFormat(flags.Get("expert-format"));
-  auto group = flags.Int("expert-group");
-  auto threads = flags.Int("expert-threads");
-  for (const absl::Status& s : {format.status(), group.status(), threads.status()}) {
-    if (!s.ok()) return Fail(s, 2);
+  if (absl::Status s = ReadExpertFlags(flags, &options); !s.ok()) return Fail(s, 2);
+  if (options.experts != runtime::RoutedExpertsMode::kPool) {
+    return Fail(absl::InvalidArgumentError("bench load measures the expert pool; drop --experts reference"), 2);
   }
-  options.pool.format = *format;
-  options.pool.group = static_cast<int>(*group);
-  options.pool.threads = static_cast<int>(*threads);
-  options.pool.shm_name = flags.Get("expert-shm");
   options.pool.progress = !flags.Switch("json");
   const auto start = std::chrono::steady_clock::now();
   auto model = runtime::Model::Load(*model_dir, options);

@@ -1,11 +1,13 @@
 #include "flags.h"
 
 #include <cstdlib>
+#include <iostream>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "moe/core/status.h"
 
 namespace moe::deploy {
 
@@ -51,6 +53,18 @@ absl::Status Flags::Parse(int argc, char** argv) {
   return absl::OkStatus();
 }
 
+std::optional<int> Flags::ParseOrExit(int argc, char** argv) {
+  if (absl::Status s = Parse(argc, argv); !s.ok()) {
+    std::cerr << "moeserve " << command_ << ": error: " << s.message() << "\n";
+    return 2;
+  }
+  if (Switch("help")) {
+    std::cout << Help();
+    return 0;
+  }
+  return std::nullopt;
+}
+
 bool Flags::Has(const std::string& name) const {
   return values_.count(name) > 0 || !specs_.at(name).default_value.empty();
 }
@@ -94,6 +108,38 @@ std::string Flags::Help() const {
     absl::StrAppend(&s, "\n");
   }
   return s;
+}
+
+void AddExpertFlags(Flags& flags) {
+  flags.Add("experts", "pool|reference",
+            "where routed experts run: the CPU expert pool, or the plain reference path", "pool");
+  flags.Add("expert-format", "bf16|int8|int4", "packed format of the expert pool's weights", "bf16");
+  flags.Add("expert-group", "N", "int4 scale group size: 32, 64 or 128", "32");
+  flags.Add("expert-kernel", "NAME",
+            "force a kernel: portable, avx512, avx512bf16, vnni, amx (default: chosen per call)");
+  flags.Add("expert-threads", "N", "expert pool threads; 0 uses every core", "0");
+  flags.Add("expert-shm", "NAME",
+            "keep the packed experts in shared memory /dev/shm/NAME; later processes attach instead of loading");
+}
+
+absl::Status ReadExpertFlags(const Flags& flags, runtime::ModelOptions* options) {
+  const std::string mode = flags.Get("experts");
+  if (mode == "reference") {
+    options->experts = runtime::RoutedExpertsMode::kReference;
+  } else if (mode != "pool") {
+    return absl::InvalidArgumentError("--experts must be pool or reference, got '" + mode + "'");
+  }
+  experts::ExpertPoolOptions& pool = options->pool;
+  MOE_ASSIGN_OR_RETURN(pool.format, experts::ParseFormat(flags.Get("expert-format")));
+  MOE_ASSIGN_OR_RETURN(int64_t group, flags.Int("expert-group"));
+  MOE_ASSIGN_OR_RETURN(int64_t threads, flags.Int("expert-threads"));
+  pool.group = static_cast<int>(group);
+  pool.threads = static_cast<int>(threads);
+  if (flags.Has("expert-kernel")) {
+    MOE_ASSIGN_OR_RETURN(pool.kernel, experts::ParseKernel(flags.Get("expert-kernel")));
+  }
+  pool.shm_name = flags.Get("expert-shm");
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::vector<int32_t>> ParseIdList(const std::string& text, const std::string& flag) {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "moe/runtime/model.h"
 
 namespace moe::deploy {
 
@@ -23,6 +24,9 @@ class Flags {
 
   // kInvalidArgument naming the flag for an unknown flag or a missing value.
   absl::Status Parse(int argc, char** argv);
+  // Parses; with --help prints the help and returns 0, on an error prints it and returns 2;
+  // otherwise returns nothing and the command goes on. Needs a "help" switch declared.
+  std::optional<int> ParseOrExit(int argc, char** argv);
 
   bool Has(const std::string& name) const;
   std::string Get(const std::string& name) const;
@@ -44,6 +48,12 @@ class Flags {
   std::map<std::string, Spec> specs_;
   std::map<std::string, std::string> values_;
 };
+
+// The expert-pool flags shared by the commands that load a model: --experts, --expert-format,
+// --expert-group, --expert-kernel, --expert-threads, --expert-shm.
+void AddExpertFlags(Flags& flags);
+// kInvalidArgument naming the flag for a bad value.
+absl::Status ReadExpertFlags(const Flags& flags, runtime::ModelOptions* options);
 
 // "1,2,3" -> {1, 2, 3}; kInvalidArgument naming the bad element.
 absl::StatusOr<std::vector<int32_t>> ParseIdList(const std::string& text, const std::string& flag);

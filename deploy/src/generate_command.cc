@@ -39,26 +39,6 @@ absl::Status DumpLogits(const std::string& path, const std::vector<std::vector<f
 
 double PerSecond(double count, double seconds) { return seconds > 0 ? count / seconds : 0.0; }
 
-absl::Status ReadExpertFlags(const Flags& flags, runtime::ModelOptions* options) {
-  const std::string mode = flags.Get("experts");
-  if (mode == "reference") {
-    options->experts = runtime::RoutedExpertsMode::kReference;
-  } else if (mode != "pool") {
-    return absl::InvalidArgumentError("--experts must be pool or reference, got '" + mode + "'");
-  }
-  experts::ExpertPoolOptions& pool = options->pool;
-  MOE_ASSIGN_OR_RETURN(pool.format, experts::ParseFormat(flags.Get("expert-format")));
-  MOE_ASSIGN_OR_RETURN(int64_t group, flags.Int("expert-group"));
-  MOE_ASSIGN_OR_RETURN(int64_t threads, flags.Int("expert-threads"));
-  pool.group = static_cast<int>(group);
-  pool.threads = static_cast<int>(threads);
-  if (flags.Has("expert-kernel")) {
-    MOE_ASSIGN_OR_RETURN(pool.kernel, experts::ParseKernel(flags.Get("expert-kernel")));
-  }
-  pool.shm_name = flags.Get("expert-shm");
-  return absl::OkStatus();
-}
-
 }  // namespace
 
 int GenerateCommand(int argc, char** argv) {
@@ -78,24 +58,12 @@ int GenerateCommand(int argc, char** argv) {
             "precision of the RoPE frequencies: f32 as transformers loads checkpoints; bf16 reproduces a\n"
             "                               model cast whole to bf16 (the test fixtures' goldens)",
             "f32");
-  flags.Add("experts", "pool|reference",
-            "where routed experts run: the CPU expert pool, or the plain reference path", "pool");
-  flags.Add("expert-format", "bf16|int8|int4", "packed format of the expert pool's weights", "bf16");
-  flags.Add("expert-group", "N", "int4 scale group size: 32, 64 or 128", "32");
-  flags.Add("expert-kernel", "NAME",
-            "force a kernel: portable, avx512, avx512bf16, vnni, amx (default: chosen per call)");
-  flags.Add("expert-threads", "N", "expert pool threads; 0 uses every core", "0");
-  flags.Add("expert-shm", "NAME",
-            "keep the packed experts in shared memory /dev/shm/NAME; later processes attach instead of loading");
+  AddExpertFlags(flags);
   flags.AddSwitch("ignore-eos", "keep generating after an end-of-sequence token");
   flags.AddSwitch("json", "print one JSON object: generated_ids, token counts, timings");
   flags.Add("dump-logits", "PATH", "write the logits of every prompt position as a JSON array of rows");
   flags.AddSwitch("help", "show this help");
-  if (absl::Status s = flags.Parse(argc, argv); !s.ok()) return Fail(s, 2);
-  if (flags.Switch("help")) {
-    std::cout << flags.Help();
-    return 0;
-  }
+  if (std::optional<int> exit_code = flags.ParseOrExit(argc, argv)) return *exit_code;
 
   auto model_dir = flags.Required("model");
   if (!model_dir.ok()) return Fail(model_dir.status(), 2);

@@ -28,11 +28,7 @@ int MakeModelCommand(int argc, char** argv) {
     std::cerr << "moeserve make-model: error: " << s.message() << "\n";
     return code;
   };
-  if (absl::Status s = flags.Parse(argc, argv); !s.ok()) return fail(s, 2);
-  if (flags.Switch("help")) {
-    std::cout << flags.Help();
-    return 0;
-  }
+  if (std::optional<int> exit_code = flags.ParseOrExit(argc, argv)) return *exit_code;
   MakeModelOptions o;
   auto out = flags.Required("out");
   if (!out.ok()) return fail(out.status(), 2);
