@@ -130,8 +130,8 @@ class ExpertPool::Impl {
   std::vector<float> inter;       // [positions x I]
   std::vector<float> expert_out;  // [positions x H_pad]
   std::vector<Activations> act_in, act_mid;  // per expert
-  // Wall time per phase of Run (sort, prepare, -, -, experts, reduce), for the bench.
-  double phase_seconds[6] = {};
+  // Wall time per phase of Run (sort, prepare, experts, reduce), for the bench.
+  double phase_seconds[4] = {};
   int64_t calls = 0;
 };
 
@@ -471,7 +471,7 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
   });
   if (error.failed()) return error.status();
 
-  end_phase(4);
+  end_phase(2);
   auto reduce = [&](int64_t t, int64_t c0, int64_t c1) {
     float* dst = out + t * h;
     std::fill(dst + c0, dst + c1, 0.0f);
@@ -486,7 +486,7 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
   } else {
     tbb::parallel_for(int64_t{0}, num_tokens, [&](int64_t t) { reduce(t, 0, h); });
   }
-  end_phase(5);
+  end_phase(3);
   ++s.calls;
   return absl::OkStatus();
 }
@@ -495,7 +495,7 @@ std::string ExpertPool::PhaseReport() const {
   const Impl& s = *impl_;
   const double n = std::max<int64_t>(s.calls, 1) / 1e3;  // ms per call
   return absl::StrFormat("sort %.3f, prepare %.3f, experts %.3f, reduce %.3f ms/call", s.phase_seconds[0] / n,
-                         s.phase_seconds[1] / n, s.phase_seconds[4] / n, s.phase_seconds[5] / n);
+                         s.phase_seconds[1] / n, s.phase_seconds[2] / n, s.phase_seconds[3] / n);
 }
 
 void ExpertPool::ResetPhases() {

@@ -186,11 +186,11 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& model_dir,
                                                               /*prepare_routed_experts=*/!pool));
   if (pool && model->spec_.num_moe_layers() > 0) {
     MOE_ASSIGN_OR_RETURN(model->pool_, CreatePool(model->spec_, *model->source_, options.pool, model_dir));
-    model->own_experts_ = std::make_unique<PoolRoutedExperts>(*model->pool_, model->spec_);
+    model->routed_experts_ = std::make_unique<PoolRoutedExperts>(*model->pool_, model->spec_);
   } else {
-    model->own_experts_ = std::make_unique<ReferenceRoutedExperts>(model->spec_, *model->weights_, *model->backend_);
+    model->routed_experts_ =
+        std::make_unique<ReferenceRoutedExperts>(model->spec_, *model->weights_, *model->backend_);
   }
-  model->routed_experts_ = model->own_experts_.get();
   MOE_LOG(kDebug) << "loaded " << model->spec_.Summary() << " on " << model->backend_->name();
   return model;
 }

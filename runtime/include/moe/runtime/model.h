@@ -86,8 +86,6 @@ class Model {
   // short for its positions, a logit row out of range); the cache is then left unchanged.
   absl::Status Forward(const ForwardBatch& batch, KvCache& cache, std::vector<float>* logits);
 
-  // Replaces the routed-expert implementation (not owned; must outlive the model's use).
-  void SetRoutedExperts(RoutedExperts* experts) { routed_experts_ = experts; }
   // The CPU expert pool, or null on the reference path.
   experts::ExpertPool* expert_pool() { return pool_.get(); }
 
@@ -104,8 +102,7 @@ class Model {
   std::unique_ptr<Weights> weights_;
   std::vector<float> rope_inv_freq_;
   std::unique_ptr<experts::ExpertPool> pool_;
-  std::unique_ptr<RoutedExperts> own_experts_;  // the reference path or the pool's adapter
-  RoutedExperts* routed_experts_ = nullptr;
+  std::unique_ptr<RoutedExperts> routed_experts_;  // the reference path or the pool's adapter
 };
 
 }  // namespace moe::runtime
