@@ -2,8 +2,9 @@
 //
 // Forward runs one step over a batch of sequence chunks (prefill chunks and single decode
 // tokens alike), reading and extending each sequence's paged KV cache, and returns the logits
-// of the rows that ask for them. Routed experts go through a RoutedExperts implementation
-// (the reference one here; the CPU expert pool plugs in at the same place).
+// of the rows that ask for them. Routed experts go through a RoutedExperts implementation: the
+// CPU expert pool (default) or the plain reference path through the backend; the shared experts
+// run while the routed ones are computed.
 //
 // Thread-safety: one Forward at a time per Model.
 #pragma once
