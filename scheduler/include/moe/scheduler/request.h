@@ -1,0 +1,45 @@
+// A generation request as the scheduler sees it, and what it reports back per step.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "moe/runtime/sampler.h"
+
+namespace moe::scheduler {
+
+using Clock = std::chrono::steady_clock;
+
+struct StoppingParams {
+  int max_new_tokens = 16;
+  int min_new_tokens = 0;  // eos and stop tokens are ignored before this many tokens
+  std::vector<int32_t> stop_token_ids;
+  bool ignore_eos = false;
+};
+
+struct Request {
+  std::string id;
+  std::vector<int32_t> prompt;
+  runtime::SamplingParams sampling;
+  StoppingParams stopping;
+  std::optional<Clock::time_point> deadline;
+};
+
+enum class FinishReason { kLength, kEos, kStopToken, kAborted, kDeadline, kError };
+const char* FinishReasonName(FinishReason reason);
+
+// What one step did for one request: tokens appended, and whether it ended.
+struct Output {
+  std::string id;
+  std::vector<int32_t> new_tokens;
+  std::optional<FinishReason> finished;
+  absl::Status error;  // set with kError
+  int prompt_tokens = 0;
+  int completion_tokens = 0;
+};
+
+}  // namespace moe::scheduler

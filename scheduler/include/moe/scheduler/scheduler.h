@@ -1,0 +1,83 @@
+// Scheduler: continuous batching of many requests over one model.
+//
+// Each Step() builds one StepPlan under a token budget (max_batch_tokens) and a cap on running
+// sequences (max_seqs): first one decode token for every running sequence, then prefill chunks
+// (a long prompt is split over steps while the others keep decoding), then new requests, first
+// come first served. KV blocks come from a block allocator and go back the moment a sequence
+// finishes, is aborted, fails or passes its deadline. When blocks run out, the newest running
+// sequence is preempted (its blocks freed) and recomputed later, rather than failing older ones.
+//
+// Thread-safety: none; the caller serializes Add, Abort and Step (the frontend's loop).
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "moe/runtime/kv_cache.h"
+#include "moe/scheduler/request.h"
+#include "moe/scheduler/step_plan.h"
+
+namespace moe::scheduler {
+
+struct SchedulerConfig {
+  int max_batch_tokens = 2048;
+  int max_seqs = 64;
+  int max_queue = 256;   // waiting requests; Add fails with kResourceExhausted past it
+  int context = 4096;    // prompt + max_new_tokens limit
+  int block_size = 16;
+  int num_blocks = 0;    // KV blocks in the cache
+  int vocab_size = 0;
+  std::vector<int> eos_token_ids;
+};
+
+struct SchedulerStats {
+  int running = 0;
+  int waiting = 0;
+  int blocks_used = 0;
+  int blocks_free = 0;
+  int64_t preemptions = 0;
+};
+
+class Scheduler {
+ public:
+  explicit Scheduler(const SchedulerConfig& config);
+  ~Scheduler();
+
+  // Queues a request. kInvalidArgument naming the field (empty or out-of-vocabulary token_ids,
+  // prompt plus max_new_tokens beyond the context, bad sampling values, a duplicate id);
+  // kResourceExhausted when the queue is full or the prompt could never fit the KV cache.
+  absl::Status Add(Request request);
+  // Ends the request at the next Step (reported as kAborted); unknown ids are ignored.
+  void Abort(const std::string& id);
+
+  // Runs one step on `executor` and returns what happened to each request it touched.
+  std::vector<Output> Step(Executor& executor, Clock::time_point now = Clock::now());
+
+  bool idle() const { return running_.empty() && waiting_.empty(); }
+  SchedulerStats stats() const;
+
+ private:
+  struct Sequence;
+  Sequence* Find(const std::string& id);
+  void Finish(Sequence* seq, FinishReason reason, absl::Status error, std::vector<Output>* outputs);
+  // Makes sure `seq` has blocks for `positions` positions, preempting newer sequences if needed.
+  bool EnsureBlocks(Sequence* seq, int64_t positions, bool may_preempt);
+  void Preempt(Sequence* seq);
+  void CheckStop(Sequence* seq, int32_t token, std::vector<Output>* outputs);
+
+  SchedulerConfig config_;
+  runtime::KvBlockAllocator blocks_;
+  int64_t next_seq_id_ = 1;
+  std::map<std::string, std::unique_ptr<Sequence>> sequences_;  // every live request by id
+  std::deque<Sequence*> waiting_;                               // FCFS; preempted ones go first
+  std::vector<Sequence*> running_;                              // in admission order
+  std::vector<int64_t> released_;                               // for the next plan
+  int64_t preemptions_ = 0;
+};
+
+}  // namespace moe::scheduler

@@ -1,0 +1,51 @@
+// The boundary between the scheduler and whatever runs the model: once per step the scheduler
+// builds a StepPlan and an Executor runs it, returning one sampled token per logit row. The
+// in-process executor wraps a runtime::Model; worker processes implement the same interface.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "moe/runtime/kv_cache.h"
+#include "moe/runtime/model.h"
+#include "moe/runtime/sampler.h"
+
+namespace moe::scheduler {
+
+struct SampleRow {
+  int64_t seq_id = 0;  // whose sampler draws the token (a seeded sampler lives per sequence)
+  runtime::SamplingParams sampling;
+};
+
+struct StepPlan {
+  runtime::ForwardBatch batch;                      // sequences' block_table pointers point into block_tables
+  std::vector<std::vector<int32_t>> block_tables;   // one per batch.sequences entry
+  std::vector<SampleRow> samples;                   // one per batch.logit_rows entry, same order
+  std::vector<int64_t> released_seq_ids;            // sequences that ended: drop their sampler state
+};
+
+class Executor {
+ public:
+  virtual ~Executor() = default;
+  // One sampled token per logit row of the plan. An error fails the plan's sequences only.
+  virtual absl::StatusOr<std::vector<int32_t>> Execute(const StepPlan& plan) = 0;
+};
+
+// Runs plans on a model in this process, with the KV cache the scheduler's blocks index.
+// Not thread-safe: one Execute at a time.
+class ModelExecutor : public Executor {
+ public:
+  ModelExecutor(runtime::Model& model, runtime::KvCache& cache) : model_(model), cache_(cache) {}
+  absl::StatusOr<std::vector<int32_t>> Execute(const StepPlan& plan) override;
+
+ private:
+  runtime::Model& model_;
+  runtime::KvCache& cache_;
+  std::unordered_map<int64_t, std::unique_ptr<runtime::Sampler>> samplers_;
+  std::vector<float> logits_;
+};
+
+}  // namespace moe::scheduler

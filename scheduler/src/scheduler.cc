@@ -1,0 +1,249 @@
+#include "moe/scheduler/scheduler.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+
+namespace moe::scheduler {
+
+const char* FinishReasonName(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::kLength: return "length";
+    case FinishReason::kEos: return "eos";
+    case FinishReason::kStopToken: return "stop_token";
+    case FinishReason::kAborted: return "aborted";
+    case FinishReason::kDeadline: return "deadline";
+    case FinishReason::kError: return "error";
+  }
+  return "?";
+}
+
+struct Scheduler::Sequence {
+  int64_t seq_id = 0;
+  Request request;
+  std::vector<int32_t> tokens;  // prompt, then generated tokens
+  int64_t computed = 0;         // tokens whose keys and values are in the cache
+  std::vector<int32_t> blocks;
+  int generated = 0;
+  bool running = false;
+  bool aborted = false;
+};
+
+Scheduler::Scheduler(const SchedulerConfig& config) : config_(config), blocks_(config.num_blocks) {}
+Scheduler::~Scheduler() = default;
+
+Scheduler::Sequence* Scheduler::Find(const std::string& id) {
+  auto it = sequences_.find(id);
+  return it == sequences_.end() ? nullptr : it->second.get();
+}
+
+absl::Status Scheduler::Add(Request r) {
+  if (r.id.empty()) return absl::InvalidArgumentError("request_id: empty");
+  if (Find(r.id) != nullptr) return absl::InvalidArgumentError(absl::StrCat("request_id: '", r.id, "' is already in use"));
+  if (r.prompt.empty()) return absl::InvalidArgumentError("token_ids: empty prompt");
+  for (size_t i = 0; i < r.prompt.size(); ++i) {
+    if (r.prompt[i] < 0 || r.prompt[i] >= config_.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("token_ids[", i, "]: ", r.prompt[i],
+                                                     " is outside the vocabulary [0, ", config_.vocab_size, ")"));
+    }
+  }
+  const StoppingParams& s = r.stopping;
+  if (s.max_new_tokens < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("max_new_tokens: must be at least 1, got ", s.max_new_tokens));
+  }
+  if (s.min_new_tokens < 0 || s.min_new_tokens > s.max_new_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat("min_new_tokens: ", s.min_new_tokens,
+                                                   " must be between 0 and max_new_tokens (", s.max_new_tokens, ")"));
+  }
+  const int64_t total = static_cast<int64_t>(r.prompt.size()) + s.max_new_tokens;
+  if (total > config_.context) {
+    return absl::InvalidArgumentError(absl::StrCat("max_new_tokens: prompt of ", r.prompt.size(),
+                                                   " tokens plus max_new_tokens=", s.max_new_tokens,
+                                                   " exceeds the context of ", config_.context));
+  }
+  if (absl::Status v = r.sampling.Validate(); !v.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("sampling.", v.message()));
+  }
+  if (runtime::BlocksFor(total, config_.block_size) > config_.num_blocks) {
+    return absl::ResourceExhaustedError(absl::StrCat("request needs ", runtime::BlocksFor(total, config_.block_size),
+                                                     " KV blocks; the cache has ", config_.num_blocks));
+  }
+  if (static_cast<int>(waiting_.size()) >= config_.max_queue) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("queue full: ", waiting_.size(), " requests waiting (max_queue=", config_.max_queue, ")"));
+  }
+  auto seq = std::make_unique<Sequence>();
+  seq->seq_id = next_seq_id_++;
+  seq->tokens = r.prompt;
+  seq->request = std::move(r);
+  waiting_.push_back(seq.get());
+  sequences_[seq->request.id] = std::move(seq);
+  return absl::OkStatus();
+}
+
+void Scheduler::Abort(const std::string& id) {
+  if (Sequence* seq = Find(id)) seq->aborted = true;
+}
+
+SchedulerStats Scheduler::stats() const {
+  SchedulerStats s;
+  s.running = static_cast<int>(running_.size());
+  s.waiting = static_cast<int>(waiting_.size());
+  s.blocks_free = blocks_.num_free();
+  s.blocks_used = blocks_.num_blocks() - blocks_.num_free();
+  s.preemptions = preemptions_;
+  return s;
+}
+
+void Scheduler::Finish(Sequence* seq, FinishReason reason, absl::Status error, std::vector<Output>* outputs) {
+  Output* out = nullptr;
+  for (Output& o : *outputs) {
+    if (o.id == seq->request.id) out = &o;
+  }
+  if (out == nullptr) {
+    outputs->push_back(Output{seq->request.id});
+    out = &outputs->back();
+  }
+  out->finished = reason;
+  out->error = std::move(error);
+  out->prompt_tokens = static_cast<int>(seq->request.prompt.size());
+  out->completion_tokens = seq->generated;
+  blocks_.Free(&seq->blocks);
+  running_.erase(std::remove(running_.begin(), running_.end(), seq), running_.end());
+  waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), seq), waiting_.end());
+  released_.push_back(seq->seq_id);
+  sequences_.erase(seq->request.id);  // frees seq
+}
+
+void Scheduler::Preempt(Sequence* seq) {
+  // Recompute later: drop the cache, keep every token, go first in line.
+  blocks_.Free(&seq->blocks);
+  seq->computed = 0;
+  seq->running = false;
+  running_.erase(std::remove(running_.begin(), running_.end(), seq), running_.end());
+  waiting_.push_front(seq);
+  ++preemptions_;
+}
+
+bool Scheduler::EnsureBlocks(Sequence* seq, int64_t positions, bool may_preempt) {
+  const int need = runtime::BlocksFor(positions, config_.block_size) - static_cast<int>(seq->blocks.size());
+  if (need <= 0) return true;
+  while (blocks_.num_free() < need) {
+    if (!may_preempt || running_.empty()) return false;
+    Sequence* newest = running_.back();
+    Preempt(newest);
+    if (newest == seq) return false;
+  }
+  return blocks_.Allocate(need, &seq->blocks).ok();
+}
+
+void Scheduler::CheckStop(Sequence* seq, int32_t token, std::vector<Output>* outputs) {
+  const StoppingParams& s = seq->request.stopping;
+  const bool may_stop = seq->generated >= s.min_new_tokens;
+  if (may_stop && std::find(s.stop_token_ids.begin(), s.stop_token_ids.end(), token) != s.stop_token_ids.end()) {
+    return Finish(seq, FinishReason::kStopToken, absl::OkStatus(), outputs);
+  }
+  if (may_stop && !s.ignore_eos &&
+      std::find(config_.eos_token_ids.begin(), config_.eos_token_ids.end(), token) != config_.eos_token_ids.end()) {
+    return Finish(seq, FinishReason::kEos, absl::OkStatus(), outputs);
+  }
+  if (seq->generated >= s.max_new_tokens) Finish(seq, FinishReason::kLength, absl::OkStatus(), outputs);
+}
+
+std::vector<Output> Scheduler::Step(Executor& executor, Clock::time_point now) {
+  std::vector<Output> outputs;
+  // Aborted and late requests end before any work is planned for them.
+  std::vector<Sequence*> ending;
+  for (auto& [id, seq] : sequences_) {
+    if (seq->aborted || (seq->request.deadline.has_value() && now >= *seq->request.deadline)) ending.push_back(seq.get());
+  }
+  for (Sequence* seq : ending) {
+    Finish(seq, seq->aborted ? FinishReason::kAborted : FinishReason::kDeadline,
+           seq->aborted ? absl::OkStatus() : absl::DeadlineExceededError("deadline exceeded"), &outputs);
+  }
+
+  struct Scheduled {
+    Sequence* seq;
+    int64_t first;
+    int32_t count;
+  };
+  std::vector<Scheduled> scheduled;
+  int budget = config_.max_batch_tokens;
+  auto schedule = [&](Sequence* seq, bool may_preempt) {
+    const int64_t pending = static_cast<int64_t>(seq->tokens.size()) - seq->computed;
+    const int32_t count = static_cast<int32_t>(std::min<int64_t>(pending, budget));
+    if (count <= 0 || !EnsureBlocks(seq, seq->computed + count, may_preempt)) return false;
+    scheduled.push_back({seq, seq->computed, count});
+    budget -= count;
+    return true;
+  };
+  // Running sequences first (decode tokens, then unfinished prefills), oldest first; a sequence
+  // preempted on the way drops out of this step.
+  for (size_t i = 0; i < running_.size() && budget > 0; ++i) schedule(running_[i], /*may_preempt=*/true);
+  // Then new requests, first come first served, while blocks and slots last (no preemption).
+  while (!waiting_.empty() && budget > 0 && static_cast<int>(running_.size()) < config_.max_seqs) {
+    Sequence* seq = waiting_.front();
+    if (!schedule(seq, /*may_preempt=*/false)) break;
+    waiting_.pop_front();
+    seq->running = true;
+    running_.push_back(seq);
+  }
+  // Drop entries of sequences preempted after they were scheduled.
+  scheduled.erase(std::remove_if(scheduled.begin(), scheduled.end(),
+                                 [&](const Scheduled& s) { return !s.seq->running; }),
+                  scheduled.end());
+  if (scheduled.empty()) return outputs;
+
+  StepPlan plan;
+  plan.released_seq_ids.swap(released_);
+  plan.block_tables.reserve(scheduled.size());
+  for (const Scheduled& s : scheduled) {
+    plan.block_tables.push_back(s.seq->blocks);
+    const int32_t row0 = static_cast<int32_t>(plan.batch.token_ids.size());
+    plan.batch.token_ids.insert(plan.batch.token_ids.end(), s.seq->tokens.begin() + s.first,
+                                s.seq->tokens.begin() + s.first + s.count);
+    plan.batch.sequences.push_back(runtime::SequenceChunk{s.first, s.count, nullptr, 0});
+    // The chunk that reaches the last token samples the next one.
+    if (s.first + s.count == static_cast<int64_t>(s.seq->tokens.size())) {
+      plan.batch.logit_rows.push_back(row0 + s.count - 1);
+      plan.samples.push_back(SampleRow{s.seq->seq_id, s.seq->request.sampling});
+    }
+  }
+  for (size_t i = 0; i < scheduled.size(); ++i) {
+    plan.batch.sequences[i].block_table = plan.block_tables[i].data();
+    plan.batch.sequences[i].num_blocks = static_cast<int32_t>(plan.block_tables[i].size());
+  }
+
+  absl::StatusOr<std::vector<int32_t>> sampled = executor.Execute(plan);
+  if (!sampled.ok()) {
+    for (const Scheduled& s : scheduled) Finish(s.seq, FinishReason::kError, sampled.status(), &outputs);
+    return outputs;
+  }
+  size_t row = 0;
+  for (const Scheduled& s : scheduled) {
+    Sequence* seq = s.seq;
+    seq->computed = s.first + s.count;
+    if (seq->computed != static_cast<int64_t>(seq->tokens.size())) continue;  // a prefill chunk
+    const int32_t token = (*sampled)[row++];
+    seq->tokens.push_back(token);
+    ++seq->generated;
+    outputs.push_back(Output{seq->request.id, {token}});
+    CheckStop(seq, token, &outputs);
+  }
+  return outputs;
+}
+
+absl::StatusOr<std::vector<int32_t>> ModelExecutor::Execute(const StepPlan& plan) {
+  for (int64_t id : plan.released_seq_ids) samplers_.erase(id);
+  if (absl::Status s = model_.Forward(plan.batch, cache_, &logits_); !s.ok()) return s;
+  const int vocab = model_.spec().vocab_size;
+  std::vector<int32_t> tokens(plan.samples.size());
+  for (size_t i = 0; i < plan.samples.size(); ++i) {
+    auto& sampler = samplers_[plan.samples[i].seq_id];
+    if (sampler == nullptr) sampler = std::make_unique<runtime::Sampler>(plan.samples[i].sampling);
+    tokens[i] = sampler->Sample(logits_.data() + i * vocab, vocab);
+  }
+  return tokens;
+}
+
+}  // namespace moe::scheduler

@@ -1,0 +1,264 @@
+// The scheduler over the real model of a fixture: batching, chunked prefill and preemption
+// must not change what greedy decoding produces, and every way a request ends frees its blocks.
+#include "moe/scheduler/scheduler.h"
+
+#include <cstdlib>
+#include <fstream>
+#include <map>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "moe/runtime/generate.h"
+#include "nlohmann/json.hpp"
+
+namespace moe::scheduler {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::string FixtureDir(const std::string& arch) {
+  const char* env = std::getenv("MOE_TESTDATA_DIR");
+  return std::string(env != nullptr ? env : MOE_TESTDATA_DIR) + "/fixtures/" + arch;
+}
+
+class SchedulerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    runtime::ModelOptions options;
+    options.pool.progress = false;
+    options.threads = 2;
+    options.pool.threads = 2;
+    auto model = runtime::Model::Load(FixtureDir("qwen3_moe"), options);
+    ASSERT_TRUE(model.ok()) << model.status();
+    model_ = std::move(*model);
+    std::ifstream in(FixtureDir("qwen3_moe") + "/golden.json");
+    const nlohmann::json golden = nlohmann::json::parse(in);
+    for (const auto& c : golden["cases"]) prompts_.push_back(c["prompt_ids"]);
+  }
+
+  SchedulerConfig Config(int num_blocks, int max_batch_tokens = 64) {
+    SchedulerConfig c;
+    c.num_blocks = num_blocks;
+    c.block_size = 4;
+    c.max_batch_tokens = max_batch_tokens;
+    c.vocab_size = model_->spec().vocab_size;
+    c.context = 256;
+    return c;
+  }
+
+  // What one sequence alone produces.
+  std::vector<int32_t> Alone(const std::vector<int32_t>& prompt, int n) {
+    runtime::GenerateOptions o;
+    o.max_new_tokens = n;
+    o.stop_at_eos = false;
+    auto r = runtime::Generate(*model_, prompt, o);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? r->generated_ids : std::vector<int32_t>{};
+  }
+
+  Request Make(const std::string& id, const std::vector<int32_t>& prompt, int n) {
+    Request r;
+    r.id = id;
+    r.prompt = prompt;
+    r.stopping.max_new_tokens = n;
+    return r;
+  }
+
+  // Steps until idle; collects tokens and finish reasons by id.
+  void RunToEnd(Scheduler& s, Executor& e, std::map<std::string, std::vector<int32_t>>* tokens,
+                std::map<std::string, FinishReason>* reasons, int max_steps = 2000) {
+    for (int step = 0; step < max_steps && !s.idle(); ++step) {
+      for (const Output& o : s.Step(e)) {
+        auto& t = (*tokens)[o.id];
+        t.insert(t.end(), o.new_tokens.begin(), o.new_tokens.end());
+        if (o.finished) (*reasons)[o.id] = *o.finished;
+      }
+    }
+    EXPECT_TRUE(s.idle());
+  }
+
+  std::unique_ptr<runtime::Model> model_;
+  std::vector<std::vector<int32_t>> prompts_;
+};
+
+TEST_F(SchedulerTest, BatchingAndChunkedPrefillChangeNothing) {
+  auto cache = model_->NewKvCache(128, 4);
+  ASSERT_TRUE(cache.ok());
+  ModelExecutor executor(*model_, **cache);
+  Scheduler scheduler(Config(128, /*max_batch_tokens=*/24));  // the 91-token prompt takes several steps
+  std::map<std::string, std::vector<int32_t>> want;
+  for (size_t i = 0; i < prompts_.size(); ++i) {
+    const std::string id = "r" + std::to_string(i);
+    ASSERT_TRUE(scheduler.Add(Make(id, prompts_[i], 10)).ok());
+    want[id] = Alone(prompts_[i], 10);
+  }
+  std::map<std::string, std::vector<int32_t>> got;
+  std::map<std::string, FinishReason> reasons;
+  RunToEnd(scheduler, executor, &got, &reasons);
+  EXPECT_EQ(got, want);
+  for (const auto& [id, reason] : reasons) EXPECT_EQ(reason, FinishReason::kLength) << id;
+  EXPECT_EQ(scheduler.stats().blocks_used, 0);
+}
+
+TEST_F(SchedulerTest, RunningOutOfBlocksPreemptsAndRecomputes) {
+  // 26 blocks of 4 positions: enough for the longest request (101 positions) alone; the three
+  // admitted first (8, 36 and 38 prompt tokens) outgrow the cache while they decode.
+  auto cache = model_->NewKvCache(26, 4);
+  ASSERT_TRUE(cache.ok());
+  ModelExecutor executor(*model_, **cache);
+  Scheduler scheduler(Config(26, 64));
+  std::map<std::string, std::vector<int32_t>> want;
+  for (size_t i = 0; i < prompts_.size(); ++i) {
+    const std::string id = "r" + std::to_string(i);
+    ASSERT_TRUE(scheduler.Add(Make(id, prompts_[i], 10)).ok());
+    want[id] = Alone(prompts_[i], 10);
+  }
+  std::map<std::string, std::vector<int32_t>> got;
+  std::map<std::string, FinishReason> reasons;
+  RunToEnd(scheduler, executor, &got, &reasons);
+  EXPECT_EQ(got, want);
+  EXPECT_GT(scheduler.stats().preemptions, 0);
+  EXPECT_EQ(scheduler.stats().blocks_used, 0);
+}
+
+TEST_F(SchedulerTest, AbortDeadlineAndErrorsFreeBlocksWhileOthersFinish) {
+  auto cache = model_->NewKvCache(128, 4);
+  ASSERT_TRUE(cache.ok());
+  ModelExecutor executor(*model_, **cache);
+  Scheduler scheduler(Config(128));
+  ASSERT_TRUE(scheduler.Add(Make("keep", prompts_[0], 12)).ok());
+  ASSERT_TRUE(scheduler.Add(Make("abort", prompts_[1], 12)).ok());
+  Request late = Make("late", prompts_[2], 12);
+  late.deadline = Clock::now() + std::chrono::hours(1);
+  ASSERT_TRUE(scheduler.Add(late).ok());
+  std::map<std::string, std::vector<int32_t>> got;
+  std::map<std::string, FinishReason> reasons;
+  for (int i = 0; i < 3; ++i) {
+    for (const Output& o : scheduler.Step(executor)) got[o.id].insert(got[o.id].end(), o.new_tokens.begin(), o.new_tokens.end());
+  }
+  EXPECT_GT(scheduler.stats().blocks_used, 0);
+  scheduler.Abort("abort");
+  // The deadline passes: the step after it ends the request with kDeadline.
+  for (const Output& o : scheduler.Step(executor, Clock::now() + std::chrono::hours(2))) {
+    got[o.id].insert(got[o.id].end(), o.new_tokens.begin(), o.new_tokens.end());
+    if (o.finished) reasons[o.id] = *o.finished;
+    if (o.id == "late" && o.finished) EXPECT_EQ(o.error.code(), absl::StatusCode::kDeadlineExceeded);
+  }
+  EXPECT_EQ(reasons["abort"], FinishReason::kAborted);
+  EXPECT_EQ(reasons["late"], FinishReason::kDeadline);
+  EXPECT_EQ(scheduler.stats().running, 1);
+  RunToEnd(scheduler, executor, &got, &reasons);
+  EXPECT_EQ(got["keep"], Alone(prompts_[0], 12));
+  EXPECT_EQ(scheduler.stats().blocks_used, 0);
+}
+
+// An executor that fails one chosen step, as a lost worker would.
+class FailingOnce : public Executor {
+ public:
+  FailingOnce(Executor& inner, int fail_at) : inner_(inner), fail_at_(fail_at) {}
+  absl::StatusOr<std::vector<int32_t>> Execute(const StepPlan& plan) override {
+    if (step_++ == fail_at_) return absl::UnavailableError("worker 1 lost");
+    return inner_.Execute(plan);
+  }
+
+ private:
+  Executor& inner_;
+  int fail_at_;
+  int step_ = 0;
+};
+
+TEST_F(SchedulerTest, AFailedStepFailsItsRequestsAndTheNextOnesRun) {
+  auto cache = model_->NewKvCache(128, 4);
+  ASSERT_TRUE(cache.ok());
+  ModelExecutor model_executor(*model_, **cache);
+  FailingOnce executor(model_executor, 1);
+  Scheduler scheduler(Config(128));
+  ASSERT_TRUE(scheduler.Add(Make("a", prompts_[0], 8)).ok());
+  std::map<std::string, std::vector<int32_t>> got;
+  std::map<std::string, FinishReason> reasons;
+  absl::Status error;
+  for (int i = 0; i < 3 && !scheduler.idle(); ++i) {
+    for (const Output& o : scheduler.Step(executor)) {
+      if (o.finished) {
+        reasons[o.id] = *o.finished;
+        error = o.error;
+      }
+    }
+  }
+  EXPECT_EQ(reasons["a"], FinishReason::kError);
+  EXPECT_THAT(error.message(), HasSubstr("worker 1 lost"));
+  EXPECT_EQ(scheduler.stats().blocks_used, 0);
+  ASSERT_TRUE(scheduler.Add(Make("b", prompts_[4], 6)).ok());
+  RunToEnd(scheduler, executor, &got, &reasons);
+  EXPECT_EQ(got["b"], Alone(prompts_[4], 6));
+}
+
+TEST_F(SchedulerTest, StopTokensMinTokensAndSeeds) {
+  auto cache = model_->NewKvCache(128, 4);
+  ASSERT_TRUE(cache.ok());
+  ModelExecutor executor(*model_, **cache);
+  Scheduler scheduler(Config(128));
+  const std::vector<int32_t> alone = Alone(prompts_[2], 12);
+  Request stop = Make("stop", prompts_[2], 12);
+  stop.stopping.stop_token_ids = {alone[3]};
+  Request min = Make("min", prompts_[2], 12);
+  min.stopping.stop_token_ids = {alone[0]};
+  min.stopping.min_new_tokens = 12;  // the stop token is ignored until then
+  Request seeded_a = Make("seed_a", prompts_[1], 10), seeded_b = Make("seed_b", prompts_[1], 10);
+  seeded_a.sampling.temperature = seeded_b.sampling.temperature = 1.0f;
+  seeded_a.sampling.seed = seeded_b.sampling.seed = 99;
+  for (Request* r : {&stop, &min, &seeded_a, &seeded_b}) ASSERT_TRUE(scheduler.Add(*r).ok());
+  std::map<std::string, std::vector<int32_t>> got;
+  std::map<std::string, FinishReason> reasons;
+  RunToEnd(scheduler, executor, &got, &reasons);
+  const size_t stop_at = std::find(alone.begin(), alone.end(), alone[3]) - alone.begin();
+  EXPECT_EQ(got["stop"], std::vector<int32_t>(alone.begin(), alone.begin() + stop_at + 1));
+  EXPECT_EQ(reasons["stop"], FinishReason::kStopToken);
+  EXPECT_EQ(got["min"].size(), 12u);
+  EXPECT_EQ(reasons["min"], FinishReason::kLength);
+  EXPECT_EQ(got["seed_a"], got["seed_b"]);
+}
+
+TEST_F(SchedulerTest, BadRequestsAreRefusedNamingTheField) {
+  SchedulerConfig config = Config(8);
+  config.max_queue = 2;
+  Scheduler scheduler(config);
+  struct Case {
+    Request request;
+    absl::StatusCode code;
+    const char* message;
+  };
+  Request empty = Make("e", {}, 4);
+  Request oov = Make("o", {1, 2, 700}, 4);
+  Request too_long = Make("l", {1, 2, 3}, 300);
+  Request bad_temp = Make("t", {1, 2}, 4);
+  bad_temp.sampling.temperature = -1;
+  Request bad_p = Make("p", {1, 2}, 4);
+  bad_p.sampling.top_p = 0;
+  Request min_over = Make("m", {1, 2}, 4);
+  min_over.stopping.min_new_tokens = 5;
+  Request huge = Make("h", std::vector<int32_t>(40, 1), 4);  // 44 positions > 8 blocks of 4
+  for (const Case& c : std::vector<Case>{
+           {empty, absl::StatusCode::kInvalidArgument, "token_ids: empty prompt"},
+           {oov, absl::StatusCode::kInvalidArgument, "token_ids[2]: 700 is outside the vocabulary [0, 512)"},
+           {too_long, absl::StatusCode::kInvalidArgument, "exceeds the context of 256"},
+           {bad_temp, absl::StatusCode::kInvalidArgument, "sampling.temperature"},
+           {bad_p, absl::StatusCode::kInvalidArgument, "sampling.top_p"},
+           {min_over, absl::StatusCode::kInvalidArgument, "min_new_tokens: 5"},
+           {huge, absl::StatusCode::kResourceExhausted, "needs 11 KV blocks; the cache has 8"},
+       }) {
+    absl::Status s = scheduler.Add(c.request);
+    EXPECT_EQ(s.code(), c.code) << c.message;
+    EXPECT_THAT(s.message(), HasSubstr(c.message));
+  }
+  ASSERT_TRUE(scheduler.Add(Make("x", {1, 2}, 2)).ok());
+  EXPECT_THAT(scheduler.Add(Make("x", {1}, 2)).message(), HasSubstr("request_id: 'x' is already in use"));
+  ASSERT_TRUE(scheduler.Add(Make("y", {1, 2}, 2)).ok());
+  absl::Status full = scheduler.Add(Make("z", {1, 2}, 2));
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(full.message(), HasSubstr("queue full: 2 requests waiting (max_queue=2)"));
+  EXPECT_EQ(scheduler.stats().waiting, 2);
+}
+
+}  // namespace
+}  // namespace moe::scheduler
