@@ -7,5 +7,6 @@ namespace moe::deploy {
 int GenerateCommand(int argc, char** argv);
 int MakeModelCommand(int argc, char** argv);
 int BenchCommand(int argc, char** argv);
+int ServeCommand(int argc, char** argv);
 
 }  // namespace moe::deploy

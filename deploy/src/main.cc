@@ -14,6 +14,7 @@ void PrintUsage(std::ostream& out) {
       << "glm4_moe) from Hugging Face checkpoints.\n\n"
       << "usage: moeserve COMMAND [flags]      (moeserve COMMAND --help for its flags)\n\n"
       << "commands:\n"
+      << "  serve        serve a model over gRPC with continuous batching (one process, CPU backend)\n"
       << "  generate     run one prompt (token ids) through a model and print the tokens and speed\n"
       << "  make-model   write a random-weight checkpoint at a real model's shape (tiny, qwen3-30b-a3b)\n"
       << "  bench        benchmarks: `bench experts` (the CPU expert pool vs the read-bandwidth roofline),\n"
@@ -32,6 +33,7 @@ int main(int argc, char** argv) {
   if (command == "generate") return moe::deploy::GenerateCommand(argc - 2, argv + 2);
   if (command == "make-model") return moe::deploy::MakeModelCommand(argc - 2, argv + 2);
   if (command == "bench") return moe::deploy::BenchCommand(argc - 2, argv + 2);
+  if (command == "serve") return moe::deploy::ServeCommand(argc - 2, argv + 2);
   if (command == "version" || command == "--version") {
     std::cout << "moeserve " << kVersion << "\n";
     return 0;

@@ -26,6 +26,7 @@ struct Scheduler::Sequence {
   std::vector<int32_t> blocks;
   int generated = 0;
   bool running = false;
+  bool started = false;  // admitted at least once (a preempted sequence is re-admitted)
   bool aborted = false;
 };
 
@@ -101,7 +102,7 @@ void Scheduler::Finish(Sequence* seq, FinishReason reason, absl::Status error, s
     if (o.id == seq->request.id) out = &o;
   }
   if (out == nullptr) {
-    outputs->push_back(Output{seq->request.id});
+    outputs->push_back(OutputFor(seq->request.id));
     out = &outputs->back();
   }
   out->finished = reason;
@@ -187,6 +188,12 @@ std::vector<Output> Scheduler::Step(Executor& executor, Clock::time_point now) {
     waiting_.pop_front();
     seq->running = true;
     running_.push_back(seq);
+    if (!seq->started) {
+      seq->started = true;
+      Output admitted = OutputFor(seq->request.id);
+      admitted.admitted = true;
+      outputs.push_back(std::move(admitted));
+    }
   }
   // Drop entries of sequences preempted after they were scheduled.
   scheduled.erase(std::remove_if(scheduled.begin(), scheduled.end(),
@@ -227,7 +234,15 @@ std::vector<Output> Scheduler::Step(Executor& executor, Clock::time_point now) {
     const int32_t token = (*sampled)[row++];
     seq->tokens.push_back(token);
     ++seq->generated;
-    outputs.push_back(Output{seq->request.id, {token}});
+    Output* out = nullptr;
+    for (Output& o : outputs) {
+      if (o.id == seq->request.id) out = &o;
+    }
+    if (out == nullptr) {
+      outputs.push_back(OutputFor(seq->request.id));
+      out = &outputs.back();
+    }
+    out->new_tokens.push_back(token);
     CheckStop(seq, token, &outputs);
   }
   return outputs;

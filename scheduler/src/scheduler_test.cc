@@ -142,7 +142,9 @@ TEST_F(SchedulerTest, AbortDeadlineAndErrorsFreeBlocksWhileOthersFinish) {
   for (const Output& o : scheduler.Step(executor, Clock::now() + std::chrono::hours(2))) {
     got[o.id].insert(got[o.id].end(), o.new_tokens.begin(), o.new_tokens.end());
     if (o.finished) reasons[o.id] = *o.finished;
-    if (o.id == "late" && o.finished) EXPECT_EQ(o.error.code(), absl::StatusCode::kDeadlineExceeded);
+    if (o.id == "late" && o.finished) {
+      EXPECT_EQ(o.error.code(), absl::StatusCode::kDeadlineExceeded);
+    }
   }
   EXPECT_EQ(reasons["abort"], FinishReason::kAborted);
   EXPECT_EQ(reasons["late"], FinishReason::kDeadline);

@@ -40,6 +40,13 @@ struct Output {
   absl::Status error;  // set with kError
   int prompt_tokens = 0;
   int completion_tokens = 0;
+  bool admitted = false;  // this step started working on the request (for queue-time metrics)
 };
+
+inline Output OutputFor(std::string id) {
+  Output out;
+  out.id = std::move(id);
+  return out;
+}
 
 }  // namespace moe::scheduler

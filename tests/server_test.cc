@@ -1,0 +1,293 @@
+// The gRPC server as clients see it: a real server on loopback, real client stubs.
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <random>
+#include <thread>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "moe/runtime/generate.h"
+#include "moe/scheduler/frontend.h"
+#include "moeserve/v1/generation.grpc.pb.h"
+#include "test_util.h"
+
+namespace moe {
+namespace {
+
+namespace pb = ::moeserve::v1;
+using ::testing::HasSubstr;
+
+class ServerTest : public ::testing::Test {
+ protected:
+  void StartServer(int max_seqs = 16, int max_queue = 64) {
+    runtime::ModelOptions mo;
+    mo.pool.progress = false;
+    mo.threads = 2;
+    mo.pool.threads = 2;
+    auto model = runtime::Model::Load(testing::FixtureDir("qwen3_moe"), mo);
+    ASSERT_TRUE(model.ok()) << model.status();
+    model_ = std::move(*model);
+    // The server's model runs one forward at a time: the expected tokens come from another copy.
+    auto reference = runtime::Model::Load(testing::FixtureDir("qwen3_moe"), mo);
+    ASSERT_TRUE(reference.ok()) << reference.status();
+    reference_ = std::move(*reference);
+    scheduler::FrontendOptions options;
+    options.listen = "127.0.0.1:0";
+    options.scheduler.max_seqs = max_seqs;
+    options.scheduler.max_queue = max_queue;
+    options.scheduler.max_batch_tokens = 64;
+    options.scheduler.context = 2048;
+    options.scheduler.num_blocks = 2048;
+    options.placement = "test";
+    auto frontend = scheduler::Frontend::Start(*model_, options);
+    ASSERT_TRUE(frontend.ok()) << frontend.status();
+    frontend_ = std::move(*frontend);
+    channel_ = grpc::CreateChannel("127.0.0.1:" + std::to_string(frontend_->port()), grpc::InsecureChannelCredentials());
+    stub_ = pb::Generation::NewStub(channel_);
+    const nlohmann::json golden = testing::LoadGolden("qwen3_moe");
+    for (const auto& c : golden["cases"]) prompts_.push_back(c["prompt_ids"]);
+  }
+  void TearDown() override {
+    if (frontend_) frontend_->Shutdown();
+  }
+
+  pb::GenerateRequest Make(const std::vector<int32_t>& prompt, int n, const std::string& id = "") {
+    pb::GenerateRequest r;
+    r.set_request_id(id);
+    r.mutable_token_ids()->Add(prompt.begin(), prompt.end());
+    r.mutable_stopping()->set_max_new_tokens(n);
+    r.mutable_stopping()->set_ignore_eos(true);
+    return r;
+  }
+
+  struct Result {
+    grpc::Status status;
+    std::vector<int32_t> tokens;
+    pb::GenerateResponse last;
+  };
+  // Runs one stream to its end; `cancel_after` tokens (if >= 0) cancels it from the client.
+  Result Run(const pb::GenerateRequest& request, int cancel_after = -1,
+             std::optional<std::chrono::milliseconds> deadline = std::nullopt) {
+    grpc::ClientContext ctx;
+    if (deadline) ctx.set_deadline(std::chrono::system_clock::now() + *deadline);
+    Result result;
+    auto reader = stub_->Generate(&ctx, request);
+    pb::GenerateResponse msg;
+    while (reader->Read(&msg)) {
+      result.tokens.insert(result.tokens.end(), msg.token_ids().begin(), msg.token_ids().end());
+      result.last = msg;
+      if (cancel_after >= 0 && static_cast<int>(result.tokens.size()) >= cancel_after) ctx.TryCancel();
+    }
+    result.status = reader->Finish();
+    return result;
+  }
+
+  // The KV blocks of ended requests are freed at the engine's next step: wait for it.
+  bool WaitForNoBlocksInUse() {
+    for (int i = 0; i < 200; ++i) {
+      const auto s = frontend_->engine().stats();
+      if (s.blocks_used == 0 && s.running == 0 && s.waiting == 0) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return false;
+  }
+
+  std::vector<int32_t> Alone(const std::vector<int32_t>& prompt, int n) {
+    runtime::GenerateOptions o;
+    o.max_new_tokens = n;
+    o.stop_at_eos = false;
+    auto r = runtime::Generate(*reference_, prompt, o);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? r->generated_ids : std::vector<int32_t>{};
+  }
+
+  std::unique_ptr<runtime::Model> model_, reference_;
+  std::unique_ptr<scheduler::Frontend> frontend_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<pb::Generation::Stub> stub_;
+  std::vector<std::vector<int32_t>> prompts_;
+};
+
+TEST_F(ServerTest, ConcurrentGreedyStreamsMatchGenerate) {
+  StartServer();
+  std::vector<Result> results(prompts_.size());
+  std::vector<std::thread> clients;
+  for (size_t i = 0; i < prompts_.size(); ++i) {
+    clients.emplace_back([&, i] { results[i] = Run(Make(prompts_[i], 12)); });
+  }
+  for (auto& t : clients) t.join();
+  for (size_t i = 0; i < prompts_.size(); ++i) {
+    ASSERT_TRUE(results[i].status.ok()) << results[i].status.error_message();
+    EXPECT_EQ(results[i].tokens, Alone(prompts_[i], 12)) << "prompt " << i;
+    EXPECT_EQ(results[i].last.finish_reason(), pb::FINISH_REASON_LENGTH);
+    EXPECT_EQ(results[i].last.usage().prompt_tokens(), static_cast<int>(prompts_[i].size()));
+    EXPECT_EQ(results[i].last.usage().completion_tokens(), 12);
+    EXPECT_GT(results[i].last.timings().first_token_seconds(), 0.0);
+  }
+  EXPECT_TRUE(WaitForNoBlocksInUse());
+}
+
+TEST_F(ServerTest, CancellingAStreamFreesItsBlocksWhileOthersFinish) {
+  StartServer();
+  Result other;
+  std::thread keep([&] { other = Run(Make(prompts_[2], 40)); });
+  Result cancelled = Run(Make(prompts_[3], 1500), /*cancel_after=*/3);
+  keep.join();
+  EXPECT_EQ(cancelled.status.error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_LT(cancelled.tokens.size(), 1500u);
+  ASSERT_TRUE(other.status.ok()) << other.status.error_message();
+  EXPECT_EQ(other.tokens, Alone(prompts_[2], 40));
+  EXPECT_TRUE(WaitForNoBlocksInUse());
+}
+
+TEST_F(ServerTest, AFullQueueAnswersResourceExhaustedAtOnce) {
+  StartServer(/*max_seqs=*/1, /*max_queue=*/1);
+  grpc::ClientContext running_ctx;
+  auto running = stub_->Generate(&running_ctx, Make(prompts_[0], 1500));
+  pb::GenerateResponse first;
+  ASSERT_TRUE(running->Read(&first));  // running: the only slot
+  grpc::ClientContext queued_ctx;
+  auto queued = stub_->Generate(&queued_ctx, Make(prompts_[1], 5));
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // let it reach the queue
+  const auto start = std::chrono::steady_clock::now();
+  Result refused = Run(Make(prompts_[2], 5));
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(refused.status.error_message(), HasSubstr("queue full"));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
+  running_ctx.TryCancel();
+  pb::GenerateResponse msg;
+  while (running->Read(&msg)) {
+  }
+  (void)running->Finish();
+  int queued_tokens = 0;
+  while (queued->Read(&msg)) queued_tokens += msg.token_ids_size();
+  EXPECT_TRUE(queued->Finish().ok());
+  EXPECT_EQ(queued_tokens, 5);
+  EXPECT_TRUE(WaitForNoBlocksInUse());
+}
+
+TEST_F(ServerTest, ADeadlineEndsTheRequestAndFreesItsBlocks) {
+  StartServer();
+  Result late = Run(Make(prompts_[0], 2000), -1, std::chrono::milliseconds(150));
+  EXPECT_EQ(late.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_TRUE(WaitForNoBlocksInUse());
+  EXPECT_TRUE(Run(Make(prompts_[4], 3)).status.ok());  // and the server goes on
+}
+
+TEST_F(ServerTest, InvalidRequestsNameTheField) {
+  StartServer();
+  struct Case {
+    pb::GenerateRequest request;
+    const char* message;
+  };
+  std::vector<Case> cases;
+  cases.push_back({Make({}, 4), "token_ids: empty prompt"});
+  cases.push_back({Make({1, 2, 999}, 4), "token_ids[2]: 999 is outside the vocabulary [0, 512)"});
+  cases.push_back({Make({1, 2}, 4000), "exceeds the context of 2048"});
+  pb::GenerateRequest temp = Make({1, 2}, 4);
+  temp.mutable_sampling()->set_temperature(-1);
+  cases.push_back({temp, "sampling.temperature"});
+  pb::GenerateRequest nan_temp = Make({1, 2}, 4);
+  nan_temp.mutable_sampling()->set_temperature(std::nanf(""));
+  cases.push_back({nan_temp, "sampling.temperature"});
+  pb::GenerateRequest top_p = Make({1, 2}, 4);
+  top_p.mutable_sampling()->set_top_p(1.5f);
+  cases.push_back({top_p, "sampling.top_p"});
+  pb::GenerateRequest top_k = Make({1, 2}, 4);
+  top_k.mutable_sampling()->set_top_k(-3);
+  cases.push_back({top_k, "sampling.top_k"});
+  for (const Case& c : cases) {
+    Result r = Run(c.request);
+    EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.message;
+    EXPECT_THAT(r.status.error_message(), HasSubstr(c.message));
+  }
+  // A duplicate id while the first is live.
+  grpc::ClientContext ctx;
+  auto live = stub_->Generate(&ctx, Make(prompts_[0], 1500, "dup"));
+  pb::GenerateResponse msg;
+  ASSERT_TRUE(live->Read(&msg));
+  Result dup = Run(Make({1, 2}, 3, "dup"));
+  EXPECT_EQ(dup.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(dup.status.error_message(), HasSubstr("request_id: 'dup' is already in use"));
+  // The Abort RPC ends it; an unknown id is NOT_FOUND.
+  grpc::ClientContext abort_ctx;
+  pb::AbortRequest abort;
+  abort.set_request_id("dup");
+  pb::AbortResponse abort_response;
+  EXPECT_TRUE(stub_->Abort(&abort_ctx, abort, &abort_response).ok());
+  pb::GenerateResponse last;
+  while (live->Read(&msg)) last = msg;
+  EXPECT_TRUE(live->Finish().ok());
+  EXPECT_EQ(last.finish_reason(), pb::FINISH_REASON_ABORTED);
+  grpc::ClientContext missing_ctx;
+  abort.set_request_id("nope");
+  EXPECT_EQ(stub_->Abort(&missing_ctx, abort, &abort_response).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_TRUE(WaitForNoBlocksInUse());
+}
+
+TEST_F(ServerTest, ModelInfoAndHealth) {
+  StartServer();
+  grpc::ClientContext ctx;
+  pb::ModelInfo info;
+  ASSERT_TRUE(stub_->GetModelInfo(&ctx, pb::GetModelInfoRequest(), &info).ok());
+  EXPECT_EQ(info.architecture(), "qwen3_moe");
+  EXPECT_EQ(info.vocab_size(), 512);
+  EXPECT_EQ(info.num_experts(), 16);
+  EXPECT_EQ(info.experts_per_token(), 4);
+  EXPECT_EQ(info.context_length(), 2048);
+  // grpc.health.v1.Health/Check with an empty request: the answer is {status: SERVING} = 08 01.
+  grpc::GenericStub generic(channel_);
+  grpc::ClientContext health_ctx;
+  grpc::Slice empty_message{std::string()};  // HealthCheckRequest{service: ""} encodes to no bytes
+  grpc::ByteBuffer request(&empty_message, 1), response;
+  grpc::Status status;
+  std::atomic<bool> done{false};
+  generic.UnaryCall(&health_ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
+                    [&](grpc::Status s) {
+                      status = s;
+                      done = true;
+                    });
+  for (int i = 0; i < 500 && !done; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  ASSERT_TRUE(done);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  grpc::Slice slice;
+  ASSERT_TRUE(response.TrySingleSlice(&slice).ok());
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(slice.begin()), slice.size()), std::string("\x08\x01", 2));
+}
+
+TEST_F(ServerTest, FiveHundredRequestsWithRandomCancellationsLeaveNothingBehind) {
+  StartServer(/*max_seqs=*/8, /*max_queue=*/600);
+  std::atomic<int> ok{0}, cancelled{0}, other{0};
+  std::vector<std::thread> clients;
+  for (int c = 0; c < 10; ++c) {
+    clients.emplace_back([&, c] {
+      std::mt19937 rng(c);
+      for (int i = 0; i < 50; ++i) {
+        const auto& prompt = prompts_[rng() % prompts_.size()];
+        const int n = 1 + static_cast<int>(rng() % 12);
+        const int cancel_after = rng() % 3 == 0 ? static_cast<int>(rng() % 4) : -1;
+        Result r = Run(Make(prompt, n), cancel_after);
+        if (r.status.ok()) {
+          ++ok;
+        } else if (r.status.error_code() == grpc::StatusCode::CANCELLED) {
+          ++cancelled;
+        } else {
+          ++other;
+        }
+      }
+    });
+  }
+  for (auto& t : clients) t.join();
+  EXPECT_EQ(ok + cancelled + other, 500);
+  EXPECT_EQ(other.load(), 0);
+  EXPECT_GT(ok.load(), 0);
+  EXPECT_TRUE(WaitForNoBlocksInUse());
+  Result after = Run(Make(prompts_[4], 4));  // still healthy
+  ASSERT_TRUE(after.status.ok());
+  EXPECT_EQ(after.tokens, Alone(prompts_[4], 4));
+}
+
+}  // namespace
+}  // namespace moe
