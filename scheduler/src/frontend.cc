@@ -67,14 +67,13 @@ class GenerationService final : public pb::Generation::Service {
     int completion = 0;
     bool aborted_by_client = false;
     while (true) {
-      Output out;
-      if (!(*stream)->Next(&out, std::chrono::milliseconds(20))) {
-        if (context->IsCancelled() && !aborted_by_client) {
-          aborted_by_client = true;
-          engine_.Abort(id);  // frees its KV blocks at the next step
-        }
-        continue;
+      // Checked on every pass: a request that keeps producing tokens never lets Next time out.
+      if (!aborted_by_client && context->IsCancelled()) {
+        aborted_by_client = true;
+        engine_.Abort(id);  // frees its KV blocks at the next step
       }
+      Output out;
+      if (!(*stream)->Next(&out, std::chrono::milliseconds(20))) continue;
       completion += static_cast<int>(out.new_tokens.size());
       if (!out.new_tokens.empty() || out.finished) {
         pb::GenerateResponse delta;
