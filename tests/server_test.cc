@@ -1,5 +1,9 @@
 // The gRPC server as clients see it: a real server on loopback, real client stubs.
+#include <arpa/inet.h>
 #include <grpcpp/generic/generic_stub.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 #include <grpcpp/grpcpp.h>
 
 #include <atomic>
@@ -41,6 +45,7 @@ class ServerTest : public ::testing::Test {
     options.scheduler.context = 2048;
     options.scheduler.num_blocks = 2048;
     options.placement = "test";
+    options.metrics_listen = "127.0.0.1:0";
     auto frontend = scheduler::Frontend::Start(*model_, options);
     ASSERT_TRUE(frontend.ok()) << frontend.status();
     frontend_ = std::move(*frontend);
@@ -94,6 +99,26 @@ class ServerTest : public ::testing::Test {
     return false;
   }
 
+  // GET /metrics over a plain socket; the value of one sample line.
+  double Metric(const std::string& name) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(frontend_->metrics_port()));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    const std::string get = "GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n";
+    EXPECT_GT(::send(fd, get.data(), get.size(), 0), 0);
+    std::string body;
+    char buf[4096];
+    for (ssize_t n; (n = ::recv(fd, buf, sizeof(buf), 0)) > 0;) body.append(buf, n);
+    ::close(fd);
+    EXPECT_THAT(body, HasSubstr("200 OK"));
+    const size_t at = body.find("\n" + name + " ");
+    if (at == std::string::npos) return -1;
+    return std::stod(body.substr(at + name.size() + 2));
+  }
+
   std::vector<int32_t> Alone(const std::vector<int32_t>& prompt, int n) {
     runtime::GenerateOptions o;
     o.max_new_tokens = n;
@@ -140,6 +165,13 @@ TEST_F(ServerTest, CancellingAStreamFreesItsBlocksWhileOthersFinish) {
   ASSERT_TRUE(other.status.ok()) << other.status.error_message();
   EXPECT_EQ(other.tokens, Alone(prompts_[2], 40));
   EXPECT_TRUE(WaitForNoBlocksInUse());
+  // The metrics endpoint shows it too.
+  EXPECT_EQ(Metric("moeserve_kv_blocks_used"), 0);
+  EXPECT_EQ(Metric("moeserve_kv_blocks_free"), 2048);
+  EXPECT_EQ(Metric("moeserve_requests_aborted_total"), 1);
+  EXPECT_EQ(Metric("moeserve_requests_finished_total"), 1);
+  EXPECT_GE(Metric("moeserve_generated_tokens_total"), 43);
+  EXPECT_EQ(Metric("moeserve_time_to_first_token_seconds_count"), 2);
 }
 
 TEST_F(ServerTest, AFullQueueAnswersResourceExhaustedAtOnce) {

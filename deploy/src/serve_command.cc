@@ -28,6 +28,7 @@ int ServeCommand(int argc, char** argv) {
               "process on the CPU backend, batching requests continuously. Stops on SIGINT or SIGTERM.");
   flags.Add("model", "DIR", "Hugging Face model directory");
   flags.Add("listen", "HOST:PORT", "address of the gRPC server", "127.0.0.1:50051");
+  flags.Add("metrics", "HOST:PORT", "Prometheus metrics endpoint (GET /metrics); 'off' for none", "127.0.0.1:9090");
   flags.Add("max-seqs", "N", "sequences running at once", "64");
   flags.Add("max-queue", "N", "requests waiting; past it Generate fails at once with RESOURCE_EXHAUSTED", "256");
   flags.Add("max-batch-tokens", "N", "tokens per step (decode tokens first, then prefill chunks)", "2048");
@@ -44,6 +45,7 @@ int ServeCommand(int argc, char** argv) {
   if (absl::Status s = ReadExpertFlags(flags, &model_options); !s.ok()) return Fail(s, 2);
   scheduler::FrontendOptions options;
   options.listen = flags.Get("listen");
+  options.metrics_listen = flags.Get("metrics") == "off" ? "" : flags.Get("metrics");
   auto max_seqs = flags.Int("max-seqs");
   auto max_queue = flags.Int("max-queue");
   auto batch = flags.Int("max-batch-tokens");
@@ -90,6 +92,9 @@ int ServeCommand(int argc, char** argv) {
   std::cerr << absl::StrFormat("moeserve serve: %s\nmoeserve serve: %s; KV cache %d blocks of %d positions\n",
                                spec.Summary(), options.placement, sc.num_blocks, sc.block_size);
   std::cout << "serving on port " << (*frontend)->port() << std::endl;
+  if ((*frontend)->metrics_port() != 0) {
+    std::cerr << "moeserve serve: metrics on port " << (*frontend)->metrics_port() << " (GET /metrics)\n";
+  }
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
   while (!g_stop.load()) std::this_thread::sleep_for(std::chrono::milliseconds(100));

@@ -4,11 +4,33 @@
 
 namespace moe::scheduler {
 
-void Stream::Push(Output out, Clock::time_point now) {
+void Stream::Push(Output out, Clock::time_point now, Metrics* metrics) {
+  auto seconds = [](Clock::duration d) { return std::chrono::duration<double>(d).count(); };
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (out.admitted && !admitted_) admitted_ = now;
-    if (!out.new_tokens.empty() && !first_token_) first_token_ = now;
+    if (out.admitted && !admitted_) {
+      admitted_ = now;
+      if (metrics != nullptr) metrics->queue_seconds.Observe(seconds(now - arrival_));
+    }
+    if (!out.new_tokens.empty()) {
+      if (metrics != nullptr) {
+        metrics->generated_tokens += out.new_tokens.size();
+        if (last_token_) metrics->inter_token_seconds.Observe(seconds(now - *last_token_));
+        if (!first_token_) metrics->first_token_seconds.Observe(seconds(now - arrival_));
+      }
+      if (!first_token_) first_token_ = now;
+      last_token_ = now;
+    }
+    if (out.finished && metrics != nullptr) {
+      metrics->request_seconds.Observe(seconds(now - arrival_));
+      metrics->prompt_tokens += out.prompt_tokens;
+      switch (*out.finished) {
+        case FinishReason::kAborted:
+        case FinishReason::kDeadline: ++metrics->requests_aborted; break;
+        case FinishReason::kError: ++metrics->requests_failed; break;
+        default: ++metrics->requests_finished; break;
+      }
+    }
     outputs_.push_back(std::move(out));
   }
   cv_.notify_all();
@@ -54,20 +76,27 @@ Engine::Engine(runtime::Model& model, SchedulerConfig config, std::unique_ptr<ru
       scheduler_(config_),
       thread_([this] { Loop(); }) {}
 
-Engine::~Engine() {
+Engine::~Engine() { Stop(); }
+
+void Engine::Stop() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
   }
   work_.notify_all();
+  if (!thread_.joinable()) return;
   thread_.join();
   // Whatever was still live ends as aborted; queued submissions are refused.
   for (auto& [id, stream] : streams_) {
     Output out = OutputFor(id);
     out.finished = FinishReason::kAborted;
-    stream->Push(std::move(out), Clock::now());
+    stream->Push(std::move(out), Clock::now(), &metrics_);
   }
+  streams_.clear();
+  std::lock_guard<std::mutex> lock(mu_);
+  live_.clear();
   for (PendingAdd* add : adds_) add->done.set_value(absl::UnavailableError("the server is shutting down"));
+  adds_.clear();
 }
 
 absl::StatusOr<std::shared_ptr<Stream>> Engine::Submit(Request request) {
@@ -130,8 +159,10 @@ void Engine::Loop() {
     }
     DrainInbox();
     std::vector<Output> outputs;
+    const Clock::time_point start = Clock::now();
     if (!scheduler_.idle()) outputs = scheduler_.Step(*executor_);
     const Clock::time_point now = Clock::now();
+    if (!outputs.empty()) metrics_.step_seconds.Observe(std::chrono::duration<double>(now - start).count());
     std::vector<std::string> finished;
     for (Output& out : outputs) {
       auto it = streams_.find(out.id);
@@ -141,7 +172,7 @@ void Engine::Loop() {
         finished.push_back(out.id);
         streams_.erase(it);
       }
-      stream->Push(std::move(out), now);
+      stream->Push(std::move(out), now, &metrics_);
     }
     std::lock_guard<std::mutex> lock(mu_);
     for (const std::string& id : finished) live_.erase(id);

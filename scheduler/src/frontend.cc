@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "moe/runtime/model_spec.h"
+#include "moe/scheduler/metrics.h"
 #include "moeserve/v1/generation.grpc.pb.h"
 
 namespace moe::scheduler {
@@ -139,6 +140,7 @@ class Frontend::Impl {
   std::unique_ptr<Engine> engine;
   std::unique_ptr<GenerationService> service;
   std::unique_ptr<grpc::Server> server;
+  std::unique_ptr<MetricsServer> metrics;
   int port = 0;
 };
 
@@ -161,18 +163,32 @@ absl::StatusOr<std::unique_ptr<Frontend>> Frontend::Start(runtime::Model& model,
   if (impl->server == nullptr || impl->port == 0) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen, " (address in use or invalid?)"));
   }
+  if (!options.metrics_listen.empty()) {
+    Engine* engine_ptr = impl->engine.get();
+    auto metrics = MetricsServer::Start(options.metrics_listen, [engine_ptr] { return engine_ptr->RenderMetrics(); });
+    if (!metrics.ok()) {
+      impl->server->Shutdown();
+      return metrics.status();
+    }
+    impl->metrics = std::move(*metrics);
+  }
   return std::unique_ptr<Frontend>(new Frontend(std::move(impl)));
 }
+
+int Frontend::metrics_port() const { return impl_->metrics != nullptr ? impl_->metrics->port() : 0; }
 
 int Frontend::port() const { return impl_->port; }
 Engine& Frontend::engine() { return *impl_->engine; }
 
 void Frontend::Shutdown() {
   if (impl_ == nullptr || impl_->server == nullptr) return;
-  // Ends the streams first (the engine answers them as aborted), then the server.
-  impl_->engine.reset();
+  // The engine ends the live streams (as aborted) and refuses new ones; then the servers stop,
+  // their handlers done; the engine goes last, as handlers hold it until then.
+  impl_->engine->Stop();
+  impl_->metrics.reset();
   impl_->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   impl_->server.reset();
+  impl_->engine.reset();
 }
 
 void Frontend::Wait() {

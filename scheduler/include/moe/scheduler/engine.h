@@ -16,6 +16,7 @@
 
 #include "absl/status/statusor.h"
 #include "moe/runtime/model.h"
+#include "moe/scheduler/metrics.h"
 #include "moe/scheduler/scheduler.h"
 
 namespace moe::scheduler {
@@ -32,13 +33,14 @@ class Stream {
 
  private:
   friend class Engine;
-  void Push(Output out, Clock::time_point now);
+  // Records the output's times (and the metrics they feed) and queues it for the reader.
+  void Push(Output out, Clock::time_point now, Metrics* metrics = nullptr);
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Output> outputs_;
   Clock::time_point arrival_ = Clock::now();
-  std::optional<Clock::time_point> admitted_, first_token_;
+  std::optional<Clock::time_point> admitted_, first_token_, last_token_;
 };
 
 class Engine {
@@ -46,7 +48,11 @@ class Engine {
   // Allocates the KV cache (config.num_blocks blocks of config.block_size) and starts the loop.
   // kResourceExhausted when the cache does not fit.
   static absl::StatusOr<std::unique_ptr<Engine>> Start(runtime::Model& model, SchedulerConfig config);
-  ~Engine();  // stops the loop; unfinished requests end as aborted
+  ~Engine();  // Stop()s
+
+  // Stops the loop: live requests end as aborted, later Submits fail with kUnavailable. The
+  // engine stays valid for callers still holding it. Idempotent.
+  void Stop();
 
   // Errors as Scheduler::Add: kInvalidArgument naming the field, kResourceExhausted when full.
   absl::StatusOr<std::shared_ptr<Stream>> Submit(Request request);
@@ -54,6 +60,9 @@ class Engine {
   bool Abort(const std::string& id);
   SchedulerStats stats() const;
   const SchedulerConfig& config() const { return config_; }
+  // Counters and histograms of everything the engine served; Prometheus text with the stats.
+  const Metrics& metrics() const { return metrics_; }
+  std::string RenderMetrics() const { return metrics_.Render(stats()); }
 
  private:
   Engine(runtime::Model& model, SchedulerConfig config, std::unique_ptr<runtime::KvCache> cache);
@@ -77,6 +86,7 @@ class Engine {
   bool busy_ = false;           // the scheduler has work
   bool stop_ = false;
   SchedulerStats stats_;
+  Metrics metrics_;
   std::thread thread_;
 };
 

@@ -17,6 +17,7 @@ struct FrontendOptions {
   std::string listen = "127.0.0.1:50051";  // port 0 picks a free one (see port())
   SchedulerConfig scheduler;
   std::string placement;  // reported by GetModelInfo: where routed experts run
+  std::string metrics_listen;  // HOST:PORT of the Prometheus endpoint (GET /metrics); "" for none
 };
 
 class Frontend {
@@ -26,6 +27,7 @@ class Frontend {
   ~Frontend();
 
   int port() const;
+  int metrics_port() const;  // 0 without a metrics endpoint
   Engine& engine();
   // Stops accepting calls, ends the live ones, returns when the server is down.
   void Shutdown();

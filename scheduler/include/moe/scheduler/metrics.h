@@ -1,0 +1,64 @@
+// Serving metrics in the Prometheus text format, and a small HTTP endpoint that serves them
+// (GET /metrics). Counters and histograms are thread-safe.
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "moe/scheduler/scheduler.h"
+
+namespace moe::scheduler {
+
+class Histogram {
+ public:
+  explicit Histogram(std::vector<double> bounds);
+  void Observe(double value);
+  // Appends the _bucket, _sum and _count lines of `name`.
+  void Render(const std::string& name, const std::string& help, std::string* out) const;
+
+ private:
+  mutable std::mutex mu_;
+  std::vector<double> bounds_;
+  std::vector<uint64_t> counts_;  // per bucket, not cumulative
+  double sum_ = 0;
+  uint64_t count_ = 0;
+};
+
+struct Metrics {
+  Metrics();
+  std::atomic<uint64_t> prompt_tokens{0};
+  std::atomic<uint64_t> generated_tokens{0};
+  std::atomic<uint64_t> requests_finished{0};
+  std::atomic<uint64_t> requests_aborted{0};
+  std::atomic<uint64_t> requests_failed{0};
+  Histogram queue_seconds, first_token_seconds, inter_token_seconds, request_seconds, step_seconds;
+
+  std::string Render(const SchedulerStats& stats) const;
+};
+
+// Serves GET /metrics with what `render` returns; anything else gets 404.
+class MetricsServer {
+ public:
+  // `listen` is HOST:PORT (port 0 picks one). kUnavailable if it cannot bind.
+  static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(const std::string& listen,
+                                                              std::function<std::string()> render);
+  ~MetricsServer();
+  int port() const { return port_; }
+
+ private:
+  MetricsServer() = default;
+  void Loop();
+  int fd_ = -1;
+  int port_ = 0;
+  std::function<std::string()> render_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+}  // namespace moe::scheduler
