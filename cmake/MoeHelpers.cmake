@@ -24,6 +24,7 @@ function(moe_cc_test)
   target_link_libraries(${A_NAME} PRIVATE ${A_DEPS} GTest::gtest GTest::gmock GTest::gtest_main)
   target_compile_definitions(${A_NAME} PRIVATE
     MOE_TESTDATA_DIR="${MOE_TESTDATA_DIR}"
+    MOE_SOURCE_DIR="${CMAKE_SOURCE_DIR}"
     MOE_BINARY_DIR="${CMAKE_BINARY_DIR}")
   if(NOT A_TIMEOUT)
     set(A_TIMEOUT 300)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The embedded default, on any Linux machine without a GPU: build, make the tiny random-weight
-# Qwen3-MoE model, and generate from it on the CPU backend, printing tokens and speed.
+# Qwen3-MoE model, generate from it on the CPU backend (tokens and speed), then serve it over
+# gRPC and stream a completion from the Python example client.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/build.sh
@@ -9,3 +10,10 @@ if [ ! -f "$model/config.json" ]; then
   build/moeserve make-model --arch qwen3_moe --preset tiny --out "$model"
 fi
 build/moeserve generate --model "$model" --prompt-ids 1,2,3,4,5,6,7,8 --max-new-tokens 32
+
+echo "== moeserve serve, and a streaming client"
+build/moeserve serve --model "$model" --listen 127.0.0.1:50051 --metrics off > build/serve.log 2>&1 &
+server=$!
+trap 'kill $server 2>/dev/null || true' EXIT
+for _ in $(seq 50); do grep -q "serving on port" build/serve.log 2>/dev/null && break; sleep 0.2; done
+PYTHONPATH=build/python /usr/bin/python3 examples/stream_client.py --target 127.0.0.1:50051 --prompt-ids 1,2,3,4,5,6,7,8

@@ -1,5 +1,7 @@
 // The `moeserve` binary as a user runs it: generate, make-model, help, and its errors.
 #include <filesystem>
+#include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -280,6 +282,84 @@ TEST(CliTest, ExpertFlagsChooseThePathAndReportBadValues) {
                             "--expert-group", "48", "--expert-format", "int4"});
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_THAT(r.err, HasSubstr("int4 group size 48 is not 32, 64 or 128"));
+}
+
+}  // namespace
+}  // namespace moe
+
+namespace moe {
+namespace {
+
+// `moeserve serve` as a real process, the Python example as the client, then SIGTERM.
+TEST(CliServeTest, ServeStreamsToThePythonClientAndStopsOnSigterm) {
+  int out[2];
+  ASSERT_EQ(::pipe(out), 0);
+  std::fflush(stdout);
+  std::fflush(stderr);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::dup2(out[1], 1);
+    ::close(out[0]);
+    const char* bin_dir = std::getenv("MOE_BINARY_DIR");
+    const std::string bin = std::string(bin_dir != nullptr ? bin_dir : MOE_BINARY_DIR) + "/moeserve";
+    const std::string model = testing::FixtureDir("qwen3_moe");
+    ::execl(bin.c_str(), bin.c_str(), "serve", "--model", model.c_str(), "--listen", "127.0.0.1:0", "--metrics", "off",
+            "--threads", "2", "--expert-threads", "2", static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  ::close(out[1]);
+  std::string printed;
+  char c;
+  while (printed.find('\n') == std::string::npos && ::read(out[0], &c, 1) == 1) printed += c;
+  ASSERT_THAT(printed, HasSubstr("serving on port "));
+  const std::string port = printed.substr(printed.rfind(' ') + 1, printed.size() - printed.rfind(' ') - 2);
+
+  const std::string script = std::string(MOE_SOURCE_DIR) + "/examples/stream_client.py";
+  const std::string cmd = "PYTHONPATH=" + std::string(MOE_BINARY_DIR) + "/python /usr/bin/python3 " + script +
+                          " --target 127.0.0.1:" + port + " --prompt-ids 5,6,7 --max-new-tokens 6 2>&1";
+  std::string client;
+  if (FILE* p = ::popen(cmd.c_str(), "r")) {
+    char buf[512];
+    while (std::fgets(buf, sizeof(buf), p) != nullptr) client += buf;
+    EXPECT_EQ(::pclose(p), 0) << client;
+  }
+  EXPECT_THAT(client, HasSubstr("model: qwen3_moe"));
+  EXPECT_THAT(client, HasSubstr("finished: FINISH_REASON_LENGTH, 6 tokens"));
+  // The same tokens as `moeserve generate`.
+  auto g = testing::RunMoeserve({"generate", "--model", testing::FixtureDir("qwen3_moe"), "--prompt-ids", "5,6,7",
+                                 "--max-new-tokens", "6", "--ignore-eos", "--json"});
+  std::string want = "tokens:";
+  for (int id : LastJsonLine(g.out)["generated_ids"]) want += " " + std::to_string(id);
+  EXPECT_THAT(client, HasSubstr(want));
+
+  ::kill(pid, SIGTERM);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  ::close(out[0]);
+}
+
+TEST(CliBenchTest, ServingBenchReportsLatenciesPerConcurrency) {
+  testing::ScratchDir dir;
+  auto r = testing::RunMoeserve({"bench", "serve", "--model", testing::FixtureDir("qwen3_moe"), "--concurrency", "1,3",
+                                 "--requests", "6", "--prompt-len", "8", "--output-len", "5", "--csv",
+                                 dir / "serve.csv", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json rows = LastJsonLine(r.out);
+  ASSERT_EQ(rows.size(), 2u);
+  for (const auto& row : rows) {
+    EXPECT_EQ(row["failed"], 0);
+    EXPECT_GT(row["output_tokens_per_s"].get<double>(), 0);
+    EXPECT_GT(row["ttft_ms"]["p50"].get<double>(), 0);
+    EXPECT_LE(row["ttft_ms"]["p50"].get<double>(), row["ttft_ms"]["p99"].get<double>());
+  }
+  std::ifstream csv(dir / "serve.csv");
+  int lines = 0;
+  for (std::string line; std::getline(csv, line);) ++lines;
+  EXPECT_EQ(lines, 1 + 12);  // header, then one row per request
+  r = testing::RunMoeserve({"bench", "serve", "--target", "127.0.0.1:1", "--concurrency", "1"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("no server answers at 127.0.0.1:1"));
 }
 
 }  // namespace

@@ -7,6 +7,8 @@
 #include "absl/strings/str_split.h"
 #include "commands.h"
 #include "expert_bench.h"
+#include "serving_bench.h"
+#include "moe/scheduler/frontend.h"
 #include "flags.h"
 #include "moe/core/status.h"
 #include "moe/experts/arena.h"
@@ -147,15 +149,104 @@ int BenchLoad(int argc, char** argv) {
   return 0;
 }
 
+int BenchServe(int argc, char** argv) {
+  Flags flags("bench serve",
+              "Load generator: concurrent Generate streams against a moeserve server, reporting time to first\n"
+              "token (TTFT), time per output token (TPOT), inter-token latency (ITL) and output tokens/s for\n"
+              "each concurrency. Give --target of a running server, or --model to start one in this process.");
+  flags.Add("target", "HOST:PORT", "a running server");
+  flags.Add("model", "DIR", "start a server in this process on this model instead (CPU backend)");
+  flags.Add("concurrency", "LIST", "concurrent streams, one run each", "1,4,16");
+  flags.Add("requests", "N", "requests per run; 0: 4 per stream, at least 8", "0");
+  flags.Add("prompt-len", "N", "prompt tokens (random ids)", "32");
+  flags.Add("output-len", "N", "tokens generated per request", "32");
+  flags.Add("max-batch-tokens", "N", "with --model: tokens per step", "2048");
+  flags.Add("csv", "PATH", "append one row per request");
+  AddExpertFlags(flags);
+  flags.AddSwitch("json", "print one JSON array of rows");
+  flags.AddSwitch("help", "show this help");
+  if (std::optional<int> exit_code = flags.ParseOrExit(argc, argv)) return *exit_code;
+  bench::ServingBenchOptions o;
+  auto requests = flags.Int("requests");
+  auto prompt_len = flags.Int("prompt-len");
+  auto output_len = flags.Int("output-len");
+  auto batch = flags.Int("max-batch-tokens");
+  for (const absl::Status& s : {requests.status(), prompt_len.status(), output_len.status(), batch.status()}) {
+    if (!s.ok()) return Fail(s, 2);
+  }
+  o.prompt_len = static_cast<int>(*prompt_len);
+  o.output_len = static_cast<int>(*output_len);
+  o.csv = flags.Get("csv");
+  std::vector<int> concurrency;
+  for (const std::string& c : SplitList(flags.Get("concurrency"))) {
+    int v;
+    if (!absl::SimpleAtoi(c, &v) || v <= 0) {
+      return Fail(absl::InvalidArgumentError("--concurrency: '" + c + "' is not a positive number"), 2);
+    }
+    concurrency.push_back(v);
+  }
+  std::unique_ptr<runtime::Model> model;
+  std::unique_ptr<scheduler::Frontend> frontend;
+  if (flags.Has("model")) {
+    runtime::ModelOptions model_options;
+    if (absl::Status s = ReadExpertFlags(flags, &model_options); !s.ok()) return Fail(s, 2);
+    model_options.pool.progress = false;
+    auto loaded = runtime::Model::Load(flags.Get("model"), model_options);
+    if (!loaded.ok()) return Fail(loaded.status(), 1);
+    model = std::move(*loaded);
+    scheduler::FrontendOptions fo;
+    fo.listen = "127.0.0.1:0";
+    fo.scheduler.max_batch_tokens = static_cast<int>(*batch);
+    fo.scheduler.max_seqs = 64;
+    fo.scheduler.context = model->spec().max_position_embeddings;
+    fo.scheduler.num_blocks = 4096;
+    auto started = scheduler::Frontend::Start(*model, fo);
+    if (!started.ok()) return Fail(started.status(), 1);
+    frontend = std::move(*started);
+    o.target = absl::StrCat("127.0.0.1:", frontend->port());
+    o.vocab = model->spec().vocab_size;
+  } else {
+    auto target = flags.Required("target");
+    if (!target.ok()) return Fail(absl::InvalidArgumentError("give --target HOST:PORT or --model DIR"), 2);
+    o.target = *target;
+  }
+  nlohmann::ordered_json rows = nlohmann::ordered_json::array();
+  const bool json = flags.Switch("json");
+  for (int c : concurrency) {
+    o.concurrency = c;
+    o.requests = *requests > 0 ? static_cast<int>(*requests) : std::max(8, 4 * c);
+    auto r = bench::RunServingBench(o);
+    if (!r.ok()) return Fail(r.status(), 1);
+    if (json) {
+      auto stats = [](const bench::LatencyStats& s) {
+        return nlohmann::ordered_json{{"mean", s.mean}, {"p50", s.p50}, {"p99", s.p99}};
+      };
+      rows.push_back({{"concurrency", c}, {"requests", r->requests}, {"failed", r->failed},
+                      {"output_tokens_per_s", r->output_tokens_per_second}, {"ttft_ms", stats(r->ttft_ms)},
+                      {"tpot_ms", stats(r->tpot_ms)}, {"itl_ms", stats(r->itl_ms)}, {"e2e_ms", stats(r->e2e_ms)}});
+    } else {
+      std::cout << absl::StrFormat(
+          "concurrency %3d: %8.1f output tokens/s | TTFT ms mean %.1f p50 %.1f p99 %.1f | TPOT ms mean %.2f p50 %.2f "
+          "p99 %.2f | ITL ms mean %.2f p50 %.2f p99 %.2f | %d requests, %d failed\n",
+          c, r->output_tokens_per_second, r->ttft_ms.mean, r->ttft_ms.p50, r->ttft_ms.p99, r->tpot_ms.mean,
+          r->tpot_ms.p50, r->tpot_ms.p99, r->itl_ms.mean, r->itl_ms.p50, r->itl_ms.p99, r->requests, r->failed);
+    }
+  }
+  if (json) std::cout << rows.dump() << std::endl;
+  return 0;
+}
+
 }  // namespace
 
 int BenchCommand(int argc, char** argv) {
   const std::string what = argc > 0 ? argv[0] : "";
   if (what == "experts") return BenchExperts(argc - 1, argv + 1);
   if (what == "load") return BenchLoad(argc - 1, argv + 1);
+  if (what == "serve") return BenchServe(argc - 1, argv + 1);
   std::ostream& out = what == "--help" ? std::cout : std::cerr;
   out << "usage: moeserve bench experts [flags]   the expert pool against the read-bandwidth roofline\n"
-      << "       moeserve bench load --model DIR   loading the expert arena (and attaching to a shared one)\n";
+      << "       moeserve bench load --model DIR   loading the expert arena (and attaching to a shared one)\n"
+      << "       moeserve bench serve [flags]      load generator: TTFT, TPOT, ITL and tokens/s per concurrency\n";
   return what == "--help" ? 0 : 2;
 }
 

@@ -18,7 +18,7 @@ void PrintUsage(std::ostream& out) {
       << "  generate     run one prompt (token ids) through a model and print the tokens and speed\n"
       << "  make-model   write a random-weight checkpoint at a real model's shape (tiny, qwen3-30b-a3b)\n"
       << "  bench        benchmarks: `bench experts` (the CPU expert pool vs the read-bandwidth roofline),\n"
-      << "               `bench load` (loading and attaching the expert arena)\n"
+      << "               `bench load` (loading and attaching the expert arena), `bench serve` (load generator)\n"
       << "  version      print the version\n";
 }
 

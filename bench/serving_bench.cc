@@ -1,0 +1,133 @@
+#include "serving_bench.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <fstream>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "moeserve/v1/generation.grpc.pb.h"
+
+namespace moe::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
+
+LatencyStats Summarize(std::vector<double> v) {
+  LatencyStats s;
+  if (v.empty()) return s;
+  std::sort(v.begin(), v.end());
+  double sum = 0;
+  for (double x : v) sum += x;
+  s.mean = sum / v.size();
+  s.p50 = v[v.size() / 2];
+  s.p99 = v[std::min(v.size() - 1, static_cast<size_t>(v.size() * 0.99))];
+  return s;
+}
+
+struct RequestRecord {
+  int output_tokens = 0;
+  double ttft_ms = 0, tpot_ms = 0, e2e_ms = 0;
+  std::vector<double> itl_ms;
+  bool ok = false;
+};
+
+}  // namespace
+
+absl::StatusOr<ServingBenchResult> RunServingBench(const ServingBenchOptions& o) {
+  if (o.concurrency <= 0 || o.requests <= 0 || o.prompt_len <= 0 || o.output_len <= 0) {
+    return absl::InvalidArgumentError("concurrency, requests, prompt and output lengths must be positive");
+  }
+  auto channel = grpc::CreateChannel(o.target, grpc::InsecureChannelCredentials());
+  if (!channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(3))) {
+    return absl::UnavailableError(absl::StrCat("no server answers at ", o.target));
+  }
+  auto stub = moeserve::v1::Generation::NewStub(channel);
+  std::vector<RequestRecord> records(o.requests);
+  std::atomic<int> next{0};
+  std::string first_error;
+  std::mutex error_mu;
+  const auto start = Clock::now();
+  std::vector<std::thread> clients;
+  for (int c = 0; c < o.concurrency; ++c) {
+    clients.emplace_back([&, c] {
+      std::mt19937 rng(1000 + c);
+      for (int i; (i = next++) < o.requests;) {
+        moeserve::v1::GenerateRequest request;
+        for (int t = 0; t < o.prompt_len; ++t) request.add_token_ids(static_cast<int32_t>(rng() % o.vocab));
+        request.mutable_stopping()->set_max_new_tokens(o.output_len);
+        request.mutable_stopping()->set_ignore_eos(true);
+        grpc::ClientContext ctx;
+        RequestRecord& r = records[i];
+        const auto t0 = Clock::now();
+        auto reader = stub->Generate(&ctx, request);
+        moeserve::v1::GenerateResponse msg;
+        std::optional<Clock::time_point> first, last;
+        while (reader->Read(&msg)) {
+          if (msg.token_ids_size() == 0) continue;
+          const auto now = Clock::now();
+          if (!first) first = now;
+          if (last) r.itl_ms.push_back(Ms(now - *last));
+          last = now;
+          r.output_tokens += msg.token_ids_size();
+        }
+        const grpc::Status status = reader->Finish();
+        const auto t1 = Clock::now();
+        r.ok = status.ok() && first.has_value();
+        if (!r.ok) {
+          std::lock_guard<std::mutex> lock(error_mu);
+          if (first_error.empty()) first_error = status.error_message();
+          continue;
+        }
+        r.ttft_ms = Ms(*first - t0);
+        r.e2e_ms = Ms(t1 - t0);
+        r.tpot_ms = r.output_tokens > 1 ? Ms(*last - *first) / (r.output_tokens - 1) : 0;
+      }
+    });
+  }
+  for (auto& t : clients) t.join();
+  ServingBenchResult result;
+  result.concurrency = o.concurrency;
+  result.requests = o.requests;
+  result.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  std::vector<double> ttft, tpot, itl, e2e;
+  int64_t tokens = 0;
+  for (const RequestRecord& r : records) {
+    if (!r.ok) {
+      ++result.failed;
+      continue;
+    }
+    tokens += r.output_tokens;
+    ttft.push_back(r.ttft_ms);
+    tpot.push_back(r.tpot_ms);
+    e2e.push_back(r.e2e_ms);
+    itl.insert(itl.end(), r.itl_ms.begin(), r.itl_ms.end());
+  }
+  if (result.failed == o.requests) return absl::UnavailableError(absl::StrCat("every request failed: ", first_error));
+  result.output_tokens_per_second = tokens / result.seconds;
+  result.ttft_ms = Summarize(ttft);
+  result.tpot_ms = Summarize(tpot);
+  result.itl_ms = Summarize(itl);
+  result.e2e_ms = Summarize(e2e);
+  if (!o.csv.empty()) {
+    std::ofstream csv(o.csv, std::ios::app);
+    if (csv.tellp() == 0) csv << "concurrency,request,prompt_tokens,output_tokens,ttft_ms,tpot_ms,e2e_ms,ok\n";
+    for (int i = 0; i < o.requests; ++i) {
+      const RequestRecord& r = records[i];
+      csv << absl::StrFormat("%d,%d,%d,%d,%.3f,%.3f,%.3f,%d\n", o.concurrency, i, o.prompt_len, r.output_tokens,
+                             r.ttft_ms, r.tpot_ms, r.e2e_ms, r.ok ? 1 : 0);
+    }
+    if (!csv) return absl::InvalidArgumentError(absl::StrCat(o.csv, ": cannot write"));
+  }
+  return result;
+}
+
+}  // namespace moe::bench

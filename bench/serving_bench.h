@@ -1,0 +1,38 @@
+// The serving load generator: N concurrent clients each run Generate streams back to back
+// against a moeserve.v1.Generation server; per request it records the time to the first token,
+// the time per output token after it, the gaps between tokens and the whole latency.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace moe::bench {
+
+struct ServingBenchOptions {
+  std::string target;  // HOST:PORT
+  int concurrency = 1;
+  int requests = 16;      // in all
+  int prompt_len = 32;
+  int output_len = 32;
+  int vocab = 512;        // prompt token ids are drawn below this
+  std::string csv;        // per-request rows, when set
+};
+
+struct LatencyStats {
+  double mean = 0, p50 = 0, p99 = 0;
+};
+
+struct ServingBenchResult {
+  int concurrency = 0;
+  int requests = 0;
+  int failed = 0;
+  double seconds = 0;
+  double output_tokens_per_second = 0;
+  LatencyStats ttft_ms, tpot_ms, itl_ms, e2e_ms;
+};
+
+absl::StatusOr<ServingBenchResult> RunServingBench(const ServingBenchOptions& options);
+
+}  // namespace moe::bench
