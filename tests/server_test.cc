@@ -7,12 +7,14 @@
 #include <grpcpp/grpcpp.h>
 
 #include <atomic>
+#include <numeric>
 #include <random>
 #include <thread>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "moe/runtime/generate.h"
+#include "moe/runtime/sampler.h"
 #include "moe/scheduler/frontend.h"
 #include "moeserve/v1/generation.grpc.pb.h"
 #include "test_util.h"
@@ -230,6 +232,24 @@ TEST_F(ServerTest, InvalidRequestsNameTheField) {
   pb::GenerateRequest top_k = Make({1, 2}, 4);
   top_k.mutable_sampling()->set_top_k(-3);
   cases.push_back({top_k, "sampling.top_k"});
+  pb::GenerateRequest top_k_big = Make({1, 2}, 4);
+  top_k_big.mutable_sampling()->set_top_k(600);
+  cases.push_back({top_k_big, "sampling.top_k must be at most the vocabulary size (512)"});
+  pb::GenerateRequest zero_top_p = Make({1, 2}, 4);
+  zero_top_p.mutable_sampling()->set_top_p(0.0f);
+  cases.push_back({zero_top_p, "sampling.top_p must be in (0, 1]"});
+  pb::GenerateRequest penalty = Make({1, 2}, 4);
+  penalty.mutable_sampling()->set_presence_penalty(3.0f);
+  cases.push_back({penalty, "sampling.presence_penalty"});
+  pb::GenerateRequest logprobs = Make({1, 2}, 4);
+  logprobs.set_logprobs(21);
+  cases.push_back({logprobs, "logprobs: must be between 0 and 20"});
+  pb::GenerateRequest text;
+  text.set_text("hello");
+  cases.push_back({text, "text: text and chat prompts need the tokenizer"});
+  pb::GenerateRequest chat;
+  chat.add_messages()->set_content("hi");
+  cases.push_back({chat, "messages: text and chat prompts need the tokenizer"});
   for (const Case& c : cases) {
     Result r = Run(c.request);
     EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.message;
@@ -257,6 +277,60 @@ TEST_F(ServerTest, InvalidRequestsNameTheField) {
   abort.set_request_id("nope");
   EXPECT_EQ(stub_->Abort(&missing_ctx, abort, &abort_response).error_code(), grpc::StatusCode::NOT_FOUND);
   EXPECT_TRUE(WaitForNoBlocksInUse());
+}
+
+// Greedy decoding with a repetition penalty, step by step on the reference model: the full
+// forward of the sequence so far, the penalty applied to the last row, argmax.
+TEST_F(ServerTest, PenaltiesAndLogprobs) {
+  StartServer();
+  const std::vector<int32_t>& prompt = prompts_[0];
+  pb::GenerateRequest request = Make(prompt, 8);
+  request.mutable_sampling()->set_repetition_penalty(1.8f);
+  request.mutable_sampling()->set_presence_penalty(0.3f);
+  request.set_logprobs(3);
+  grpc::ClientContext ctx;
+  auto reader = stub_->Generate(&ctx, request);
+  pb::GenerateResponse msg;
+  std::vector<int32_t> got;
+  std::vector<pb::TokenLogprob> logprobs;
+  while (reader->Read(&msg)) {
+    got.insert(got.end(), msg.token_ids().begin(), msg.token_ids().end());
+    logprobs.insert(logprobs.end(), msg.logprobs().begin(), msg.logprobs().end());
+  }
+  ASSERT_TRUE(reader->Finish().ok());
+
+  runtime::SamplingParams params;
+  params.repetition_penalty = 1.8f;
+  params.presence_penalty = 0.3f;
+  std::vector<int32_t> ids = prompt, want;
+  const int vocab = reference_->spec().vocab_size;
+  for (int step = 0; step < 8; ++step) {
+    auto cache = reference_->NewKvCache(runtime::BlocksFor(ids.size(), 16));
+    ASSERT_TRUE(cache.ok());
+    std::vector<int32_t> table(runtime::BlocksFor(ids.size(), 16));
+    std::iota(table.begin(), table.end(), 0);
+    runtime::ForwardBatch batch;
+    batch.token_ids = ids;
+    batch.sequences = {runtime::SequenceChunk{0, static_cast<int32_t>(ids.size()), table.data(),
+                                              static_cast<int32_t>(table.size())}};
+    batch.logit_rows = {static_cast<int32_t>(ids.size() - 1)};
+    std::vector<float> logits;
+    ASSERT_TRUE(reference_->Forward(batch, **cache, &logits).ok());
+    runtime::ApplyPenalties(params, prompt.data(), static_cast<int>(prompt.size()), want.data(),
+                            static_cast<int>(want.size()), logits.data(), vocab);
+    want.push_back(runtime::ArgMax(logits.data(), vocab));
+    ids.push_back(want.back());
+  }
+  EXPECT_EQ(got, want);
+  EXPECT_NE(got, Alone(prompt, 8));  // the penalty changed something
+  ASSERT_EQ(logprobs.size(), got.size());
+  for (size_t i = 0; i < logprobs.size(); ++i) {
+    EXPECT_EQ(logprobs[i].token_id(), got[i]);
+    EXPECT_LE(logprobs[i].logprob(), 0.0f);
+    ASSERT_EQ(logprobs[i].top_size(), 3);
+    EXPECT_GE(logprobs[i].top(0).logprob(), logprobs[i].top(1).logprob());
+    EXPECT_GE(logprobs[i].top(1).logprob(), logprobs[i].top(2).logprob());
+  }
 }
 
 TEST_F(ServerTest, ModelInfoAndHealth) {

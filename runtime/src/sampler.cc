@@ -20,7 +20,58 @@ absl::Status SamplingParams::Validate() const {
   if (std::isnan(min_p) || min_p < 0 || min_p > 1) {
     return absl::InvalidArgumentError(absl::StrCat("min_p must be in [0, 1], got ", min_p));
   }
+  if (std::isnan(repetition_penalty) || repetition_penalty <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("repetition_penalty must be > 0, got ", repetition_penalty));
+  }
+  for (auto [name, v] : {std::pair<const char*, float>{"presence_penalty", presence_penalty},
+                         {"frequency_penalty", frequency_penalty}}) {
+    if (std::isnan(v) || v < -2 || v > 2) {
+      return absl::InvalidArgumentError(absl::StrCat(name, " must be in [-2, 2], got ", v));
+    }
+  }
   return absl::OkStatus();
+}
+
+void ApplyPenalties(const SamplingParams& p, const int32_t* prompt, int prompt_len, const int32_t* output,
+                    int output_len, float* logits, int vocab) {
+  if (p.repetition_penalty != 1.0f) {
+    std::vector<bool> seen(vocab, false);
+    auto mark = [&](const int32_t* ids, int n) {
+      for (int i = 0; i < n; ++i) {
+        if (ids[i] >= 0 && ids[i] < vocab) seen[ids[i]] = true;
+      }
+    };
+    mark(prompt, prompt_len);
+    mark(output, output_len);
+    for (int t = 0; t < vocab; ++t) {
+      if (seen[t]) logits[t] = logits[t] > 0 ? logits[t] / p.repetition_penalty : logits[t] * p.repetition_penalty;
+    }
+  }
+  if (p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f) {
+    std::vector<int> count(vocab, 0);
+    for (int i = 0; i < output_len; ++i) {
+      if (output[i] >= 0 && output[i] < vocab) ++count[output[i]];
+    }
+    for (int t = 0; t < vocab; ++t) {
+      if (count[t] > 0) logits[t] -= p.presence_penalty + p.frequency_penalty * count[t];
+    }
+  }
+}
+
+TokenLogprobs ComputeLogprobs(const float* logits, int vocab, int32_t token, int top) {
+  const float max_logit = *std::max_element(logits, logits + vocab);
+  double sum = 0;
+  for (int i = 0; i < vocab; ++i) sum += std::exp(static_cast<double>(logits[i]) - max_logit);
+  const float log_z = max_logit + static_cast<float>(std::log(sum));
+  TokenLogprobs out;
+  out.logprob = logits[token] - log_z;
+  top = std::min(top, vocab);
+  std::vector<int32_t> order(vocab);
+  std::iota(order.begin(), order.end(), 0);
+  std::partial_sort(order.begin(), order.begin() + top, order.end(),
+                    [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); });
+  for (int i = 0; i < top; ++i) out.top.emplace_back(order[i], logits[order[i]] - log_z);
+  return out;
 }
 
 int32_t ArgMax(const float* values, int n) {

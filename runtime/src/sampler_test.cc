@@ -77,6 +77,32 @@ TEST(SamplerTest, FollowsTheSoftmaxDistribution) {
   EXPECT_NEAR(static_cast<double>(ones) / n, 0.75, 0.03);
 }
 
+TEST(SamplerTest, PenaltiesFollowTheirDefinitions) {
+  std::vector<float> logits = {2.0f, -1.0f, 0.5f, 3.0f};
+  SamplingParams p;
+  p.repetition_penalty = 2.0f;
+  p.presence_penalty = 0.5f;
+  p.frequency_penalty = 0.25f;
+  const int32_t prompt[] = {0, 1};
+  const int32_t output[] = {2, 2};
+  ApplyPenalties(p, prompt, 2, output, 2, logits.data(), 4);
+  EXPECT_FLOAT_EQ(logits[0], 1.0f);                         // prompt token, positive: halved
+  EXPECT_FLOAT_EQ(logits[1], -2.0f);                        // prompt token, negative: doubled
+  EXPECT_FLOAT_EQ(logits[2], 0.25f - 0.5f - 2 * 0.25f);     // output token twice: all three
+  EXPECT_FLOAT_EQ(logits[3], 3.0f);                         // never seen
+}
+
+TEST(SamplerTest, LogprobsAreALogSoftmaxWithSortedAlternatives) {
+  const std::vector<float> logits = {1.0f, 3.0f, 2.0f};
+  const TokenLogprobs lp = ComputeLogprobs(logits.data(), 3, 2, 2);
+  const double z = std::log(std::exp(1.0) + std::exp(3.0) + std::exp(2.0));
+  EXPECT_NEAR(lp.logprob, 2.0 - z, 1e-6);
+  ASSERT_EQ(lp.top.size(), 2u);
+  EXPECT_EQ(lp.top[0].first, 1);
+  EXPECT_NEAR(lp.top[0].second, 3.0 - z, 1e-6);
+  EXPECT_EQ(lp.top[1].first, 2);
+}
+
 TEST(SamplerTest, ValidateNamesTheField) {
   SamplingParams p;
   p.temperature = -1;
@@ -96,6 +122,12 @@ TEST(SamplerTest, ValidateNamesTheField) {
   p = {};
   p.min_p = 2;
   EXPECT_THAT(p.Validate().message(), HasSubstr("min_p"));
+  p = {};
+  p.repetition_penalty = 0;
+  EXPECT_THAT(p.Validate().message(), HasSubstr("repetition_penalty"));
+  p = {};
+  p.frequency_penalty = 2.5f;
+  EXPECT_THAT(p.Validate().message(), HasSubstr("frequency_penalty"));
   EXPECT_TRUE(SamplingParams{}.Validate().ok());
 }
 

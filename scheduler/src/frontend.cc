@@ -42,12 +42,22 @@ class GenerationService final : public pb::Generation::Service {
 
   grpc::Status Generate(grpc::ServerContext* context, const pb::GenerateRequest* in,
                         grpc::ServerWriter<pb::GenerateResponse>* writer) override {
+    if (!in->text().empty() || in->messages_size() > 0) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          std::string(in->text().empty() ? "messages" : "text") +
+                              ": text and chat prompts need the tokenizer, which this server does not have yet; "
+                              "send token_ids");
+    }
     Request request;
     request.id = in->request_id().empty() ? absl::StrCat("req-", next_id_++) : in->request_id();
+    request.logprobs = in->logprobs();
     request.prompt.assign(in->token_ids().begin(), in->token_ids().end());
     const pb::SamplingParams& sp = in->sampling();
     request.sampling.temperature = sp.temperature();
-    request.sampling.top_p = sp.top_p() == 0.0f ? 1.0f : sp.top_p();
+    request.sampling.top_p = sp.has_top_p() ? sp.top_p() : 1.0f;
+    request.sampling.repetition_penalty = sp.repetition_penalty() == 0.0f ? 1.0f : sp.repetition_penalty();
+    request.sampling.presence_penalty = sp.presence_penalty();
+    request.sampling.frequency_penalty = sp.frequency_penalty();
     request.sampling.top_k = sp.top_k();
     request.sampling.min_p = sp.min_p();
     if (sp.has_seed()) request.sampling.seed = sp.seed();
@@ -80,6 +90,16 @@ class GenerationService final : public pb::Generation::Service {
         pb::GenerateResponse delta;
         delta.set_request_id(id);
         delta.mutable_token_ids()->Add(out.new_tokens.begin(), out.new_tokens.end());
+        for (size_t i = 0; i < out.logprobs.size(); ++i) {
+          pb::TokenLogprob* lp = delta.add_logprobs();
+          lp->set_token_id(out.new_tokens[i]);
+          lp->set_logprob(out.logprobs[i].logprob);
+          for (const auto& [token, logprob] : out.logprobs[i].top) {
+            pb::TopLogprob* alt = lp->add_top();
+            alt->set_token_id(token);
+            alt->set_logprob(logprob);
+          }
+        }
         if (out.finished) FillFinal(**stream, out, completion, &delta);
         if (!aborted_by_client) writer->Write(delta);
       }

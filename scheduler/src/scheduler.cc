@@ -6,6 +6,8 @@
 
 namespace moe::scheduler {
 
+constexpr int kMaxLogprobs = 20;
+
 const char* FinishReasonName(FinishReason reason) {
   switch (reason) {
     case FinishReason::kLength: return "length";
@@ -64,6 +66,13 @@ absl::Status Scheduler::Add(Request r) {
   }
   if (absl::Status v = r.sampling.Validate(); !v.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("sampling.", v.message()));
+  }
+  if (r.sampling.top_k > config_.vocab_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sampling.top_k must be at most the vocabulary size (", config_.vocab_size, "), got ", r.sampling.top_k));
+  }
+  if (r.logprobs < 0 || r.logprobs > kMaxLogprobs) {
+    return absl::InvalidArgumentError(absl::StrCat("logprobs: must be between 0 and ", kMaxLogprobs, ", got ", r.logprobs));
   }
   if (runtime::BlocksFor(total, config_.block_size) > config_.num_blocks) {
     return absl::ResourceExhaustedError(absl::StrCat("request needs ", runtime::BlocksFor(total, config_.block_size),
@@ -213,7 +222,14 @@ std::vector<Output> Scheduler::Step(Executor& executor, Clock::time_point now) {
     // The chunk that reaches the last token samples the next one.
     if (s.first + s.count == static_cast<int64_t>(s.seq->tokens.size())) {
       plan.batch.logit_rows.push_back(row0 + s.count - 1);
-      plan.samples.push_back(SampleRow{s.seq->seq_id, s.seq->request.sampling});
+      SampleRow row;
+      row.seq_id = s.seq->seq_id;
+      row.sampling = s.seq->request.sampling;
+      row.tokens = s.seq->tokens.data();
+      row.prompt_len = static_cast<int>(s.seq->request.prompt.size());
+      row.total_len = static_cast<int>(s.seq->tokens.size());
+      row.logprobs = s.seq->request.logprobs;
+      plan.samples.push_back(row);
     }
   }
   for (size_t i = 0; i < scheduled.size(); ++i) {
@@ -221,7 +237,7 @@ std::vector<Output> Scheduler::Step(Executor& executor, Clock::time_point now) {
     plan.batch.sequences[i].num_blocks = static_cast<int32_t>(plan.block_tables[i].size());
   }
 
-  absl::StatusOr<std::vector<int32_t>> sampled = executor.Execute(plan);
+  absl::StatusOr<std::vector<SampledToken>> sampled = executor.Execute(plan);
   if (!sampled.ok()) {
     for (const Scheduled& s : scheduled) Finish(s.seq, FinishReason::kError, sampled.status(), &outputs);
     return outputs;
@@ -231,7 +247,8 @@ std::vector<Output> Scheduler::Step(Executor& executor, Clock::time_point now) {
     Sequence* seq = s.seq;
     seq->computed = s.first + s.count;
     if (seq->computed != static_cast<int64_t>(seq->tokens.size())) continue;  // a prefill chunk
-    const int32_t token = (*sampled)[row++];
+    SampledToken& sample = (*sampled)[row++];
+    const int32_t token = sample.token;
     seq->tokens.push_back(token);
     ++seq->generated;
     Output* out = nullptr;
@@ -243,20 +260,33 @@ std::vector<Output> Scheduler::Step(Executor& executor, Clock::time_point now) {
       out = &outputs.back();
     }
     out->new_tokens.push_back(token);
+    if (sample.logprobs) out->logprobs.push_back(std::move(*sample.logprobs));
     CheckStop(seq, token, &outputs);
   }
   return outputs;
 }
 
-absl::StatusOr<std::vector<int32_t>> ModelExecutor::Execute(const StepPlan& plan) {
+absl::StatusOr<std::vector<SampledToken>> ModelExecutor::Execute(const StepPlan& plan) {
   for (int64_t id : plan.released_seq_ids) samplers_.erase(id);
   if (absl::Status s = model_.Forward(plan.batch, cache_, &logits_); !s.ok()) return s;
   const int vocab = model_.spec().vocab_size;
-  std::vector<int32_t> tokens(plan.samples.size());
+  std::vector<SampledToken> tokens(plan.samples.size());
+  std::vector<float> penalized;
   for (size_t i = 0; i < plan.samples.size(); ++i) {
-    auto& sampler = samplers_[plan.samples[i].seq_id];
-    if (sampler == nullptr) sampler = std::make_unique<runtime::Sampler>(plan.samples[i].sampling);
-    tokens[i] = sampler->Sample(logits_.data() + i * vocab, vocab);
+    const SampleRow& row = plan.samples[i];
+    auto& sampler = samplers_[row.seq_id];
+    if (sampler == nullptr) sampler = std::make_unique<runtime::Sampler>(row.sampling);
+    const float* logits = logits_.data() + i * vocab;
+    if (row.sampling.penalized()) {
+      penalized.assign(logits, logits + vocab);
+      runtime::ApplyPenalties(row.sampling, row.tokens, row.prompt_len, row.tokens + row.prompt_len,
+                              row.total_len - row.prompt_len, penalized.data(), vocab);
+      tokens[i].token = sampler->Sample(penalized.data(), vocab);
+    } else {
+      tokens[i].token = sampler->Sample(logits, vocab);
+    }
+    // Log-probabilities of the model's own distribution, before penalties and sampling filters.
+    if (row.logprobs > 0) tokens[i].logprobs = runtime::ComputeLogprobs(logits, vocab, tokens[i].token, row.logprobs);
   }
   return tokens;
 }

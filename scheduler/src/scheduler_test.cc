@@ -158,7 +158,7 @@ TEST_F(SchedulerTest, AbortDeadlineAndErrorsFreeBlocksWhileOthersFinish) {
 class FailingOnce : public Executor {
  public:
   FailingOnce(Executor& inner, int fail_at) : inner_(inner), fail_at_(fail_at) {}
-  absl::StatusOr<std::vector<int32_t>> Execute(const StepPlan& plan) override {
+  absl::StatusOr<std::vector<SampledToken>> Execute(const StepPlan& plan) override {
     if (step_++ == fail_at_) return absl::UnavailableError("worker 1 lost");
     return inner_.Execute(plan);
   }

@@ -26,6 +26,7 @@ struct Request {
   std::vector<int32_t> prompt;
   runtime::SamplingParams sampling;
   StoppingParams stopping;
+  int logprobs = 0;  // with each token: its log-probability and this many top alternatives
   std::optional<Clock::time_point> deadline;
 };
 
@@ -36,6 +37,7 @@ const char* FinishReasonName(FinishReason reason);
 struct Output {
   std::string id;
   std::vector<int32_t> new_tokens;
+  std::vector<runtime::TokenLogprobs> logprobs;  // one per new token when the request asked
   std::optional<FinishReason> finished;
   absl::Status error;  // set with kError
   int prompt_tokens = 0;

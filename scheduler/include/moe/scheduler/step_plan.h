@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <unordered_map>
 #include <vector>
 
@@ -18,6 +19,16 @@ namespace moe::scheduler {
 struct SampleRow {
   int64_t seq_id = 0;  // whose sampler draws the token (a seeded sampler lives per sequence)
   runtime::SamplingParams sampling;
+  // The sequence's tokens so far (prompt, then output), for the penalties; valid during Execute.
+  const int32_t* tokens = nullptr;
+  int prompt_len = 0;
+  int total_len = 0;
+  int logprobs = 0;  // top alternatives to return with the token's log-probability (0: none)
+};
+
+struct SampledToken {
+  int32_t token = 0;
+  std::optional<runtime::TokenLogprobs> logprobs;  // when the row asked for them
 };
 
 struct StepPlan {
@@ -31,7 +42,7 @@ class Executor {
  public:
   virtual ~Executor() = default;
   // One sampled token per logit row of the plan. An error fails the plan's sequences only.
-  virtual absl::StatusOr<std::vector<int32_t>> Execute(const StepPlan& plan) = 0;
+  virtual absl::StatusOr<std::vector<SampledToken>> Execute(const StepPlan& plan) = 0;
 };
 
 // Runs plans on a model in this process, with the KV cache the scheduler's blocks index.
@@ -39,7 +50,7 @@ class Executor {
 class ModelExecutor : public Executor {
  public:
   ModelExecutor(runtime::Model& model, runtime::KvCache& cache) : model_(model), cache_(cache) {}
-  absl::StatusOr<std::vector<int32_t>> Execute(const StepPlan& plan) override;
+  absl::StatusOr<std::vector<SampledToken>> Execute(const StepPlan& plan) override;
 
  private:
   runtime::Model& model_;
