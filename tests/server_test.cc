@@ -27,16 +27,16 @@ using ::testing::HasSubstr;
 
 class ServerTest : public ::testing::Test {
  protected:
-  void StartServer(int max_seqs = 16, int max_queue = 64) {
+  void StartServer(int max_seqs = 16, int max_queue = 64, const std::string& arch = "qwen3_moe") {
     runtime::ModelOptions mo;
     mo.pool.progress = false;
     mo.threads = 2;
     mo.pool.threads = 2;
-    auto model = runtime::Model::Load(testing::FixtureDir("qwen3_moe"), mo);
+    auto model = runtime::Model::Load(testing::FixtureDir(arch), mo);
     ASSERT_TRUE(model.ok()) << model.status();
     model_ = std::move(*model);
     // The server's model runs one forward at a time: the expected tokens come from another copy.
-    auto reference = runtime::Model::Load(testing::FixtureDir("qwen3_moe"), mo);
+    auto reference = runtime::Model::Load(testing::FixtureDir(arch), mo);
     ASSERT_TRUE(reference.ok()) << reference.status();
     reference_ = std::move(*reference);
     scheduler::FrontendOptions options;
@@ -53,7 +53,7 @@ class ServerTest : public ::testing::Test {
     frontend_ = std::move(*frontend);
     channel_ = grpc::CreateChannel("127.0.0.1:" + std::to_string(frontend_->port()), grpc::InsecureChannelCredentials());
     stub_ = pb::Generation::NewStub(channel_);
-    const nlohmann::json golden = testing::LoadGolden("qwen3_moe");
+    const nlohmann::json golden = testing::LoadGolden(arch);
     for (const auto& c : golden["cases"]) prompts_.push_back(c["prompt_ids"]);
   }
   void TearDown() override {
@@ -137,8 +137,10 @@ class ServerTest : public ::testing::Test {
   std::vector<std::vector<int32_t>> prompts_;
 };
 
-TEST_F(ServerTest, ConcurrentGreedyStreamsMatchGenerate) {
-  StartServer();
+class ServerArchTest : public ServerTest, public ::testing::WithParamInterface<std::string> {};
+
+TEST_P(ServerArchTest, ConcurrentGreedyStreamsMatchGenerate) {
+  StartServer(16, 64, GetParam());
   std::vector<Result> results(prompts_.size());
   std::vector<std::thread> clients;
   for (size_t i = 0; i < prompts_.size(); ++i) {
@@ -149,12 +151,17 @@ TEST_F(ServerTest, ConcurrentGreedyStreamsMatchGenerate) {
     ASSERT_TRUE(results[i].status.ok()) << results[i].status.error_message();
     EXPECT_EQ(results[i].tokens, Alone(prompts_[i], 12)) << "prompt " << i;
     EXPECT_EQ(results[i].last.finish_reason(), pb::FINISH_REASON_LENGTH);
+    EXPECT_EQ(results[i].last.usage().cached_tokens(), 0);
     EXPECT_EQ(results[i].last.usage().prompt_tokens(), static_cast<int>(prompts_[i].size()));
     EXPECT_EQ(results[i].last.usage().completion_tokens(), 12);
     EXPECT_GT(results[i].last.timings().first_token_seconds(), 0.0);
   }
   EXPECT_TRUE(WaitForNoBlocksInUse());
 }
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, ServerArchTest,
+                         ::testing::Values("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"),
+                         [](const auto& info) { return info.param; });
 
 TEST_F(ServerTest, CancellingAStreamFreesItsBlocksWhileOthersFinish) {
   StartServer();
