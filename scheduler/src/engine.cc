@@ -74,6 +74,7 @@ Engine::Engine(runtime::Model& model, SchedulerConfig config, std::unique_ptr<ru
       cache_(std::move(cache)),
       executor_(std::make_unique<ModelExecutor>(model_, *cache_)),
       scheduler_(config_),
+      stats_(scheduler_.stats()),
       thread_([this] { Loop(); }) {}
 
 Engine::~Engine() { Stop(); }

@@ -77,6 +77,21 @@ class SchedulerTest : public ::testing::Test {
     EXPECT_TRUE(s.idle());
   }
 
+  // Submits every fixture prompt (10 new tokens each), runs them together to the end and checks
+  // that each got what it gets alone; returns how each ended.
+  std::map<std::string, FinishReason> RunEveryPromptAndCompare(Scheduler& scheduler, Executor& executor) {
+    std::map<std::string, std::vector<int32_t>> want, got;
+    for (size_t i = 0; i < prompts_.size(); ++i) {
+      const std::string id = "r" + std::to_string(i);
+      EXPECT_TRUE(scheduler.Add(Make(id, prompts_[i], 10)).ok());
+      want[id] = Alone(prompts_[i], 10);
+    }
+    std::map<std::string, FinishReason> reasons;
+    RunToEnd(scheduler, executor, &got, &reasons);
+    EXPECT_EQ(got, want);
+    return reasons;
+  }
+
   std::unique_ptr<runtime::Model> model_;
   std::vector<std::vector<int32_t>> prompts_;
 };
@@ -86,16 +101,7 @@ TEST_F(SchedulerTest, BatchingAndChunkedPrefillChangeNothing) {
   ASSERT_TRUE(cache.ok());
   ModelExecutor executor(*model_, **cache);
   Scheduler scheduler(Config(128, /*max_batch_tokens=*/24));  // the 91-token prompt takes several steps
-  std::map<std::string, std::vector<int32_t>> want;
-  for (size_t i = 0; i < prompts_.size(); ++i) {
-    const std::string id = "r" + std::to_string(i);
-    ASSERT_TRUE(scheduler.Add(Make(id, prompts_[i], 10)).ok());
-    want[id] = Alone(prompts_[i], 10);
-  }
-  std::map<std::string, std::vector<int32_t>> got;
-  std::map<std::string, FinishReason> reasons;
-  RunToEnd(scheduler, executor, &got, &reasons);
-  EXPECT_EQ(got, want);
+  const std::map<std::string, FinishReason> reasons = RunEveryPromptAndCompare(scheduler, executor);
   for (const auto& [id, reason] : reasons) EXPECT_EQ(reason, FinishReason::kLength) << id;
   EXPECT_EQ(scheduler.stats().blocks_used, 0);
 }
@@ -107,16 +113,7 @@ TEST_F(SchedulerTest, RunningOutOfBlocksPreemptsAndRecomputes) {
   ASSERT_TRUE(cache.ok());
   ModelExecutor executor(*model_, **cache);
   Scheduler scheduler(Config(26, 64));
-  std::map<std::string, std::vector<int32_t>> want;
-  for (size_t i = 0; i < prompts_.size(); ++i) {
-    const std::string id = "r" + std::to_string(i);
-    ASSERT_TRUE(scheduler.Add(Make(id, prompts_[i], 10)).ok());
-    want[id] = Alone(prompts_[i], 10);
-  }
-  std::map<std::string, std::vector<int32_t>> got;
-  std::map<std::string, FinishReason> reasons;
-  RunToEnd(scheduler, executor, &got, &reasons);
-  EXPECT_EQ(got, want);
+  RunEveryPromptAndCompare(scheduler, executor);
   EXPECT_GT(scheduler.stats().preemptions, 0);
   EXPECT_EQ(scheduler.stats().blocks_used, 0);
 }
