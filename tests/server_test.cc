@@ -191,7 +191,10 @@ TEST_F(ServerTest, AFullQueueAnswersResourceExhaustedAtOnce) {
   ASSERT_TRUE(running->Read(&first));  // running: the only slot
   grpc::ClientContext queued_ctx;
   auto queued = stub_->Generate(&queued_ctx, Make(prompts_[1], 5));
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // let it reach the queue
+  for (int i = 0; i < 500 && frontend_->engine().stats().waiting < 1; ++i) {  // until it is queued
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_EQ(frontend_->engine().stats().waiting, 1);
   const auto start = std::chrono::steady_clock::now();
   Result refused = Run(Make(prompts_[2], 5));
   EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
