@@ -1,5 +1,6 @@
 #include "moe/experts/expert_pool.h"
 
+#include <immintrin.h>
 #include <pthread.h>
 #include <sched.h>
 
@@ -77,6 +78,9 @@ __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) fl
   for (float v : acc) s += v;
   return s;
 }
+
+// Decode schedule: contiguous units of work per thread and stage (see Run).
+constexpr int64_t kDecodeUnitsPerThread = 2;
 
 // Columns per quantized-sum group of the activations for a matrix.
 int SumGroup(const MatrixLayout& l) {
@@ -335,6 +339,16 @@ absl::Status ExpertPool::Compute(int layer, const float* hidden, int64_t num_tok
   return Wait(*ticket);
 }
 
+namespace {
+
+// Waits (spinning: the awaited work is running on another thread of the arena) until `flag`
+// holds `value`.
+void SpinUntil(const std::atomic<int64_t>& flag, int64_t value) {
+  while (flag.load(std::memory_order_acquire) < value) _mm_pause();
+}
+
+}  // namespace
+
 absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens, const int32_t* topk_ids,
                              const float* topk_weights, float* out) {
   Impl& s = *impl_;
@@ -367,43 +381,7 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
     uniform = uniform && (active.empty() || s.count[e] == s.count[active[0]]);
     active.push_back(e);
   }
-  // Many slots: prepare experts in parallel; few: in line (a barrier costs more).
   FirstError error;
-  auto for_each_active = [&](auto&& f) {
-    if (slots < 64) {
-      for (int e : active) f(e);
-    } else {
-      tbb::parallel_for(size_t{0}, active.size(), [&](size_t i) { f(active[i]); });
-    }
-  };
-  // Work items of `unit` blocks when every expert has the same work; otherwise about 8 items per
-  // thread over the layer.
-  struct Item {
-    int expert;
-    int64_t b0, b1;
-  };
-  auto make_items = [&](int64_t blocks, int64_t unit) {
-    int64_t chunk = unit;
-    if (!uniform) {
-      const int64_t work = static_cast<int64_t>(active.size()) * blocks;
-      chunk = std::max<int64_t>(unit, (work / (8 * threads_) + unit - 1) / unit * unit);
-    }
-    std::vector<Item> items;
-    for (int e : active) {
-      for (int64_t b = 0; b < blocks; b += chunk) items.push_back({e, b, std::min(blocks, b + chunk)});
-    }
-    return items;
-  };
-  // One task per item, taken by whichever thread is free (a static split would wait for the
-  // slowest-waking worker).
-  auto run_items = [&](const std::vector<Item>& items, auto&& f) {
-    tbb::parallel_for(
-        tbb::blocked_range<size_t>(0, items.size(), 1),
-        [&](const tbb::blocked_range<size_t>& r) {
-          for (size_t i = r.begin(); i < r.end(); ++i) f(items[i]);
-        },
-        tbb::simple_partitioner());
-  };
   using Clock = std::chrono::steady_clock;
   auto phase_start = Clock::now();
   auto end_phase = [&](int phase) {
@@ -413,65 +391,39 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
   };
   end_phase(0);
 
-  // Stage 1: gate and up blocks alternate in the fused matrix; one kernel call yields both,
-  // then SiLU(gate) * up into the intermediate rows. The thread that finishes an expert's last
-  // stage-1 item runs that expert's stage 2 (the down projection) as a nested parallel loop,
-  // so stage 2 overlaps the other experts' stage 1 and only one tail remains per call.
-  for_each_active([&](int e) {
-    error.Set(s.act_in[e].Prepare(s.rows.data() + s.offset[e], s.count[e], h, gate_up_.k_pad, KernelFor(s.count[e]),
-                                  options_.format, SumGroup(gate_up_)));
-  });
-  if (error.failed()) return error.status();
-  end_phase(1);
-  const std::vector<Item> stage1 = make_items(gate_up_.blocks(), 2);
-  const std::vector<Item> stage2 = make_items(down_.blocks(), 2);
-  std::vector<size_t> stage2_begin(num_experts + 1, 0);  // stage-2 items of expert e: [begin[e], begin[e+1])
-  for (const Item& it : stage2) ++stage2_begin[it.expert + 1];
-  for (int e = 0; e < num_experts; ++e) stage2_begin[e + 1] += stage2_begin[e];
-  std::unique_ptr<std::atomic<int>[]> remaining(new std::atomic<int>[num_experts]);
-  for (int e = 0; e < num_experts; ++e) remaining[e].store(0);
-  for (const Item& it : stage1) remaining[it.expert].fetch_add(1);
-
-  auto run_down = [&](int e) {
+  // Gate and up blocks alternate in the fused matrix: one kernel call over blocks [b0, b1)
+  // yields both, then SiLU(gate) * up goes into the intermediate rows. Long ranges go in pieces
+  // whose products stay in L2 until the SiLU reads them.
+  auto gate_up = [&](int e, const Activations& act, int64_t b0, int64_t b1) {
     const int64_t m = s.count[e], base = s.offset[e];
-    const KernelKind kind = KernelFor(m);
-    absl::Status st =
-        s.act_mid[e].Prepare(s.mid_rows.data() + base, m, inter, down_.k_pad, kind, options_.format, SumGroup(down_));
-    if (!st.ok()) return error.Set(st);
-    const MatmulKernel kernel = GetKernel(kind, options_.format);
-    const PackedMatrix w = Down(layer, e);
-    tbb::parallel_for(
-        tbb::blocked_range<size_t>(stage2_begin[e], stage2_begin[e + 1], 1),
-        [&](const tbb::blocked_range<size_t>& r) {
-          for (size_t i = r.begin(); i < r.end(); ++i) {
-            const Item& it = stage2[i];
-            kernel(w, s.act_mid[e], it.b0, it.b1, s.expert_out.data() + base * h_pad + it.b0 * 16, h_pad);
-          }
-        },
-        tbb::simple_partitioner());
-  };
-  run_items(stage1, [&](const Item& it) {
-    const int64_t m = s.count[it.expert], base = s.offset[it.expert];
     const MatmulKernel kernel = GetKernel(KernelFor(m), options_.format);
-    const PackedMatrix w = GateUp(layer, it.expert);
-    // One block pair (16 gate and 16 up rows) at a time, so the products stay in L1 until the
-    // SiLU consumes them.
+    const PackedMatrix w = GateUp(layer, e);
+    const int64_t piece = std::max<int64_t>(2, 4096 / m / 2 * 2);  // blocks: at most 256 KB of products
     thread_local std::vector<float> tmp;
-    if (tmp.size() < static_cast<size_t>(m * 32)) tmp.resize(m * 32);
-    for (int64_t b = it.b0; b < it.b1; b += 2) {
-      kernel(w, s.act_in[it.expert], b, b + 2, tmp.data(), 32);
-      const int64_t unit = b / 2 * 16;
-      const int64_t n = std::min<int64_t>(16, inter - unit);
-      if (n <= 0) continue;
-      for (int64_t i = 0; i < m; ++i) {
-        SiluMul(tmp.data() + i * 32, tmp.data() + i * 32 + 16, n, s.inter.data() + (base + i) * inter + unit);
+    for (int64_t p0 = b0; p0 < b1; p0 += piece) {
+      const int64_t p1 = std::min(b1, p0 + piece), ld = (p1 - p0) * 16;
+      if (tmp.size() < static_cast<size_t>(m * ld)) tmp.resize(m * ld);
+      kernel(w, act, p0, p1, tmp.data(), ld);
+      for (int64_t b = p0; b < p1; b += 2) {
+        const int64_t unit = b / 2 * 16, n = std::min<int64_t>(16, inter - unit);
+        if (n <= 0) continue;
+        const float* pair = tmp.data() + (b - p0) * 16;
+        for (int64_t i = 0; i < m; ++i) SiluMul(pair + i * ld, pair + i * ld + 16, n, s.inter.data() + (base + i) * inter + unit);
       }
     }
-    if (remaining[it.expert].fetch_sub(1) == 1) run_down(it.expert);
-  });
-  if (error.failed()) return error.status();
-
-  end_phase(2);
+  };
+  auto prepare_in = [&](int e, Activations& act) {
+    error.Set(act.Prepare(s.rows.data() + s.offset[e], s.count[e], h, gate_up_.k_pad, KernelFor(s.count[e]),
+                          options_.format, SumGroup(gate_up_)));
+  };
+  auto prepare_mid = [&](int e) {
+    error.Set(s.act_mid[e].Prepare(s.mid_rows.data() + s.offset[e], s.count[e], inter, down_.k_pad, KernelFor(s.count[e]),
+                                   options_.format, SumGroup(down_)));
+  };
+  auto down = [&](int e, int64_t b0, int64_t b1) {
+    GetKernel(KernelFor(s.count[e]), options_.format)(Down(layer, e), s.act_mid[e], b0, b1,
+                                                     s.expert_out.data() + s.offset[e] * h_pad + b0 * 16, h_pad);
+  };
   auto reduce = [&](int64_t t, int64_t c0, int64_t c1) {
     float* dst = out + t * h;
     std::fill(dst + c0, dst + c1, 0.0f);
@@ -481,12 +433,153 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
       for (int64_t i = c0; i < c1; ++i) dst[i] += wt * src[i];
     }
   };
-  if (slots < 64) {
-    for (int64_t t = 0; t < num_tokens; ++t) reduce(t, 0, h);
+
+  if (num_tokens <= options_.decode_max_tokens) {
+    // Decode schedule: few tokens, so the call is bound by streaming the active experts' weights.
+    // The gate+up block pairs of all active experts, concatenated, are cut into a few contiguous
+    // units per thread (long sequential streams, few starts), and so are the down block pairs;
+    // threads claim units in order. An expert's intermediate activations are prepared by the
+    // thread that completes its last gate+up unit; a down unit waits for its experts (they are
+    // in progress on running threads, since every gate+up unit is claimed before any down unit).
+    // Then a reduce over (token, column) chunks once every down unit is done.
+    const int64_t n_active = static_cast<int64_t>(active.size());
+    const int64_t pairs1 = gate_up_.blocks() / 2, pairs2 = (down_.blocks() + 1) / 2;
+    const int64_t units = static_cast<int64_t>(threads_) * kDecodeUnitsPerThread;
+    const int64_t units1 = std::min(units, n_active * pairs1), units2 = std::min(units, n_active * pairs2);
+    constexpr int64_t kReduceColumns = 512;
+    const int64_t col_chunks = (h + kReduceColumns - 1) / kReduceColumns, chunks3 = num_tokens * col_chunks;
+    std::atomic<int64_t> next1{0}, next2{0}, next3{0}, done2{0};
+    std::unique_ptr<std::atomic<int64_t>[]> left(new std::atomic<int64_t>[n_active]);   // gate+up pairs to go
+    std::unique_ptr<std::atomic<int64_t>[]> ready(new std::atomic<int64_t>[n_active]);  // 1: act_mid prepared
+    std::unique_ptr<std::atomic<int64_t>[]> in_state(new std::atomic<int64_t>[n_active]);  // act_in: 0, 1 busy, 2
+    for (int64_t i = 0; i < n_active; ++i) {
+      left[i].store(pairs1);
+      ready[i].store(0);
+      in_state[i].store(0);
+    }
+    // One token: every expert reads the same row, so its activations are prepared once.
+    auto input_of = [&](int64_t i) -> const Activations& {
+      const int64_t slot = num_tokens == 1 ? 0 : i;
+      int64_t expected = 0;
+      if (in_state[slot].compare_exchange_strong(expected, 1)) {
+        prepare_in(active[slot], s.act_in[active[slot]]);
+        in_state[slot].store(2, std::memory_order_release);
+      } else {
+        SpinUntil(in_state[slot], 2);
+      }
+      return s.act_in[active[slot]];
+    };
+    // Runs f(expert index, first pair, end pair) over the concatenated pairs of unit u.
+    auto for_unit = [&](int64_t u, int64_t units_n, int64_t pairs, auto&& f) {
+      const int64_t total = n_active * pairs;
+      for (int64_t q = u * total / units_n, q1 = (u + 1) * total / units_n; q < q1;) {
+        const int64_t i = q / pairs, end = std::min(q1, (i + 1) * pairs);
+        f(i, q - i * pairs, end - i * pairs);
+        q = end;
+      }
+    };
+    auto worker = [&] {
+      for (int64_t u; (u = next1.fetch_add(1)) < units1;) {
+        for_unit(u, units1, pairs1, [&](int64_t i, int64_t p0, int64_t p1) {
+          const int e = active[i];
+          if (!error.failed()) gate_up(e, input_of(i), 2 * p0, 2 * p1);
+          if (left[i].fetch_sub(p1 - p0) == p1 - p0) {
+            if (!error.failed()) prepare_mid(e);
+            ready[i].store(1, std::memory_order_release);
+          }
+        });
+      }
+      for (int64_t u; (u = next2.fetch_add(1)) < units2;) {
+        for_unit(u, units2, pairs2, [&](int64_t i, int64_t p0, int64_t p1) {
+          SpinUntil(ready[i], 1);
+          if (!error.failed()) down(active[i], 2 * p0, std::min(2 * p1, down_.blocks()));
+        });
+        done2.fetch_add(1, std::memory_order_release);
+      }
+      if (next3.load() >= chunks3) return;
+      SpinUntil(done2, units2);
+      for (int64_t c; (c = next3.fetch_add(1)) < chunks3;) {
+        const int64_t c0 = c % col_chunks * kReduceColumns;
+        reduce(c / col_chunks, c0, std::min(h, c0 + kReduceColumns));
+      }
+    };
+    tbb::parallel_for(
+        tbb::blocked_range<int>(0, threads_, 1),
+        [&](const tbb::blocked_range<int>& r) {
+          for (int i = r.begin(); i < r.end(); ++i) worker();
+        },
+        tbb::static_partitioner());
+    end_phase(2);
   } else {
-    tbb::parallel_for(int64_t{0}, num_tokens, [&](int64_t t) { reduce(t, 0, h); });
+    // Batch schedule: many tokens per expert, so the kernels' arithmetic matters and work items
+    // follow experts. Many slots: prepare experts in parallel; few: in line (a barrier costs more).
+    auto for_each_active = [&](auto&& f) {
+      if (slots < 64) {
+        for (int e : active) f(e);
+      } else {
+        tbb::parallel_for(size_t{0}, active.size(), [&](size_t i) { f(active[i]); });
+      }
+    };
+    // Work items of `unit` blocks when every expert has the same work; otherwise about 8 items
+    // per thread over the layer.
+    struct Item {
+      int expert;
+      int64_t b0, b1;
+    };
+    auto make_items = [&](int64_t blocks, int64_t unit) {
+      int64_t chunk = unit;
+      if (!uniform) {
+        const int64_t work = static_cast<int64_t>(active.size()) * blocks;
+        chunk = std::max<int64_t>(unit, (work / (8 * threads_) + unit - 1) / unit * unit);
+      }
+      std::vector<Item> items;
+      for (int e : active) {
+        for (int64_t b = 0; b < blocks; b += chunk) items.push_back({e, b, std::min(blocks, b + chunk)});
+      }
+      return items;
+    };
+    // One task per item, taken by whichever thread is free (a static split would wait for the
+    // slowest-waking worker).
+    auto run_items = [&](const std::vector<Item>& items, size_t begin, size_t end, auto&& f) {
+      tbb::parallel_for(
+          tbb::blocked_range<size_t>(begin, end, 1),
+          [&](const tbb::blocked_range<size_t>& r) {
+            for (size_t i = r.begin(); i < r.end(); ++i) f(items[i]);
+          },
+          tbb::simple_partitioner());
+    };
+    for_each_active([&](int e) { prepare_in(e, s.act_in[e]); });
+    if (error.failed()) return error.status();
+    end_phase(1);
+    // The thread that finishes an expert's last gate+up item runs that expert's down projection
+    // as a nested parallel loop, so it overlaps the other experts' gate+up and only one tail
+    // remains per call.
+    const std::vector<Item> stage1 = make_items(gate_up_.blocks(), 2);
+    const std::vector<Item> stage2 = make_items(down_.blocks(), 2);
+    std::vector<size_t> stage2_begin(num_experts + 1, 0);  // down items of expert e: [begin[e], begin[e+1])
+    for (const Item& it : stage2) ++stage2_begin[it.expert + 1];
+    for (int e = 0; e < num_experts; ++e) stage2_begin[e + 1] += stage2_begin[e];
+    std::unique_ptr<std::atomic<int>[]> remaining(new std::atomic<int>[num_experts]);
+    for (int e = 0; e < num_experts; ++e) remaining[e].store(0);
+    for (const Item& it : stage1) remaining[it.expert].fetch_add(1);
+    run_items(stage1, 0, stage1.size(), [&](const Item& it) {
+      gate_up(it.expert, s.act_in[it.expert], it.b0, it.b1);
+      if (remaining[it.expert].fetch_sub(1) != 1) return;
+      prepare_mid(it.expert);
+      if (error.failed()) return;
+      run_items(stage2, stage2_begin[it.expert], stage2_begin[it.expert + 1],
+                [&](const Item& d) { down(d.expert, d.b0, d.b1); });
+    });
+    if (error.failed()) return error.status();
+    end_phase(2);
+    if (slots < 64) {
+      for (int64_t t = 0; t < num_tokens; ++t) reduce(t, 0, h);
+    } else {
+      tbb::parallel_for(int64_t{0}, num_tokens, [&](int64_t t) { reduce(t, 0, h); });
+    }
   }
   end_phase(3);
+  if (error.failed()) return error.status();
   ++s.calls;
   return absl::OkStatus();
 }

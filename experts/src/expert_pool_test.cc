@@ -212,6 +212,36 @@ TEST_F(ExpertPoolBehaviour, ThreadCountDoesNotChangeTheResult) {
   EXPECT_EQ(one, four);
 }
 
+TEST_F(ExpertPoolBehaviour, DecodeAndBatchSchedulesAgreeExactly) {
+  // The same kernels over the same blocks, cut differently: bit-identical results, whatever the
+  // thread count. The second shape has a hidden size of several reduce chunks, not a multiple of
+  // 16, and an odd number of down blocks.
+  for (const ExpertShape& shape : {SmallShape(), ExpertShape{1, 6, 2, 1100, 200}})
+  for (int64_t tokens : {1, 3, 16}) {
+    const Experts experts(shape, 3);
+    Routing r = RandomRouting(shape, tokens, 20 + tokens);
+    std::vector<float> want;
+    for (int64_t decode_max : {int64_t{0}, int64_t{16}}) {
+      for (int threads : {1, 3}) {
+        ExpertPoolOptions options;
+        options.format = ExpertFormat::kInt8;
+        options.threads = threads;
+        options.progress = false;
+        options.decode_max_tokens = decode_max;
+        auto pool = ExpertPool::Create(shape, options, experts.Source());
+        ASSERT_TRUE(pool.ok()) << pool.status();
+        std::vector<float> out(r.x.size(), -1.0f);
+        ASSERT_TRUE((*pool)->Compute(0, r.x.data(), tokens, r.ids.data(), r.w.data(), out.data()).ok());
+        if (want.empty()) {
+          want = out;
+        } else {
+          EXPECT_EQ(out, want) << "hidden " << shape.hidden << ", " << tokens << " tokens, decode_max_tokens " << decode_max << ", " << threads << " threads";
+        }
+      }
+    }
+  }
+}
+
 TEST_F(ExpertPoolBehaviour, WrongExpertShapeNamesLayerAndExpert) {
   ExpertPoolOptions options;
   options.progress = false;

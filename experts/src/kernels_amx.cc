@@ -123,6 +123,11 @@ MOE_AMX void MatmulAmxBf16(const PackedMatrix& w, const Activations& a, int64_t 
   }
 }
 
+// 32 tokens x 32 rows per pass (16 tokens in a last pass of at most 16). The weights stream from
+// memory once per call: each block pair's tiles are reused from L2 for every token pass, and the
+// next pair's lines are prefetched evenly over this pair's k-steps, so that memory reads go on
+// while the tiles compute (a burst of prefetches at the start of each pair would leave the later
+// passes with the memory idle).
 MOE_AMX void MatmulAmxInt8(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, float* y,
                            int64_t ldy) {
   ConfigureAmxTiles();
@@ -130,44 +135,47 @@ MOE_AMX void MatmulAmxInt8(const PackedMatrix& w, const Activations& a, int64_t 
   alignas(64) float scratch[32 * 32];
   const int64_t k_tiles = w.layout.k_pad / 64;
   const int64_t a_stride = a.stride();
+  const int64_t block_lines = w.layout.block_bytes() / 64;
+  const int64_t steps = (a.m() + 31) / 32 * k_tiles;  // k-steps per block pair
+  const int64_t lines_per_step = (2 * block_lines + steps - 1) / steps;
   for (int64_t b = b0; b < b1; b += 2) {  // blocks outer: the weights stream from memory once
+    const bool two = b + 1 < b1;
+    const uint8_t* w0 = w.block(b);
+    const uint8_t* w1 = w.block(two ? b + 1 : b);
+    const char* next = b + 2 < b1 ? reinterpret_cast<const char*>(w.block(b + 2)) : nullptr;
+    const int64_t next_lines = next == nullptr ? 0 : std::min<int64_t>(2, b1 - b - 2) * block_lines;
+    int64_t cursor = 0;
     for (int64_t m0 = 0; m0 < a.m(); m0 += 32) {
-      const bool two = b + 1 < b1;
-      const uint8_t* w0 = w.block(b);
-      const uint8_t* w1 = w.block(two ? b + 1 : b);
+      const bool two_m = m0 + 16 < a.m();
       _tile_zero(0);
       _tile_zero(1);
       _tile_zero(2);
       _tile_zero(3);
-      // The first token pass prefetches ahead within this block pair; the last one prefetches
-      // the next pair, so the weights stream from memory without gaps between pairs.
-      const bool last_pass = m0 + 32 >= a.m();
-      const bool next = last_pass && b + 2 < b1;
-      const uint8_t* n0 = next ? w.block(b + 2) : nullptr;
-      const uint8_t* n1 = next && b + 3 < b1 ? w.block(b + 3) : nullptr;
+      const bool lead = b == b0 && m0 == 0;  // the call's first pair had no earlier pair to fetch it
       for (int64_t t = 0; t < k_tiles; ++t) {
-        if (m0 == 0 && t + kPrefetchTiles < k_tiles) {
+        if (lead && t + kPrefetchTiles < k_tiles) {
           PrefetchTile(w0 + (t + kPrefetchTiles) * 16 * 64);
           if (two) PrefetchTile(w1 + (t + kPrefetchTiles) * 16 * 64);
         }
-        if (next && t < kPrefetchTiles) {
-          PrefetchTile(n0 + t * 16 * 64);
-          if (n1 != nullptr) PrefetchTile(n1 + t * 16 * 64);
+        for (int64_t i = 0; i < lines_per_step && cursor < next_lines; ++i, ++cursor) {
+          _mm_prefetch(next + cursor * 64, _MM_HINT_T1);
         }
         _tile_loadd(4, a.i8(m0) + t * 64, a_stride);
-        _tile_loadd(5, a.i8(m0 + 16) + t * 64, a_stride);
         _tile_loadd(6, w0 + t * 16 * 64, 64);
         _tile_dpbsud(0, 4, 6);  // signed activations x unsigned (offset 128) weights
-        _tile_dpbsud(2, 5, 6);
+        if (two_m) {
+          _tile_loadd(5, a.i8(m0 + 16) + t * 64, a_stride);
+          _tile_dpbsud(2, 5, 6);
+        }
         if (two) {
           _tile_loadd(7, w1 + t * 16 * 64, 64);
           _tile_dpbsud(1, 4, 7);
-          _tile_dpbsud(3, 5, 7);
+          if (two_m) _tile_dpbsud(3, 5, 7);
         }
       }
       _tile_stored(0, acc, 128);
       _tile_stored(1, acc + 16, 128);
-      _tile_stored(2, acc + 16 * 32, 128);
+      _tile_stored(2, acc + 16 * 32, 128);  // still zero after a 16-token pass
       _tile_stored(3, acc + 16 * 32 + 16, 128);
       const int nb = two ? 2 : 1;
       for (int64_t i = 0; i < 32 && m0 + i < a.m(); ++i) {

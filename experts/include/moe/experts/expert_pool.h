@@ -4,7 +4,8 @@
 // Submit(layer, hidden[T x H], topk_ids[T x k], topk_weights[T x k], out[T x H]) computes, for
 // each token, the weighted sum of its top-k experts' SwiGLU outputs. Tokens are grouped by
 // expert; each expert's fused gate+up blocks, then its down blocks, are split into tasks over a
-// oneTBB arena of pinned threads, so a single token's decode uses every core. At one token the
+// oneTBB arena of pinned threads, so a single token's decode uses every core. Few tokens (decode)
+// and many tokens (prefill) are scheduled differently; see ExpertPoolOptions::decode_max_tokens. At one token the
 // speed is bounded by reading the touched experts' weights from RAM (MeasureReadBandwidth gives
 // the bound on the same threads); at many tokens by the kernels' arithmetic.
 //
@@ -51,6 +52,10 @@ struct ExpertPoolOptions {
   std::string shm_name;               // share the arena across processes under this name
   std::string model_id;               // identifies the weights in a shared segment's key
   bool progress = true;               // loading progress on stderr
+  // Calls of at most this many tokens use the decode schedule (long contiguous streams of the
+  // active experts' weights, a few units per thread); larger calls the batch schedule (work
+  // items per expert). 0: always the batch schedule.
+  int64_t decode_max_tokens = 16;
 };
 
 class ExpertPool {
