@@ -81,6 +81,8 @@ absl::StatusOr<std::vector<ExpertBenchRow>> RunExpertBench(const ExpertBenchOpti
     MOE_ASSIGN_OR_RETURN(po.format, experts::ParseFormat(format_name));
     po.threads = o.threads;
     po.progress = false;
+    po.decode_max_tokens = o.decode_max_tokens;
+    po.decode_units_per_thread = o.decode_units;
     MOE_ASSIGN_OR_RETURN(auto pool, experts::ExpertPool::Create(shape, po, source.Source()));
     double read_gbps = pool->MeasureReadBandwidth(static_cast<size_t>(o.read_bytes));
     log << absl::StrFormat("%s | read bandwidth %.1f GB/s (%d threads, %.1f GB buffer)\n", pool->Describe(), read_gbps,
@@ -109,6 +111,7 @@ absl::StatusOr<std::vector<ExpertBenchRow>> RunExpertBench(const ExpertBenchOpti
         // Best of three trials, each after a fresh measurement of the read bandwidth (the
         // roofline is the best of all those readings; see the end).
         double best_secs = 0, best_bytes = 0, point_read = 0;
+        std::string trials;
         for (int trial = 0; trial < 3; ++trial) {
           const double read = pool->MeasureReadBandwidth(static_cast<size_t>(o.read_bytes), 2);
           calls = MakeCalls(o, batch, count, rng);
@@ -121,6 +124,7 @@ absl::StatusOr<std::vector<ExpertBenchRow>> RunExpertBench(const ExpertBenchOpti
             bytes += static_cast<double>(c.distinct) * pool->expert_bytes();
           }
           const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+          trials += absl::StrFormat(" %.3f", secs / count * 1e3);
           if (trial == 0 || bytes / secs > best_bytes / best_secs) {
             best_secs = secs;
             best_bytes = bytes;
@@ -142,7 +146,7 @@ absl::StatusOr<std::vector<ExpertBenchRow>> RunExpertBench(const ExpertBenchOpti
             "  %-5s %-10s batch %5d: %8.3f ms/call  %6.1f GB/s of weights (%4.0f%% of %.0f GB/s read)  %6.2f TFLOP/s\n",
             row.format, row.kernel, row.batch, row.ms_per_call, row.weight_gbps, 100 * row.ratio, row.read_gbps,
             row.tflops);
-        if (o.phases) log << "      " << pool->PhaseReport() << "\n";
+        if (o.phases) log << "      trials" << trials << " ms/call; last: " << pool->PhaseReport() << "\n";
         rows.push_back(row);
       }
     }

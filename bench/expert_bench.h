@@ -28,6 +28,8 @@ struct ExpertBenchOptions {
   double seconds_per_point = 0.3;
   int portable_max_batch = 16;  // the portable kernel is a reference, not a contender
   bool phases = false;          // print where each point's time goes
+  int64_t decode_max_tokens = 16;  // ExpertPoolOptions: calls up to this size use the decode schedule
+  int decode_units = 4;            // ExpertPoolOptions::decode_units_per_thread
 };
 
 struct ExpertBenchRow {

@@ -45,6 +45,12 @@ absl::Status ReadBenchOptions(const Flags& flags, bench::ExpertBenchOptions* o) 
   o->num_experts = static_cast<int>(experts);
   o->top_k = static_cast<int>(top_k);
   o->phases = flags.Switch("phases");
+  MOE_ASSIGN_OR_RETURN(o->decode_max_tokens, flags.Int("decode-max-tokens"));
+  MOE_ASSIGN_OR_RETURN(int64_t decode_units, flags.Int("decode-units"));
+  if (o->decode_max_tokens < 0 || decode_units <= 0) {
+    return absl::InvalidArgumentError("--decode-max-tokens must be at least 0 and --decode-units positive");
+  }
+  o->decode_units = static_cast<int>(decode_units);
   o->formats = SplitList(flags.Get("formats"));
   o->kernels = SplitList(flags.Get("kernels"));
   o->batches.clear();
@@ -78,7 +84,9 @@ int BenchExperts(int argc, char** argv) {
   flags.Add("intermediate", "N", "expert intermediate size", "768");
   flags.Add("experts", "N", "experts per layer", "128");
   flags.Add("top-k", "K", "experts per token", "8");
-  flags.AddSwitch("phases", "after each point, the time of each phase of a call");
+  flags.Add("decode-max-tokens", "N", "calls of at most N tokens use the pool's decode schedule; 0: never", "16");
+  flags.Add("decode-units", "N", "units of work per thread and stage in the decode schedule", "4");
+  flags.AddSwitch("phases", "after each point, its trials and the time of each phase of a call");
   flags.AddSwitch("json", "print one JSON array of rows: format, kernel, batch, ms_per_call, weight_gbps, read_gbps, "
                           "ratio, tflops");
   flags.AddSwitch("help", "show this help");

@@ -79,9 +79,6 @@ __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) fl
   return s;
 }
 
-// Decode schedule: contiguous units of work per thread and stage (see Run).
-constexpr int64_t kDecodeUnitsPerThread = 2;
-
 // Columns per quantized-sum group of the activations for a matrix.
 int SumGroup(const MatrixLayout& l) {
   return l.format == ExpertFormat::kInt4 ? l.group : static_cast<int>(l.k_pad);
@@ -444,7 +441,7 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
     // Then a reduce over (token, column) chunks once every down unit is done.
     const int64_t n_active = static_cast<int64_t>(active.size());
     const int64_t pairs1 = gate_up_.blocks() / 2, pairs2 = (down_.blocks() + 1) / 2;
-    const int64_t units = static_cast<int64_t>(threads_) * kDecodeUnitsPerThread;
+    const int64_t units = static_cast<int64_t>(threads_) * std::max(1, options_.decode_units_per_thread);
     const int64_t units1 = std::min(units, n_active * pairs1), units2 = std::min(units, n_active * pairs2);
     constexpr int64_t kReduceColumns = 512;
     const int64_t col_chunks = (h + kReduceColumns - 1) / kReduceColumns, chunks3 = num_tokens * col_chunks;

@@ -56,6 +56,9 @@ struct ExpertPoolOptions {
   // active experts' weights, a few units per thread); larger calls the batch schedule (work
   // items per expert). 0: always the batch schedule.
   int64_t decode_max_tokens = 16;
+  // Units of work per thread and stage in the decode schedule: more balance the load across
+  // threads, fewer give longer sequential streams.
+  int decode_units_per_thread = 4;
 };
 
 class ExpertPool {
