@@ -37,11 +37,6 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Copies the valid rows of a 32 x 32 fp32 scratch into y (nb blocks of 16 columns).
-void CopyRows(const float* scratch, int64_t m0, int64_t m, int nb, float* y, int64_t ldy) {
-  for (int64_t i = 0; i < 32 && m0 + i < m; ++i) std::memcpy(y + (m0 + i) * ldy, scratch + i * 32, nb * 16 * 4);
-}
-
 }  // namespace
 
 bool EnableAmxForProcess() {
@@ -123,17 +118,48 @@ MOE_AMX void MatmulAmxBf16(const PackedMatrix& w, const Activations& a, int64_t 
   }
 }
 
+// The int32 sums of one pass (32 tokens x nb blocks, row stride 32) to y: minus the weights'
+// offset times the activation sums, times the row and token scales.
+MOE_AMX void FinishInt8Pass(const int32_t* acc, const PackedMatrix& w, const Activations& a, int64_t b, int64_t m0,
+                            int nb, int64_t r0, int64_t r1, float* y, int64_t ldy) {
+  for (int64_t i = r0; i < r1 && m0 + i < a.m(); ++i) {
+    const __m512i offset = _mm512_set1_epi32(128 * a.i8_sum(m0 + i, 0));
+    const __m512 xs = _mm512_set1_ps(a.i8_scale(m0 + i));
+    float* dst = y + (m0 + i) * ldy;
+    for (int c = 0; c < nb; ++c) {
+      const __m512i v = _mm512_sub_epi32(_mm512_load_si512(acc + i * 32 + c * 16), offset);
+      const __m512 ws = _mm512_loadu_ps(w.scales() + (b + c) * 16);
+      _mm512_storeu_ps(dst + c * 16, _mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(ws, xs)));
+    }
+  }
+}
+
 // 32 tokens x 32 rows per pass (16 tokens in a last pass of at most 16). The weights stream from
 // memory once per call: each block pair's tiles are reused from L2 for every token pass, and the
 // next pair's lines are prefetched evenly over this pair's k-steps, so that memory reads go on
 // while the tiles compute (a burst of prefetches at the start of each pair would leave the later
-// passes with the memory idle).
+// passes with the memory idle). A pass's sums are stored from the tiles and finished (scaled into
+// y) a few rows per k-step of the next pass: reading them back at once would stall on the tile
+// stores, and this way the vector work overlaps the tile work.
 MOE_AMX void MatmulAmxInt8(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, float* y,
                            int64_t ldy) {
   ConfigureAmxTiles();
-  alignas(64) int32_t acc[32 * 32];
-  alignas(64) float scratch[32 * 32];
+  alignas(64) int32_t acc[2][32 * 32];
+  struct Pending {
+    int64_t b = -1, m0 = 0, rows_done = 0;
+    int nb = 0;
+  } pending[2];
+  int buf = 0;
+  // Finishes rows of the previous pass up to `rows` (of 32).
+  auto finish = [&](int which, int64_t rows) {
+    Pending& p = pending[which];
+    if (p.b < 0 || rows <= p.rows_done) return;
+    FinishInt8Pass(acc[which], w, a, p.b, p.m0, p.nb, p.rows_done, rows, y + (p.b - b0) * 16, ldy);
+    p.rows_done = rows;
+    if (rows >= 32) p.b = -1;
+  };
   const int64_t k_tiles = w.layout.k_pad / 64;
+  const int64_t rows_per_step = (32 + k_tiles - 1) / k_tiles;
   const int64_t a_stride = a.stride();
   const int64_t block_lines = w.layout.block_bytes() / 64;
   const int64_t steps = (a.m() + 31) / 32 * k_tiles;  // k-steps per block pair
@@ -172,24 +198,18 @@ MOE_AMX void MatmulAmxInt8(const PackedMatrix& w, const Activations& a, int64_t 
           _tile_dpbsud(1, 4, 7);
           if (two_m) _tile_dpbsud(3, 5, 7);
         }
+        finish(buf ^ 1, (t + 1) * rows_per_step);  // the previous pass, while this one computes
       }
-      _tile_stored(0, acc, 128);
-      _tile_stored(1, acc + 16, 128);
-      _tile_stored(2, acc + 16 * 32, 128);  // still zero after a 16-token pass
-      _tile_stored(3, acc + 16 * 32 + 16, 128);
-      const int nb = two ? 2 : 1;
-      for (int64_t i = 0; i < 32 && m0 + i < a.m(); ++i) {
-        const __m512i offset = _mm512_set1_epi32(128 * a.i8_sum(m0 + i, 0));
-        const __m512 xs = _mm512_set1_ps(a.i8_scale(m0 + i));
-        for (int c = 0; c < nb; ++c) {
-          const __m512i v = _mm512_sub_epi32(_mm512_load_si512(acc + i * 32 + c * 16), offset);
-          const __m512 ws = _mm512_loadu_ps(w.scales() + (b + c) * 16);
-          _mm512_store_ps(scratch + i * 32 + c * 16, _mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(ws, xs)));
-        }
-      }
-      CopyRows(scratch, m0, a.m(), nb, y + (b - b0) * 16, ldy);
+      finish(buf ^ 1, 32);
+      _tile_stored(0, acc[buf], 128);
+      _tile_stored(1, acc[buf] + 16, 128);
+      _tile_stored(2, acc[buf] + 16 * 32, 128);  // still zero after a 16-token pass
+      _tile_stored(3, acc[buf] + 16 * 32 + 16, 128);
+      pending[buf] = Pending{b, m0, 0, two ? 2 : 1};
+      buf ^= 1;
     }
   }
+  finish(buf ^ 1, 32);
 }
 
 }  // namespace moe::experts::internal
