@@ -126,7 +126,7 @@ class ExpertPool::Impl {
   std::vector<KernelKind> usable;  // kernels this CPU runs for the pool's format
 
   // Per-call scratch, grown as needed. Slots (token, choice) are ordered by expert ("positions").
-  std::vector<int32_t> count, offset, position_of;
+  std::vector<int32_t> count, offset, position_of, token_of;
   std::vector<const float*> rows, mid_rows;  // input and intermediate row of each position
   std::vector<float> inter;       // [positions x I]
   std::vector<float> expert_out;  // [positions x H_pad]
@@ -359,11 +359,13 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
   s.offset.assign(num_experts + 1, 0);
   for (int e = 0; e < num_experts; ++e) s.offset[e + 1] = s.offset[e] + s.count[e];
   s.position_of.resize(slots);
+  s.token_of.resize(slots);
   s.rows.resize(slots);
   std::vector<int32_t> cursor(s.offset.begin(), s.offset.end() - 1);
   for (int64_t i = 0; i < slots; ++i) {
     const int32_t pos = cursor[topk_ids[i]]++;
     s.position_of[i] = pos;
+    s.token_of[pos] = static_cast<int32_t>(i / k);
     s.rows[pos] = hidden + (i / k) * h;
   }
   if (s.inter.size() < static_cast<size_t>(slots * inter)) s.inter.resize(slots * inter);
@@ -409,9 +411,23 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
       }
     }
   };
-  auto prepare_in = [&](int e, Activations& act) {
-    error.Set(act.Prepare(s.rows.data() + s.offset[e], s.count[e], h, gate_up_.k_pad, KernelFor(s.count[e]),
-                          options_.format, SumGroup(gate_up_)));
+  // An expert's input activations, prepared by the first work item that needs them (the others
+  // wait: the preparing thread is running). With one token every expert reads the same row, so
+  // the activations are prepared once, in expert `shared`'s slot.
+  std::unique_ptr<std::atomic<int64_t>[]> in_state(new std::atomic<int64_t>[num_experts]);  // 0, 1 busy, 2 ready
+  for (int e = 0; e < num_experts; ++e) in_state[e].store(0, std::memory_order_relaxed);
+  const int shared = num_tokens == 1 && !active.empty() ? active[0] : -1;
+  auto input_of = [&](int e) -> const Activations& {
+    const int slot = shared >= 0 ? shared : e;
+    int64_t expected = 0;
+    if (in_state[slot].compare_exchange_strong(expected, 1)) {
+      error.Set(s.act_in[slot].Prepare(s.rows.data() + s.offset[slot], s.count[slot], h, gate_up_.k_pad,
+                                       KernelFor(s.count[slot]), options_.format, SumGroup(gate_up_)));
+      in_state[slot].store(2, std::memory_order_release);
+    } else {
+      SpinUntil(in_state[slot], 2);
+    }
+    return s.act_in[slot];
   };
   auto prepare_mid = [&](int e) {
     error.Set(s.act_mid[e].Prepare(s.mid_rows.data() + s.offset[e], s.count[e], inter, down_.k_pad, KernelFor(s.count[e]),
@@ -448,24 +464,10 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
     std::atomic<int64_t> next1{0}, next2{0}, next3{0}, done2{0};
     std::unique_ptr<std::atomic<int64_t>[]> left(new std::atomic<int64_t>[n_active]);   // gate+up pairs to go
     std::unique_ptr<std::atomic<int64_t>[]> ready(new std::atomic<int64_t>[n_active]);  // 1: act_mid prepared
-    std::unique_ptr<std::atomic<int64_t>[]> in_state(new std::atomic<int64_t>[n_active]);  // act_in: 0, 1 busy, 2
     for (int64_t i = 0; i < n_active; ++i) {
       left[i].store(pairs1);
       ready[i].store(0);
-      in_state[i].store(0);
     }
-    // One token: every expert reads the same row, so its activations are prepared once.
-    auto input_of = [&](int64_t i) -> const Activations& {
-      const int64_t slot = num_tokens == 1 ? 0 : i;
-      int64_t expected = 0;
-      if (in_state[slot].compare_exchange_strong(expected, 1)) {
-        prepare_in(active[slot], s.act_in[active[slot]]);
-        in_state[slot].store(2, std::memory_order_release);
-      } else {
-        SpinUntil(in_state[slot], 2);
-      }
-      return s.act_in[active[slot]];
-    };
     // Runs f(expert index, first pair, end pair) over the concatenated pairs of unit u.
     auto for_unit = [&](int64_t u, int64_t units_n, int64_t pairs, auto&& f) {
       const int64_t total = n_active * pairs;
@@ -479,7 +481,7 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
       for (int64_t u; (u = next1.fetch_add(1)) < units1;) {
         for_unit(u, units1, pairs1, [&](int64_t i, int64_t p0, int64_t p1) {
           const int e = active[i];
-          if (!error.failed()) gate_up(e, input_of(i), 2 * p0, 2 * p1);
+          if (!error.failed()) gate_up(e, input_of(e), 2 * p0, 2 * p1);
           if (left[i].fetch_sub(p1 - p0) == p1 - p0) {
             if (!error.failed()) prepare_mid(e);
             ready[i].store(1, std::memory_order_release);
@@ -509,26 +511,18 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
     end_phase(2);
   } else {
     // Batch schedule: many tokens per expert, so the kernels' arithmetic matters and work items
-    // follow experts. Many slots: prepare experts in parallel; few: in line (a barrier costs more).
-    auto for_each_active = [&](auto&& f) {
-      if (slots < 64) {
-        for (int e : active) f(e);
-      } else {
-        tbb::parallel_for(size_t{0}, active.size(), [&](size_t i) { f(active[i]); });
-      }
-    };
-    // Work items of `unit` blocks when every expert has the same work; otherwise about 8 items
-    // per thread over the layer.
+    // follow experts: items of 2 blocks when every expert has the same work, otherwise about 8
+    // items per thread over the layer (the same cut for every expert).
     struct Item {
       int expert;
       int64_t b0, b1;
     };
-    auto make_items = [&](int64_t blocks, int64_t unit) {
-      int64_t chunk = unit;
-      if (!uniform) {
-        const int64_t work = static_cast<int64_t>(active.size()) * blocks;
-        chunk = std::max<int64_t>(unit, (work / (8 * threads_) + unit - 1) / unit * unit);
-      }
+    auto chunk_for = [&](int64_t blocks) {
+      if (uniform) return int64_t{2};
+      const int64_t work = static_cast<int64_t>(active.size()) * blocks;
+      return std::max<int64_t>(2, (work / (8 * threads_) + 1) / 2 * 2);
+    };
+    auto make_items = [&](int64_t blocks, int64_t chunk) {
       std::vector<Item> items;
       for (int e : active) {
         for (int64_t b = 0; b < blocks; b += chunk) items.push_back({e, b, std::min(blocks, b + chunk)});
@@ -545,35 +539,40 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
           },
           tbb::simple_partitioner());
     };
-    for_each_active([&](int e) { prepare_in(e, s.act_in[e]); });
-    if (error.failed()) return error.status();
     end_phase(1);
     // The thread that finishes an expert's last gate+up item runs that expert's down projection
     // as a nested parallel loop, so it overlaps the other experts' gate+up and only one tail
-    // remains per call.
-    const std::vector<Item> stage1 = make_items(gate_up_.blocks(), 2);
-    const std::vector<Item> stage2 = make_items(down_.blocks(), 2);
+    // remains per call. A token's output columns are reduced by the thread that writes the last
+    // of its k expert rows for those columns, while the rows are still in cache; the sum runs
+    // in the order of the token's choices, so the result does not depend on the timing.
+    const int64_t chunk2 = chunk_for(down_.blocks());
+    const int64_t col_chunks = (down_.blocks() + chunk2 - 1) / chunk2;
+    const std::vector<Item> stage1 = make_items(gate_up_.blocks(), chunk_for(gate_up_.blocks()));
+    const std::vector<Item> stage2 = make_items(down_.blocks(), chunk2);
     std::vector<size_t> stage2_begin(num_experts + 1, 0);  // down items of expert e: [begin[e], begin[e+1])
     for (const Item& it : stage2) ++stage2_begin[it.expert + 1];
     for (int e = 0; e < num_experts; ++e) stage2_begin[e + 1] += stage2_begin[e];
     std::unique_ptr<std::atomic<int>[]> remaining(new std::atomic<int>[num_experts]);
     for (int e = 0; e < num_experts; ++e) remaining[e].store(0);
     for (const Item& it : stage1) remaining[it.expert].fetch_add(1);
+    std::unique_ptr<std::atomic<int>[]> rows_left(new std::atomic<int>[num_tokens * col_chunks]);
+    for (int64_t i = 0; i < num_tokens * col_chunks; ++i) rows_left[i].store(k, std::memory_order_relaxed);
     run_items(stage1, 0, stage1.size(), [&](const Item& it) {
-      gate_up(it.expert, s.act_in[it.expert], it.b0, it.b1);
+      if (error.failed()) return;
+      gate_up(it.expert, input_of(it.expert), it.b0, it.b1);
       if (remaining[it.expert].fetch_sub(1) != 1) return;
       prepare_mid(it.expert);
       if (error.failed()) return;
-      run_items(stage2, stage2_begin[it.expert], stage2_begin[it.expert + 1],
-                [&](const Item& d) { down(d.expert, d.b0, d.b1); });
+      run_items(stage2, stage2_begin[it.expert], stage2_begin[it.expert + 1], [&](const Item& d) {
+        down(d.expert, d.b0, d.b1);
+        const int64_t c = d.b0 / chunk2, c0 = d.b0 * 16, c1 = std::min(h, d.b1 * 16);
+        for (int32_t pos = s.offset[d.expert]; pos < s.offset[d.expert + 1]; ++pos) {
+          const int64_t t = s.token_of[pos];
+          if (rows_left[t * col_chunks + c].fetch_sub(1, std::memory_order_acq_rel) == 1) reduce(t, c0, c1);
+        }
+      });
     });
-    if (error.failed()) return error.status();
     end_phase(2);
-    if (slots < 64) {
-      for (int64_t t = 0; t < num_tokens; ++t) reduce(t, 0, h);
-    } else {
-      tbb::parallel_for(int64_t{0}, num_tokens, [&](int64_t t) { reduce(t, 0, h); });
-    }
   }
   end_phase(3);
   if (error.failed()) return error.status();
