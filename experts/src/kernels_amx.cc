@@ -6,7 +6,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 
 #include "moe/experts/kernels.h"
@@ -164,18 +163,13 @@ MOE_AMX void MatmulAmxInt8(const PackedMatrix& w, const Activations& a, int64_t 
   const int64_t a_stride = a.stride();
   const int64_t block_lines = w.layout.block_bytes() / 64;
   const int64_t steps = (a.m() + 31) / 32 * k_tiles;  // k-steps per block pair
-  static const int pf_mode = getenv("MOE_AMX_PF") ? atoi(getenv("MOE_AMX_PF")) : 1;
-  const int64_t pf_stride = pf_mode <= 0 ? 1 : pf_mode;
-  static const int apf = getenv("MOE_AMX_APF") ? atoi(getenv("MOE_AMX_APF")) : 0;
-  static const int ahead = getenv("MOE_AMX_AHEAD") ? atoi(getenv("MOE_AMX_AHEAD")) : 1;
-  const int64_t lines_per_step = (2 * block_lines / pf_stride + steps - 1) / steps;
+  const int64_t lines_per_step = (2 * block_lines + steps - 1) / steps;
   for (int64_t b = b0; b < b1; b += 2) {  // blocks outer: the weights stream from memory once
     const bool two = b + 1 < b1;
     const uint8_t* w0 = w.block(b);
     const uint8_t* w1 = w.block(two ? b + 1 : b);
-    const int64_t nb_ = b + 2 * ahead;
-    const char* next = nb_ < b1 ? reinterpret_cast<const char*>(w.block(nb_)) : nullptr;
-    const int64_t next_lines = next == nullptr || pf_mode == 0 ? 0 : std::min<int64_t>(2, b1 - nb_) * block_lines;
+    const char* next = b + 2 < b1 ? reinterpret_cast<const char*>(w.block(b + 2)) : nullptr;
+    const int64_t next_lines = next == nullptr ? 0 : std::min<int64_t>(2, b1 - b - 2) * block_lines;
     int64_t cursor = 0;
     for (int64_t m0 = 0; m0 < a.m(); m0 += 32) {
       const bool two_m = m0 + 16 < a.m();
@@ -185,17 +179,12 @@ MOE_AMX void MatmulAmxInt8(const PackedMatrix& w, const Activations& a, int64_t 
       _tile_zero(3);
       const bool lead = b == b0 && m0 == 0;  // the call's first pair had no earlier pair to fetch it
       for (int64_t t = 0; t < k_tiles; ++t) {
-        if (lead && pf_mode > 0 && t + kPrefetchTiles < k_tiles) {
+        if (lead && t + kPrefetchTiles < k_tiles) {
           PrefetchTile(w0 + (t + kPrefetchTiles) * 16 * 64);
           if (two) PrefetchTile(w1 + (t + kPrefetchTiles) * 16 * 64);
         }
-        for (int64_t i = 0; i < lines_per_step && cursor < next_lines; ++i, cursor += pf_stride) {
+        for (int64_t i = 0; i < lines_per_step && cursor < next_lines; ++i, ++cursor) {
           _mm_prefetch(next + cursor * 64, _MM_HINT_T1);
-        }
-        if (apf > 0 && t + apf < k_tiles) {
-          const int8_t* pa = a.i8(m0) + (t + apf) * 64;
-          const int rows = two_m ? 32 : 16;
-          for (int r = 0; r < rows; ++r) _mm_prefetch(reinterpret_cast<const char*>(pa + r * a_stride), _MM_HINT_T0);
         }
         _tile_loadd(4, a.i8(m0) + t * 64, a_stride);
         _tile_loadd(6, w0 + t * 16 * 64, 64);
