@@ -350,7 +350,9 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
                              const float* topk_weights, float* out) {
   Impl& s = *impl_;
   const int num_experts = shape_.num_experts, k = shape_.top_k;
-  const int64_t h = shape_.hidden, inter = shape_.intermediate, h_pad = down_.n_pad;
+  // Row strides of the products are padded by one cache line: a power-of-two stride would put
+  // every token's row in the same few L1 sets.
+  const int64_t h = shape_.hidden, inter = shape_.intermediate, out_ld = down_.n_pad + 16;
   const int64_t slots = num_tokens * k;
 
   // Order the (token, choice) slots by expert ("positions"): counting sort.
@@ -369,7 +371,7 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
     s.rows[pos] = hidden + (i / k) * h;
   }
   if (s.inter.size() < static_cast<size_t>(slots * inter)) s.inter.resize(slots * inter);
-  if (s.expert_out.size() < static_cast<size_t>(slots * h_pad)) s.expert_out.resize(slots * h_pad);
+  if (s.expert_out.size() < static_cast<size_t>(slots * out_ld)) s.expert_out.resize(slots * out_ld);
   s.mid_rows.resize(slots);
   for (int64_t pos = 0; pos < slots; ++pos) s.mid_rows[pos] = s.inter.data() + pos * inter;
 
@@ -400,7 +402,7 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
     const int64_t piece = std::max<int64_t>(2, 4096 / m / 2 * 2);  // blocks: at most 256 KB of products
     thread_local std::vector<float> tmp;
     for (int64_t p0 = b0; p0 < b1; p0 += piece) {
-      const int64_t p1 = std::min(b1, p0 + piece), ld = (p1 - p0) * 16;
+      const int64_t p1 = std::min(b1, p0 + piece), ld = (p1 - p0) * 16 + 16;
       if (tmp.size() < static_cast<size_t>(m * ld)) tmp.resize(m * ld);
       kernel(w, act, p0, p1, tmp.data(), ld);
       for (int64_t b = p0; b < p1; b += 2) {
@@ -435,14 +437,14 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
   };
   auto down = [&](int e, int64_t b0, int64_t b1) {
     GetKernel(KernelFor(s.count[e]), options_.format)(Down(layer, e), s.act_mid[e], b0, b1,
-                                                     s.expert_out.data() + s.offset[e] * h_pad + b0 * 16, h_pad);
+                                                     s.expert_out.data() + s.offset[e] * out_ld + b0 * 16, out_ld);
   };
   auto reduce = [&](int64_t t, int64_t c0, int64_t c1) {
     float* dst = out + t * h;
     std::fill(dst + c0, dst + c1, 0.0f);
     for (int j = 0; j < k; ++j) {
       const float wt = topk_weights[t * k + j];
-      const float* src = s.expert_out.data() + static_cast<int64_t>(s.position_of[t * k + j]) * h_pad;
+      const float* src = s.expert_out.data() + static_cast<int64_t>(s.position_of[t * k + j]) * out_ld;
       for (int64_t i = c0; i < c1; ++i) dst[i] += wt * src[i];
     }
   };

@@ -120,16 +120,19 @@ MOE_AMX void MatmulAmxBf16(const PackedMatrix& w, const Activations& a, int64_t 
 
 // The int32 sums of one pass (32 tokens x nb blocks, row stride 32) to y: minus the weights'
 // offset times the activation sums, times the row and token scales.
-MOE_AMX void FinishInt8Pass(const int32_t* acc, const PackedMatrix& w, const Activations& a, int64_t b, int64_t m0,
-                            int nb, int64_t r0, int64_t r1, float* y, int64_t ldy) {
-  for (int64_t i = r0; i < r1 && m0 + i < a.m(); ++i) {
+MOE_AMX void FinishInt8Pass(const int32_t* acc, const float* row_scales, const Activations& a, int64_t m0, int nb,
+                            int64_t r0, int64_t r1, float* y, int64_t ldy) {
+  const __m512 ws0 = _mm512_loadu_ps(row_scales), ws1 = _mm512_loadu_ps(row_scales + (nb > 1 ? 16 : 0));
+  r1 = std::min(r1, a.m() - m0);
+  for (int64_t i = r0; i < r1; ++i) {
     const __m512i offset = _mm512_set1_epi32(128 * a.i8_sum(m0 + i, 0));
     const __m512 xs = _mm512_set1_ps(a.i8_scale(m0 + i));
     float* dst = y + (m0 + i) * ldy;
-    for (int c = 0; c < nb; ++c) {
-      const __m512i v = _mm512_sub_epi32(_mm512_load_si512(acc + i * 32 + c * 16), offset);
-      const __m512 ws = _mm512_loadu_ps(w.scales() + (b + c) * 16);
-      _mm512_storeu_ps(dst + c * 16, _mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(ws, xs)));
+    const __m512i v0 = _mm512_sub_epi32(_mm512_load_si512(acc + i * 32), offset);
+    _mm512_storeu_ps(dst, _mm512_mul_ps(_mm512_cvtepi32_ps(v0), _mm512_mul_ps(ws0, xs)));
+    if (nb > 1) {
+      const __m512i v1 = _mm512_sub_epi32(_mm512_load_si512(acc + i * 32 + 16), offset);
+      _mm512_storeu_ps(dst + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(v1), _mm512_mul_ps(ws1, xs)));
     }
   }
 }
@@ -150,11 +153,12 @@ MOE_AMX void MatmulAmxInt8(const PackedMatrix& w, const Activations& a, int64_t 
     int nb = 0;
   } pending[2];
   int buf = 0;
+  const float* scales = w.scales();
   // Finishes rows of the previous pass up to `rows` (of 32).
   auto finish = [&](int which, int64_t rows) {
     Pending& p = pending[which];
     if (p.b < 0 || rows <= p.rows_done) return;
-    FinishInt8Pass(acc[which], w, a, p.b, p.m0, p.nb, p.rows_done, rows, y + (p.b - b0) * 16, ldy);
+    FinishInt8Pass(acc[which], scales + p.b * 16, a, p.m0, p.nb, p.rows_done, rows, y + (p.b - b0) * 16, ldy);
     p.rows_done = rows;
     if (rows >= 32) p.b = -1;
   };
