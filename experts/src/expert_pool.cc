@@ -128,8 +128,9 @@ class ExpertPool::Impl {
   // Per-call scratch, grown as needed. Slots (token, choice) are ordered by expert ("positions").
   std::vector<int32_t> count, offset, position_of, token_of;
   std::vector<const float*> rows, mid_rows;  // input and intermediate row of each position
-  std::vector<float> inter;       // [positions x I]
-  std::vector<float> expert_out;  // [positions x H_pad]
+  // On huge pages: a call reads and writes their rows far apart.
+  core::AlignedBuffer inter;       // [positions x I] floats
+  core::AlignedBuffer expert_out;  // [positions x (H_pad + 16)] floats
   std::vector<Activations> act_in, act_mid;  // per expert
   // Wall time per phase of Run (sort, prepare, experts, reduce), for the bench.
   double phase_seconds[4] = {};
@@ -370,10 +371,16 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
     s.token_of[pos] = static_cast<int32_t>(i / k);
     s.rows[pos] = hidden + (i / k) * h;
   }
-  if (s.inter.size() < static_cast<size_t>(slots * inter)) s.inter.resize(slots * inter);
-  if (s.expert_out.size() < static_cast<size_t>(slots * out_ld)) s.expert_out.resize(slots * out_ld);
+  for (auto [buffer, floats] : {std::pair{&s.inter, slots * inter}, std::pair{&s.expert_out, slots * out_ld}}) {
+    if (buffer->size() >= static_cast<size_t>(floats) * sizeof(float)) continue;
+    auto grown = core::AlignedBuffer::Allocate(static_cast<size_t>(floats) * sizeof(float), size_t{2} << 20);
+    if (!grown.ok()) return grown.status();
+    *buffer = std::move(*grown);
+  }
+  float* const inter_rows = s.inter.as<float>();
+  float* const out_rows = s.expert_out.as<float>();
   s.mid_rows.resize(slots);
-  for (int64_t pos = 0; pos < slots; ++pos) s.mid_rows[pos] = s.inter.data() + pos * inter;
+  for (int64_t pos = 0; pos < slots; ++pos) s.mid_rows[pos] = inter_rows + pos * inter;
 
   std::vector<int> active;
   bool uniform = true;  // every active expert has the same token count: equal work items
@@ -409,7 +416,7 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
         const int64_t unit = b / 2 * 16, n = std::min<int64_t>(16, inter - unit);
         if (n <= 0) continue;
         const float* pair = tmp.data() + (b - p0) * 16;
-        for (int64_t i = 0; i < m; ++i) SiluMul(pair + i * ld, pair + i * ld + 16, n, s.inter.data() + (base + i) * inter + unit);
+        for (int64_t i = 0; i < m; ++i) SiluMul(pair + i * ld, pair + i * ld + 16, n, inter_rows + (base + i) * inter + unit);
       }
     }
   };
@@ -437,14 +444,14 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
   };
   auto down = [&](int e, int64_t b0, int64_t b1) {
     GetKernel(KernelFor(s.count[e]), options_.format)(Down(layer, e), s.act_mid[e], b0, b1,
-                                                     s.expert_out.data() + s.offset[e] * out_ld + b0 * 16, out_ld);
+                                                     out_rows + s.offset[e] * out_ld + b0 * 16, out_ld);
   };
   auto reduce = [&](int64_t t, int64_t c0, int64_t c1) {
     float* dst = out + t * h;
     std::fill(dst + c0, dst + c1, 0.0f);
     for (int j = 0; j < k; ++j) {
       const float wt = topk_weights[t * k + j];
-      const float* src = s.expert_out.data() + static_cast<int64_t>(s.position_of[t * k + j]) * out_ld;
+      const float* src = out_rows + static_cast<int64_t>(s.position_of[t * k + j]) * out_ld;
       for (int64_t i = c0; i < c1; ++i) dst[i] += wt * src[i];
     }
   };
@@ -483,7 +490,10 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
       for (int64_t u; (u = next1.fetch_add(1)) < units1;) {
         for_unit(u, units1, pairs1, [&](int64_t i, int64_t p0, int64_t p1) {
           const int e = active[i];
-          if (!error.failed()) gate_up(e, input_of(e), 2 * p0, 2 * p1);
+          if (!error.failed()) {
+            const Activations& in = input_of(e);
+            if (!error.failed()) gate_up(e, in, 2 * p0, 2 * p1);
+          }
           if (left[i].fetch_sub(p1 - p0) == p1 - p0) {
             if (!error.failed()) prepare_mid(e);
             ready[i].store(1, std::memory_order_release);
@@ -561,7 +571,9 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
     for (int64_t i = 0; i < num_tokens * col_chunks; ++i) rows_left[i].store(k, std::memory_order_relaxed);
     run_items(stage1, 0, stage1.size(), [&](const Item& it) {
       if (error.failed()) return;
-      gate_up(it.expert, input_of(it.expert), it.b0, it.b1);
+      const Activations& in = input_of(it.expert);
+      if (error.failed()) return;  // its preparation failed
+      gate_up(it.expert, in, it.b0, it.b1);
       if (remaining[it.expert].fetch_sub(1) != 1) return;
       prepare_mid(it.expert);
       if (error.failed()) return;
