@@ -339,10 +339,16 @@ absl::Status ExpertPool::Compute(int layer, const float* hidden, int64_t num_tok
 
 namespace {
 
-// Waits (spinning: the awaited work is running on another thread of the arena) until `flag`
-// holds `value`.
+// Waits until `flag` holds `value`: spinning, since the awaited work is running on another thread
+// of the arena and takes microseconds, then yielding the core in case that thread shares it.
 void SpinUntil(const std::atomic<int64_t>& flag, int64_t value) {
-  while (flag.load(std::memory_order_acquire) < value) _mm_pause();
+  for (int spins = 0; flag.load(std::memory_order_acquire) < value; ++spins) {
+    if (spins < 4096) {
+      _mm_pause();
+    } else {
+      sched_yield();
+    }
+  }
 }
 
 }  // namespace
