@@ -128,7 +128,7 @@ class ExpertPool::Impl {
   // Per-call scratch, grown as needed. Slots (token, choice) are ordered by expert ("positions").
   std::vector<int32_t> count, offset, position_of, token_of;
   std::vector<const float*> rows, mid_rows;  // input and intermediate row of each position
-  // On huge pages: a call reads and writes their rows far apart.
+  // Grown, never zero-filled: every row a call reads was written by it first.
   core::AlignedBuffer inter;       // [positions x I] floats
   core::AlignedBuffer expert_out;  // [positions x (H_pad + 16)] floats
   std::vector<Activations> act_in, act_mid;  // per expert
@@ -379,7 +379,7 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
   }
   for (auto [buffer, floats] : {std::pair{&s.inter, slots * inter}, std::pair{&s.expert_out, slots * out_ld}}) {
     if (buffer->size() >= static_cast<size_t>(floats) * sizeof(float)) continue;
-    auto grown = core::AlignedBuffer::Allocate(static_cast<size_t>(floats) * sizeof(float), size_t{2} << 20);
+    auto grown = core::AlignedBuffer::Allocate(static_cast<size_t>(floats) * sizeof(float));
     if (!grown.ok()) return grown.status();
     *buffer = std::move(*grown);
   }

@@ -24,9 +24,6 @@ absl::StatusOr<AlignedBuffer> AlignedBuffer::Allocate(size_t bytes, size_t align
     return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", bytes, " bytes of host memory"));
   }
   b.size_ = bytes;
-  // Large buffers on huge pages where the kernel grants them: fewer TLB misses for rows read or
-  // written far apart.
-  if (alignment >= (size_t{2} << 20)) (void)madvise(b.data_, rounded, MADV_HUGEPAGE);
   return b;
 }
 

@@ -11,7 +11,6 @@
 namespace moe::core {
 
 // Heap memory aligned to `alignment` bytes (64 by default: one cache line, one AVX-512 vector).
-// With an alignment of 2 MiB or more the buffer is also advised onto transparent huge pages.
 class AlignedBuffer {
  public:
   AlignedBuffer() = default;
