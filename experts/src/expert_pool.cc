@@ -301,6 +301,9 @@ KernelKind ExpertPool::KernelFor(int64_t tokens) const {
 absl::StatusOr<ExpertPool::Ticket> ExpertPool::Submit(int layer, const float* hidden, int64_t num_tokens,
                                                       const int32_t* topk_ids, const float* topk_weights, float* out) {
   if (in_flight_) return absl::FailedPreconditionError("expert pool: a call is already in flight; Wait first");
+  if (num_tokens < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("expert pool: ", num_tokens, " tokens"));
+  }
   if (layer < 0 || layer >= shape_.num_layers) {
     return absl::InvalidArgumentError(absl::StrCat("expert pool: MoE layer ", layer, " outside [0, ", shape_.num_layers, ")"));
   }

@@ -196,8 +196,23 @@ TEST_F(ExpertPoolBehaviour, BadIdsAreRejectedAndThePoolGoesOn) {
   EXPECT_THAT(s.message(), HasSubstr("expert id 8 of token 1 outside [0, 8)"));
   s = pool->Compute(2, r.x.data(), 2, r.ids.data(), r.w.data(), out.data());
   EXPECT_THAT(s.message(), HasSubstr("MoE layer 2 outside [0, 2)"));
+  s = pool->Compute(0, r.x.data(), -1, r.ids.data(), r.w.data(), out.data());
+  EXPECT_THAT(s.message(), HasSubstr("-1 tokens"));
   r.ids[4] = 1;
+  EXPECT_TRUE(pool->Compute(0, r.x.data(), 0, r.ids.data(), r.w.data(), out.data()).ok());  // nothing to do
   EXPECT_TRUE(pool->Compute(0, r.x.data(), 2, r.ids.data(), r.w.data(), out.data()).ok());
+}
+
+TEST_F(ExpertPoolBehaviour, MoreThreadsThanDecodeWorkStillAgree) {
+  // 16 threads with 4 units each over one token's 3 experts: most units are empty.
+  Routing r = RandomRouting(SmallShape(), 1, 9);
+  std::vector<float> few(r.x.size()), many(r.x.size());
+  for (auto [threads, out] : {std::pair<int, std::vector<float>*>{1, &few}, {16, &many}}) {
+    auto pool = Make(threads);
+    ASSERT_TRUE(pool->Compute(1, r.x.data(), 1, r.ids.data(), r.w.data(), out->data()).ok());
+  }
+  EXPECT_EQ(few, many);
+  EXPECT_NE(few, std::vector<float>(few.size(), 0.0f));
 }
 
 TEST_F(ExpertPoolBehaviour, ThreadCountDoesNotChangeTheResult) {
