@@ -132,8 +132,8 @@ class ExpertPool::Impl {
   core::AlignedBuffer inter;       // [positions x I] floats
   core::AlignedBuffer expert_out;  // [positions x (H_pad + 16)] floats
   std::vector<Activations> act_in, act_mid;  // per expert
-  // Wall time per phase of Run (sort, prepare, experts, reduce), for the bench.
-  double phase_seconds[4] = {};
+  // Wall time per phase of Run (sorting the slots; the experts, reduce included), for the bench.
+  double phase_seconds[2] = {};
   int64_t calls = 0;
 };
 
@@ -356,13 +356,113 @@ void SpinUntil(const std::atomic<int64_t>& flag, int64_t value) {
 
 }  // namespace
 
+// One call: the slots sorted by expert (in Impl's scratch), the active experts, and the steps
+// both schedules are made of.
+struct ExpertPool::Call {
+  Call(ExpertPool& pool, int layer, int64_t num_tokens, const float* topk_weights, float* out)
+      : pool(pool),
+        s(*pool.impl_),
+        layer(layer),
+        num_tokens(num_tokens),
+        topk_weights(topk_weights),
+        out(out),
+        h(pool.shape_.hidden),
+        inter(pool.shape_.intermediate),
+        out_ld(pool.down_.n_pad + 16) {}
+
+  ExpertPool& pool;
+  Impl& s;
+  int layer;
+  int64_t num_tokens;
+  const float* topk_weights;
+  float* out;
+  std::vector<int> active;
+  bool uniform = true;  // every active expert has the same token count
+  const int64_t h, inter;
+  // Row strides of the products are padded by one cache line: a power-of-two stride would put
+  // every token's row in the same few L1 sets.
+  const int64_t out_ld;
+  float* inter_rows = nullptr;
+  float* out_rows = nullptr;
+  FirstError error;
+  // An expert's input activations are prepared by the first work item that needs them (the
+  // others wait: the preparing thread is running). With one token every expert reads the same
+  // row, so they are prepared once, in expert `shared`'s slot.
+  std::unique_ptr<std::atomic<int64_t>[]> in_state;  // per expert: 0, 1 being prepared, 2 ready
+  int shared = -1;
+
+  MatmulKernel KernelOf(int e) const { return GetKernel(pool.KernelFor(s.count[e]), pool.options_.format); }
+
+  const Activations& Input(int e) {
+    const int slot = shared >= 0 ? shared : e;
+    int64_t expected = 0;
+    if (in_state[slot].compare_exchange_strong(expected, 1)) {
+      error.Set(s.act_in[slot].Prepare(s.rows.data() + s.offset[slot], s.count[slot], h, pool.gate_up_.k_pad,
+                                       pool.KernelFor(s.count[slot]), pool.options_.format, SumGroup(pool.gate_up_)));
+      in_state[slot].store(2, std::memory_order_release);
+    } else {
+      SpinUntil(in_state[slot], 2);
+    }
+    return s.act_in[slot];
+  }
+
+  // Gate and up blocks alternate in the fused matrix: one kernel call over blocks [b0, b1)
+  // yields both, then SiLU(gate) * up goes into the intermediate rows. Long ranges go in pieces
+  // whose products stay in L2 until the SiLU reads them.
+  void GateUp(int e, const Activations& act, int64_t b0, int64_t b1) {
+    const int64_t m = s.count[e], base = s.offset[e];
+    const MatmulKernel kernel = KernelOf(e);
+    const PackedMatrix w = pool.GateUp(layer, e);
+    const int64_t piece = std::max<int64_t>(2, 4096 / m / 2 * 2);  // blocks: at most 256 KB of products
+    thread_local std::vector<float> tmp;
+    for (int64_t p0 = b0; p0 < b1; p0 += piece) {
+      const int64_t p1 = std::min(b1, p0 + piece), ld = (p1 - p0) * 16 + 16;
+      if (tmp.size() < static_cast<size_t>(m * ld)) tmp.resize(m * ld);
+      kernel(w, act, p0, p1, tmp.data(), ld);
+      for (int64_t b = p0; b < p1; b += 2) {
+        const int64_t unit = b / 2 * 16, n = std::min<int64_t>(16, inter - unit);
+        if (n <= 0) continue;
+        const float* pair = tmp.data() + (b - p0) * 16;
+        for (int64_t i = 0; i < m; ++i) SiluMul(pair + i * ld, pair + i * ld + 16, n, inter_rows + (base + i) * inter + unit);
+      }
+    }
+  }
+
+  // Input, then GateUp, unless the call has failed (or fails preparing the input).
+  void InputAndGateUp(int e, int64_t b0, int64_t b1) {
+    if (error.failed()) return;
+    const Activations& act = Input(e);
+    if (!error.failed()) GateUp(e, act, b0, b1);
+  }
+
+  void PrepareMid(int e) {
+    error.Set(s.act_mid[e].Prepare(s.mid_rows.data() + s.offset[e], s.count[e], inter, pool.down_.k_pad,
+                                   pool.KernelFor(s.count[e]), pool.options_.format, SumGroup(pool.down_)));
+  }
+
+  void Down(int e, int64_t b0, int64_t b1) {
+    KernelOf(e)(pool.Down(layer, e), s.act_mid[e], b0, b1, out_rows + s.offset[e] * out_ld + b0 * 16, out_ld);
+  }
+
+  // out[t][c0, c1) = the weighted sum of token t's expert rows, in the order of its choices.
+  void Reduce(int64_t t, int64_t c0, int64_t c1) {
+    const int k = pool.shape_.top_k;
+    float* dst = out + t * h;
+    std::fill(dst + c0, dst + c1, 0.0f);
+    for (int j = 0; j < k; ++j) {
+      const float wt = topk_weights[t * k + j];
+      const float* src = out_rows + static_cast<int64_t>(s.position_of[t * k + j]) * out_ld;
+      for (int64_t i = c0; i < c1; ++i) dst[i] += wt * src[i];
+    }
+  }
+};
+
 absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens, const int32_t* topk_ids,
                              const float* topk_weights, float* out) {
   Impl& s = *impl_;
+  const auto start = std::chrono::steady_clock::now();
   const int num_experts = shape_.num_experts, k = shape_.top_k;
-  // Row strides of the products are padded by one cache line: a power-of-two stride would put
-  // every token's row in the same few L1 sets.
-  const int64_t h = shape_.hidden, inter = shape_.intermediate, out_ld = down_.n_pad + 16;
+  Call c(*this, layer, num_tokens, topk_weights, out);
   const int64_t slots = num_tokens * k;
 
   // Order the (token, choice) slots by expert ("positions"): counting sort.
@@ -378,236 +478,172 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
     const int32_t pos = cursor[topk_ids[i]]++;
     s.position_of[i] = pos;
     s.token_of[pos] = static_cast<int32_t>(i / k);
-    s.rows[pos] = hidden + (i / k) * h;
+    s.rows[pos] = hidden + (i / k) * c.h;
   }
-  for (auto [buffer, floats] : {std::pair{&s.inter, slots * inter}, std::pair{&s.expert_out, slots * out_ld}}) {
+  for (auto [buffer, floats] : {std::pair{&s.inter, slots * c.inter}, std::pair{&s.expert_out, slots * c.out_ld}}) {
     if (buffer->size() >= static_cast<size_t>(floats) * sizeof(float)) continue;
     auto grown = core::AlignedBuffer::Allocate(static_cast<size_t>(floats) * sizeof(float));
     if (!grown.ok()) return grown.status();
     *buffer = std::move(*grown);
   }
-  float* const inter_rows = s.inter.as<float>();
-  float* const out_rows = s.expert_out.as<float>();
+  c.inter_rows = s.inter.as<float>();
+  c.out_rows = s.expert_out.as<float>();
   s.mid_rows.resize(slots);
-  for (int64_t pos = 0; pos < slots; ++pos) s.mid_rows[pos] = inter_rows + pos * inter;
+  for (int64_t pos = 0; pos < slots; ++pos) s.mid_rows[pos] = c.inter_rows + pos * c.inter;
 
-  std::vector<int> active;
-  bool uniform = true;  // every active expert has the same token count: equal work items
   for (int e = 0; e < num_experts; ++e) {
     if (s.count[e] == 0) continue;
-    uniform = uniform && (active.empty() || s.count[e] == s.count[active[0]]);
-    active.push_back(e);
+    c.uniform = c.uniform && (c.active.empty() || s.count[e] == s.count[c.active[0]]);
+    c.active.push_back(e);
   }
-  FirstError error;
-  using Clock = std::chrono::steady_clock;
-  auto phase_start = Clock::now();
-  auto end_phase = [&](int phase) {
-    const auto now = Clock::now();
-    s.phase_seconds[phase] += std::chrono::duration<double>(now - phase_start).count();
-    phase_start = now;
-  };
-  end_phase(0);
-
-  // Gate and up blocks alternate in the fused matrix: one kernel call over blocks [b0, b1)
-  // yields both, then SiLU(gate) * up goes into the intermediate rows. Long ranges go in pieces
-  // whose products stay in L2 until the SiLU reads them.
-  auto gate_up = [&](int e, const Activations& act, int64_t b0, int64_t b1) {
-    const int64_t m = s.count[e], base = s.offset[e];
-    const MatmulKernel kernel = GetKernel(KernelFor(m), options_.format);
-    const PackedMatrix w = GateUp(layer, e);
-    const int64_t piece = std::max<int64_t>(2, 4096 / m / 2 * 2);  // blocks: at most 256 KB of products
-    thread_local std::vector<float> tmp;
-    for (int64_t p0 = b0; p0 < b1; p0 += piece) {
-      const int64_t p1 = std::min(b1, p0 + piece), ld = (p1 - p0) * 16 + 16;
-      if (tmp.size() < static_cast<size_t>(m * ld)) tmp.resize(m * ld);
-      kernel(w, act, p0, p1, tmp.data(), ld);
-      for (int64_t b = p0; b < p1; b += 2) {
-        const int64_t unit = b / 2 * 16, n = std::min<int64_t>(16, inter - unit);
-        if (n <= 0) continue;
-        const float* pair = tmp.data() + (b - p0) * 16;
-        for (int64_t i = 0; i < m; ++i) SiluMul(pair + i * ld, pair + i * ld + 16, n, inter_rows + (base + i) * inter + unit);
-      }
-    }
-  };
-  // An expert's input activations, prepared by the first work item that needs them (the others
-  // wait: the preparing thread is running). With one token every expert reads the same row, so
-  // the activations are prepared once, in expert `shared`'s slot.
-  std::unique_ptr<std::atomic<int64_t>[]> in_state(new std::atomic<int64_t>[num_experts]);  // 0, 1 busy, 2 ready
-  for (int e = 0; e < num_experts; ++e) in_state[e].store(0, std::memory_order_relaxed);
-  const int shared = num_tokens == 1 && !active.empty() ? active[0] : -1;
-  auto input_of = [&](int e) -> const Activations& {
-    const int slot = shared >= 0 ? shared : e;
-    int64_t expected = 0;
-    if (in_state[slot].compare_exchange_strong(expected, 1)) {
-      error.Set(s.act_in[slot].Prepare(s.rows.data() + s.offset[slot], s.count[slot], h, gate_up_.k_pad,
-                                       KernelFor(s.count[slot]), options_.format, SumGroup(gate_up_)));
-      in_state[slot].store(2, std::memory_order_release);
-    } else {
-      SpinUntil(in_state[slot], 2);
-    }
-    return s.act_in[slot];
-  };
-  auto prepare_mid = [&](int e) {
-    error.Set(s.act_mid[e].Prepare(s.mid_rows.data() + s.offset[e], s.count[e], inter, down_.k_pad, KernelFor(s.count[e]),
-                                   options_.format, SumGroup(down_)));
-  };
-  auto down = [&](int e, int64_t b0, int64_t b1) {
-    GetKernel(KernelFor(s.count[e]), options_.format)(Down(layer, e), s.act_mid[e], b0, b1,
-                                                     out_rows + s.offset[e] * out_ld + b0 * 16, out_ld);
-  };
-  auto reduce = [&](int64_t t, int64_t c0, int64_t c1) {
-    float* dst = out + t * h;
-    std::fill(dst + c0, dst + c1, 0.0f);
-    for (int j = 0; j < k; ++j) {
-      const float wt = topk_weights[t * k + j];
-      const float* src = out_rows + static_cast<int64_t>(s.position_of[t * k + j]) * out_ld;
-      for (int64_t i = c0; i < c1; ++i) dst[i] += wt * src[i];
-    }
-  };
+  c.in_state.reset(new std::atomic<int64_t>[num_experts]);
+  for (int e = 0; e < num_experts; ++e) c.in_state[e].store(0, std::memory_order_relaxed);
+  c.shared = num_tokens == 1 && !c.active.empty() ? c.active[0] : -1;
+  const auto sorted = std::chrono::steady_clock::now();
 
   if (num_tokens <= options_.decode_max_tokens) {
-    // Decode schedule: few tokens, so the call is bound by streaming the active experts' weights.
-    // The gate+up block pairs of all active experts, concatenated, are cut into a few contiguous
-    // units per thread (long sequential streams, few starts), and so are the down block pairs;
-    // threads claim units in order. An expert's intermediate activations are prepared by the
-    // thread that completes its last gate+up unit; a down unit waits for its experts (they are
-    // in progress on running threads, since every gate+up unit is claimed before any down unit).
-    // Then a reduce over (token, column) chunks once every down unit is done.
-    const int64_t n_active = static_cast<int64_t>(active.size());
-    const int64_t pairs1 = gate_up_.blocks() / 2, pairs2 = (down_.blocks() + 1) / 2;
-    const int64_t units = static_cast<int64_t>(threads_) * std::max(1, options_.decode_units_per_thread);
-    const int64_t units1 = std::min(units, n_active * pairs1), units2 = std::min(units, n_active * pairs2);
-    constexpr int64_t kReduceColumns = 512;
-    const int64_t col_chunks = (h + kReduceColumns - 1) / kReduceColumns, chunks3 = num_tokens * col_chunks;
-    std::atomic<int64_t> next1{0}, next2{0}, next3{0}, done2{0};
-    std::unique_ptr<std::atomic<int64_t>[]> left(new std::atomic<int64_t>[n_active]);   // gate+up pairs to go
-    std::unique_ptr<std::atomic<int64_t>[]> ready(new std::atomic<int64_t>[n_active]);  // 1: act_mid prepared
-    for (int64_t i = 0; i < n_active; ++i) {
-      left[i].store(pairs1);
-      ready[i].store(0);
-    }
-    // Runs f(expert index, first pair, end pair) over the concatenated pairs of unit u.
-    auto for_unit = [&](int64_t u, int64_t units_n, int64_t pairs, auto&& f) {
-      const int64_t total = n_active * pairs;
-      for (int64_t q = u * total / units_n, q1 = (u + 1) * total / units_n; q < q1;) {
-        const int64_t i = q / pairs, end = std::min(q1, (i + 1) * pairs);
-        f(i, q - i * pairs, end - i * pairs);
-        q = end;
-      }
-    };
-    auto worker = [&] {
-      for (int64_t u; (u = next1.fetch_add(1)) < units1;) {
-        for_unit(u, units1, pairs1, [&](int64_t i, int64_t p0, int64_t p1) {
-          const int e = active[i];
-          if (!error.failed()) {
-            const Activations& in = input_of(e);
-            if (!error.failed()) gate_up(e, in, 2 * p0, 2 * p1);
-          }
-          if (left[i].fetch_sub(p1 - p0) == p1 - p0) {
-            if (!error.failed()) prepare_mid(e);
-            ready[i].store(1, std::memory_order_release);
-          }
-        });
-      }
-      for (int64_t u; (u = next2.fetch_add(1)) < units2;) {
-        for_unit(u, units2, pairs2, [&](int64_t i, int64_t p0, int64_t p1) {
-          SpinUntil(ready[i], 1);
-          if (!error.failed()) down(active[i], 2 * p0, std::min(2 * p1, down_.blocks()));
-        });
-        done2.fetch_add(1, std::memory_order_release);
-      }
-      if (next3.load() >= chunks3) return;
-      SpinUntil(done2, units2);
-      for (int64_t c; (c = next3.fetch_add(1)) < chunks3;) {
-        const int64_t c0 = c % col_chunks * kReduceColumns;
-        reduce(c / col_chunks, c0, std::min(h, c0 + kReduceColumns));
-      }
-    };
-    tbb::parallel_for(
-        tbb::blocked_range<int>(0, threads_, 1),
-        [&](const tbb::blocked_range<int>& r) {
-          for (int i = r.begin(); i < r.end(); ++i) worker();
-        },
-        tbb::static_partitioner());
-    end_phase(2);
+    RunDecode(c);
   } else {
-    // Batch schedule: many tokens per expert, so the kernels' arithmetic matters and work items
-    // follow experts: items of 2 blocks when every expert has the same work, otherwise about 8
-    // items per thread over the layer (the same cut for every expert).
-    struct Item {
-      int expert;
-      int64_t b0, b1;
-    };
-    auto chunk_for = [&](int64_t blocks) {
-      if (uniform) return int64_t{2};
-      const int64_t work = static_cast<int64_t>(active.size()) * blocks;
-      return std::max<int64_t>(2, (work / (8 * threads_) + 1) / 2 * 2);
-    };
-    auto make_items = [&](int64_t blocks, int64_t chunk) {
-      std::vector<Item> items;
-      for (int e : active) {
-        for (int64_t b = 0; b < blocks; b += chunk) items.push_back({e, b, std::min(blocks, b + chunk)});
-      }
-      return items;
-    };
-    // One task per item, taken by whichever thread is free (a static split would wait for the
-    // slowest-waking worker).
-    auto run_items = [&](const std::vector<Item>& items, size_t begin, size_t end, auto&& f) {
-      tbb::parallel_for(
-          tbb::blocked_range<size_t>(begin, end, 1),
-          [&](const tbb::blocked_range<size_t>& r) {
-            for (size_t i = r.begin(); i < r.end(); ++i) f(items[i]);
-          },
-          tbb::simple_partitioner());
-    };
-    end_phase(1);
-    // The thread that finishes an expert's last gate+up item runs that expert's down projection
-    // as a nested parallel loop, so it overlaps the other experts' gate+up and only one tail
-    // remains per call. A token's output columns are reduced by the thread that writes the last
-    // of its k expert rows for those columns, while the rows are still in cache; the sum runs
-    // in the order of the token's choices, so the result does not depend on the timing.
-    const int64_t chunk2 = chunk_for(down_.blocks());
-    const int64_t col_chunks = (down_.blocks() + chunk2 - 1) / chunk2;
-    const std::vector<Item> stage1 = make_items(gate_up_.blocks(), chunk_for(gate_up_.blocks()));
-    const std::vector<Item> stage2 = make_items(down_.blocks(), chunk2);
-    std::vector<size_t> stage2_begin(num_experts + 1, 0);  // down items of expert e: [begin[e], begin[e+1])
-    for (const Item& it : stage2) ++stage2_begin[it.expert + 1];
-    for (int e = 0; e < num_experts; ++e) stage2_begin[e + 1] += stage2_begin[e];
-    std::unique_ptr<std::atomic<int>[]> remaining(new std::atomic<int>[num_experts]);
-    for (int e = 0; e < num_experts; ++e) remaining[e].store(0);
-    for (const Item& it : stage1) remaining[it.expert].fetch_add(1);
-    std::unique_ptr<std::atomic<int>[]> rows_left(new std::atomic<int>[num_tokens * col_chunks]);
-    for (int64_t i = 0; i < num_tokens * col_chunks; ++i) rows_left[i].store(k, std::memory_order_relaxed);
-    run_items(stage1, 0, stage1.size(), [&](const Item& it) {
-      if (error.failed()) return;
-      const Activations& in = input_of(it.expert);
-      if (error.failed()) return;  // its preparation failed
-      gate_up(it.expert, in, it.b0, it.b1);
-      if (remaining[it.expert].fetch_sub(1) != 1) return;
-      prepare_mid(it.expert);
-      if (error.failed()) return;
-      run_items(stage2, stage2_begin[it.expert], stage2_begin[it.expert + 1], [&](const Item& d) {
-        down(d.expert, d.b0, d.b1);
-        const int64_t c = d.b0 / chunk2, c0 = d.b0 * 16, c1 = std::min(h, d.b1 * 16);
-        for (int32_t pos = s.offset[d.expert]; pos < s.offset[d.expert + 1]; ++pos) {
-          const int64_t t = s.token_of[pos];
-          if (rows_left[t * col_chunks + c].fetch_sub(1, std::memory_order_acq_rel) == 1) reduce(t, c0, c1);
-        }
-      });
-    });
-    end_phase(2);
+    RunBatch(c);
   }
-  end_phase(3);
-  if (error.failed()) return error.status();
+  if (c.error.failed()) return c.error.status();
+  s.phase_seconds[0] += std::chrono::duration<double>(sorted - start).count();
+  s.phase_seconds[1] += std::chrono::duration<double>(std::chrono::steady_clock::now() - sorted).count();
   ++s.calls;
   return absl::OkStatus();
+}
+
+// Decode schedule: few tokens, so the call is bound by streaming the active experts' weights.
+// The gate+up block pairs of all active experts, concatenated, are cut into a few contiguous
+// units per thread (long sequential streams, few starts), and so are the down block pairs;
+// threads claim units in order. An expert's intermediate activations are prepared by the thread
+// that completes its last gate+up unit; a down unit waits for its experts (they are in progress
+// on running threads, since every gate+up unit is claimed before any down unit). Then a reduce
+// over (token, column) chunks once every down unit is done.
+void ExpertPool::RunDecode(Call& c) {
+  const int64_t n_active = static_cast<int64_t>(c.active.size());
+  const int64_t pairs1 = gate_up_.blocks() / 2, pairs2 = (down_.blocks() + 1) / 2;
+  const int64_t units = static_cast<int64_t>(threads_) * std::max(1, options_.decode_units_per_thread);
+  const int64_t units1 = std::min(units, n_active * pairs1), units2 = std::min(units, n_active * pairs2);
+  constexpr int64_t kReduceColumns = 512;
+  const int64_t col_chunks = (c.h + kReduceColumns - 1) / kReduceColumns, chunks3 = c.num_tokens * col_chunks;
+  std::atomic<int64_t> next1{0}, next2{0}, next3{0}, done2{0};
+  std::unique_ptr<std::atomic<int64_t>[]> left(new std::atomic<int64_t>[n_active]);   // gate+up pairs to go
+  std::unique_ptr<std::atomic<int64_t>[]> ready(new std::atomic<int64_t>[n_active]);  // 1: act_mid prepared
+  for (int64_t i = 0; i < n_active; ++i) {
+    left[i].store(pairs1);
+    ready[i].store(0);
+  }
+  // Runs f(expert index, first pair, end pair) over the concatenated pairs of unit u.
+  auto for_unit = [&](int64_t u, int64_t units_n, int64_t pairs, auto&& f) {
+    const int64_t total = n_active * pairs;
+    for (int64_t q = u * total / units_n, q1 = (u + 1) * total / units_n; q < q1;) {
+      const int64_t i = q / pairs, end = std::min(q1, (i + 1) * pairs);
+      f(i, q - i * pairs, end - i * pairs);
+      q = end;
+    }
+  };
+  auto worker = [&] {
+    for (int64_t u; (u = next1.fetch_add(1)) < units1;) {
+      for_unit(u, units1, pairs1, [&](int64_t i, int64_t p0, int64_t p1) {
+        const int e = c.active[i];
+        c.InputAndGateUp(e, 2 * p0, 2 * p1);
+        if (left[i].fetch_sub(p1 - p0) == p1 - p0) {
+          if (!c.error.failed()) c.PrepareMid(e);
+          ready[i].store(1, std::memory_order_release);
+        }
+      });
+    }
+    for (int64_t u; (u = next2.fetch_add(1)) < units2;) {
+      for_unit(u, units2, pairs2, [&](int64_t i, int64_t p0, int64_t p1) {
+        SpinUntil(ready[i], 1);
+        if (!c.error.failed()) c.Down(c.active[i], 2 * p0, std::min(2 * p1, down_.blocks()));
+      });
+      done2.fetch_add(1, std::memory_order_release);
+    }
+    if (next3.load() >= chunks3) return;
+    SpinUntil(done2, units2);
+    for (int64_t r; (r = next3.fetch_add(1)) < chunks3;) {
+      const int64_t c0 = r % col_chunks * kReduceColumns;
+      c.Reduce(r / col_chunks, c0, std::min(c.h, c0 + kReduceColumns));
+    }
+  };
+  tbb::parallel_for(
+      tbb::blocked_range<int>(0, threads_, 1),
+      [&](const tbb::blocked_range<int>& r) {
+        for (int i = r.begin(); i < r.end(); ++i) worker();
+      },
+      tbb::static_partitioner());
+}
+
+// Batch schedule: many tokens per expert, so the kernels' arithmetic matters and work items
+// follow experts: items of 2 blocks when every expert has the same work, otherwise about 8 items
+// per thread over the layer (the same cut for every expert). The thread that finishes an expert's
+// last gate+up item runs that expert's down items as a nested parallel loop, so they overlap the
+// other experts' gate+up and only one tail remains per call. A token's output columns are
+// reduced by the thread that writes the last of its k expert rows for those columns, while the
+// rows are still in cache; the sum runs in the order of the token's choices, so the result does
+// not depend on the timing.
+void ExpertPool::RunBatch(Call& c) {
+  const int num_experts = shape_.num_experts;
+  struct Item {
+    int expert;
+    int64_t b0, b1;
+  };
+  auto chunk_for = [&](int64_t blocks) {
+    if (c.uniform) return int64_t{2};
+    const int64_t work = static_cast<int64_t>(c.active.size()) * blocks;
+    return std::max<int64_t>(2, (work / (8 * threads_) + 1) / 2 * 2);
+  };
+  auto make_items = [&](int64_t blocks, int64_t chunk) {
+    std::vector<Item> items;
+    for (int e : c.active) {
+      for (int64_t b = 0; b < blocks; b += chunk) items.push_back({e, b, std::min(blocks, b + chunk)});
+    }
+    return items;
+  };
+  // One task per item, taken by whichever thread is free (a static split would wait for the
+  // slowest-waking worker).
+  auto run_items = [&](const std::vector<Item>& items, size_t begin, size_t end, auto&& f) {
+    tbb::parallel_for(
+        tbb::blocked_range<size_t>(begin, end, 1),
+        [&](const tbb::blocked_range<size_t>& r) {
+          for (size_t i = r.begin(); i < r.end(); ++i) f(items[i]);
+        },
+        tbb::simple_partitioner());
+  };
+  const int64_t chunk2 = chunk_for(down_.blocks());
+  const int64_t col_chunks = (down_.blocks() + chunk2 - 1) / chunk2;
+  const std::vector<Item> stage1 = make_items(gate_up_.blocks(), chunk_for(gate_up_.blocks()));
+  const std::vector<Item> stage2 = make_items(down_.blocks(), chunk2);
+  std::vector<size_t> stage2_begin(num_experts + 1, 0);  // down items of expert e: [begin[e], begin[e+1])
+  for (const Item& it : stage2) ++stage2_begin[it.expert + 1];
+  for (int e = 0; e < num_experts; ++e) stage2_begin[e + 1] += stage2_begin[e];
+  std::unique_ptr<std::atomic<int>[]> remaining(new std::atomic<int>[num_experts]);
+  for (int e = 0; e < num_experts; ++e) remaining[e].store(0);
+  for (const Item& it : stage1) remaining[it.expert].fetch_add(1);
+  std::unique_ptr<std::atomic<int>[]> rows_left(new std::atomic<int>[c.num_tokens * col_chunks]);
+  for (int64_t i = 0; i < c.num_tokens * col_chunks; ++i) rows_left[i].store(shape_.top_k, std::memory_order_relaxed);
+  run_items(stage1, 0, stage1.size(), [&](const Item& it) {
+    c.InputAndGateUp(it.expert, it.b0, it.b1);
+    if (c.error.failed() || remaining[it.expert].fetch_sub(1) != 1) return;
+    c.PrepareMid(it.expert);
+    if (c.error.failed()) return;
+    run_items(stage2, stage2_begin[it.expert], stage2_begin[it.expert + 1], [&](const Item& d) {
+      c.Down(d.expert, d.b0, d.b1);
+      const int64_t chunk = d.b0 / chunk2, c0 = d.b0 * 16, c1 = std::min(c.h, d.b1 * 16);
+      for (int32_t pos = c.s.offset[d.expert]; pos < c.s.offset[d.expert + 1]; ++pos) {
+        const int64_t t = c.s.token_of[pos];
+        if (rows_left[t * col_chunks + chunk].fetch_sub(1, std::memory_order_acq_rel) == 1) c.Reduce(t, c0, c1);
+      }
+    });
+  });
 }
 
 std::string ExpertPool::PhaseReport() const {
   const Impl& s = *impl_;
   const double n = std::max<int64_t>(s.calls, 1) / 1e3;  // ms per call
-  return absl::StrFormat("sort %.3f, prepare %.3f, experts %.3f, reduce %.3f ms/call", s.phase_seconds[0] / n,
-                         s.phase_seconds[1] / n, s.phase_seconds[2] / n, s.phase_seconds[3] / n);
+  return absl::StrFormat("sort %.3f, experts %.3f ms/call", s.phase_seconds[0] / n, s.phase_seconds[1] / n);
 }
 
 void ExpertPool::ResetPhases() {

@@ -108,6 +108,10 @@ class ExpertPool {
                    const float* topk_weights, float* out);
   PackedMatrix GateUp(int layer, int expert) const;
   PackedMatrix Down(int layer, int expert) const;
+  // One call's state and steps, shared by the two schedules (expert_pool.cc).
+  struct Call;
+  void RunDecode(Call& call);
+  void RunBatch(Call& call);
 
   ExpertShape shape_;
   ExpertPoolOptions options_;
