@@ -11,6 +11,7 @@
 #include <functional>
 #include <mutex>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "moe/core/dtype.h"
@@ -126,11 +127,13 @@ class ExpertPool::Impl {
   std::vector<KernelKind> usable;  // kernels this CPU runs for the pool's format
 
   // Per-call scratch, grown as needed. Slots (token, choice) are ordered by expert ("positions").
-  std::vector<int32_t> count, offset, position_of, token_of;
+  std::vector<int32_t> count, offset, position_of, slot_of;  // slot_of[position] = token * k + choice
   std::vector<const float*> rows, mid_rows;  // input and intermediate row of each position
+  std::vector<int32_t> token_rows;           // token of each position
   // Grown, never zero-filled: every row a call reads was written by it first.
   core::AlignedBuffer inter;       // [positions x I] floats
-  core::AlignedBuffer expert_out;  // [positions x (H_pad + 16)] floats
+  core::AlignedBuffer expert_out;  // [positions x (H_pad + 16)] floats (decode schedule)
+  Activations tokens_in;           // every token's input row, quantized once (batch schedule)
   std::vector<Activations> act_in, act_mid;  // per expert
   // Wall time per phase of Run (sorting the slots; the experts, reduce included), for the bench.
   double phase_seconds[2] = {};
@@ -387,9 +390,14 @@ struct ExpertPool::Call {
   FirstError error;
   // An expert's input activations are prepared by the first work item that needs them (the
   // others wait: the preparing thread is running). With one token every expert reads the same
-  // row, so they are prepared once, in expert `shared`'s slot.
+  // row, so they are prepared once, in expert `shared`'s slot. With `gather`, the rows were
+  // quantized once per token (s.tokens_in) and are copied from there.
   std::unique_ptr<std::atomic<int64_t>[]> in_state;  // per expert: 0, 1 being prepared, 2 ready
   int shared = -1;
+  bool gather = false;
+
+  int64_t TokenOf(int64_t pos) const { return s.slot_of[pos] / pool.shape_.top_k; }
+  float WeightOf(int64_t pos) const { return topk_weights[s.slot_of[pos]]; }
 
   MatmulKernel KernelOf(int e) const { return GetKernel(pool.KernelFor(s.count[e]), pool.options_.format); }
 
@@ -397,8 +405,14 @@ struct ExpertPool::Call {
     const int slot = shared >= 0 ? shared : e;
     int64_t expected = 0;
     if (in_state[slot].compare_exchange_strong(expected, 1)) {
-      error.Set(s.act_in[slot].Prepare(s.rows.data() + s.offset[slot], s.count[slot], h, pool.gate_up_.k_pad,
-                                       pool.KernelFor(s.count[slot]), pool.options_.format, SumGroup(pool.gate_up_)));
+      if (gather) {
+        error.Set(s.act_in[slot].Gather(s.tokens_in, s.token_rows.data() + s.offset[slot], s.count[slot],
+                                        pool.KernelFor(s.count[slot])));
+      } else {
+        error.Set(s.act_in[slot].Prepare(s.rows.data() + s.offset[slot], s.count[slot], h, pool.gate_up_.k_pad,
+                                         pool.KernelFor(s.count[slot]), pool.options_.format,
+                                         SumGroup(pool.gate_up_)));
+      }
       in_state[slot].store(2, std::memory_order_release);
     } else {
       SpinUntil(in_state[slot], 2);
@@ -444,16 +458,15 @@ struct ExpertPool::Call {
     KernelOf(e)(pool.Down(layer, e), s.act_mid[e], b0, b1, out_rows + s.offset[e] * out_ld + b0 * 16, out_ld);
   }
 
-  // out[t][c0, c1) = the weighted sum of token t's expert rows, in the order of its choices.
+  // out[t][c0, c1) = the weighted sum of token t's expert rows, in the order of their positions
+  // (by expert), the order the batch schedule sums in too.
   void Reduce(int64_t t, int64_t c0, int64_t c1) {
     const int k = pool.shape_.top_k;
+    absl::InlinedVector<int32_t, 16> pos(s.position_of.begin() + t * k, s.position_of.begin() + (t + 1) * k);
+    std::sort(pos.begin(), pos.end());
     float* dst = out + t * h;
     std::fill(dst + c0, dst + c1, 0.0f);
-    for (int j = 0; j < k; ++j) {
-      const float wt = topk_weights[t * k + j];
-      const float* src = out_rows + static_cast<int64_t>(s.position_of[t * k + j]) * out_ld;
-      for (int64_t i = c0; i < c1; ++i) dst[i] += wt * src[i];
-    }
+    for (int i = 0; i < k; ++i) AddScaledRow(out_rows + pos[i] * out_ld + c0, WeightOf(pos[i]), c1 - c0, dst + c0);
   }
 };
 
@@ -471,16 +484,19 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
   s.offset.assign(num_experts + 1, 0);
   for (int e = 0; e < num_experts; ++e) s.offset[e + 1] = s.offset[e] + s.count[e];
   s.position_of.resize(slots);
-  s.token_of.resize(slots);
+  s.slot_of.resize(slots);
+  s.token_rows.resize(slots);
   s.rows.resize(slots);
   std::vector<int32_t> cursor(s.offset.begin(), s.offset.end() - 1);
   for (int64_t i = 0; i < slots; ++i) {
     const int32_t pos = cursor[topk_ids[i]]++;
     s.position_of[i] = pos;
-    s.token_of[pos] = static_cast<int32_t>(i / k);
+    s.slot_of[pos] = static_cast<int32_t>(i);
+    s.token_rows[pos] = static_cast<int32_t>(i / k);
     s.rows[pos] = hidden + (i / k) * c.h;
   }
-  for (auto [buffer, floats] : {std::pair{&s.inter, slots * c.inter}, std::pair{&s.expert_out, slots * c.out_ld}}) {
+  const bool decode = num_tokens <= options_.decode_max_tokens;
+  for (auto [buffer, floats] : {std::pair{&s.inter, slots * c.inter}, std::pair{&s.expert_out, decode ? slots * c.out_ld : 0}}) {
     if (buffer->size() >= static_cast<size_t>(floats) * sizeof(float)) continue;
     auto grown = core::AlignedBuffer::Allocate(static_cast<size_t>(floats) * sizeof(float));
     if (!grown.ok()) return grown.status();
@@ -501,10 +517,10 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
   c.shared = num_tokens == 1 && !c.active.empty() ? c.active[0] : -1;
   const auto sorted = std::chrono::steady_clock::now();
 
-  if (num_tokens <= options_.decode_max_tokens) {
+  if (decode) {
     RunDecode(c);
   } else {
-    RunBatch(c);
+    if (absl::Status st = RunBatch(c, hidden); !st.ok()) return st;
   }
   if (c.error.failed()) return c.error.status();
   s.phase_seconds[0] += std::chrono::duration<double>(sorted - start).count();
@@ -576,68 +592,91 @@ void ExpertPool::RunDecode(Call& c) {
       tbb::static_partitioner());
 }
 
-// Batch schedule: many tokens per expert, so the kernels' arithmetic matters and work items
-// follow experts: items of 2 blocks when every expert has the same work, otherwise about 8 items
-// per thread over the layer (the same cut for every expert). The thread that finishes an expert's
-// last gate+up item runs that expert's down items as a nested parallel loop, so they overlap the
-// other experts' gate+up and only one tail remains per call. A token's output columns are
-// reduced by the thread that writes the last of its k expert rows for those columns, while the
-// rows are still in cache; the sum runs in the order of the token's choices, so the result does
-// not depend on the timing.
-void ExpertPool::RunBatch(Call& c) {
+// Batch schedule: many tokens per expert, so the kernels' arithmetic matters and the memory
+// traffic besides the weights must stay small. Three stages:
+//  1. (int8, int4) every token's input row is quantized once, in parallel; an expert gathers its
+//     rows from there instead of quantizing them again for each of the token's k experts.
+//  2. gate+up: work items follow experts (items of 2 blocks when every expert has the same work,
+//     otherwise about 8 items per thread over the layer, the same cut for every expert). The
+//     thread that finishes an expert's last item prepares its intermediate activations.
+//  3. down, by output columns: each thread takes a column chunk and runs every active expert's
+//     down blocks for it, adding the weighted rows straight into `out` (the chunk of every token
+//     stays in its L2). No [positions x hidden] buffer of expert outputs goes out to memory and
+//     back, and the sums run in position (expert) order, as the decode schedule's reduce.
+absl::Status ExpertPool::RunBatch(Call& c, const float* hidden) {
   const int num_experts = shape_.num_experts;
+  const int64_t grain = 16;  // tokens per task
+  auto for_tokens = [&](auto&& f) {
+    tbb::parallel_for(
+        tbb::blocked_range<int64_t>(0, c.num_tokens, grain),
+        [&](const tbb::blocked_range<int64_t>& r) { f(r.begin(), r.end()); }, tbb::simple_partitioner());
+  };
+  if (options_.format != ExpertFormat::kBF16) {
+    Impl& s = c.s;
+    if (absl::Status st = s.tokens_in.Reset(c.num_tokens, c.h, gate_up_.k_pad, KernelKind::kVnni, options_.format,
+                                            SumGroup(gate_up_));
+        !st.ok()) {
+      return st;
+    }
+    std::vector<const float*> token_rows(c.num_tokens);
+    for (int64_t t = 0; t < c.num_tokens; ++t) token_rows[t] = hidden + t * c.h;
+    for_tokens([&](int64_t t0, int64_t t1) { s.tokens_in.FillRows(token_rows.data(), t0, t1); });
+    c.gather = true;
+  }
+
   struct Item {
     int expert;
     int64_t b0, b1;
   };
-  auto chunk_for = [&](int64_t blocks) {
-    if (c.uniform) return int64_t{2};
-    const int64_t work = static_cast<int64_t>(c.active.size()) * blocks;
-    return std::max<int64_t>(2, (work / (8 * threads_) + 1) / 2 * 2);
-  };
-  auto make_items = [&](int64_t blocks, int64_t chunk) {
-    std::vector<Item> items;
-    for (int e : c.active) {
-      for (int64_t b = 0; b < blocks; b += chunk) items.push_back({e, b, std::min(blocks, b + chunk)});
-    }
-    return items;
-  };
-  // One task per item, taken by whichever thread is free (a static split would wait for the
-  // slowest-waking worker).
-  auto run_items = [&](const std::vector<Item>& items, size_t begin, size_t end, auto&& f) {
-    tbb::parallel_for(
-        tbb::blocked_range<size_t>(begin, end, 1),
-        [&](const tbb::blocked_range<size_t>& r) {
-          for (size_t i = r.begin(); i < r.end(); ++i) f(items[i]);
-        },
-        tbb::simple_partitioner());
-  };
-  const int64_t chunk2 = chunk_for(down_.blocks());
-  const int64_t col_chunks = (down_.blocks() + chunk2 - 1) / chunk2;
-  const std::vector<Item> stage1 = make_items(gate_up_.blocks(), chunk_for(gate_up_.blocks()));
-  const std::vector<Item> stage2 = make_items(down_.blocks(), chunk2);
-  std::vector<size_t> stage2_begin(num_experts + 1, 0);  // down items of expert e: [begin[e], begin[e+1])
-  for (const Item& it : stage2) ++stage2_begin[it.expert + 1];
-  for (int e = 0; e < num_experts; ++e) stage2_begin[e + 1] += stage2_begin[e];
+  const int64_t blocks = gate_up_.blocks();
+  const int64_t chunk = c.uniform ? 2
+                                  : std::max<int64_t>(2, (static_cast<int64_t>(c.active.size()) * blocks /
+                                                              (8 * threads_) + 1) / 2 * 2);
+  std::vector<Item> items;
+  for (int e : c.active) {
+    for (int64_t b = 0; b < blocks; b += chunk) items.push_back({e, b, std::min(blocks, b + chunk)});
+  }
   std::unique_ptr<std::atomic<int>[]> remaining(new std::atomic<int>[num_experts]);
   for (int e = 0; e < num_experts; ++e) remaining[e].store(0);
-  for (const Item& it : stage1) remaining[it.expert].fetch_add(1);
-  std::unique_ptr<std::atomic<int>[]> rows_left(new std::atomic<int>[c.num_tokens * col_chunks]);
-  for (int64_t i = 0; i < c.num_tokens * col_chunks; ++i) rows_left[i].store(shape_.top_k, std::memory_order_relaxed);
-  run_items(stage1, 0, stage1.size(), [&](const Item& it) {
-    c.InputAndGateUp(it.expert, it.b0, it.b1);
-    if (c.error.failed() || remaining[it.expert].fetch_sub(1) != 1) return;
-    c.PrepareMid(it.expert);
-    if (c.error.failed()) return;
-    run_items(stage2, stage2_begin[it.expert], stage2_begin[it.expert + 1], [&](const Item& d) {
-      c.Down(d.expert, d.b0, d.b1);
-      const int64_t chunk = d.b0 / chunk2, c0 = d.b0 * 16, c1 = std::min(c.h, d.b1 * 16);
-      for (int32_t pos = c.s.offset[d.expert]; pos < c.s.offset[d.expert + 1]; ++pos) {
-        const int64_t t = c.s.token_of[pos];
-        if (rows_left[t * col_chunks + chunk].fetch_sub(1, std::memory_order_acq_rel) == 1) c.Reduce(t, c0, c1);
-      }
-    });
-  });
+  for (const Item& it : items) remaining[it.expert].fetch_add(1);
+  // One task per item, taken by whichever thread is free (a static split would wait for the
+  // slowest-waking worker).
+  tbb::parallel_for(
+      tbb::blocked_range<size_t>(0, items.size(), 1),
+      [&](const tbb::blocked_range<size_t>& r) {
+        for (size_t i = r.begin(); i < r.end(); ++i) {
+          const Item& it = items[i];
+          c.InputAndGateUp(it.expert, it.b0, it.b1);
+          if (!c.error.failed() && remaining[it.expert].fetch_sub(1) == 1) c.PrepareMid(it.expert);
+        }
+      },
+      tbb::simple_partitioner());
+  if (c.error.failed()) return c.error.status();
+
+  // Column chunks of an even number of blocks, about one per thread.
+  const int64_t down_blocks = down_.blocks();
+  const int64_t per_chunk = std::max<int64_t>(2, ((down_blocks + threads_ - 1) / threads_ + 1) / 2 * 2);
+  const int64_t chunks = (down_blocks + per_chunk - 1) / per_chunk;
+  tbb::parallel_for(
+      tbb::blocked_range<int64_t>(0, chunks, 1),
+      [&](const tbb::blocked_range<int64_t>& r) {
+        for (int64_t ch = r.begin(); ch < r.end(); ++ch) {
+          const int64_t b0 = ch * per_chunk, b1 = std::min(down_blocks, b0 + per_chunk);
+          const int64_t c0 = b0 * 16, c1 = std::min(c.h, b1 * 16), ld = (b1 - b0) * 16 + 16;
+          for (int64_t t = 0; t < c.num_tokens; ++t) std::fill(c.out + t * c.h + c0, c.out + t * c.h + c1, 0.0f);
+          thread_local std::vector<float> tmp;
+          for (int e : c.active) {
+            const int64_t m = c.s.count[e], base = c.s.offset[e];
+            if (tmp.size() < static_cast<size_t>(m * ld)) tmp.resize(m * ld);
+            c.KernelOf(e)(Down(c.layer, e), c.s.act_mid[e], b0, b1, tmp.data(), ld);
+            for (int64_t i = 0; i < m; ++i) {
+              AddScaledRow(tmp.data() + i * ld, c.WeightOf(base + i), c1 - c0, c.out + c.TokenOf(base + i) * c.h + c0);
+            }
+          }
+        }
+      },
+      tbb::simple_partitioner());
+  return absl::OkStatus();
 }
 
 std::string ExpertPool::PhaseReport() const {

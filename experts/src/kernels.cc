@@ -144,6 +144,11 @@ inline float FastExp(float x) {
   return p * scale;
 }
 
+// dst[i] += weight * src[i]. One compiled copy, so every caller rounds the same way.
+MOE_CLONES void AddScaled(const float* src, float weight, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] += weight * src[i];
+}
+
 }  // namespace
 
 void SiluMul(const float* gate, const float* up, int64_t n, float* out) {
@@ -151,6 +156,8 @@ void SiluMul(const float* gate, const float* up, int64_t n, float* out) {
   if (avx512) return internal::SiluMulAvx512(gate, up, n, out);
   for (int64_t i = 0; i < n; ++i) out[i] = gate[i] / (1.0f + FastExp(-gate[i])) * up[i];
 }
+
+void AddScaledRow(const float* src, float weight, int64_t n, float* dst) { AddScaled(src, weight, n, dst); }
 
 absl::Status Activations::Prepare(const float* x, int64_t m, int64_t k, int64_t k_pad, KernelKind kind,
                                   ExpertFormat format, int sum_group) {
@@ -161,50 +168,88 @@ absl::Status Activations::Prepare(const float* x, int64_t m, int64_t k, int64_t 
 
 absl::Status Activations::Prepare(const float* const* x, int64_t m, int64_t k, int64_t k_pad, KernelKind kind,
                                   ExpertFormat format, int sum_group) {
+  if (absl::Status s = Reset(m, k, k_pad, kind, format, sum_group); !s.ok()) return s;
+  FillRows(x, 0, m);
+  return absl::OkStatus();
+}
+
+absl::Status Activations::Reset(int64_t m, int64_t k, int64_t k_pad, KernelKind kind, ExpertFormat format,
+                                int sum_group) {
   // Only AMX reads whole tiles of rows; the other kernels read exactly m rows.
   const bool amx = kind == KernelKind::kAmx;
   m_ = m;
   m_pad_ = amx ? (m + 31) / 32 * 32 : m;
+  k_ = k;
   k_pad_ = k_pad;
+  format_ = format;
+  sum_group_ = sum_group;
   const int64_t rows = std::max<int64_t>(m_pad_, 1), ld = stride();
   if (format == ExpertFormat::kBF16) {
+    with_bf16_ = kind == KernelKind::kAvx512Bf16 || amx;
+    with_lo_ = amx;
     if (absl::Status s = Grow(f32_, rows * ld * sizeof(float)); !s.ok()) return s;
-    float* f32 = f32_.as<float>();
-    for (int64_t r = 0; r < m_pad_; ++r) {
-      float* row = f32 + r * ld;
-      if (r < m) std::memcpy(row, x[r], k * sizeof(float));
-      std::fill(row + (r < m ? k : 0), row + ld, 0.0f);
+    if (with_bf16_) {
+      if (absl::Status s = Grow(bf16_, rows * ld * 2); !s.ok()) return s;
     }
-    if (kind != KernelKind::kAvx512Bf16 && !amx) return absl::OkStatus();
-    if (absl::Status s = Grow(bf16_, rows * ld * 2); !s.ok()) return s;
-    if (amx) {
+    if (with_lo_) {
       if (absl::Status s = Grow(bf16_lo_, rows * ld * 2); !s.ok()) return s;
     }
-    ToBf16(f32, m_pad_ * ld, bf16_.as<uint16_t>(), amx ? bf16_lo_.as<uint16_t>() : nullptr);
+    const size_t pad = (m_pad_ - m) * ld;
+    std::memset(f32_.as<float>() + m * ld, 0, pad * sizeof(float));
+    if (with_bf16_) std::memset(bf16_.as<uint16_t>() + m * ld, 0, pad * 2);
+    if (with_lo_) std::memset(bf16_lo_.as<uint16_t>() + m * ld, 0, pad * 2);
     return absl::OkStatus();
   }
-  // int8 / int4: symmetric per-token quantization straight from the rows, and sums per group
-  // for the offset correction; the padding columns and rows are zero.
+  // int8 / int4: symmetric per-token quantization, and sums per group for the offset
+  // correction; the padding columns and rows are zero.
   if (absl::Status s = Grow(i8_, rows * ld); !s.ok()) return s;
   groups_ = k_pad_ / sum_group;
   i8_scale_.assign(m_pad_, 1.0f);
   i8_sum_.assign(m_pad_ * groups_, 0);
-  int8_t* q = i8_.as<int8_t>();
+  std::memset(i8_.as<int8_t>() + m * ld, 0, (m_pad_ - m) * ld);
+  return absl::OkStatus();
+}
+
+void Activations::FillRows(const float* const* x, int64_t r0, int64_t r1) {
+  const int64_t ld = stride();
+  if (format_ == ExpertFormat::kBF16) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* row = f32_.as<float>() + r * ld;
+      std::memcpy(row, x[r], k_ * sizeof(float));
+      std::fill(row + k_, row + ld, 0.0f);
+      if (with_bf16_) {
+        ToBf16(row, ld, bf16_.as<uint16_t>() + r * ld, with_lo_ ? bf16_lo_.as<uint16_t>() + r * ld : nullptr);
+      }
+    }
+    return;
+  }
   const core::CpuFeatures& cpu = core::GetCpuFeatures();
   const bool avx512 = cpu.avx512f && cpu.avx512bw && cpu.avx512vl;
-  for (int64_t r = 0; r < m; ++r) {
-    const float amax = avx512 ? internal::AbsMaxAvx512(x[r], k) : AbsMax(x[r], k);
+  for (int64_t r = r0; r < r1; ++r) {
+    const float amax = avx512 ? internal::AbsMaxAvx512(x[r], k_) : AbsMax(x[r], k_);
     const float scale = amax > 0 ? amax / 127.0f : 1.0f;
     i8_scale_[r] = scale;
-    int8_t* qr = q + r * ld;
-    std::memset(qr + k, 0, ld - k);
+    int8_t* qr = i8_.as<int8_t>() + r * ld;
+    std::memset(qr + k_, 0, ld - k_);
     if (avx512) {
-      internal::QuantizeRowAvx512(x[r], k, 1.0f / scale, sum_group, qr, i8_sum_.data() + r * groups_);
+      internal::QuantizeRowAvx512(x[r], k_, 1.0f / scale, sum_group_, qr, i8_sum_.data() + r * groups_);
     } else {
-      QuantizeRow(x[r], k, 1.0f / scale, sum_group, qr, i8_sum_.data() + r * groups_);
+      QuantizeRow(x[r], k_, 1.0f / scale, sum_group_, qr, i8_sum_.data() + r * groups_);
     }
   }
-  std::memset(q + m * ld, 0, (m_pad_ - m) * ld);
+}
+
+absl::Status Activations::Gather(const Activations& src, const int32_t* rows, int64_t m, KernelKind kind) {
+  if (src.format_ == ExpertFormat::kBF16) {
+    return absl::InvalidArgumentError("Activations::Gather: bf16 rows are prepared from the floats");
+  }
+  if (absl::Status s = Reset(m, src.k_, src.k_pad_, kind, src.format_, src.sum_group_); !s.ok()) return s;
+  const int64_t ld = stride();
+  for (int64_t r = 0; r < m; ++r) {
+    std::memcpy(i8_.as<int8_t>() + r * ld, src.i8(rows[r]), ld);
+    i8_scale_[r] = src.i8_scale_[rows[r]];
+    std::copy_n(src.i8_sum_.data() + rows[r] * groups_, groups_, i8_sum_.data() + r * groups_);
+  }
   return absl::OkStatus();
 }
 

@@ -111,7 +111,7 @@ class ExpertPool {
   // One call's state and steps, shared by the two schedules (expert_pool.cc).
   struct Call;
   void RunDecode(Call& call);
-  void RunBatch(Call& call);
+  absl::Status RunBatch(Call& call, const float* hidden);
 
   ExpertShape shape_;
   ExpertPoolOptions options_;

@@ -47,6 +47,14 @@ class Activations {
   absl::Status Prepare(const float* const* rows, int64_t m, int64_t k, int64_t k_pad, KernelKind kind,
                        ExpertFormat format, int sum_group);
 
+  // The same in parts: Reset sizes the buffers for m rows (padding zeroed), FillRows prepares
+  // rows [r0, r1) from x[r0..r1); threads may fill disjoint ranges.
+  absl::Status Reset(int64_t m, int64_t k, int64_t k_pad, KernelKind kind, ExpertFormat format, int sum_group);
+  void FillRows(const float* const* x, int64_t r0, int64_t r1);
+  // Rows rows[0..m) of `src` (int8/int4 activations), laid out for `kind`: the same values as
+  // preparing those rows from their floats, without quantizing them again.
+  absl::Status Gather(const Activations& src, const int32_t* rows, int64_t m, KernelKind kind);
+
   int64_t m() const { return m_; }
   int64_t m_pad() const { return m_pad_; }
   int64_t k_pad() const { return k_pad_; }
@@ -65,11 +73,18 @@ class Activations {
 
  private:
   absl::Status Grow(core::AlignedBuffer& buffer, size_t bytes);
-  int64_t m_ = 0, m_pad_ = 0, k_pad_ = 0, groups_ = 0;
+  int64_t m_ = 0, m_pad_ = 0, k_ = 0, k_pad_ = 0, groups_ = 0;
+  ExpertFormat format_ = ExpertFormat::kBF16;
+  int sum_group_ = 0;
+  bool with_bf16_ = false, with_lo_ = false;
   core::AlignedBuffer f32_, bf16_, bf16_lo_, i8_;
   std::vector<float> i8_scale_;
   std::vector<int32_t> i8_sum_;
 };
+
+// dst[i] += weight * src[i] for n values; every weighted sum of expert rows goes through it, so
+// sums made in the same order are bitwise equal.
+void AddScaledRow(const float* src, float weight, int64_t n, float* dst);
 
 // out[i] = silu(gate[i]) * up[i] for n values, vectorized (exp to about 1e-7 relative).
 void SiluMul(const float* gate, const float* up, int64_t n, float* out);
