@@ -2,6 +2,7 @@
 #include "moe/experts/kernels.h"
 
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -130,6 +131,38 @@ TEST(SiluMulTest, MatchesTheLibmReference) {
     const double want = gate[i] / (1.0 + std::exp(-double(gate[i]))) * 1.5;
     EXPECT_NEAR(out[i], want, 1e-6 * std::max(1.0, std::abs(want))) << gate[i];
   }
+}
+
+// Gathering rows from activations quantized once gives what preparing those rows gives: the
+// same int8 values, scales and group sums, with the AMX row padding zeroed.
+TEST(ActivationsTest, GatherEqualsPreparingTheRows) {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> dist;
+  const int64_t tokens = 23, k = 200, k_pad = 256;
+  std::vector<float> x(tokens * k);
+  for (float& v : x) v = dist(rng);
+  const std::vector<int32_t> pick = {5, 0, 22, 5, 17, 9, 3, 11, 12, 13, 14, 15, 16, 18, 19, 20, 21, 1};
+  std::vector<const float*> rows;
+  for (int32_t t : pick) rows.push_back(x.data() + t * k);
+  const int64_t m = static_cast<int64_t>(pick.size());
+  for (auto [format, group] : {std::pair{ExpertFormat::kInt8, 256}, {ExpertFormat::kInt4, 32}}) {
+    for (KernelKind kind : {KernelKind::kVnni, KernelKind::kAmx}) {
+      Activations all, gathered, direct;
+      ASSERT_TRUE(all.Prepare(x.data(), tokens, k, k_pad, KernelKind::kVnni, format, group).ok());
+      ASSERT_TRUE(gathered.Gather(all, pick.data(), m, kind).ok());
+      ASSERT_TRUE(direct.Prepare(rows.data(), m, k, k_pad, kind, format, group).ok());
+      ASSERT_EQ(gathered.m_pad(), direct.m_pad());
+      EXPECT_EQ(gathered.m_pad(), kind == KernelKind::kAmx ? 32 : m);
+      for (int64_t r = 0; r < gathered.m_pad(); ++r) {
+        ASSERT_EQ(std::memcmp(gathered.i8(r), direct.i8(r), k_pad), 0) << "row " << r;
+        EXPECT_EQ(gathered.i8_scale(r), direct.i8_scale(r));
+        for (int64_t g = 0; g < k_pad / group; ++g) EXPECT_EQ(gathered.i8_sum(r, g), direct.i8_sum(r, g));
+      }
+    }
+  }
+  Activations bf16, out;
+  ASSERT_TRUE(bf16.Prepare(x.data(), tokens, k, k_pad, KernelKind::kAvx512, ExpertFormat::kBF16, k_pad).ok());
+  EXPECT_EQ(out.Gather(bf16, pick.data(), m, KernelKind::kAvx512).code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(PackedTest, RejectsBadShapesAndGroups) {
