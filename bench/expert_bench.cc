@@ -162,6 +162,22 @@ absl::StatusOr<std::vector<ExpertBenchRow>> RunExpertBench(const ExpertBenchOpti
     log << absl::StrFormat("  %-5s %-10s batch %5d: %8.3f ms/call  %6.1f GB/s  %4.0f%%  %6.2f TFLOP/s\n", r.format,
                            r.kernel, r.batch, r.ms_per_call, r.weight_gbps, 100 * r.ratio, r.tflops);
   }
+  // Where the batches are large enough for the arithmetic to matter: each kernel's speed against
+  // the AVX-512 path of its format (avx512 for bf16, vnni for int8 and int4), same run.
+  bool header = false;
+  for (const ExpertBenchRow& base : rows) {
+    const std::string avx512 = base.format == std::string("bf16") ? "avx512" : "vnni";
+    if (base.batch < 64 || base.kernel != avx512) continue;
+    for (const ExpertBenchRow& r : rows) {
+      if (r.format != base.format || r.batch != base.batch || r.kernel == avx512 || r.kernel == std::string("portable")) {
+        continue;
+      }
+      if (!header) log << "\nagainst the AVX-512 path of each format:\n";
+      header = true;
+      log << absl::StrFormat("  %-5s %-10s batch %5d: %.2fx %s\n", r.format, r.kernel, r.batch,
+                             base.ms_per_call / r.ms_per_call, avx512);
+    }
+  }
   return rows;
 }
 

@@ -72,7 +72,8 @@ int BenchExperts(int argc, char** argv) {
               "Times one MoE layer call of the CPU expert pool at a real layer shape (default Qwen3-30B-A3B:\n"
               "hidden 2048, 128 experts, top-8, intermediate 768) for every format, kernel and batch, against\n"
               "the host read bandwidth measured with the same threads in the same run. Weights are random.\n"
-              "Columns: ms per call, GB/s of expert weights touched, ratio to the read bandwidth, TFLOP/s.");
+              "Columns: ms per call, GB/s of expert weights touched, ratio to the read bandwidth, TFLOP/s.\n"
+              "Last, at 64 tokens and more, each kernel's speed over its format's AVX-512 path (the same run).");
   flags.Add("threads", "N", "pool threads; 0 uses every core", "0");
   flags.Add("layers", "N", "layers the calls cycle through (keeps the weights out of the caches)", "4");
   flags.Add("batches", "LIST", "tokens per call", "1,4,16,64,256,1024");
