@@ -166,10 +166,10 @@ absl::StatusOr<std::vector<ExpertBenchRow>> RunExpertBench(const ExpertBenchOpti
   // the AVX-512 path of its format (avx512 for bf16, vnni for int8 and int4), same run.
   bool header = false;
   for (const ExpertBenchRow& base : rows) {
-    const std::string avx512 = base.format == std::string("bf16") ? "avx512" : "vnni";
+    const std::string avx512 = base.format == "bf16" ? "avx512" : "vnni";
     if (base.batch < 64 || base.kernel != avx512) continue;
     for (const ExpertBenchRow& r : rows) {
-      if (r.format != base.format || r.batch != base.batch || r.kernel == avx512 || r.kernel == std::string("portable")) {
+      if (r.format != base.format || r.batch != base.batch || r.kernel == avx512 || r.kernel == "portable") {
         continue;
       }
       if (!header) log << "\nagainst the AVX-512 path of each format:\n";

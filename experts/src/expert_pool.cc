@@ -11,7 +11,6 @@
 #include <functional>
 #include <mutex>
 
-#include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "moe/core/dtype.h"
@@ -127,9 +126,13 @@ class ExpertPool::Impl {
   std::vector<KernelKind> usable;  // kernels this CPU runs for the pool's format
 
   // Per-call scratch, grown as needed. Slots (token, choice) are ordered by expert ("positions").
-  std::vector<int32_t> count, offset, position_of, slot_of;  // slot_of[position] = token * k + choice
+  std::vector<int32_t> count, offset;
+  std::vector<int32_t> slot_of;   // slot (token * k + choice) of each position
+  std::vector<int32_t> token_of;  // token of each position
+  // token_positions[t * k .. t * k + k): token t's positions in increasing order, the order in
+  // which both schedules sum its expert rows.
+  std::vector<int32_t> token_positions;
   std::vector<const float*> rows, mid_rows;  // input and intermediate row of each position
-  std::vector<int32_t> token_rows;           // token of each position
   // Grown, never zero-filled: every row a call reads was written by it first.
   core::AlignedBuffer inter;       // [positions x I] floats
   core::AlignedBuffer expert_out;  // [positions x (H_pad + 16)] floats (decode schedule)
@@ -412,7 +415,6 @@ struct ExpertPool::Call {
   int shared = -1;
   bool gather = false;
 
-  int64_t TokenOf(int64_t pos) const { return s.slot_of[pos] / pool.shape_.top_k; }
   float WeightOf(int64_t pos) const { return topk_weights[s.slot_of[pos]]; }
 
   MatmulKernel KernelOf(int e) const { return GetKernel(pool.KernelFor(s.count[e]), pool.options_.format); }
@@ -422,7 +424,7 @@ struct ExpertPool::Call {
     int64_t expected = 0;
     if (in_state[slot].compare_exchange_strong(expected, 1)) {
       if (gather) {
-        error.Set(s.act_in[slot].Gather(s.tokens_in, s.token_rows.data() + s.offset[slot], s.count[slot],
+        error.Set(s.act_in[slot].Gather(s.tokens_in, s.token_of.data() + s.offset[slot], s.count[slot],
                                         pool.KernelFor(s.count[slot])));
       } else {
         error.Set(s.act_in[slot].Prepare(s.rows.data() + s.offset[slot], s.count[slot], h, pool.gate_up_.k_pad,
@@ -478,8 +480,7 @@ struct ExpertPool::Call {
   // (by expert), the order the batch schedule sums in too.
   void Reduce(int64_t t, int64_t c0, int64_t c1) {
     const int k = pool.shape_.top_k;
-    absl::InlinedVector<int32_t, 16> pos(s.position_of.begin() + t * k, s.position_of.begin() + (t + 1) * k);
-    std::sort(pos.begin(), pos.end());
+    const int32_t* pos = s.token_positions.data() + t * k;
     float* dst = out + t * h;
     std::fill(dst + c0, dst + c1, 0.0f);
     for (int i = 0; i < k; ++i) AddScaledRow(out_rows + pos[i] * out_ld + c0, WeightOf(pos[i]), c1 - c0, dst + c0);
@@ -499,17 +500,22 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
   for (int64_t i = 0; i < slots; ++i) ++s.count[topk_ids[i]];
   s.offset.assign(num_experts + 1, 0);
   for (int e = 0; e < num_experts; ++e) s.offset[e + 1] = s.offset[e] + s.count[e];
-  s.position_of.resize(slots);
   s.slot_of.resize(slots);
-  s.token_rows.resize(slots);
+  s.token_of.resize(slots);
   s.rows.resize(slots);
   std::vector<int32_t> cursor(s.offset.begin(), s.offset.end() - 1);
   for (int64_t i = 0; i < slots; ++i) {
     const int32_t pos = cursor[topk_ids[i]]++;
-    s.position_of[i] = pos;
     s.slot_of[pos] = static_cast<int32_t>(i);
-    s.token_rows[pos] = static_cast<int32_t>(i / k);
+    s.token_of[pos] = static_cast<int32_t>(i / k);
     s.rows[pos] = hidden + (i / k) * c.h;
+  }
+  // Walking the positions in order lists each token's positions already sorted.
+  s.token_positions.resize(slots);
+  std::vector<int32_t> filled(num_tokens, 0);
+  for (int32_t pos = 0; pos < slots; ++pos) {
+    const int32_t t = s.token_of[pos];
+    s.token_positions[t * k + filled[t]++] = pos;
   }
   for (auto [buffer, floats] : {std::pair{&s.inter, slots * c.inter}, std::pair{&s.expert_out, slots * c.out_ld}}) {
     if (buffer->size() >= static_cast<size_t>(floats) * sizeof(float)) continue;
@@ -690,7 +696,7 @@ absl::Status ExpertPool::RunBatch(Call& c, const float* hidden) {
       c.Down(d.expert, d.b0, d.b1);
       const int64_t chunk = d.b0 / chunk2, c0 = d.b0 * 16, c1 = std::min(c.h, d.b1 * 16);
       for (int32_t pos = c.s.offset[d.expert]; pos < c.s.offset[d.expert + 1]; ++pos) {
-        const int64_t t = c.TokenOf(pos);
+        const int64_t t = c.s.token_of[pos];
         if (rows_left[t * col_chunks + chunk].fetch_sub(1, std::memory_order_acq_rel) == 1) c.Reduce(t, c0, c1);
       }
     });

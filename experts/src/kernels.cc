@@ -144,11 +144,6 @@ inline float FastExp(float x) {
   return p * scale;
 }
 
-// dst[i] += weight * src[i]. One compiled copy, so every caller rounds the same way.
-MOE_CLONES void AddScaled(const float* src, float weight, int64_t n, float* dst) {
-  for (int64_t i = 0; i < n; ++i) dst[i] += weight * src[i];
-}
-
 }  // namespace
 
 void SiluMul(const float* gate, const float* up, int64_t n, float* out) {
@@ -157,7 +152,10 @@ void SiluMul(const float* gate, const float* up, int64_t n, float* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = gate[i] / (1.0f + FastExp(-gate[i])) * up[i];
 }
 
-void AddScaledRow(const float* src, float weight, int64_t n, float* dst) { AddScaled(src, weight, n, dst); }
+// One compiled copy (per CPU), so every caller rounds the same way.
+MOE_CLONES void AddScaledRow(const float* src, float weight, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] += weight * src[i];
+}
 
 absl::Status Activations::Prepare(const float* x, int64_t m, int64_t k, int64_t k_pad, KernelKind kind,
                                   ExpertFormat format, int sum_group) {
