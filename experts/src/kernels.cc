@@ -75,6 +75,10 @@ MatmulKernel GetKernel(KernelKind kind, ExpertFormat format) {
   return nullptr;
 }
 
+SwiGluKernel GetSwiGluKernel(KernelKind kind, ExpertFormat format) {
+  return kind == KernelKind::kAmx && format == ExpertFormat::kInt8 ? internal::SwiGluAmxInt8 : nullptr;
+}
+
 absl::Status PrepareThreadForKernel(KernelKind kind) {
   if (kind != KernelKind::kAmx) return absl::OkStatus();
   if (!internal::EnableAmxForProcess()) {

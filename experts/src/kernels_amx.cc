@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "moe/experts/kernels.h"
+#include "silu_avx512.h"
 
 #define MOE_AMX __attribute__((target("avx512f,avx512bw,avx512vl,amx-tile,amx-int8,amx-bf16")))
 
@@ -118,21 +119,33 @@ MOE_AMX void MatmulAmxBf16(const PackedMatrix& w, const Activations& a, int64_t 
   }
 }
 
-// The int32 sums of one pass (32 tokens x nb blocks, row stride 32) to y: minus the weights'
-// offset times the activation sums, times the row and token scales.
+namespace {
+
+// The int32 sums of one pass (32 tokens x nb blocks, row stride 32), rows [r0, r1), as floats:
+// minus the weights' offset times the activation sums, times the row and token scales. Then
+// either stored to y (nb blocks of 16 columns), or, for a gate+up pass (block 0 gate, block 1 up
+// of the same 16 units), silu(gate) * up stored to y's first n columns.
+template <bool kSwiGlu>
 MOE_AMX void FinishInt8Pass(const int32_t* acc, const float* row_scales, const Activations& a, int64_t m0, int nb,
-                            int64_t r0, int64_t r1, float* y, int64_t ldy) {
+                            int64_t n, int64_t r0, int64_t r1, float* y, int64_t ldy) {
   const __m512 ws0 = _mm512_loadu_ps(row_scales), ws1 = _mm512_loadu_ps(row_scales + (nb > 1 ? 16 : 0));
+  const __mmask16 mask = n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
   r1 = std::min(r1, a.m() - m0);
   for (int64_t i = r0; i < r1; ++i) {
     const __m512i offset = _mm512_set1_epi32(128 * a.i8_sum(m0 + i, 0));
     const __m512 xs = _mm512_set1_ps(a.i8_scale(m0 + i));
     float* dst = y + (m0 + i) * ldy;
     const __m512i v0 = _mm512_sub_epi32(_mm512_load_si512(acc + i * 32), offset);
-    _mm512_storeu_ps(dst, _mm512_mul_ps(_mm512_cvtepi32_ps(v0), _mm512_mul_ps(ws0, xs)));
+    const __m512 f0 = _mm512_mul_ps(_mm512_cvtepi32_ps(v0), _mm512_mul_ps(ws0, xs));
+    if (!kSwiGlu) _mm512_storeu_ps(dst, f0);
     if (nb > 1) {
       const __m512i v1 = _mm512_sub_epi32(_mm512_load_si512(acc + i * 32 + 16), offset);
-      _mm512_storeu_ps(dst + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(v1), _mm512_mul_ps(ws1, xs)));
+      const __m512 f1 = _mm512_mul_ps(_mm512_cvtepi32_ps(v1), _mm512_mul_ps(ws1, xs));
+      if (kSwiGlu) {
+        _mm512_mask_storeu_ps(dst, mask, SiluMul16(f0, f1));
+      } else {
+        _mm512_storeu_ps(dst + 16, f1);
+      }
     }
   }
 }
@@ -144,8 +157,11 @@ MOE_AMX void FinishInt8Pass(const int32_t* acc, const float* row_scales, const A
 // passes with the memory idle). A pass's sums are stored from the tiles and finished (scaled into
 // y) a few rows per k-step of the next pass: reading them back at once would stall on the tile
 // stores, and this way the vector work overlaps the tile work.
-MOE_AMX void MatmulAmxInt8(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, float* y,
-                           int64_t ldy) {
+// kSwiGlu: the matrix is a fused gate+up one (block 2j gate, 2j+1 up, b0 even) and y gets
+// silu(gate) * up, 16 columns per pair, the first n_cols - (b0 / 2) * 16 of them.
+template <bool kSwiGlu>
+MOE_AMX void MatmulAmxInt8Impl(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, int64_t n_cols,
+                               float* y, int64_t ldy) {
   ConfigureAmxTiles();
   alignas(64) int32_t acc[2][32 * 32];
   struct Pending {
@@ -158,7 +174,13 @@ MOE_AMX void MatmulAmxInt8(const PackedMatrix& w, const Activations& a, int64_t 
   auto finish = [&](int which, int64_t rows) {
     Pending& p = pending[which];
     if (p.b < 0 || rows <= p.rows_done) return;
-    FinishInt8Pass(acc[which], scales + p.b * 16, a, p.m0, p.nb, p.rows_done, rows, y + (p.b - b0) * 16, ldy);
+    if (kSwiGlu) {
+      FinishInt8Pass<true>(acc[which], scales + p.b * 16, a, p.m0, p.nb, n_cols - p.b / 2 * 16, p.rows_done, rows,
+                           y + (p.b - b0) / 2 * 16, ldy);
+    } else {
+      FinishInt8Pass<false>(acc[which], scales + p.b * 16, a, p.m0, p.nb, 16, p.rows_done, rows, y + (p.b - b0) * 16,
+                            ldy);
+    }
     p.rows_done = rows;
     if (rows >= 32) p.b = -1;
   };
@@ -214,6 +236,18 @@ MOE_AMX void MatmulAmxInt8(const PackedMatrix& w, const Activations& a, int64_t 
     }
   }
   finish(buf ^ 1, 32);
+}
+
+}  // namespace
+
+MOE_AMX void MatmulAmxInt8(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, float* y,
+                           int64_t ldy) {
+  MatmulAmxInt8Impl<false>(w, a, b0, b1, 0, y, ldy);
+}
+
+MOE_AMX void SwiGluAmxInt8(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, int64_t n_cols,
+                           float* y, int64_t ldy) {
+  MatmulAmxInt8Impl<true>(w, a, b0, b1, n_cols, y, ldy);
 }
 
 }  // namespace moe::experts::internal

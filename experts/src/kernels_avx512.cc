@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "moe/experts/kernels.h"
+#include "silu_avx512.h"
 
 #define MOE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 #define MOE_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
@@ -219,27 +220,11 @@ MOE_AVX512 void QuantizeRowAvx512(const float* x, int64_t n, float inv, int grou
   }
 }
 
-// out = silu(gate) * up; e^-g = 2^t with t = -g log2 e split into round(t) (vscalefps) and a
-// degree-6 polynomial of the remainder, as FastExp in kernels.cc.
 MOE_AVX512 void SiluMulAvx512(const float* gate, const float* up, int64_t n, float* out) {
-  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), one = _mm512_set1_ps(1.0f);
-  const __m512 lo = _mm512_set1_ps(-126.0f), hi = _mm512_set1_ps(126.0f);
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 mask = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1);
-    const __m512 g = _mm512_maskz_loadu_ps(mask, gate + i);
-    const __m512 t = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_mul_ps(g, _mm512_sub_ps(_mm512_setzero_ps(), log2e))));
-    const __m512 r = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, r);
-    __m512 p = _mm512_set1_ps(1.5353362e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3398874e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6182458e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503361e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022652e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314720e-1f));
-    p = _mm512_fmadd_ps(p, f, one);
-    const __m512 e = _mm512_scalef_ps(p, r);  // e^-g
-    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, e));
-    _mm512_mask_storeu_ps(out + i, mask, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(mask, up + i)));
+    const __m512 v = SiluMul16(_mm512_maskz_loadu_ps(mask, gate + i), _mm512_maskz_loadu_ps(mask, up + i));
+    _mm512_mask_storeu_ps(out + i, mask, v);
   }
 }
 

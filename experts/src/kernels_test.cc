@@ -133,6 +133,59 @@ TEST(SiluMulTest, MatchesTheLibmReference) {
   }
 }
 
+// The fused gate+up kernel (AMX int8) gives bit for bit what the kernel's products through
+// SiluMul give, on an intermediate size that is not a multiple of 16 and on a block range that
+// starts after the first pair, and writes nothing past the last intermediate column.
+TEST(SwiGluKernelTest, EqualsTheKernelThenSiluMul) {
+  for (KernelKind kind : {KernelKind::kPortable, KernelKind::kVnni}) {
+    EXPECT_EQ(GetSwiGluKernel(kind, ExpertFormat::kInt8), nullptr);
+  }
+  EXPECT_EQ(GetSwiGluKernel(KernelKind::kAmx, ExpertFormat::kBF16), nullptr);
+  const std::string why = KernelUnsupportedReason(KernelKind::kAmx, ExpertFormat::kInt8, core::GetCpuFeatures());
+  if (!why.empty()) GTEST_SKIP() << "amx not run on this CPU: " << why;
+  ASSERT_TRUE(PrepareThreadForKernel(KernelKind::kAmx).ok());
+  const SwiGluKernel fused = GetSwiGluKernel(KernelKind::kAmx, ExpertFormat::kInt8);
+  ASSERT_NE(fused, nullptr);
+  std::mt19937 rng(11);
+  std::normal_distribution<float> dist;
+  const int64_t inter = 45, n = 2 * 48, k = 300;  // 3 (gate, up) pairs, the last with 13 columns
+  auto layout = MakeLayout(ExpertFormat::kInt8, n, k);
+  ASSERT_TRUE(layout.ok());
+  std::vector<float> w(n * k);
+  for (float& v : w) v = dist(rng) * 0.05f;
+  auto storage = core::AlignedBuffer::Allocate(layout->bytes(), 64);
+  ASSERT_TRUE(storage.ok());
+  ASSERT_TRUE(PackMatrix({w.data(), core::DType::kF32, {n, k}}, *layout, storage->as<uint8_t>()).ok());
+  const PackedMatrix packed{*layout, storage->as<uint8_t>()};
+  const int64_t blocks = layout->blocks(), ld = blocks * 16;
+  for (int64_t m : {1, 17, 40, 64}) {
+    std::vector<float> x(m * k);
+    for (float& v : x) v = dist(rng) * 3.0f;
+    Activations a;
+    ASSERT_TRUE(a.Prepare(x.data(), m, k, layout->k_pad, KernelKind::kAmx, ExpertFormat::kInt8,
+                          static_cast<int>(layout->k_pad))
+                    .ok());
+    std::vector<float> products(m * ld);
+    GetKernel(KernelKind::kAmx, ExpertFormat::kInt8)(packed, a, 0, blocks, products.data(), ld);
+    for (int64_t b0 : {int64_t{0}, int64_t{2}}) {
+      const int64_t col0 = b0 / 2 * 16, ldy = inter + 3;
+      std::vector<float> want(m * ldy, -7.0f), got(m * ldy, -7.0f);
+      for (int64_t i = 0; i < m; ++i) {
+        for (int64_t b = b0; b < blocks; b += 2) {
+          const int64_t unit = b / 2 * 16, cols = std::min<int64_t>(16, inter - unit);
+          SiluMul(&products[i * ld + b * 16], &products[i * ld + (b + 1) * 16], cols, &want[i * ldy + unit - col0]);
+        }
+      }
+      fused(packed, a, b0, blocks, inter, got.data(), ldy);
+      for (int64_t i = 0; i < m; ++i) {
+        for (int64_t j = 0; j < ldy; ++j) {
+          ASSERT_EQ(got[i * ldy + j], want[i * ldy + j]) << "m=" << m << " b0=" << b0 << " row " << i << " col " << j;
+        }
+      }
+    }
+  }
+}
+
 // Gathering rows from activations quantized once gives what preparing those rows gives: the
 // same int8 values, scales and group sums, with the AMX row padding zeroed.
 TEST(ActivationsTest, GatherEqualsPreparingTheRows) {

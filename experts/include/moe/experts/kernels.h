@@ -96,6 +96,17 @@ using MatmulKernel = void (*)(const PackedMatrix& w, const Activations& a, int64
 // The kernel for (kind, format), or null if that pair does not exist.
 MatmulKernel GetKernel(KernelKind kind, ExpertFormat format);
 
+// Gate+up and SwiGLU in one pass, for a fused gate+up matrix (block 2j: gate rows of units
+// [16j, 16j + 16), block 2j + 1: the same up rows) over blocks [block_begin, block_end), both
+// even: y[m * ldy + c] = silu(gate) * up for unit columns c from block_begin / 2 * 16 on, below
+// n_cols. Bitwise the same as the kernel's products through SiluMul.
+using SwiGluKernel = void (*)(const PackedMatrix& w, const Activations& a, int64_t block_begin, int64_t block_end,
+                              int64_t n_cols, float* y, int64_t ldy);
+
+// The fused form of (kind, format)'s kernel, or null where there is none (the caller then runs the
+// kernel and SiluMul).
+SwiGluKernel GetSwiGluKernel(KernelKind kind, ExpertFormat format);
+
 // Per-thread CPU state a kernel needs before its first call on a thread (AMX: permission and tile
 // configuration). kFailedPrecondition if the OS refuses AMX.
 absl::Status PrepareThreadForKernel(KernelKind kind);
@@ -109,6 +120,8 @@ void MatmulVnniInt8(const PackedMatrix& w, const Activations& a, int64_t b0, int
 void MatmulVnniInt4(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, float* y, int64_t ldy);
 void MatmulAmxBf16(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, float* y, int64_t ldy);
 void MatmulAmxInt8(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, float* y, int64_t ldy);
+void SwiGluAmxInt8(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, int64_t n_cols, float* y,
+                   int64_t ldy);
 float AbsMaxAvx512(const float* x, int64_t n);
 float SumAvx512(const float* x, int64_t n);
 void SiluMulAvx512(const float* gate, const float* up, int64_t n, float* out);
