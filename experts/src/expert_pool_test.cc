@@ -1,6 +1,7 @@
 #include "moe/experts/expert_pool.h"
 
 #include <cmath>
+#include <optional>
 #include <random>
 #include <vector>
 
@@ -229,17 +230,25 @@ TEST_F(ExpertPoolBehaviour, ThreadCountDoesNotChangeTheResult) {
 
 TEST_F(ExpertPoolBehaviour, DecodeAndBatchSchedulesAgreeExactly) {
   // The same kernels over the same blocks, cut differently: bit-identical results, whatever the
-  // thread count. The second shape has a hidden size of several reduce chunks, not a multiple of
-  // 16, and an odd number of down blocks.
-  for (const ExpertShape& shape : {SmallShape(), ExpertShape{1, 6, 2, 1100, 200}})
-  for (int64_t tokens : {1, 3, 16}) {
+  // thread count. The second shape has a hidden size of two reduce chunks in both schedules (the
+  // batch schedule's are 2048 columns), not a multiple of 16, and an odd number of down blocks. With 70 tokens the batch schedule cuts gate+up items
+  // two ways (finer for the last experts) and queues the sums; where the CPU has AMX, the AMX
+  // kernel (gate+up with SiLU fused) runs in both schedules too.
+  std::vector<std::optional<KernelKind>> kernels = {std::nullopt};
+  if (KernelUnsupportedReason(KernelKind::kAmx, ExpertFormat::kInt8, core::GetCpuFeatures()).empty()) {
+    kernels.push_back(KernelKind::kAmx);
+  }
+  for (const ExpertShape& shape : {SmallShape(), ExpertShape{1, 6, 2, 2090, 200}})
+  for (std::optional<KernelKind> kernel : kernels)
+  for (int64_t tokens : {1, 3, 16, 70}) {
     const Experts experts(shape, 3);
     Routing r = RandomRouting(shape, tokens, 20 + tokens);
     std::vector<float> want;
-    for (int64_t decode_max : {int64_t{0}, int64_t{16}}) {
-      for (int threads : {1, 3}) {
+    for (int64_t decode_max : {int64_t{0}, int64_t{128}}) {
+      for (int threads : {1, 3, 5}) {
         ExpertPoolOptions options;
         options.format = ExpertFormat::kInt8;
+        options.kernel = kernel;
         options.threads = threads;
         options.progress = false;
         options.decode_max_tokens = decode_max;
