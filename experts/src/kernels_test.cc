@@ -8,6 +8,7 @@
 
 #include "gtest/gtest.h"
 #include "moe/core/dtype.h"
+#include "moe/core/status.h"
 
 namespace moe::experts {
 namespace {
@@ -55,19 +56,33 @@ double ActivationValue(const KernelCase& c, const Activations& a, int64_t m, int
   return a.f32(m)[k];
 }
 
+// A random n x k matrix (entries of about 0.05) packed in `format`.
+struct RandomMatrix {
+  MatrixLayout layout;
+  core::AlignedBuffer storage;
+  PackedMatrix packed() const { return PackedMatrix{layout, storage.as<uint8_t>()}; }
+};
+
+absl::StatusOr<RandomMatrix> PackRandom(ExpertFormat format, int64_t n, int64_t k, int group, std::mt19937& rng) {
+  std::normal_distribution<float> dist;
+  RandomMatrix m;
+  MOE_ASSIGN_OR_RETURN(m.layout, MakeLayout(format, n, k, group));
+  std::vector<float> w(n * k);
+  for (float& v : w) v = dist(rng) * 0.05f;
+  MOE_ASSIGN_OR_RETURN(m.storage, core::AlignedBuffer::Allocate(m.layout.bytes(), 64));
+  MOE_RETURN_IF_ERROR(PackMatrix({w.data(), core::DType::kF32, {n, k}}, m.layout, m.storage.as<uint8_t>()));
+  return m;
+}
+
 TEST_P(KernelTest, MatchesThePlainReference) {
   const KernelCase c = GetParam();
   std::mt19937 rng(7);
   std::normal_distribution<float> dist;
   for (auto [n, k] : {std::pair<int64_t, int64_t>{16, 64}, {37, 100}, {48, 300}, {96, 768}}) {
-    auto layout = MakeLayout(c.format, n, k, c.group);
-    ASSERT_TRUE(layout.ok());
-    std::vector<float> w(n * k);
-    for (float& v : w) v = dist(rng) * 0.05f;
-    auto storage = core::AlignedBuffer::Allocate(layout->bytes(), 64);
-    ASSERT_TRUE(storage.ok());
-    ASSERT_TRUE(PackMatrix({w.data(), core::DType::kF32, {n, k}}, *layout, storage->as<uint8_t>()).ok());
-    const PackedMatrix packed{*layout, storage->as<uint8_t>()};
+    auto matrix = PackRandom(c.format, n, k, c.group, rng);
+    ASSERT_TRUE(matrix.ok()) << matrix.status();
+    const MatrixLayout* layout = &matrix->layout;
+    const PackedMatrix packed = matrix->packed();
     for (int64_t m : {1, 3, 8, 17, 40}) {
       std::vector<float> x(m * k);
       for (float& v : x) v = dist(rng);
@@ -149,14 +164,10 @@ TEST(SwiGluKernelTest, EqualsTheKernelThenSiluMul) {
   std::mt19937 rng(11);
   std::normal_distribution<float> dist;
   const int64_t inter = 45, n = 2 * 48, k = 300;  // 3 (gate, up) pairs, the last with 13 columns
-  auto layout = MakeLayout(ExpertFormat::kInt8, n, k);
-  ASSERT_TRUE(layout.ok());
-  std::vector<float> w(n * k);
-  for (float& v : w) v = dist(rng) * 0.05f;
-  auto storage = core::AlignedBuffer::Allocate(layout->bytes(), 64);
-  ASSERT_TRUE(storage.ok());
-  ASSERT_TRUE(PackMatrix({w.data(), core::DType::kF32, {n, k}}, *layout, storage->as<uint8_t>()).ok());
-  const PackedMatrix packed{*layout, storage->as<uint8_t>()};
+  auto matrix = PackRandom(ExpertFormat::kInt8, n, k, 32, rng);
+  ASSERT_TRUE(matrix.ok()) << matrix.status();
+  const MatrixLayout* layout = &matrix->layout;
+  const PackedMatrix packed = matrix->packed();
   const int64_t blocks = layout->blocks(), ld = blocks * 16;
   for (int64_t m : {1, 17, 40, 64}) {
     std::vector<float> x(m * k);
