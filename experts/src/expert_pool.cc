@@ -781,7 +781,7 @@ void ExpertPool::RunBatch(Call& c) {
   const int64_t per_expert = (down_blocks + chunk2 - 1) / chunk2, total_down = n_active * per_expert;
   // A token's columns are summed in reduce chunks of several down items, so that a chunk's last
   // writer is found with one count per expert and chunk plus one per token and chunk. (Whole
-  // rows of 2048 columns were 2-10% faster than chunks of 1024 in three paired rounds.)
+  // rows of 2048 columns were 1-10% faster than chunks of 1024 in three paired rounds.)
   const int64_t reduce_blocks = chunk2 * std::max<int64_t>(1, kReduceBlocks / chunk2);
   const int64_t col_chunks = (down_blocks + reduce_blocks - 1) / reduce_blocks;
   std::unique_ptr<std::atomic<int>[]> items_left(new std::atomic<int>[num_experts * col_chunks]);
