@@ -90,6 +90,18 @@ uint64_t ArenaKey(const ExpertShape& s, const ExpertPoolOptions& o) {
   return std::hash<std::string>{}(text);
 }
 
+// Runs worker() once on each of `threads` arena threads (the workers share their work through
+// atomic counters).
+template <typename F>
+void OnEveryThread(int threads, F&& worker) {
+  tbb::parallel_for(
+      tbb::blocked_range<int>(0, threads, 1),
+      [&](const tbb::blocked_range<int>& r) {
+        for (int i = r.begin(); i < r.end(); ++i) worker();
+      },
+      tbb::static_partitioner());
+}
+
 // Keeps the first error of a parallel job.
 class FirstError {
  public:
@@ -572,6 +584,15 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
   Call c(*this, layer, num_tokens, topk_weights, out);
   const int64_t slots = num_tokens * k;
 
+  for (auto [buffer, floats] : {std::pair{&s.inter, slots * c.inter}, std::pair{&s.expert_out, slots * c.out_ld}}) {
+    if (buffer->size() >= static_cast<size_t>(floats) * sizeof(float)) continue;
+    auto grown = core::AlignedBuffer::Allocate(static_cast<size_t>(floats) * sizeof(float));
+    if (!grown.ok()) return grown.status();
+    *buffer = std::move(*grown);
+  }
+  c.inter_rows = s.inter.as<float>();
+  c.out_rows = s.expert_out.as<float>();
+
   // Batch schedule with int8/int4: every token's input row is quantized once, by the other
   // threads while this one sorts (RunBatch's step 1).
   const bool batch = num_tokens > options_.decode_max_tokens;
@@ -619,17 +640,6 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
     const int32_t t = s.token_of[pos];
     s.token_positions[t * k + filled[t]++] = pos;
   }
-  for (auto [buffer, floats] : {std::pair{&s.inter, slots * c.inter}, std::pair{&s.expert_out, slots * c.out_ld}}) {
-    if (buffer->size() >= static_cast<size_t>(floats) * sizeof(float)) continue;
-    auto grown = core::AlignedBuffer::Allocate(static_cast<size_t>(floats) * sizeof(float));
-    if (!grown.ok()) {
-      quantize.wait();
-      return grown.status();
-    }
-    *buffer = std::move(*grown);
-  }
-  c.inter_rows = s.inter.as<float>();
-  c.out_rows = s.expert_out.as<float>();
 
   for (int e = 0; e < num_experts; ++e) {
     if (s.count[e] == 0) continue;
@@ -641,16 +651,16 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
   c.shared = num_tokens == 1 && !c.active.empty() ? c.active[0] : -1;
   s.EndPhase("sort");
 
-  if (!batch) {
-    s.StartWork();
-    RunDecode(c);
-    s.EndWork();
-    s.EndPhase("experts");
-  } else {
-    quantize.wait();
-    if (c.gather) s.EndPhase("quantize");
+  quantize.wait();
+  if (c.gather) s.EndPhase("quantize");
+  s.StartWork();
+  if (batch) {
     RunBatch(c);
+  } else {
+    RunDecode(c);
   }
+  s.EndWork();
+  s.EndPhase("experts");
   if (c.error.failed()) return c.error.status();
   ++s.calls;
   return absl::OkStatus();
@@ -711,12 +721,7 @@ void ExpertPool::RunDecode(Call& c) {
       c.Reduce(r / col_chunks, c0, std::min(c.h, c0 + kReduceColumns));
     }
   };
-  tbb::parallel_for(
-      tbb::blocked_range<int>(0, threads_, 1),
-      [&](const tbb::blocked_range<int>& r) {
-        for (int i = r.begin(); i < r.end(); ++i) worker();
-      },
-      tbb::static_partitioner());
+  OnEveryThread(threads_, worker);
 }
 
 // Batch schedule: many tokens per expert, so the kernels' arithmetic matters, and so does the
@@ -749,7 +754,7 @@ void ExpertPool::RunBatch(Call& c) {
   const int num_experts = shape_.num_experts;
   const int64_t n_active = static_cast<int64_t>(c.active.size());
   struct Item {
-    int expert;
+    int64_t index;  // in c.active
     int64_t b0, b1;
   };
   auto chunk_for = [&](int64_t blocks) {
@@ -764,14 +769,12 @@ void ExpertPool::RunBatch(Call& c) {
   const int64_t fine1 = std::max<int64_t>(2, chunk1 / 4 / 2 * 2);
   const int64_t tail_experts = std::min<int64_t>(n_active, (threads_ * chunk1 + gu_blocks - 1) / gu_blocks);
   std::vector<Item> stage1;
-  std::vector<int64_t> expert_index(num_experts, -1);  // index in c.active
-  for (int64_t i = 0; i < n_active; ++i) expert_index[c.active[i]] = i;
   std::unique_ptr<std::atomic<int>[]> remaining(new std::atomic<int>[num_experts]);  // gate+up items to go
   for (int64_t i = 0; i < n_active; ++i) {
     const int e = c.active[i];
     const int64_t chunk = i < n_active - tail_experts ? chunk1 : fine1;
     int items = 0;
-    for (int64_t b = 0; b < gu_blocks; b += chunk, ++items) stage1.push_back({e, b, std::min(gu_blocks, b + chunk)});
+    for (int64_t b = 0; b < gu_blocks; b += chunk, ++items) stage1.push_back({i, b, std::min(gu_blocks, b + chunk)});
     remaining[e].store(items, std::memory_order_relaxed);
   }
   // Down items: the same cut for every expert, released expert by expert.
@@ -812,7 +815,6 @@ void ExpertPool::RunBatch(Call& c) {
     Impl::Timed timed(c.s, kReduce);
     const int64_t chunk = b0 / reduce_blocks;
     if (items_left[e * col_chunks + chunk].fetch_sub(1, std::memory_order_acq_rel) != 1) return;
-    const int64_t c0 = chunk * reduce_blocks * 16, c1 = std::min(c.h, (chunk + 1) * reduce_blocks * 16);
     for (int32_t pos = c.s.offset[e]; pos < c.s.offset[e + 1]; ++pos) {
       const int64_t task = c.s.token_of[pos] * col_chunks + chunk;
       if (rows_left[task].fetch_sub(1, std::memory_order_acq_rel) != 1) continue;
@@ -853,17 +855,15 @@ void ExpertPool::RunBatch(Call& c) {
         const int64_t g = next_gu.fetch_add(1);
         if (g < static_cast<int64_t>(stage1.size())) {
           const Item& it = stage1[g];
+          const int e = c.active[it.index];
           // The first item of each expert also prepares the input of the expert two ahead, so
           // that the items of one expert, claimed at nearly the same time, seldom wait for it.
-          if (it.b0 == 0) {
-            const int64_t ahead = expert_index[it.expert] + 2;
-            if (ahead < n_active) c.StartInput(c.active[ahead]);
-          }
-          c.InputAndGateUp(it.expert, it.b0, it.b1);
-          if (remaining[it.expert].fetch_sub(1, std::memory_order_acq_rel) == 1) {
-            if (!c.error.failed()) c.PrepareMid(it.expert);
+          if (it.b0 == 0 && it.index + 2 < n_active) c.StartInput(c.active[it.index + 2]);
+          c.InputAndGateUp(e, it.b0, it.b1);
+          if (remaining[e].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+            if (!c.error.failed()) c.PrepareMid(e);
             const int64_t slot = next_release.fetch_add(1);
-            release_order[slot] = it.expert;
+            release_order[slot] = e;
             released[slot].store(1, std::memory_order_release);
           }
           continue;
@@ -873,15 +873,7 @@ void ExpertPool::RunBatch(Call& c) {
       _mm_pause();  // the last items are running on other threads
     }
   };
-  c.s.StartWork();
-  tbb::parallel_for(
-      tbb::blocked_range<int>(0, threads_, 1),
-      [&](const tbb::blocked_range<int>& r) {
-        for (int i = r.begin(); i < r.end(); ++i) worker();
-      },
-      tbb::static_partitioner());
-  c.s.EndWork();
-  c.s.EndPhase("experts");
+  OnEveryThread(threads_, worker);
 }
 
 std::string ExpertPool::PhaseReport() const {
