@@ -87,9 +87,9 @@ int BenchExperts(int argc, char** argv) {
   flags.Add("top-k", "K", "experts per token", "8");
   flags.Add("decode-max-tokens", "N", "calls of at most N tokens use the pool's decode schedule; 0: never", "16");
   flags.Add("decode-units", "N", "units of work per thread and stage in the decode schedule", "4");
-  flags.AddSwitch(
-      "phases",
-      "after each point, its trials, the time of each phase of a call, and how the threads spent the experts phase");
+  flags.AddSwitch("phases",
+                  "after each point, its trials, the time of each phase of a call, and how the threads spent the sort "
+                  "and experts phase");
   flags.AddSwitch("json", "print one JSON array of rows: format, kernel, batch, ms_per_call, weight_gbps, read_gbps, "
                           "ratio, tflops");
   flags.AddSwitch("help", "show this help");

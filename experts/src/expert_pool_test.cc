@@ -266,6 +266,48 @@ TEST_F(ExpertPoolBehaviour, DecodeAndBatchSchedulesAgreeExactly) {
   }
 }
 
+TEST_F(ExpertPoolBehaviour, ATokensResultDoesNotDependOnItsCall) {
+  // A served token gets the same bits whether it came alone or with others, in any order: its
+  // row is quantized alone, the kernels' sums are exact integers, and its expert rows are summed
+  // in expert order. 70 tokens are three chunks of the batch schedule's parallel sort; reversed,
+  // every token's slots sit elsewhere in each chunk and expert.
+  const ExpertShape shape{1, 6, 2, 2090, 200};
+  const Experts experts(shape, 4);
+  const int64_t tokens = 70, h = shape.hidden, k = shape.top_k;
+  const Routing r = RandomRouting(shape, tokens, 77);
+  Routing reversed = r;
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t from = tokens - 1 - t;
+    std::copy_n(r.x.begin() + from * h, h, reversed.x.begin() + t * h);
+    std::copy_n(r.ids.begin() + from * k, k, reversed.ids.begin() + t * k);
+    std::copy_n(r.w.begin() + from * k, k, reversed.w.begin() + t * k);
+  }
+  for (ExpertFormat format : {ExpertFormat::kInt8, ExpertFormat::kInt4}) {
+    for (KernelKind kernel : {KernelKind::kPortable, KernelKind::kVnni, KernelKind::kAmx}) {
+      if (!KernelUnsupportedReason(kernel, format, core::GetCpuFeatures()).empty()) continue;
+      ExpertPoolOptions options;
+      options.format = format;
+      options.kernel = kernel;
+      options.threads = 3;
+      options.progress = false;
+      auto pool = ExpertPool::Create(shape, options, experts.Source());
+      ASSERT_TRUE(pool.ok()) << pool.status();
+      std::vector<float> all(r.x.size()), back(r.x.size()), alone(h);
+      ASSERT_TRUE((*pool)->Compute(0, r.x.data(), tokens, r.ids.data(), r.w.data(), all.data()).ok());
+      ASSERT_TRUE(
+          (*pool)->Compute(0, reversed.x.data(), tokens, reversed.ids.data(), reversed.w.data(), back.data()).ok());
+      for (int64_t t = 0; t < tokens; ++t) {
+        ASSERT_TRUE(
+            (*pool)->Compute(0, r.x.data() + t * h, 1, r.ids.data() + t * k, r.w.data() + t * k, alone.data()).ok());
+        const std::vector<float> in_call(all.begin() + t * h, all.begin() + (t + 1) * h);
+        const std::vector<float> in_reversed(back.begin() + (tokens - 1 - t) * h, back.begin() + (tokens - t) * h);
+        ASSERT_EQ(in_call, alone) << FormatName(format) << " " << KernelName(kernel) << ", token " << t;
+        ASSERT_EQ(in_reversed, alone) << FormatName(format) << " " << KernelName(kernel) << ", token " << t;
+      }
+    }
+  }
+}
+
 TEST_F(ExpertPoolBehaviour, WrongExpertShapeNamesLayerAndExpert) {
   ExpertPoolOptions options;
   options.progress = false;

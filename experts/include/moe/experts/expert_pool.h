@@ -94,8 +94,8 @@ class ExpertPool {
   // Reads a `bytes` buffer with the pool's threads, best of `repeats`: GB/s.
   double MeasureReadBandwidth(size_t bytes, int repeats = 5);
   // Mean wall time of each phase of a call since the last ResetPhases(), and the share of the
-  // threads' time in the experts phase each kind of work took (the rest idle: before a thread's
-  // first piece of work, after its last, or waiting in between), for benchmarks.
+  // threads' time in the sort and experts phase each kind of work took (the rest idle: before a
+  // thread's first piece of work, after its last, or waiting in between), for benchmarks.
   std::string PhaseReport() const;
   void ResetPhases();
   // "int8 experts: 2 layers x 128, 1.2 GB in transparent huge pages, 32 pinned threads"

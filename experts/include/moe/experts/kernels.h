@@ -82,9 +82,11 @@ class Activations {
   std::vector<int32_t> i8_sum_;
 };
 
-// dst[i] += weight * src[i] for n values; every weighted sum of expert rows goes through it, so
-// sums made in the same order are bitwise equal.
-void AddScaledRow(const float* src, float weight, int64_t n, float* dst);
+// dst[c] = the sum over i < count of weights[i] * rows[i][c], added in order of i, for c < n; every
+// weighted sum of expert rows goes through it, so sums made in the same order are bitwise equal.
+// All rows are read in one pass over the columns (a pass per row stalled on each row's first
+// lines: at 1024 tokens on the 32-core machine the sums took 5.8% of the thread time, 4.5% so).
+void SumScaledRows(const float* const* rows, const float* weights, int count, int64_t n, float* dst);
 
 // out[i] = silu(gate[i]) * up[i] for n values, vectorized (exp to about 1e-7 relative).
 void SiluMul(const float* gate, const float* up, int64_t n, float* out);
