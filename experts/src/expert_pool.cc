@@ -493,11 +493,12 @@ struct ExpertPool::Call {
   // has its position. First each chunk's slots per expert are counted (and, with `gather`, its
   // tokens quantized); the thread that counts the last chunk derives the offsets and active
   // experts and runs `plan` (the schedule's set-up, which needs them) while the others wait;
-  // then each chunk places its slots. Positions within an expert follow the token order, as in
-  // a serial sort. (A serial sort took 0.14-0.22 ms of a 6 ms call at 1024 tokens on the 32-core
-  // machine, the other threads idle once the tokens were quantized.)
+  // then each chunk lists its tokens' positions while each range of experts fills the
+  // per-position arrays. Positions within an expert follow the token order, as in a serial sort.
+  // (A serial sort took 0.14-0.22 ms of a 6 ms call at 1024 tokens on the 32-core machine, and
+  // 0.63-0.83 ms at 4096, the other threads idle once the tokens were quantized.)
   static constexpr int64_t kSortTokens = 32;  // tokens per chunk
-  int64_t sort_chunks = 1;
+  int64_t sort_chunks = 1, expert_ranges = 1;
   std::atomic<int64_t> next_count{0}, counted{0}, planned{0}, next_place{0}, placed{0};
 
   template <typename Plan>
@@ -511,11 +512,19 @@ struct ExpertPool::Call {
       }
     }
     SpinUntil(planned, 1);  // the planning thread is running: it counted the last chunk
-    for (int64_t q; (q = next_place.fetch_add(1)) < sort_chunks;) {
-      PlaceChunk(q);
+    const int num_experts = pool.shape_.num_experts;
+    const int64_t items = sort_chunks + expert_ranges;
+    for (int64_t q; (q = next_place.fetch_add(1)) < items;) {
+      if (q < sort_chunks) {
+        PlaceChunk(q);
+      } else {
+        const int64_t g = q - sort_chunks;
+        PlaceExperts(static_cast<int>(g * num_experts / expert_ranges),
+                     static_cast<int>((g + 1) * num_experts / expert_ranges));
+      }
       placed.fetch_add(1, std::memory_order_acq_rel);
     }
-    SpinUntil(placed, sort_chunks);  // likewise: every chunk was claimed by a running thread
+    SpinUntil(placed, items);  // likewise: every item was claimed by a running thread
   }
 
   void CountChunk(int64_t q) {
@@ -533,16 +542,18 @@ struct ExpertPool::Call {
     const int num_experts = pool.shape_.num_experts;
     s.count.assign(num_experts, 0);
     s.offset.assign(num_experts + 1, 0);
-    for (int e = 0; e < num_experts; ++e) {
-      int32_t pos = s.offset[e];
-      for (int64_t q = 0; q < sort_chunks; ++q) {
+    for (int64_t q = 0; q < sort_chunks; ++q) {
+      for (int e = 0; e < num_experts; ++e) s.count[e] += s.chunk_next[q * num_experts + e];
+    }
+    for (int e = 0; e < num_experts; ++e) s.offset[e + 1] = s.offset[e] + s.count[e];
+    std::vector<int32_t> next(s.offset.begin(), s.offset.end() - 1);
+    for (int64_t q = 0; q < sort_chunks; ++q) {
+      for (int e = 0; e < num_experts; ++e) {
         int32_t& n = s.chunk_next[q * num_experts + e];
         const int32_t slots = n;
-        n = pos;
-        pos += slots;
+        n = next[e];
+        next[e] += slots;
       }
-      s.count[e] = pos - s.offset[e];
-      s.offset[e + 1] = pos;
     }
     for (int e = 0; e < num_experts; ++e) {
       if (s.count[e] == 0) continue;
@@ -552,8 +563,8 @@ struct ExpertPool::Call {
     shared = num_tokens == 1 && !active.empty() ? active[0] : -1;
   }
 
-  // Places chunk q's slots, and lists each of its tokens' positions in increasing order (the
-  // order both schedules sum in).
+  // Lists the positions of chunk q's tokens, each token's in increasing order (the order both
+  // schedules sum in).
   void PlaceChunk(int64_t q) {
     Impl::Timed timed(s, kSort);
     const int k = pool.shape_.top_k;
@@ -562,14 +573,30 @@ struct ExpertPool::Call {
     for (int64_t t = t0; t < t1; ++t) {
       int32_t* mine = s.token_positions.data() + t * k;
       for (int j = 0; j < k; ++j) {
-        const int64_t i = t * k + j;
-        const int32_t pos = next[topk_ids[i]]++;
-        s.slot_of[pos] = static_cast<int32_t>(i);
-        s.token_of[pos] = static_cast<int32_t>(t);
-        if (!gather) s.rows[pos] = hidden + t * h;
+        const int32_t pos = next[topk_ids[t * k + j]]++;
         int x = j;
         for (; x > 0 && mine[x - 1] > pos; --x) mine[x] = mine[x - 1];
         mine[x] = pos;
+      }
+    }
+  }
+
+  // Fills the per-position arrays of experts [e0, e1), from a scan of every slot: each thread
+  // writes its own range of positions. (Written by token chunks instead, each cache line of
+  // them was shared by the chunks of about eight threads: at 4096 tokens each thread then spent
+  // as long sorting as one thread had alone.)
+  void PlaceExperts(int e0, int e1) {
+    Impl::Timed timed(s, kSort);
+    const int k = pool.shape_.top_k;
+    absl::InlinedVector<int32_t, 16> next(s.offset.begin() + e0, s.offset.begin() + e1);
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      for (int j = 0; j < k; ++j) {
+        const int e = topk_ids[t * k + j];
+        if (e < e0 || e >= e1) continue;
+        const int32_t pos = next[e - e0]++;
+        s.slot_of[pos] = static_cast<int32_t>(t * k + j);
+        s.token_of[pos] = static_cast<int32_t>(t);
+        if (!gather) s.rows[pos] = hidden + t * h;
       }
     }
   }
@@ -705,6 +732,7 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
     c.gather = true;
   }
   c.sort_chunks = std::max<int64_t>(1, (num_tokens + Call::kSortTokens - 1) / Call::kSortTokens);
+  c.expert_ranges = c.sort_chunks == 1 ? 1 : std::min<int64_t>(num_experts, threads_);
   s.chunk_next.resize(c.sort_chunks * num_experts);
   s.slot_of.resize(slots);
   s.token_of.resize(slots);
