@@ -243,6 +243,14 @@ void Activations::FillRows(const float* const* x, int64_t r0, int64_t r1) {
   const core::CpuFeatures& cpu = core::GetCpuFeatures();
   const bool avx512 = cpu.avx512f && cpu.avx512bw && cpu.avx512vl;
   for (int64_t r = r0; r < r1; ++r) {
+    // The next row's lines are requested while this one is quantized: rows are seldom in the
+    // caches, and the hardware prefetchers stop at each page boundary. (At 4096 tokens on the
+    // 32-core machine the sort's share of the thread time, quantization included, went from
+    // 3.5-3.7% to 2.5-3.3%: a small gain, within the noise of the call times.)
+    if (r + 1 < r1) {
+      const char* next = reinterpret_cast<const char*>(x[r + 1]);
+      for (int64_t b = 0; b < k_ * static_cast<int64_t>(sizeof(float)); b += 64) __builtin_prefetch(next + b);
+    }
     const float amax = avx512 ? internal::AbsMaxAvx512(x[r], k_) : AbsMax(x[r], k_);
     const float scale = amax > 0 ? amax / 127.0f : 1.0f;
     i8_scale_[r] = scale;
