@@ -73,7 +73,8 @@ int BenchExperts(int argc, char** argv) {
               "hidden 2048, 128 experts, top-8, intermediate 768) for every format, kernel and batch, against\n"
               "the host read bandwidth measured with the same threads in the same run. Weights are random.\n"
               "Columns: ms per call, GB/s of expert weights touched, ratio to the read bandwidth, TFLOP/s.\n"
-              "Last, at 64 tokens and more, each kernel's speed over its format's AVX-512 path (the same run).");
+              "Last, at 64 tokens and more, each kernel's speed over its format's AVX-512 path (the same run),\n"
+              "and the most it could be: the AVX-512 time over the time to read the weights once.");
   flags.Add("threads", "N", "pool threads; 0 uses every core", "0");
   flags.Add("layers", "N", "layers the calls cycle through (keeps the weights out of the caches)", "4");
   flags.Add("batches", "LIST", "tokens per call", "1,4,16,64,256,1024");

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -18,11 +19,18 @@ namespace moe::core {
 absl::StatusOr<AlignedBuffer> AlignedBuffer::Allocate(size_t bytes, size_t alignment) {
   AlignedBuffer b;
   if (bytes == 0) return b;
+  // Buffers of several huge pages start on a huge page boundary and ask for transparent huge
+  // pages: rows written or read far apart (a kernel's scattered output rows) then stay within the
+  // TLB's reach. Where the kernel grants none, the advice is a no-op.
+  constexpr size_t kHugePage = size_t{2} << 20;
+  const bool huge = bytes >= 2 * kHugePage;
+  if (huge) alignment = std::max(alignment, kHugePage);
   size_t rounded = (bytes + alignment - 1) / alignment * alignment;
   b.data_ = std::aligned_alloc(alignment, rounded);
   if (b.data_ == nullptr) {
     return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", bytes, " bytes of host memory"));
   }
+  if (huge) ::madvise(b.data_, rounded, MADV_HUGEPAGE);
   b.size_ = bytes;
   return b;
 }

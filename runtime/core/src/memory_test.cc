@@ -2,8 +2,10 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <string>
 
 #include "gtest/gtest.h"
 
@@ -17,6 +19,38 @@ TEST(AlignedBufferTest, IsAlignedAndMovable) {
   AlignedBuffer moved = std::move(*b);
   EXPECT_EQ(moved.size(), 1000u);
   EXPECT_EQ(b->data(), nullptr);
+}
+
+// The flags of the mapping that holds `p`, from /proc/self/smaps ("" if not found).
+std::string MappingFlags(const void* p) {
+  std::ifstream smaps("/proc/self/smaps");
+  const auto addr = reinterpret_cast<uintptr_t>(p);
+  bool inside = false;
+  for (std::string line; std::getline(smaps, line);) {
+    unsigned long lo = 0, hi = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx ", &lo, &hi) == 2 && line.find('-') < line.find(' ')) {
+      inside = lo <= addr && addr < hi;
+    } else if (inside && line.rfind("VmFlags:", 0) == 0) {
+      return line;
+    }
+  }
+  return "";
+}
+
+// A buffer of several huge pages starts on a huge page boundary and is advised for transparent
+// huge pages.
+TEST(AlignedBufferTest, LargeBuffersAskForHugePages) {
+  auto big = AlignedBuffer::Allocate(5u << 20);
+  ASSERT_TRUE(big.ok()) << big.status();
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(big->data()) % (2u << 20), 0u);
+  EXPECT_EQ(big->size(), 5u << 20);
+  std::memset(big->data(), 1, big->size());
+  if (!std::filesystem::exists("/sys/kernel/mm/transparent_hugepage")) {
+    GTEST_SKIP() << "this kernel has no transparent huge pages";
+  }
+  const std::string flags = MappingFlags(big->data());
+  ASSERT_FALSE(flags.empty()) << "no mapping holds the buffer in /proc/self/smaps";
+  EXPECT_NE(flags.find(" hg"), std::string::npos) << flags;
 }
 
 TEST(MappedFileTest, MapsContentsAndReportsMissingFiles) {

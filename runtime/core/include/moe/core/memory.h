@@ -11,6 +11,9 @@
 namespace moe::core {
 
 // Heap memory aligned to `alignment` bytes (64 by default: one cache line, one AVX-512 vector).
+// From 4 MiB on, a buffer starts on a 2 MiB boundary and is advised for transparent huge pages
+// (MADV_HUGEPAGE), so that accesses spread over it (a kernel's output rows) stay within the TLB's
+// reach; where the kernel grants none, it still works with small pages.
 class AlignedBuffer {
  public:
   AlignedBuffer() = default;
