@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 
 #include "moe/experts/kernels.h"
@@ -121,6 +122,19 @@ MOE_AMX void MatmulAmxBf16(const PackedMatrix& w, const Activations& a, int64_t 
 
 namespace {
 
+// Stores one 16-float line of a pass's results. The rows an int8 pass writes (intermediate
+// rows, expert rows) are read again only after other threads have streamed many more weights
+// through the caches, so a whole aligned line goes straight to memory with a streaming store,
+// rather than being read in first only to be overwritten (at 4096 tokens on the 32-core machine,
+// 14-18% of the call). The kernel fences these stores before it returns.
+MOE_AMX inline void StoreLine(float* dst, __m512 v) {
+  if ((reinterpret_cast<uintptr_t>(dst) & 63) == 0) {
+    _mm512_stream_ps(dst, v);
+  } else {
+    _mm512_storeu_ps(dst, v);
+  }
+}
+
 // The int32 sums of one pass (32 tokens x nb blocks, row stride 32), rows [r0, r1), as floats:
 // minus the weights' offset times the activation sums, times the row and token scales. Then
 // either stored to y (nb blocks of 16 columns), or, for a gate+up pass (block 0 gate, block 1 up
@@ -137,14 +151,16 @@ MOE_AMX void FinishInt8Pass(const int32_t* acc, const float* row_scales, const A
     float* dst = y + (m0 + i) * ldy;
     const __m512i v0 = _mm512_sub_epi32(_mm512_load_si512(acc + i * 32), offset);
     const __m512 f0 = _mm512_mul_ps(_mm512_cvtepi32_ps(v0), _mm512_mul_ps(ws0, xs));
-    if (!kSwiGlu) _mm512_storeu_ps(dst, f0);
+    if (!kSwiGlu) StoreLine(dst, f0);
     if (nb > 1) {
       const __m512i v1 = _mm512_sub_epi32(_mm512_load_si512(acc + i * 32 + 16), offset);
       const __m512 f1 = _mm512_mul_ps(_mm512_cvtepi32_ps(v1), _mm512_mul_ps(ws1, xs));
-      if (kSwiGlu) {
+      if (kSwiGlu && mask != 0xFFFF) {
         _mm512_mask_storeu_ps(dst, mask, SiluMul16(f0, f1));
+      } else if (kSwiGlu) {
+        StoreLine(dst, SiluMul16(f0, f1));
       } else {
-        _mm512_storeu_ps(dst + 16, f1);
+        StoreLine(dst + 16, f1);
       }
     }
   }
@@ -236,6 +252,7 @@ MOE_AMX void MatmulAmxInt8Impl(const PackedMatrix& w, const Activations& a, int6
     }
   }
   finish(buf ^ 1, 32);
+  _mm_sfence();  // the streaming stores, before whatever tells another thread the rows are there
 }
 
 }  // namespace

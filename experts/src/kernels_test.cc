@@ -176,8 +176,17 @@ TEST(SwiGluKernelTest, EqualsTheKernelThenSiluMul) {
     ASSERT_TRUE(a.Prepare(x.data(), m, k, layout->k_pad, KernelKind::kAmx, ExpertFormat::kInt8,
                           static_cast<int>(layout->k_pad))
                     .ok());
-    std::vector<float> products(m * ld);
-    GetKernel(KernelKind::kAmx, ExpertFormat::kInt8)(packed, a, 0, blocks, products.data(), ld);
+    // The products into rows on cache-line boundaries (streaming stores) and off them (plain
+    // stores): the same values.
+    auto storage = core::AlignedBuffer::Allocate((m * ld + 4) * sizeof(float));
+    ASSERT_TRUE(storage.ok());
+    float* const products = storage->as<float>();
+    std::vector<float> products_off(m * ld);
+    GetKernel(KernelKind::kAmx, ExpertFormat::kInt8)(packed, a, 0, blocks, products, ld);
+    GetKernel(KernelKind::kAmx, ExpertFormat::kInt8)(packed, a, 0, blocks, products + 4, ld);
+    std::copy(products + 4, products + 4 + m * ld, products_off.begin());
+    GetKernel(KernelKind::kAmx, ExpertFormat::kInt8)(packed, a, 0, blocks, products, ld);
+    for (int64_t i = 0; i < m * ld; ++i) ASSERT_EQ(products[i], products_off[i]) << "m=" << m << " at " << i;
     for (int64_t b0 : {int64_t{0}, int64_t{2}}) {
       const int64_t col0 = b0 / 2 * 16, ldy = inter + 3;
       std::vector<float> want(m * ldy, -7.0f), got(m * ldy, -7.0f);
@@ -188,9 +197,21 @@ TEST(SwiGluKernelTest, EqualsTheKernelThenSiluMul) {
         }
       }
       fused(packed, a, b0, blocks, inter, got.data(), ldy);
+      // Rows on cache-line boundaries take the kernel's streaming stores: the same values.
+      const int64_t ld_aligned = 64;
+      auto aligned = core::AlignedBuffer::Allocate(m * ld_aligned * sizeof(float));
+      ASSERT_TRUE(aligned.ok());
+      float* got_aligned = aligned->as<float>();
+      std::fill(got_aligned, got_aligned + m * ld_aligned, -7.0f);
+      fused(packed, a, b0, blocks, inter, got_aligned, ld_aligned);
       for (int64_t i = 0; i < m; ++i) {
         for (int64_t j = 0; j < ldy; ++j) {
           ASSERT_EQ(got[i * ldy + j], want[i * ldy + j]) << "m=" << m << " b0=" << b0 << " row " << i << " col " << j;
+        }
+        for (int64_t j = 0; j < ld_aligned; ++j) {
+          const float expect = j < inter - col0 ? want[i * ldy + j] : -7.0f;
+          ASSERT_EQ(got_aligned[i * ld_aligned + j], expect) << "aligned, m=" << m << " b0=" << b0 << " row " << i
+                                                             << " col " << j;
         }
       }
     }
