@@ -1014,7 +1014,8 @@ void ExpertPool::ResetPhases() {
 
 double ExpertPool::MeasureReadBandwidth(size_t bytes, int repeats) {
   const size_t n = bytes / sizeof(float);
-  auto buffer = core::AlignedBuffer::Allocate(n * sizeof(float), 2u << 20);
+  // Large, so on huge pages like the arena (AlignedBuffer from 4 MiB): the same kind of reads.
+  auto buffer = core::AlignedBuffer::Allocate(n * sizeof(float));
   if (!buffer.ok()) return 0.0;
   float* data = buffer->as<float>();
   const size_t chunk = (n / threads_ + 15) / 16 * 16;
