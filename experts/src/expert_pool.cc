@@ -843,7 +843,9 @@ void ExpertPool::RunDecode(Call& c) {
 // (Splitting the down projection by output columns instead, each thread running every expert
 // for its columns and summing in place, saves the expert-row buffer but was 15-50% slower at
 // 1024 tokens on the 32-core machine: each thread then reads 128 short weight streams, and every
-// expert's activations.)
+// expert's activations. With per-expert down items of 8 blocks run in expert order along each
+// chain of output columns, adding in place, it was still 13-17% slower: the chains lag behind
+// the gate+up and the adds read lines last written by other cores; see README.md.)
 void ExpertPool::RunBatch(Call& c) {
   const int num_experts = shape_.num_experts;
   struct Item {
