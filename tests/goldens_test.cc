@@ -6,6 +6,7 @@
 
 #include "gtest/gtest.h"
 #include "moe/core/cpu_features.h"
+#include "moe/experts/kernels.h"
 #include "moe/runtime/generate.h"
 #include "moe/runtime/model.h"
 #include "moe/runtime/sampler.h"
@@ -112,9 +113,9 @@ TEST_P(GoldensTest, DecodeWithKvCacheMatchesFullRecompute) {
 // the batch: its split-bf16 activations differ from fp32 by about 1e-5 in these logits.)
 TEST_P(GoldensTest, BatchingSequencesChangesNothing) {
   runtime::ModelOptions options;
-  const core::CpuFeatures& cpu = core::GetCpuFeatures();
-  options.pool.kernel = cpu.avx512f && cpu.avx512bw && cpu.avx512vl ? experts::KernelKind::kAvx512
-                                                                     : experts::KernelKind::kPortable;
+  const bool avx512 =
+      experts::KernelUnsupportedReason(experts::KernelKind::kAvx512, options.pool.format, core::GetCpuFeatures()).empty();
+  options.pool.kernel = avx512 ? experts::KernelKind::kAvx512 : experts::KernelKind::kPortable;
   auto model = LoadFixture(GetParam(), runtime::RopeFrequencies::kBFloat16, options);
   ASSERT_NE(model, nullptr);
   const nlohmann::json golden = testing::LoadGolden(GetParam());

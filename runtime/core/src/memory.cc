@@ -19,9 +19,7 @@ namespace moe::core {
 absl::StatusOr<AlignedBuffer> AlignedBuffer::Allocate(size_t bytes, size_t alignment) {
   AlignedBuffer b;
   if (bytes == 0) return b;
-  // Buffers of several huge pages start on a huge page boundary and ask for transparent huge
-  // pages: rows written or read far apart (a kernel's scattered output rows) then stay within the
-  // TLB's reach. Where the kernel grants none, the advice is a no-op.
+  // From 4 MiB: huge page aligned and advised (see memory.h).
   constexpr size_t kHugePage = size_t{2} << 20;
   const bool huge = bytes >= 2 * kHugePage;
   if (huge) alignment = std::max(alignment, kHugePage);
