@@ -37,6 +37,13 @@ struct RandomExperts {
   std::vector<uint16_t> data;
 };
 
+// Spins for `us` microseconds: the caller's own work between two layer calls.
+void SpinFor(double us) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double, std::micro>(us);
+  while (std::chrono::steady_clock::now() < end) {
+  }
+}
+
 struct Call {
   int layer;
   std::vector<int32_t> ids;
@@ -83,6 +90,7 @@ absl::StatusOr<std::vector<ExpertBenchRow>> RunExpertBench(const ExpertBenchOpti
     po.progress = false;
     po.decode_max_tokens = o.decode_max_tokens;
     po.decode_units_per_thread = o.decode_units;
+    po.linger_us = o.linger_us;
     MOE_ASSIGN_OR_RETURN(auto pool, experts::ExpertPool::Create(shape, po, source.Source()));
     double read_gbps = pool->MeasureReadBandwidth(static_cast<size_t>(o.read_bytes));
     log << absl::StrFormat("%s | read bandwidth %.1f GB/s (%d threads, %.1f GB buffer)\n", pool->Describe(), read_gbps,
@@ -117,13 +125,19 @@ absl::StatusOr<std::vector<ExpertBenchRow>> RunExpertBench(const ExpertBenchOpti
           calls = MakeCalls(o, batch, count, rng);
           double bytes = 0;
           pool->ResetPhases();
-          const auto start = std::chrono::steady_clock::now();
+          double secs = 0;
+          auto start = std::chrono::steady_clock::now();
           for (const Call& c : calls) {
+            if (o.gap_us > 0) {
+              SpinFor(o.gap_us);
+              start = std::chrono::steady_clock::now();
+            }
             MOE_RETURN_IF_ERROR(
                 pool->Compute(c.layer, hidden.data(), batch, c.ids.data(), c.weights.data(), out.data()));
             bytes += static_cast<double>(c.distinct) * pool->expert_bytes();
+            if (o.gap_us > 0) secs += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
           }
-          const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+          if (o.gap_us <= 0) secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
           trials += absl::StrFormat(" %.3f", secs / count * 1e3);
           if (trial == 0 || bytes / secs > best_bytes / best_secs) {
             best_secs = secs;

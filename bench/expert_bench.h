@@ -30,6 +30,10 @@ struct ExpertBenchOptions {
   bool phases = false;          // print where each point's time goes
   int64_t decode_max_tokens = 16;  // ExpertPoolOptions: calls up to this size use the decode schedule
   int decode_units = 4;            // ExpertPoolOptions::decode_units_per_thread
+  // Microseconds the caller spends between calls (as a forward does on the rest of a layer),
+  // spinning; only the calls are timed. 0: back to back.
+  double gap_us = 0;
+  int64_t linger_us = 2000;  // ExpertPoolOptions::linger_us
 };
 
 struct ExpertBenchRow {

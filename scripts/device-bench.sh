@@ -11,6 +11,11 @@ grep -o -w -E 'avx512_bf16|avx512_vnni|amx_bf16|amx_int8' /proc/cpuinfo | sort -
 echo "== bench experts"
 "$B" bench experts --read-mb 4096 --json > "$out/bench_experts.json" 2> "$out/bench_experts.log"
 cat "$out/bench_experts.log"
+echo "== decode with 300 us of other work between calls (as a forward's attention), threads lingering, then sleeping"
+for linger in 2000 0; do
+  "$B" bench experts --formats int8,int4 --kernels vnni --batches 1,4 --gap-us 300 --linger-us $linger 2>&1 |
+    sed -n '/against the best read/,$p' | sed "s/^  /  linger $linger us: /"
+done
 echo "== bench load (qwen3-30b-a3b, 8 layers: about 10 GB of bf16 experts)"
 "$B" make-model --preset qwen3-30b-a3b --layers 8 --out /tmp/q30b8 --quiet
 name=moeserve_bench_$$

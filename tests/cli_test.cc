@@ -126,6 +126,12 @@ TEST(CliTest, BadRequestsAndFlagsAreExplained) {
   r = testing::RunMoeserve({"generate", "--model", model, "--prompt-ids", "1", "--tempreature", "1"});
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_THAT(r.err, HasSubstr("unknown flag --tempreature"));
+  r = testing::RunMoeserve({"generate", "--model", model, "--prompt-ids", "1", "--expert-linger-us", "-5"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("--expert-linger-us must be at least 0"));
+  r = testing::RunMoeserve({"bench", "experts", "--gap-us", "-1"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("--gap-us and --linger-us must be at least 0"));
   r = testing::RunMoeserve({"generate", "--prompt-ids", "1"});
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_THAT(r.err, HasSubstr("--model is required"));

@@ -158,6 +158,22 @@ TEST_P(GoldensTest, ReferenceExpertsMatchToo) {
   EXPECT_LT(worst, 1e-3f);
 }
 
+// On the CPU backend the pool's threads do not stay awake between MoE layers (the backend's own
+// threads need the cores then) unless asked to; lingering or not, the logits are the same bits.
+TEST_P(GoldensTest, PoolThreadsLingerOnlyWhenAskedOnTheCpuBackend) {
+  auto plain = LoadFixture(GetParam());
+  runtime::ModelOptions options;
+  options.expert_linger_us = 1500;
+  auto lingering = LoadFixture(GetParam(), runtime::RopeFrequencies::kBFloat16, options);
+  ASSERT_NE(plain, nullptr);
+  ASSERT_NE(lingering, nullptr);
+  EXPECT_EQ(plain->expert_pool()->options().linger_us, 0);
+  EXPECT_EQ(lingering->expert_pool()->options().linger_us, 1500);
+  const std::vector<int32_t> prompt = testing::LoadGolden(GetParam())["cases"][3]["prompt_ids"];
+  const auto want = FullForward(*plain, prompt);
+  for (int round = 0; round < 2; ++round) EXPECT_EQ(FullForward(*lingering, prompt), want) << "round " << round;
+}
+
 INSTANTIATE_TEST_SUITE_P(Fixtures, GoldensTest, ::testing::Values("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"),
                          [](const auto& info) { return info.param; });
 

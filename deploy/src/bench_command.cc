@@ -51,6 +51,9 @@ absl::Status ReadBenchOptions(const Flags& flags, bench::ExpertBenchOptions* o) 
     return absl::InvalidArgumentError("--decode-max-tokens must be at least 0 and --decode-units positive");
   }
   o->decode_units = static_cast<int>(decode_units);
+  MOE_ASSIGN_OR_RETURN(o->gap_us, flags.Double("gap-us"));
+  MOE_ASSIGN_OR_RETURN(o->linger_us, flags.Int("linger-us"));
+  if (o->gap_us < 0 || o->linger_us < 0) return absl::InvalidArgumentError("--gap-us and --linger-us must be at least 0");
   o->formats = SplitList(flags.Get("formats"));
   o->kernels = SplitList(flags.Get("kernels"));
   o->batches.clear();
@@ -88,6 +91,12 @@ int BenchExperts(int argc, char** argv) {
   flags.Add("top-k", "K", "experts per token", "8");
   flags.Add("decode-max-tokens", "N", "calls of at most N tokens use the pool's decode schedule; 0: never", "16");
   flags.Add("decode-units", "N", "units of work per thread and stage in the decode schedule", "4");
+  flags.Add("gap-us", "US",
+            "microseconds the caller spins between calls, as a forward does on the rest of a layer (only the calls "
+            "are timed); 0: back to back",
+            "0");
+  flags.Add("linger-us", "US", "microseconds the pool's threads stay awake after a call for the next one; 0: they sleep",
+            "2000");
   flags.AddSwitch("phases",
                   "after each point, its trials, the time of each phase of a call, and how the threads spent the sort "
                   "and experts phase");

@@ -1,8 +1,10 @@
 #include "moe/experts/expert_pool.h"
 
+#include <chrono>
 #include <cmath>
 #include <optional>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -185,6 +187,41 @@ TEST_F(ExpertPoolBehaviour, SubmitReturnsAndWaitDeliversWhileTheCallerWorks) {
   EXPECT_GT(other_work, 0);
   ASSERT_TRUE(pool->Compute(1, r.x.data(), 9, r.ids.data(), r.w.data(), again.data()).ok());
   EXPECT_EQ(out, again);
+}
+
+TEST_F(ExpertPoolBehaviour, CallsAgreeWhetherTheThreadsLingeredOrSlept) {
+  // After a call the threads stay awake for linger_us. Calls back to back (the lingering threads
+  // take them), after a pause longer than that (they are started again), during the caller's own
+  // work and with a bandwidth measurement in between (it sends them away) all give the same bits.
+  const ExpertShape shape = SmallShape();
+  Routing a = RandomRouting(shape, 1, 21), b = RandomRouting(shape, 40, 22);
+  std::vector<float> want_a(a.x.size()), want_b(b.x.size());
+  {
+    auto pool = Make(1);
+    ASSERT_TRUE(pool->Compute(0, a.x.data(), 1, a.ids.data(), a.w.data(), want_a.data()).ok());
+    ASSERT_TRUE(pool->Compute(1, b.x.data(), 40, b.ids.data(), b.w.data(), want_b.data()).ok());
+  }
+  for (int64_t linger_us : {int64_t{0}, int64_t{300}, int64_t{100000}}) {
+    ExpertPoolOptions options;
+    options.format = ExpertFormat::kInt8;
+    options.threads = 3;
+    options.progress = false;
+    options.linger_us = linger_us;
+    auto pool = ExpertPool::Create(shape, options, experts_.Source());
+    ASSERT_TRUE(pool.ok()) << pool.status();
+    for (int round = 0; round < 3; ++round) {
+      std::vector<float> out_a(a.x.size(), -1.0f), out_b(b.x.size(), -1.0f);
+      ASSERT_TRUE((*pool)->Compute(0, a.x.data(), 1, a.ids.data(), a.w.data(), out_a.data()).ok());
+      auto ticket = (*pool)->Submit(1, b.x.data(), 40, b.ids.data(), b.w.data(), out_b.data());
+      ASSERT_TRUE(ticket.ok());
+      std::this_thread::sleep_for(std::chrono::milliseconds(round));  // the caller's own work
+      ASSERT_TRUE((*pool)->Wait(*ticket).ok());
+      EXPECT_EQ(out_a, want_a) << "linger " << linger_us << " us, round " << round;
+      EXPECT_EQ(out_b, want_b) << "linger " << linger_us << " us, round " << round;
+      if (round == 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));  // past a short linger
+      if (round == 1) EXPECT_GT((*pool)->MeasureReadBandwidth(1 << 20, 1), 0.0);
+    }
+  }
 }
 
 TEST_F(ExpertPoolBehaviour, BadIdsAreRejectedAndThePoolGoesOn) {

@@ -185,7 +185,10 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& model_dir,
   MOE_ASSIGN_OR_RETURN(model->weights_, internal::LoadWeights(model->spec_, *model->source_, *model->backend_,
                                                               /*prepare_routed_experts=*/!pool));
   if (pool && model->spec_.num_moe_layers() > 0) {
-    MOE_ASSIGN_OR_RETURN(model->pool_, CreatePool(model->spec_, *model->source_, options.pool, model_dir));
+    experts::ExpertPoolOptions pool_options = options.pool;
+    pool_options.linger_us =
+        options.expert_linger_us.value_or(model->backend_->ComputesOnHostCores() ? 0 : pool_options.linger_us);
+    MOE_ASSIGN_OR_RETURN(model->pool_, CreatePool(model->spec_, *model->source_, pool_options, model_dir));
     model->routed_experts_ = std::make_unique<PoolRoutedExperts>(*model->pool_, model->spec_);
   } else {
     model->routed_experts_ =

@@ -81,6 +81,7 @@ class CpuBackend : public Backend {
   explicit CpuBackend(int threads) : arena_(threads) {}
 
   std::string name() const override { return absl::StrCat("cpu (", arena_.max_concurrency(), " threads)"); }
+  bool ComputesOnHostCores() const override { return true; }
 
   absl::StatusOr<std::unique_ptr<DeviceWeight>> PrepareWeight(const core::TensorView& host) override {
     if (host.rank() < 1 || host.rank() > 2) {

@@ -10,7 +10,8 @@
 // the bound on the same threads); at many tokens by the kernels' arithmetic.
 //
 // Submit returns at once; Wait() joins the work (the waiting thread helps). One call in flight
-// at a time; the arrays passed to Submit must stay valid until Wait returns.
+// at a time; the arrays passed to Submit must stay valid until Wait returns. Between calls the
+// threads linger awake for ExpertPoolOptions::linger_us.
 // Thread-safety: Submit and Wait from one thread at a time.
 #pragma once
 
@@ -59,6 +60,11 @@ struct ExpertPoolOptions {
   // Units of work per thread and stage in the decode schedule: more balance the load across
   // threads, fewer give longer sequential streams.
   int decode_units_per_thread = 4;
+  // Microseconds the threads stay awake after a call, spinning (then yielding the core), so that
+  // the next call starts at once: a forward's other work between two MoE layers (attention on
+  // the GPU, the shared experts) fits in it. Threads that sleep take up to hundreds of
+  // microseconds to wake. 0: they sleep right after each call.
+  int64_t linger_us = 2000;
 };
 
 class ExpertPool {
@@ -91,7 +97,7 @@ class ExpertPool {
   KernelKind KernelFor(int64_t tokens) const;
   // Forces a kernel for later calls (unset: per call); kFailedPrecondition if this CPU lacks it.
   absl::Status SetKernel(std::optional<KernelKind> kernel);
-  // Reads a `bytes` buffer with the pool's threads, best of `repeats`: GB/s.
+  // Reads a `bytes` buffer with the pool's threads, best of `repeats`: GB/s. Not during a call.
   double MeasureReadBandwidth(size_t bytes, int repeats = 5);
   // Mean wall time of each phase of a call since the last ResetPhases(), and the share of the
   // threads' time in the sort and experts phase each kind of work took (the rest idle: before a

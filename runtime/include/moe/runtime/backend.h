@@ -68,6 +68,9 @@ class Backend {
  public:
   virtual ~Backend() = default;
   virtual std::string name() const = 0;
+  // True when the backend computes on the host's CPU cores (the CPU backend): then the expert
+  // pool's threads must not stay awake between MoE layers, they would take the cores from it.
+  virtual bool ComputesOnHostCores() const { return false; }
 
   // kInvalidArgument for a dtype the backend cannot compute with.
   virtual absl::StatusOr<std::unique_ptr<DeviceWeight>> PrepareWeight(const core::TensorView& host) = 0;

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -60,6 +61,9 @@ struct ModelOptions {
   RopeFrequencies rope_frequencies = RopeFrequencies::kFloat32;
   RoutedExpertsMode experts = RoutedExpertsMode::kPool;
   experts::ExpertPoolOptions pool;  // used with kPool; model_id is filled in by Load
+  // The pool's ExpertPoolOptions::linger_us. Unset: 0 on a backend that computes on the host's
+  // cores (between MoE layers they are its own), pool.linger_us otherwise.
+  std::optional<int64_t> expert_linger_us;
 };
 
 // 1 / theta^(2i / rotary_dim) for i < rotary_dim / 2, computed in fp32 as transformers does,
