@@ -201,7 +201,7 @@ class Crew {
       const auto deadline = std::chrono::steady_clock::now() + linger_;
       for (int spins = 0; round_.load(std::memory_order_acquire) == seen && !stop_.load(std::memory_order_relaxed);
            ++spins) {
-        if (spins % 256 == 255 && std::chrono::steady_clock::now() > deadline) break;
+        if (spins % 256 == 0 && std::chrono::steady_clock::now() >= deadline) break;
         Relax(spins);
       }
       if (round_.load() != seen && !stop_.load()) continue;
@@ -1142,6 +1142,7 @@ void ExpertPool::ResetPhases() {
 }
 
 double ExpertPool::MeasureReadBandwidth(size_t bytes, int repeats) {
+  if (in_flight_) return 0.0;
   impl_->crew.Park();  // the lingering threads would hold the arena's slots
   const size_t n = bytes / sizeof(float);
   // Large, so on huge pages like the arena (AlignedBuffer from 4 MiB): the same kind of reads.

@@ -181,6 +181,7 @@ TEST_F(ExpertPoolBehaviour, SubmitReturnsAndWaitDeliversWhileTheCallerWorks) {
   // A second call while one is in flight is refused.
   auto second = pool->Submit(1, r.x.data(), 9, r.ids.data(), r.w.data(), again.data());
   EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(pool->MeasureReadBandwidth(1 << 20, 1), 0.0);  // not during a call
   double other_work = 0;
   for (int i = 0; i < 100000; ++i) other_work += std::sqrt(double(i));  // the caller's own work
   ASSERT_TRUE(pool->Wait(*ticket).ok());
@@ -221,6 +222,22 @@ TEST_F(ExpertPoolBehaviour, CallsAgreeWhetherTheThreadsLingeredOrSlept) {
       if (round == 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));  // past a short linger
       if (round == 1) EXPECT_GT((*pool)->MeasureReadBandwidth(1 << 20, 1), 0.0);
     }
+  }
+  // Calls posted just as the threads give up lingering (20 us), again and again.
+  ExpertPoolOptions options;
+  options.format = ExpertFormat::kInt8;
+  options.threads = 4;
+  options.progress = false;
+  options.linger_us = 20;
+  auto pool = ExpertPool::Create(shape, options, experts_.Source());
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  for (int call = 0; call < 200; ++call) {
+    const bool one = call % 2 == 0;
+    const Routing& r = one ? a : b;
+    std::vector<float> out(r.x.size(), -1.0f);
+    if (call % 3 == 0) std::this_thread::sleep_for(std::chrono::microseconds(call % 40));
+    ASSERT_TRUE((*pool)->Compute(one ? 0 : 1, r.x.data(), one ? 1 : 40, r.ids.data(), r.w.data(), out.data()).ok());
+    ASSERT_EQ(out, one ? want_a : want_b) << "call " << call;
   }
 }
 

@@ -97,7 +97,7 @@ class ExpertPool {
   KernelKind KernelFor(int64_t tokens) const;
   // Forces a kernel for later calls (unset: per call); kFailedPrecondition if this CPU lacks it.
   absl::Status SetKernel(std::optional<KernelKind> kernel);
-  // Reads a `bytes` buffer with the pool's threads, best of `repeats`: GB/s. Not during a call.
+  // Reads a `bytes` buffer with the pool's threads, best of `repeats`: GB/s (0 during a call).
   double MeasureReadBandwidth(size_t bytes, int repeats = 5);
   // Mean wall time of each phase of a call since the last ResetPhases(), and the share of the
   // threads' time in the sort and experts phase each kind of work took (the rest idle: before a
