@@ -125,19 +125,15 @@ absl::StatusOr<std::vector<ExpertBenchRow>> RunExpertBench(const ExpertBenchOpti
           calls = MakeCalls(o, batch, count, rng);
           double bytes = 0;
           pool->ResetPhases();
-          double secs = 0;
-          auto start = std::chrono::steady_clock::now();
+          double secs = 0;  // in the calls only
           for (const Call& c : calls) {
-            if (o.gap_us > 0) {
-              SpinFor(o.gap_us);
-              start = std::chrono::steady_clock::now();
-            }
+            if (o.gap_us > 0) SpinFor(o.gap_us);
+            const auto start = std::chrono::steady_clock::now();
             MOE_RETURN_IF_ERROR(
                 pool->Compute(c.layer, hidden.data(), batch, c.ids.data(), c.weights.data(), out.data()));
+            secs += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
             bytes += static_cast<double>(c.distinct) * pool->expert_bytes();
-            if (o.gap_us > 0) secs += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
           }
-          if (o.gap_us <= 0) secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
           trials += absl::StrFormat(" %.3f", secs / count * 1e3);
           if (trial == 0 || bytes / secs > best_bytes / best_secs) {
             best_secs = secs;

@@ -91,6 +91,16 @@ uint64_t ArenaKey(const ExpertShape& s, const ExpertPoolOptions& o) {
   return std::hash<std::string>{}(text);
 }
 
+// One step of a wait on other threads of the arena: a spin while the awaited work is likely
+// microseconds away, then yielding the core between checks (to whatever else runs there).
+void Relax(int spins) {
+  if (spins < 4096) {
+    _mm_pause();
+  } else {
+    sched_yield();
+  }
+}
+
 // The arena's threads as one crew for the pool's calls. Submit posts the call (Post); one crew
 // thread runs it (the lead), or the caller in Wait if none has; the lead's Broadcast runs the
 // schedule's worker on every thread that joins (the work is shared through atomic counters, so
@@ -155,15 +165,6 @@ class Crew {
 
  private:
   static constexpr int64_t kOpen = int64_t{1} << 40;
-
-  // Spins, and after a while yields the core between checks (to whatever else runs there).
-  static void Relax(int spins) {
-    if (spins < 4096) {
-      _mm_pause();
-    } else {
-      sched_yield();
-    }
-  }
 
   bool TryLead() {
     bool pending = true;
@@ -562,13 +563,7 @@ namespace {
 // Waits until `flag` holds `value`: spinning, since the awaited work is running on another thread
 // of the arena and takes microseconds, then yielding the core in case that thread shares it.
 void SpinUntil(const std::atomic<int64_t>& flag, int64_t value) {
-  for (int spins = 0; flag.load(std::memory_order_acquire) < value; ++spins) {
-    if (spins < 4096) {
-      _mm_pause();
-    } else {
-      sched_yield();
-    }
-  }
+  for (int spins = 0; flag.load(std::memory_order_acquire) < value; ++spins) Relax(spins);
 }
 
 }  // namespace

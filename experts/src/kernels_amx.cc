@@ -190,13 +190,9 @@ MOE_AMX void MatmulAmxInt8Impl(const PackedMatrix& w, const Activations& a, int6
   auto finish = [&](int which, int64_t rows) {
     Pending& p = pending[which];
     if (p.b < 0 || rows <= p.rows_done) return;
-    if (kSwiGlu) {
-      FinishInt8Pass<true>(acc[which], scales + p.b * 16, a, p.m0, p.nb, n_cols - p.b / 2 * 16, p.rows_done, rows,
-                           y + (p.b - b0) / 2 * 16, ldy);
-    } else {
-      FinishInt8Pass<false>(acc[which], scales + p.b * 16, a, p.m0, p.nb, 16, p.rows_done, rows, y + (p.b - b0) * 16,
-                            ldy);
-    }
+    // A gate+up pair yields 16 columns of y, from unit b / 2 * 16; otherwise each block 16.
+    const int64_t n = kSwiGlu ? n_cols - p.b / 2 * 16 : 16, column = (kSwiGlu ? (p.b - b0) / 2 : p.b - b0) * 16;
+    FinishInt8Pass<kSwiGlu>(acc[which], scales + p.b * 16, a, p.m0, p.nb, n, p.rows_done, rows, y + column, ldy);
     p.rows_done = rows;
     if (rows >= 32) p.b = -1;
   };
