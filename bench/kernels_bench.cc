@@ -69,7 +69,7 @@ void BM_Read(benchmark::State& state) {
 }
 
 // Compute throughput with the weights in cache: an expert's gate+up (1536 x K) at M tokens;
-// Args: {tokens, K}.
+// Args: {tokens, K}, and for int4 the group.
 void BM_KernelCached(benchmark::State& state, ExpertFormat format, KernelKind kind) {
   const std::string why = KernelUnsupportedReason(kind, format, core::GetCpuFeatures());
   if (!why.empty()) {
@@ -78,13 +78,15 @@ void BM_KernelCached(benchmark::State& state, ExpertFormat format, KernelKind ki
   }
   (void)PrepareThreadForKernel(kind);
   const int64_t rows = 1536, cols = state.range(1), tokens = state.range(0);
-  const MatrixLayout layout = *MakeLayout(format, rows, cols, 32);
+  const int group = format == ExpertFormat::kInt4 ? static_cast<int>(state.range(2)) : 32;
+  const MatrixLayout layout = *MakeLayout(format, rows, cols, group);
   auto storage = *core::AlignedBuffer::Allocate(layout.bytes(), 64);
   std::vector<float> w(rows * cols, 0.01f), x(tokens * cols, 0.5f), y(tokens * layout.n_pad);
   (void)PackMatrix({w.data(), core::DType::kF32, {rows, cols}}, layout, storage.as<uint8_t>());
   const PackedMatrix m{layout, storage.as<uint8_t>()};
   Activations a;
-  (void)a.Prepare(x.data(), tokens, cols, layout.k_pad, kind, format, format == ExpertFormat::kInt4 ? 32 : layout.k_pad);
+  (void)a.Prepare(x.data(), tokens, cols, layout.k_pad, kind, format,
+                  format == ExpertFormat::kInt4 ? group : static_cast<int>(layout.k_pad));
   const MatmulKernel kernel = GetKernel(kind, format);
   for (auto _ : state) {
     kernel(m, a, 0, layout.blocks(), y.data(), layout.n_pad);  // one call, as the pool makes per item
@@ -97,6 +99,9 @@ BENCHMARK_CAPTURE(BM_KernelCached, int8_vnni, ExpertFormat::kInt8, KernelKind::k
 BENCHMARK_CAPTURE(BM_KernelCached, int8_amx, ExpertFormat::kInt8, KernelKind::kAmx)
     ->Args({64, 768})->Args({64, 2048})->Args({64, 8192})->Args({57, 2048});
 BENCHMARK_CAPTURE(BM_KernelCached, bf16_amx, ExpertFormat::kBF16, KernelKind::kAmx)->Args({64, 2048})->Args({64, 8192});
+BENCHMARK_CAPTURE(BM_KernelCached, int4_vnni, ExpertFormat::kInt4, KernelKind::kVnni)->Args({64, 2048, 32});
+BENCHMARK_CAPTURE(BM_KernelCached, int4_amx, ExpertFormat::kInt4, KernelKind::kAmx)
+    ->Args({64, 2048, 32})->Args({64, 2048, 64})->Args({64, 2048, 128})->Args({57, 2048, 32});
 
 BENCHMARK(BM_Read);
 BENCHMARK_CAPTURE(BM_Kernel, bf16_avx512, ExpertFormat::kBF16, KernelKind::kAvx512)->Arg(1)->Arg(4);
@@ -105,6 +110,7 @@ BENCHMARK_CAPTURE(BM_Kernel, bf16_amx, ExpertFormat::kBF16, KernelKind::kAmx)->A
 BENCHMARK_CAPTURE(BM_Kernel, int8_vnni, ExpertFormat::kInt8, KernelKind::kVnni)->Arg(1)->Arg(4);
 BENCHMARK_CAPTURE(BM_Kernel, int8_amx, ExpertFormat::kInt8, KernelKind::kAmx)->Arg(16)->Arg(64);
 BENCHMARK_CAPTURE(BM_Kernel, int4_vnni, ExpertFormat::kInt4, KernelKind::kVnni)->Arg(1)->Arg(4);
+BENCHMARK_CAPTURE(BM_Kernel, int4_amx, ExpertFormat::kInt4, KernelKind::kAmx)->Arg(16)->Arg(64);
 
 }  // namespace
 }  // namespace moe::experts

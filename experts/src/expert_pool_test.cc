@@ -155,7 +155,8 @@ INSTANTIATE_TEST_SUITE_P(
                       PoolCase{ExpertFormat::kInt8, KernelKind::kAmx, 3e-2},
                       PoolCase{ExpertFormat::kInt4, std::nullopt, 0.2},
                       PoolCase{ExpertFormat::kInt4, KernelKind::kPortable, 0.2},
-                      PoolCase{ExpertFormat::kInt4, KernelKind::kVnni, 0.2}),
+                      PoolCase{ExpertFormat::kInt4, KernelKind::kVnni, 0.2},
+                      PoolCase{ExpertFormat::kInt4, KernelKind::kAmx, 0.2}),
     PoolCaseName);
 
 class ExpertPoolBehaviour : public ::testing::Test {
@@ -287,11 +288,12 @@ TEST_F(ExpertPoolBehaviour, DecodeAndBatchSchedulesAgreeExactly) {
   // thread count. The second shape has a hidden size of two reduce chunks in both schedules (the
   // batch schedule's are 2048 columns), not a multiple of 16, and an odd number of down blocks. With 70 tokens the batch schedule cuts gate+up items
   // two ways (finer for the last experts) and queues the sums; where the CPU has AMX, the AMX
-  // kernel (gate+up with SiLU fused) runs in both schedules too.
+  // kernels (gate+up with SiLU fused) run in both schedules too, int8 and int4.
   std::vector<std::optional<KernelKind>> kernels = {std::nullopt};
   if (KernelUnsupportedReason(KernelKind::kAmx, ExpertFormat::kInt8, core::GetCpuFeatures()).empty()) {
     kernels.push_back(KernelKind::kAmx);
   }
+  for (ExpertFormat format : {ExpertFormat::kInt8, ExpertFormat::kInt4})
   for (const ExpertShape& shape : {SmallShape(), ExpertShape{1, 6, 2, 2090, 200}})
   for (std::optional<KernelKind> kernel : kernels)
   for (int64_t tokens : {1, 3, 16, 70}) {
@@ -301,7 +303,7 @@ TEST_F(ExpertPoolBehaviour, DecodeAndBatchSchedulesAgreeExactly) {
     for (int64_t decode_max : {int64_t{0}, int64_t{128}}) {
       for (int threads : {1, 3, 5}) {
         ExpertPoolOptions options;
-        options.format = ExpertFormat::kInt8;
+        options.format = format;
         options.kernel = kernel;
         options.threads = threads;
         options.progress = false;
@@ -313,7 +315,7 @@ TEST_F(ExpertPoolBehaviour, DecodeAndBatchSchedulesAgreeExactly) {
         if (want.empty()) {
           want = out;
         } else {
-          EXPECT_EQ(out, want) << "hidden " << shape.hidden << ", " << tokens << " tokens, decode_max_tokens " << decode_max << ", " << threads << " threads";
+          EXPECT_EQ(out, want) << FormatName(format) << ", hidden " << shape.hidden << ", " << tokens << " tokens, decode_max_tokens " << decode_max << ", " << threads << " threads";
         }
       }
     }

@@ -35,7 +35,7 @@ std::vector<KernelKind> KernelsFor(ExpertFormat format) {
     return {KernelKind::kPortable, KernelKind::kAvx512, KernelKind::kAvx512Bf16, KernelKind::kAmx};
   }
   if (format == ExpertFormat::kInt8) return {KernelKind::kPortable, KernelKind::kVnni, KernelKind::kAmx};
-  return {KernelKind::kPortable, KernelKind::kVnni};
+  return {KernelKind::kPortable, KernelKind::kVnni, KernelKind::kAmx};
 }
 
 std::string KernelUnsupportedReason(KernelKind kind, ExpertFormat format, const core::CpuFeatures& cpu) {
@@ -52,7 +52,7 @@ std::string KernelUnsupportedReason(KernelKind kind, ExpertFormat format, const 
     case KernelKind::kAmx:
       if (!cpu.amx_tile) return "needs AMX tiles";
       if (format == ExpertFormat::kBF16 && !cpu.amx_bf16) return "needs AMX-BF16";
-      if (format == ExpertFormat::kInt8 && !cpu.amx_int8) return "needs AMX-INT8";
+      if (format != ExpertFormat::kBF16 && !cpu.amx_int8) return "needs AMX-INT8";
       return internal::EnableAmxForProcess() ? "" : "the OS refused AMX tile data (arch_prctl)";
   }
   return "unknown kernel";
@@ -70,13 +70,17 @@ MatmulKernel GetKernel(KernelKind kind, ExpertFormat format) {
     case KernelKind::kAmx:
       if (format == ExpertFormat::kBF16) return internal::MatmulAmxBf16;
       if (format == ExpertFormat::kInt8) return internal::MatmulAmxInt8;
+      if (format == ExpertFormat::kInt4) return internal::MatmulAmxInt4;
       return nullptr;
   }
   return nullptr;
 }
 
 SwiGluKernel GetSwiGluKernel(KernelKind kind, ExpertFormat format) {
-  return kind == KernelKind::kAmx && format == ExpertFormat::kInt8 ? internal::SwiGluAmxInt8 : nullptr;
+  if (kind != KernelKind::kAmx) return nullptr;
+  if (format == ExpertFormat::kInt8) return internal::SwiGluAmxInt8;
+  if (format == ExpertFormat::kInt4) return internal::SwiGluAmxInt4;
+  return nullptr;
 }
 
 absl::Status PrepareThreadForKernel(KernelKind kind) {

@@ -148,71 +148,112 @@ TEST(SiluMulTest, MatchesTheLibmReference) {
   }
 }
 
-// The fused gate+up kernel (AMX int8) gives bit for bit what the kernel's products through
-// SiluMul give, on an intermediate size that is not a multiple of 16 and on a block range that
-// starts after the first pair, and writes nothing past the last intermediate column.
+// The fused gate+up kernels (AMX int8 and int4) give bit for bit what the kernel's products
+// through SiluMul give, on an intermediate size that is not a multiple of 16 and on a block range
+// that starts after the first pair, and write nothing past the last intermediate column.
 TEST(SwiGluKernelTest, EqualsTheKernelThenSiluMul) {
   for (KernelKind kind : {KernelKind::kPortable, KernelKind::kVnni}) {
     EXPECT_EQ(GetSwiGluKernel(kind, ExpertFormat::kInt8), nullptr);
+    EXPECT_EQ(GetSwiGluKernel(kind, ExpertFormat::kInt4), nullptr);
   }
   EXPECT_EQ(GetSwiGluKernel(KernelKind::kAmx, ExpertFormat::kBF16), nullptr);
   const std::string why = KernelUnsupportedReason(KernelKind::kAmx, ExpertFormat::kInt8, core::GetCpuFeatures());
   if (!why.empty()) GTEST_SKIP() << "amx not run on this CPU: " << why;
   ASSERT_TRUE(PrepareThreadForKernel(KernelKind::kAmx).ok());
-  const SwiGluKernel fused = GetSwiGluKernel(KernelKind::kAmx, ExpertFormat::kInt8);
-  ASSERT_NE(fused, nullptr);
-  std::mt19937 rng(11);
-  std::normal_distribution<float> dist;
-  const int64_t inter = 45, n = 2 * 48, k = 300;  // 3 (gate, up) pairs, the last with 13 columns
-  auto matrix = PackRandom(ExpertFormat::kInt8, n, k, 32, rng);
-  ASSERT_TRUE(matrix.ok()) << matrix.status();
-  const MatrixLayout* layout = &matrix->layout;
-  const PackedMatrix packed = matrix->packed();
-  const int64_t blocks = layout->blocks(), ld = blocks * 16;
-  for (int64_t m : {1, 17, 40, 64}) {
-    std::vector<float> x(m * k);
-    for (float& v : x) v = dist(rng) * 3.0f;
-    Activations a;
-    ASSERT_TRUE(a.Prepare(x.data(), m, k, layout->k_pad, KernelKind::kAmx, ExpertFormat::kInt8,
-                          static_cast<int>(layout->k_pad))
-                    .ok());
-    // The products into rows on cache-line boundaries (streaming stores) and off them (plain
-    // stores): the same values.
-    auto storage = core::AlignedBuffer::Allocate((m * ld + 4) * sizeof(float));
-    ASSERT_TRUE(storage.ok());
-    float* const products = storage->as<float>();
-    std::vector<float> products_off(m * ld);
-    GetKernel(KernelKind::kAmx, ExpertFormat::kInt8)(packed, a, 0, blocks, products + 4, ld);
-    std::copy(products + 4, products + 4 + m * ld, products_off.begin());
-    GetKernel(KernelKind::kAmx, ExpertFormat::kInt8)(packed, a, 0, blocks, products, ld);
-    for (int64_t i = 0; i < m * ld; ++i) ASSERT_EQ(products[i], products_off[i]) << "m=" << m << " at " << i;
-    for (int64_t b0 : {int64_t{0}, int64_t{2}}) {
-      const int64_t col0 = b0 / 2 * 16, ldy = inter + 3;
-      std::vector<float> want(m * ldy, -7.0f), got(m * ldy, -7.0f);
-      for (int64_t i = 0; i < m; ++i) {
-        for (int64_t b = b0; b < blocks; b += 2) {
-          const int64_t unit = b / 2 * 16, cols = std::min<int64_t>(16, inter - unit);
-          SiluMul(&products[i * ld + b * 16], &products[i * ld + (b + 1) * 16], cols, &want[i * ldy + unit - col0]);
+  for (auto [format, group] : {std::pair{ExpertFormat::kInt8, 32}, {ExpertFormat::kInt4, 32}, {ExpertFormat::kInt4, 64},
+                               {ExpertFormat::kInt4, 128}}) {
+    SCOPED_TRACE(std::string(FormatName(format)) + " group " + std::to_string(group));
+    const SwiGluKernel fused = GetSwiGluKernel(KernelKind::kAmx, format);
+    ASSERT_NE(fused, nullptr);
+    const MatmulKernel kernel = GetKernel(KernelKind::kAmx, format);
+    std::mt19937 rng(11);
+    std::normal_distribution<float> dist;
+    const int64_t inter = 45, n = 2 * 48, k = 300;  // 3 (gate, up) pairs, the last with 13 columns
+    auto matrix = PackRandom(format, n, k, group, rng);
+    ASSERT_TRUE(matrix.ok()) << matrix.status();
+    const MatrixLayout* layout = &matrix->layout;
+    const PackedMatrix packed = matrix->packed();
+    const int64_t blocks = layout->blocks(), ld = blocks * 16;
+    const int sum_group = format == ExpertFormat::kInt4 ? group : static_cast<int>(layout->k_pad);
+    for (int64_t m : {1, 17, 40, 64}) {
+      std::vector<float> x(m * k);
+      for (float& v : x) v = dist(rng) * 3.0f;
+      Activations a;
+      ASSERT_TRUE(a.Prepare(x.data(), m, k, layout->k_pad, KernelKind::kAmx, format, sum_group).ok());
+      // The products into rows on cache-line boundaries (streaming stores) and off them (plain
+      // stores): the same values.
+      auto storage = core::AlignedBuffer::Allocate((m * ld + 4) * sizeof(float));
+      ASSERT_TRUE(storage.ok());
+      float* const products = storage->as<float>();
+      std::vector<float> products_off(m * ld);
+      kernel(packed, a, 0, blocks, products + 4, ld);
+      std::copy(products + 4, products + 4 + m * ld, products_off.begin());
+      kernel(packed, a, 0, blocks, products, ld);
+      for (int64_t i = 0; i < m * ld; ++i) ASSERT_EQ(products[i], products_off[i]) << "m=" << m << " at " << i;
+      for (int64_t b0 : {int64_t{0}, int64_t{2}}) {
+        const int64_t col0 = b0 / 2 * 16, ldy = inter + 3;
+        std::vector<float> want(m * ldy, -7.0f), got(m * ldy, -7.0f);
+        for (int64_t i = 0; i < m; ++i) {
+          for (int64_t b = b0; b < blocks; b += 2) {
+            const int64_t unit = b / 2 * 16, cols = std::min<int64_t>(16, inter - unit);
+            SiluMul(&products[i * ld + b * 16], &products[i * ld + (b + 1) * 16], cols, &want[i * ldy + unit - col0]);
+          }
+        }
+        fused(packed, a, b0, blocks, inter, got.data(), ldy);
+        // Rows on cache-line boundaries take the kernel's streaming stores: the same values.
+        const int64_t ld_aligned = 64;
+        auto aligned = core::AlignedBuffer::Allocate(m * ld_aligned * sizeof(float));
+        ASSERT_TRUE(aligned.ok());
+        float* got_aligned = aligned->as<float>();
+        std::fill(got_aligned, got_aligned + m * ld_aligned, -7.0f);
+        fused(packed, a, b0, blocks, inter, got_aligned, ld_aligned);
+        for (int64_t i = 0; i < m; ++i) {
+          for (int64_t j = 0; j < ldy; ++j) {
+            ASSERT_EQ(got[i * ldy + j], want[i * ldy + j]) << "m=" << m << " b0=" << b0 << " row " << i << " col " << j;
+          }
+          for (int64_t j = 0; j < ld_aligned; ++j) {
+            const float expect = j < inter - col0 ? want[i * ldy + j] : -7.0f;
+            ASSERT_EQ(got_aligned[i * ld_aligned + j], expect)
+                << "aligned, m=" << m << " b0=" << b0 << " row " << i << " col " << j;
+          }
         }
       }
-      fused(packed, a, b0, blocks, inter, got.data(), ldy);
-      // Rows on cache-line boundaries take the kernel's streaming stores: the same values.
-      const int64_t ld_aligned = 64;
-      auto aligned = core::AlignedBuffer::Allocate(m * ld_aligned * sizeof(float));
-      ASSERT_TRUE(aligned.ok());
-      float* got_aligned = aligned->as<float>();
-      std::fill(got_aligned, got_aligned + m * ld_aligned, -7.0f);
-      fused(packed, a, b0, blocks, inter, got_aligned, ld_aligned);
-      for (int64_t i = 0; i < m; ++i) {
-        for (int64_t j = 0; j < ldy; ++j) {
-          ASSERT_EQ(got[i * ldy + j], want[i * ldy + j]) << "m=" << m << " b0=" << b0 << " row " << i << " col " << j;
-        }
-        for (int64_t j = 0; j < ld_aligned; ++j) {
-          const float expect = j < inter - col0 ? want[i * ldy + j] : -7.0f;
-          ASSERT_EQ(got_aligned[i * ld_aligned + j], expect) << "aligned, m=" << m << " b0=" << b0 << " row " << i
-                                                             << " col " << j;
-        }
-      }
+    }
+  }
+}
+
+// AMX and VNNI compute the same exact integer sums and scale them with the same fp32 operations
+// in the same order, so the pool may switch between them with the tokens per expert and a token
+// still gets the same bits. Shapes: an odd number of blocks (a last pass of one block), K across
+// several of the int4 kernel's unpacked chunks and not a multiple of them, token counts around
+// the 16- and 32-token passes.
+TEST(AmxKernelTest, EqualsVnniBitForBit) {
+  const std::string why = KernelUnsupportedReason(KernelKind::kAmx, ExpertFormat::kInt8, core::GetCpuFeatures());
+  if (!why.empty()) GTEST_SKIP() << "amx not run on this CPU: " << why;
+  if (!KernelUnsupportedReason(KernelKind::kVnni, ExpertFormat::kInt8, core::GetCpuFeatures()).empty()) {
+    GTEST_SKIP() << "vnni not run on this CPU";
+  }
+  ASSERT_TRUE(PrepareThreadForKernel(KernelKind::kAmx).ok());
+  for (auto [format, group] : {std::pair{ExpertFormat::kInt8, 32}, {ExpertFormat::kInt4, 32}, {ExpertFormat::kInt4, 64},
+                               {ExpertFormat::kInt4, 128}}) {
+    std::mt19937 rng(5);
+    std::normal_distribution<float> dist;
+    const int64_t n = 80, k = 1100;
+    auto matrix = PackRandom(format, n, k, group, rng);
+    ASSERT_TRUE(matrix.ok()) << matrix.status();
+    const MatrixLayout* layout = &matrix->layout;
+    const int64_t blocks = layout->blocks(), ld = blocks * 16 + 5;
+    const int sum_group = format == ExpertFormat::kInt4 ? group : static_cast<int>(layout->k_pad);
+    for (int64_t m : {1, 15, 16, 17, 33, 70}) {
+      std::vector<float> x(m * k);
+      for (float& v : x) v = dist(rng);
+      Activations amx, vnni;
+      ASSERT_TRUE(amx.Prepare(x.data(), m, k, layout->k_pad, KernelKind::kAmx, format, sum_group).ok());
+      ASSERT_TRUE(vnni.Prepare(x.data(), m, k, layout->k_pad, KernelKind::kVnni, format, sum_group).ok());
+      std::vector<float> want(m * ld, -3.0f), got(m * ld, -3.0f);
+      GetKernel(KernelKind::kVnni, format)(matrix->packed(), vnni, 0, blocks, want.data(), ld);
+      GetKernel(KernelKind::kAmx, format)(matrix->packed(), amx, 0, blocks, got.data(), ld);
+      ASSERT_EQ(got, want) << FormatName(format) << " group " << group << ", " << m << " tokens";
     }
   }
 }

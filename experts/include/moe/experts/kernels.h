@@ -10,8 +10,10 @@
 //   int8, int4 (every kernel):  activations quantized to int8 per token (symmetric, per-token
 //                               scale); integer dot products; one fp32 scale per row (int8) or per
 //                               row and group (int4)
+//   int8, int4 (amx and vnni):  bitwise the same results
 // Speed bounds: at few tokens every kernel streams the weights once (memory bandwidth); at many
-// tokens avx512/vnni are bound by vector FMA throughput and amx by tile throughput.
+// tokens avx512/vnni are bound by vector FMA throughput and amx by tile throughput (int4 on amx:
+// one tile step and one store of the sums per scale group).
 #pragma once
 
 #include <cstdint>
@@ -124,12 +126,18 @@ void MatmulAmxBf16(const PackedMatrix& w, const Activations& a, int64_t b0, int6
 void MatmulAmxInt8(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, float* y, int64_t ldy);
 void SwiGluAmxInt8(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, int64_t n_cols, float* y,
                    int64_t ldy);
+void MatmulAmxInt4(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, float* y, int64_t ldy);
+void SwiGluAmxInt4(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, int64_t n_cols, float* y,
+                   int64_t ldy);
 float AbsMaxAvx512(const float* x, int64_t n);
 float SumAvx512(const float* x, int64_t n);
 void SiluMulAvx512(const float* gate, const float* up, int64_t n, float* out);
 void QuantizeRowAvx512(const float* x, int64_t n, float inv, int group, int8_t* q, int32_t* sums);
 bool EnableAmxForProcess();
-void ConfigureAmxTiles();
+// Loads the tile shapes (once per thread and shape): accumulators 16 x 16 int32, activation tiles
+// 16 rows of k_bytes, weight tiles k_bytes / 4 lines of 64 bytes. 64 everywhere but in the int4
+// kernel with groups of 32, whose tiles span one group.
+void ConfigureAmxTiles(int k_bytes = 64);
 }  // namespace internal
 
 }  // namespace moe::experts
