@@ -288,17 +288,17 @@ struct alignas(64) Lanes16 {
   float v[16] = {};
 };
 
-// One int4 group's tiles as stored (32 tokens x 32 int32, row stride 32), to be added into the
-// fp32 sums of their pass: rows[2i] and rows[2i + 1] for token i, times the group's scales of
-// each block (s0, s1).
-struct Pending {
+// One int4 group's tiles as stored (32 tokens x 32 int32, row stride 32), waiting to be added
+// into the fp32 sums of their pass: rows[2i] and rows[2i + 1] for token i, times the group's
+// scales of each block (s0, s1).
+struct StoredGroup {
   Lanes16* rows = nullptr;
   const float* s0 = nullptr;
   const float* s1 = nullptr;
   int64_t n = 0;
 };
 
-MOE_AMX inline void AddGroupSums(const int32_t* c, Pending& p) {
+MOE_AMX inline void AddGroupSums(const int32_t* c, StoredGroup& p) {
   if (p.rows == nullptr) return;
   const __m512 s0 = _mm512_loadu_ps(p.s0), s1 = _mm512_loadu_ps(p.s1);
   for (int64_t i = 0; i < p.n; ++i) {
@@ -320,9 +320,7 @@ MOE_AMX inline void AddGroupSums(const int32_t* c, Pending& p) {
 // lines are prefetched evenly over this chunk's steps, as in the int8 kernel.
 // A tile step of K = 32 takes as long as one of 64, and every group's tiles go through memory
 // once, so with groups of 32 this kernel does about half the int8 kernel's work per second.
-// Tried on the 32-core machine at 1024 tokens (10.1-10.7 ms a layer call this way): 16 tokens
-// x 16 rows with the fp32 sums in registers, 12.3-13.2 ms; the same with four accumulator tiles
-// in turn, so that consecutive groups overlap in the tile unit, 11.5-12.1 ms.
+// experts/README.md has the figures, and the layouts tried that were slower.
 template <bool kSwiGlu>
 MOE_AMX void MatmulAmxInt4Impl(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, int64_t n_cols,
                                float* y, int64_t ldy) {
@@ -335,7 +333,7 @@ MOE_AMX void MatmulAmxInt4Impl(const PackedMatrix& w, const Activations& a, int6
   thread_local std::vector<Lanes16> sums;  // per token: the pair's two blocks
   if (sums.size() < static_cast<size_t>(2 * m)) sums.resize(2 * m);
   // A group's stored tiles, added into the sums of its pass while the tiles compute the next.
-  Pending pending[2];
+  StoredGroup pending[2];
   int buf = 0;
   for (int64_t b = b0; b < b1; b += 2) {
     const bool two = b + 1 < b1;
@@ -390,8 +388,8 @@ MOE_AMX void MatmulAmxInt4Impl(const PackedMatrix& w, const Activations& a, int6
           _tile_stored(3, acc[buf] + 16 * 32 + 16, 128);
           AddGroupSums(acc[buf ^ 1], pending[buf ^ 1]);  // the previous group, while this one's tiles drain
           const int64_t gi = kc / group + g;
-          pending[buf] = Pending{sums.data() + 2 * m0, w.block_scales(b, gi), w.block_scales(two ? b + 1 : b, gi),
-                                 std::min<int64_t>(32, m - m0)};
+          pending[buf] = StoredGroup{sums.data() + 2 * m0, w.block_scales(b, gi),
+                                     w.block_scales(two ? b + 1 : b, gi), std::min<int64_t>(32, m - m0)};
           buf ^= 1;
         }
       }
