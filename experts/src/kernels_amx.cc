@@ -1,6 +1,7 @@
 // AMX expert kernels: 32 tokens x 32 rows per pass in four accumulator tiles (tmm0-3), two
-// activation tiles (tmm4-5) and two weight tiles (tmm6-7) read straight from the packed blocks.
-// Bound by tile throughput at many tokens.
+// activation tiles (tmm4-5) and two weight tiles (tmm6-7), read straight from the packed blocks
+// (bf16, int8) or from blocks unpacked to int8 in L1 (int4). Bound by tile throughput at many
+// tokens, or by streaming the weights.
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
