@@ -159,6 +159,17 @@ absl::StatusOr<std::vector<ExpertBenchRow>> RunExpertBench(const ExpertBenchOpti
         if (o.phases) log << "      trials" << trials << " ms/call; last: " << pool->PhaseReport() << "\n";
         rows.push_back(row);
       }
+      // The kernel alone, without a call's sorting, gathering and sums: what its streaming of the
+      // weights leaves of the read bandwidth (the portable reference is not a contender).
+      if (o.stream_tokens > 0 && kind != experts::KernelKind::kPortable) {
+        const experts::ExpertPool::KernelStream ks = pool->MeasureKernelStream(o.stream_tokens);
+        const double read = pool->MeasureReadBandwidth(static_cast<size_t>(o.read_bytes), 2);
+        log << absl::StrFormat(
+            "  %-5s %-10s alone over the arena, %d tokens per expert: gate+up %.1f, down %.1f, both %.1f GB/s "
+            "(%.0f%%, %.0f%%, %.0f%% of %.0f GB/s read)\n",
+            format_name, kernel_name, o.stream_tokens, ks.gate_up_gbps, ks.down_gbps, ks.all_gbps,
+            100 * ks.gate_up_gbps / read, 100 * ks.down_gbps / read, 100 * ks.all_gbps / read, read);
+      }
     }
   }
   // The roofline is the best read bandwidth measured anywhere in the run: on a shared host the

@@ -34,6 +34,9 @@ struct ExpertBenchOptions {
   // spinning; only the calls are timed. 0: back to back.
   double gap_us = 0;
   int64_t linger_us = 2000;  // ExpertPoolOptions::linger_us
+  // After each kernel's points: the kernel alone streaming the whole arena with this many tokens
+  // per expert (ExpertPool::MeasureKernelStream), against the read bandwidth; 0: skipped.
+  int64_t stream_tokens = 64;
 };
 
 struct ExpertBenchRow {

@@ -188,7 +188,9 @@ TEST(CliTest, MakeModelShardsBigCheckpointsAndLoadsThemTheSame) {
   for (const auto& entry : fs::directory_iterator(dir / "sharded")) {
     shards += entry.path().filename().string().rfind("model-0", 0) == 0;
     // The limit counts tensor bytes, as Hugging Face's max_shard_size does; the header comes on top.
-    if (entry.path().extension() == ".safetensors") EXPECT_LE(fs::file_size(entry.path()), (1u << 20) + 65536);
+    if (entry.path().extension() == ".safetensors") {
+      EXPECT_LE(fs::file_size(entry.path()), (1u << 20) + 65536);
+    }
   }
   EXPECT_GE(shards, 2);
   std::vector<std::string> ids;
@@ -230,6 +232,9 @@ TEST(CliBenchTest, ExpertBenchPrintsRowsAgainstTheMeasuredBandwidth) {
   r = testing::RunMoeserve({"bench", "experts", "--batches", "0"});
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_THAT(r.err, HasSubstr("--batches: '0' is not a positive batch size"));
+  r = testing::RunMoeserve({"bench", "experts", "--stream-tokens", "-1"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("--stream-tokens must be at least 0"));
 }
 
 TEST(CliBenchTest, ASecondProcessAttachesToTheSharedArena) {

@@ -54,6 +54,8 @@ absl::Status ReadBenchOptions(const Flags& flags, bench::ExpertBenchOptions* o) 
   MOE_ASSIGN_OR_RETURN(o->gap_us, flags.Double("gap-us"));
   MOE_ASSIGN_OR_RETURN(o->linger_us, flags.Int("linger-us"));
   if (o->gap_us < 0 || o->linger_us < 0) return absl::InvalidArgumentError("--gap-us and --linger-us must be at least 0");
+  MOE_ASSIGN_OR_RETURN(o->stream_tokens, flags.Int("stream-tokens"));
+  if (o->stream_tokens < 0) return absl::InvalidArgumentError("--stream-tokens must be at least 0");
   o->formats = SplitList(flags.Get("formats"));
   o->kernels = SplitList(flags.Get("kernels"));
   o->batches.clear();
@@ -97,6 +99,11 @@ int BenchExperts(int argc, char** argv) {
             "0");
   flags.Add("linger-us", "US", "microseconds the pool's threads stay awake after a call for the next one; 0: they sleep",
             "2000");
+  flags.Add("stream-tokens", "N",
+            "after each kernel's points, the kernel alone running over every expert of the arena with N tokens per "
+            "expert (no sorting, gathering or sums): gate+up, down and both in GB/s of weights, against the read "
+            "bandwidth; 0: skip",
+            "64");
   flags.AddSwitch("phases",
                   "after each point, its trials, the time of each phase of a call, and how the threads spent the sort "
                   "and experts phase");

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <functional>
 #include <mutex>
+#include <tuple>
 
 #include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
@@ -566,6 +567,13 @@ void SpinUntil(const std::atomic<int64_t>& flag, int64_t value) {
   for (int spins = 0; flag.load(std::memory_order_acquire) < value; ++spins) Relax(spins);
 }
 
+// Blocks per work item of a batch call: about eight items per thread over the `active` experts'
+// matrices of `blocks` blocks, in whole gate+up pairs. Down items are at most kDownItemBlocks.
+int64_t BatchItemBlocks(int64_t active, int64_t blocks, int threads) {
+  return std::max<int64_t>(2, (active * blocks / (8 * threads) + 1) / 2 * 2);
+}
+constexpr int64_t kDownItemBlocks = 16;
+
 }  // namespace
 
 // One call: the slots sorted by expert (in Impl's scratch), the active experts, and the steps
@@ -974,7 +982,7 @@ void ExpertPool::RunBatch(Call& c) {
     int64_t index;  // in c.active
     int64_t b0, b1;
   };
-  constexpr int64_t kDownItemBlocks = 16, kReduceBlocks = 128;
+  constexpr int64_t kReduceBlocks = 128;
   const int64_t gu_blocks = gate_up_.blocks(), down_blocks = down_.blocks();
   // The queues, set up by plan once the slots are counted (the other threads wait for it).
   int64_t n_active = 0;
@@ -993,9 +1001,7 @@ void ExpertPool::RunBatch(Call& c) {
   auto plan = [&] {
     n_active = static_cast<int64_t>(c.active.size());
     auto chunk_for = [&](int64_t blocks) {
-      if (c.uniform) return int64_t{2};
-      const int64_t work = n_active * blocks;
-      return std::max<int64_t>(2, (work / (8 * threads_) + 1) / 2 * 2);
+      return c.uniform ? int64_t{2} : BatchItemBlocks(n_active, blocks, threads_);
     };
     // Gate+up items, expert after expert; the last experts' (about one item per thread) are cut
     // four times finer.
@@ -1169,6 +1175,81 @@ double ExpertPool::MeasureReadBandwidth(size_t bytes, int repeats) {
     });
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     best = std::max(best, static_cast<double>(n * sizeof(float)) / secs / 1e9);
+  }
+  return best;
+}
+
+ExpertPool::KernelStream ExpertPool::MeasureKernelStream(int64_t tokens, int repeats) {
+  KernelStream best;
+  if (in_flight_ || tokens < 1) return best;
+  impl_->crew.Park();  // as MeasureReadBandwidth
+  const KernelKind kind = KernelFor(tokens);
+  const ExpertFormat format = options_.format;
+  const int64_t h = shape_.hidden, inter = shape_.intermediate;
+  const int64_t matrices = static_cast<int64_t>(shape_.num_layers) * shape_.num_experts;
+  const int64_t gu_item = BatchItemBlocks(shape_.num_experts, gate_up_.blocks(), threads_);
+  const int64_t down_item = std::min(kDownItemBlocks, BatchItemBlocks(shape_.num_experts, down_.blocks(), threads_));
+  const MatmulKernel matmul = GetKernel(kind, format);
+  const SwiGluKernel swiglu = GetSwiGluKernel(kind, format);
+  // Each thread's own activations (the same values on every thread) and result rows.
+  struct Scratch {
+    Activations in, mid;
+    std::vector<float> y_gate_up, y_down;
+  };
+  std::vector<Scratch> scratch(threads_);
+  std::vector<float> x(static_cast<size_t>(tokens) * std::max(h, inter));
+  for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(static_cast<int>(i * 2654435761u % 2001) - 1000) / 1000;
+  const int64_t ld_gate_up = swiglu != nullptr ? inter : gate_up_.n_pad + 16, ld_down = h + 16;
+  std::atomic<bool> failed{false};
+  auto each_thread = [&](auto&& f) {
+    impl_->arena.execute([&] {
+      tbb::parallel_for(tbb::blocked_range<int>(0, threads_, 1), [&](const tbb::blocked_range<int>& r) {
+        for (int t = r.begin(); t < r.end(); ++t) f(t);
+      }, tbb::static_partitioner());
+    });
+  };
+  each_thread([&](int t) {
+    Scratch& s = scratch[t];
+    absl::Status st = PrepareThreadForKernel(kind);
+    if (st.ok()) st = s.in.Prepare(x.data(), tokens, h, gate_up_.k_pad, kind, format, SumGroup(gate_up_));
+    if (st.ok()) st = s.mid.Prepare(x.data(), tokens, inter, down_.k_pad, kind, format, SumGroup(down_));
+    if (!st.ok()) failed = true;
+    s.y_gate_up.assign(static_cast<size_t>(tokens) * ld_gate_up, 0.0f);
+    s.y_down.assign(static_cast<size_t>(tokens) * ld_down, 0.0f);
+  });
+  if (failed) return best;
+  auto run = [&](int t, bool gate_up, bool down) {
+    Scratch& s = scratch[t];
+    for (int64_t i = t; i < matrices; i += threads_) {
+      const int layer = static_cast<int>(i / shape_.num_experts), e = static_cast<int>(i % shape_.num_experts);
+      if (gate_up) {
+        const PackedMatrix w = GateUp(layer, e);
+        for (int64_t b0 = 0; b0 < gate_up_.blocks(); b0 += gu_item) {
+          const int64_t b1 = std::min(gate_up_.blocks(), b0 + gu_item);
+          if (swiglu != nullptr) {
+            swiglu(w, s.in, b0, b1, inter, s.y_gate_up.data() + b0 / 2 * 16, ld_gate_up);
+          } else {
+            matmul(w, s.in, b0, b1, s.y_gate_up.data() + b0 * 16, ld_gate_up);
+          }
+        }
+      }
+      if (down) {
+        const PackedMatrix w = Down(layer, e);
+        for (int64_t b0 = 0; b0 < down_.blocks(); b0 += down_item) {
+          matmul(w, s.mid, b0, std::min(down_.blocks(), b0 + down_item), s.y_down.data() + b0 * 16, ld_down);
+        }
+      }
+    }
+  };
+  for (int r = 0; r < repeats; ++r) {
+    for (auto [gate_up, down, gbps] : {std::tuple{true, false, &best.gate_up_gbps},
+                                       std::tuple{false, true, &best.down_gbps}, std::tuple{true, true, &best.all_gbps}}) {
+      const double bytes = static_cast<double>(matrices) * ((gate_up ? gate_up_.bytes() : 0) + (down ? down_.bytes() : 0));
+      const auto t0 = std::chrono::steady_clock::now();
+      each_thread([&, gate_up = gate_up, down = down](int t) { run(t, gate_up, down); });
+      const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      *gbps = std::max(*gbps, bytes / secs / 1e9);
+    }
   }
   return best;
 }

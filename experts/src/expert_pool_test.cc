@@ -183,12 +183,40 @@ TEST_F(ExpertPoolBehaviour, SubmitReturnsAndWaitDeliversWhileTheCallerWorks) {
   auto second = pool->Submit(1, r.x.data(), 9, r.ids.data(), r.w.data(), again.data());
   EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(pool->MeasureReadBandwidth(1 << 20, 1), 0.0);  // not during a call
+  EXPECT_EQ(pool->MeasureKernelStream(8, 1).all_gbps, 0.0);
   double other_work = 0;
   for (int i = 0; i < 100000; ++i) other_work += std::sqrt(double(i));  // the caller's own work
   ASSERT_TRUE(pool->Wait(*ticket).ok());
   EXPECT_GT(other_work, 0);
   ASSERT_TRUE(pool->Compute(1, r.x.data(), 9, r.ids.data(), r.w.data(), again.data()).ok());
   EXPECT_EQ(out, again);
+}
+
+TEST_F(ExpertPoolBehaviour, KernelStreamTimesEveryPartAndLeavesCallsAsTheyWere) {
+  // Every format, with the kernel the pool picks for 16 tokens per expert and with each kernel
+  // this CPU has forced: three positive rates, and a call afterwards gives the same bits.
+  for (ExpertFormat format : {ExpertFormat::kBF16, ExpertFormat::kInt8, ExpertFormat::kInt4}) {
+    auto pool = Make(2, format);
+    Routing r = RandomRouting(SmallShape(), 24, 5);
+    std::vector<float> before(r.x.size()), after(r.x.size());
+    ASSERT_TRUE(pool->Compute(1, r.x.data(), 24, r.ids.data(), r.w.data(), before.data()).ok());
+    std::vector<std::optional<KernelKind>> kinds = {std::nullopt};
+    for (KernelKind k : KernelsFor(format)) {
+      if (KernelUnsupportedReason(k, format, core::GetCpuFeatures()).empty()) kinds.push_back(k);
+    }
+    for (const std::optional<KernelKind>& kind : kinds) {
+      const std::string name = std::string(FormatName(format)) + " " + (kind ? KernelName(*kind) : "chosen");
+      ASSERT_TRUE(pool->SetKernel(kind).ok()) << name;
+      const ExpertPool::KernelStream ks = pool->MeasureKernelStream(16, 1);
+      EXPECT_GT(ks.gate_up_gbps, 0.0) << name;
+      EXPECT_GT(ks.down_gbps, 0.0) << name;
+      EXPECT_GT(ks.all_gbps, 0.0) << name;
+      EXPECT_EQ(pool->MeasureKernelStream(0).all_gbps, 0.0) << name;
+    }
+    ASSERT_TRUE(pool->SetKernel(std::nullopt).ok());
+    ASSERT_TRUE(pool->Compute(1, r.x.data(), 24, r.ids.data(), r.w.data(), after.data()).ok());
+    EXPECT_EQ(before, after) << FormatName(format);
+  }
 }
 
 TEST_F(ExpertPoolBehaviour, CallsAgreeWhetherTheThreadsLingeredOrSlept) {
@@ -221,7 +249,9 @@ TEST_F(ExpertPoolBehaviour, CallsAgreeWhetherTheThreadsLingeredOrSlept) {
       EXPECT_EQ(out_a, want_a) << "linger " << linger_us << " us, round " << round;
       EXPECT_EQ(out_b, want_b) << "linger " << linger_us << " us, round " << round;
       if (round == 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));  // past a short linger
-      if (round == 1) EXPECT_GT((*pool)->MeasureReadBandwidth(1 << 20, 1), 0.0);
+      if (round == 1) {
+        EXPECT_GT((*pool)->MeasureReadBandwidth(1 << 20, 1), 0.0);
+      }
     }
   }
   // Calls posted just as the threads give up lingering (20 us), again and again.

@@ -99,6 +99,15 @@ class ExpertPool {
   absl::Status SetKernel(std::optional<KernelKind> kernel);
   // Reads a `bytes` buffer with the pool's threads, best of `repeats`: GB/s (0 during a call).
   double MeasureReadBandwidth(size_t bytes, int repeats = 5);
+  // How fast the kernels alone stream the arena's weights, against MeasureReadBandwidth: every
+  // thread runs the kernel a call with `tokens` tokens per expert uses (SetKernel's if forced)
+  // over its share of all the arena's experts, in a batch call's work items, best of `repeats`.
+  // GB/s of weights for gate+up alone, down alone, and both per expert; zeros during a call or
+  // for tokens < 1.
+  struct KernelStream {
+    double gate_up_gbps = 0, down_gbps = 0, all_gbps = 0;
+  };
+  KernelStream MeasureKernelStream(int64_t tokens, int repeats = 3);
   // Mean wall time of each phase of a call since the last ResetPhases(), and the share of the
   // threads' time in the sort and experts phase each kind of work took (the rest idle: before a
   // thread's first piece of work, after its last, or waiting in between), for benchmarks.
