@@ -102,8 +102,8 @@ class ExpertPool {
   // How fast the kernels alone stream the arena's weights, against MeasureReadBandwidth: every
   // thread runs the kernel a call with `tokens` tokens per expert uses (SetKernel's if forced)
   // over its share of all the arena's experts, in a batch call's work items, best of `repeats`.
-  // GB/s of weights for gate+up alone, down alone, and both per expert; zeros during a call or
-  // for tokens < 1.
+  // GB/s of weights for gate+up alone, down alone, and both per expert; zeros during a call, for
+  // tokens < 1, or if the kernel cannot run on this thread (AMX refused by the OS).
   struct KernelStream {
     double gate_up_gbps = 0, down_gbps = 0, all_gbps = 0;
   };
