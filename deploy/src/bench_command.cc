@@ -78,6 +78,7 @@ int BenchExperts(int argc, char** argv) {
               "hidden 2048, 128 experts, top-8, intermediate 768) for every format, kernel and batch, against\n"
               "the host read bandwidth measured with the same threads in the same run. Weights are random.\n"
               "Columns: ms per call, GB/s of expert weights touched, ratio to the read bandwidth, TFLOP/s.\n"
+              "After each kernel's points, the kernel alone over every expert of the arena (--stream-tokens).\n"
               "Last, at 64 tokens and more, each kernel's speed over its format's AVX-512 path (the same run),\n"
               "and the most it could be: the AVX-512 time over the time to read the weights once.");
   flags.Add("threads", "N", "pool threads; 0 uses every core", "0");
