@@ -247,12 +247,19 @@ TEST(CliBenchTest, ASecondProcessAttachesToTheSharedArena) {
   const nlohmann::json a = LastJsonLine(first.out);
   EXPECT_FALSE(a["attached"].get<bool>());
   EXPECT_GT(a["checkpoint_bytes"].get<int64_t>(), 0);
+  // Against the bound measured in the same run: the checkpoint files read with the same threads.
+  EXPECT_GE(a["cached_before"].get<double>(), 0.0);
+  EXPECT_LE(a["cached_before"].get<double>(), 1.0);
+  EXPECT_GT(a["page_cache_gbps"].get<double>(), 0.0);
+  EXPECT_GT(a["read_gbps"].get<double>(), 0.0);
+  EXPECT_NEAR(a["ratio"].get<double>(), a["load_gbps"].get<double>() / a["read_gbps"].get<double>(), 1e-9);
   auto second = testing::RunMoeserve(
       {"bench", "load", "--model", model, "--expert-format", "int8", "--expert-shm", name, "--json", "--unlink"});
   ASSERT_EQ(second.exit_code, 0) << second.err;
   const nlohmann::json b = LastJsonLine(second.out);
   EXPECT_TRUE(b["attached"].get<bool>());
   EXPECT_EQ(b["checkpoint_bytes"].get<int64_t>(), 0);
+  EXPECT_EQ(b["read_gbps"].get<double>(), 0.0);  // nothing read, nothing to bound
   EXPECT_FALSE(std::filesystem::exists("/dev/shm/" + name));
   // Generation through an attached arena gives the same tokens as a private one.
   auto third = testing::RunMoeserve({"bench", "load", "--model", model, "--expert-format", "int8", "--expert-shm", name});

@@ -461,19 +461,34 @@ absl::Status ExpertPool::Load(const ExpertWeightSource& source) {
       }
       // Fused gate+up: 16 gate rows, then the same 16 up rows, block after block.
       const PackedMatrix gu = GateUp(layer, expert);
-      PackRows(
-          gate_up_,
-          [&](int64_t n, float* dst) {
-            const int64_t unit = (n / 32) * 16 + n % 16;
-            const core::TensorView& src = (n / 16) % 2 == 0 ? w->gate : w->up;
-            if (unit >= inter) {
-              std::fill(dst, dst + h, 0.0f);
-              return;
-            }
-            const int64_t elem = core::DTypeSize(src.dtype);
-            core::ConvertToFloat(static_cast<const uint8_t*>(src.data) + unit * h * elem, src.dtype, dst, h);
-          },
-          const_cast<uint8_t*>(gu.data));
+      auto gate_up_row = [&](int64_t n) -> std::pair<const core::TensorView*, int64_t> {
+        const int64_t unit = (n / 32) * 16 + n % 16;
+        return {(n / 16) % 2 == 0 ? &w->gate : &w->up, unit};
+      };
+      if (options_.format == ExpertFormat::kBF16 && w->gate.dtype == core::DType::kBF16 &&
+          w->up.dtype == core::DType::kBF16) {
+        // bf16 rows go in as they are, without floats in between.
+        PackRowsBf16(
+            gate_up_,
+            [&](int64_t n) -> const uint16_t* {
+              const auto [src, unit] = gate_up_row(n);
+              return unit < inter ? static_cast<const uint16_t*>(src->data) + unit * h : nullptr;
+            },
+            const_cast<uint8_t*>(gu.data));
+      } else {
+        PackRows(
+            gate_up_,
+            [&](int64_t n, float* dst) {
+              const auto [src, unit] = gate_up_row(n);
+              if (unit >= inter) {
+                std::fill(dst, dst + h, 0.0f);
+                return;
+              }
+              const int64_t elem = core::DTypeSize(src->dtype);
+              core::ConvertToFloat(static_cast<const uint8_t*>(src->data) + unit * h * elem, src->dtype, dst, h);
+            },
+            const_cast<uint8_t*>(gu.data));
+      }
       const PackedMatrix d = Down(layer, expert);
       error.Set(PackMatrix(w->down, down_, const_cast<uint8_t*>(d.data)));
       const int64_t n = w->gate.bytes() + w->up.bytes() + w->down.bytes();

@@ -6,8 +6,11 @@
 #include <random>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "moe/core/cpu_features.h"
 #include "moe/core/dtype.h"
+#include "moe/core/memory.h"
 #include "moe/core/status.h"
 
 namespace moe::experts {
@@ -288,6 +291,81 @@ TEST(ActivationsTest, GatherEqualsPreparingTheRows) {
   Activations bf16, out;
   ASSERT_TRUE(bf16.Prepare(x.data(), tokens, k, k_pad, KernelKind::kAvx512, ExpertFormat::kBF16, k_pad).ok());
   EXPECT_EQ(out.Gather(bf16, pick.data(), m, KernelKind::kAvx512).code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(PackedTest, TheAvx512PackerWritesTheSameBytesAsThePlainOne) {
+  const core::CpuFeatures& cpu = core::GetCpuFeatures();
+  if (!cpu.avx512f || !cpu.avx512bw) GTEST_SKIP() << "this CPU has no AVX-512 F and BW: " << cpu.ToString();
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0f, 0.5f);
+  struct Case {
+    ExpertFormat format;
+    int group;
+  };
+  for (const Case& c : {Case{ExpertFormat::kBF16, 32}, Case{ExpertFormat::kInt8, 32}, Case{ExpertFormat::kInt4, 32},
+                        Case{ExpertFormat::kInt4, 64}, Case{ExpertFormat::kInt4, 128}}) {
+    for (auto [n, k] : {std::pair<int64_t, int64_t>{16, 64}, {17, 100}, {45, 1100}, {33, 300}, {64, 2048}}) {
+      std::vector<float> w(n * k);
+      for (float& v : w) v = normal(rng);
+      // Rows that round exactly half-way: with the largest value 127 (int8) or 7 (int4) the scale
+      // is 1 and x.5 must go to the even neighbour; bf16 gets values half-way between two bf16s.
+      const float top = c.format == ExpertFormat::kInt8 ? 127.0f : 7.0f;
+      for (int64_t j = 0; j < k; ++j) w[1 * k + j] = j == 0 ? top : static_cast<float>(j % 13) - 6.5f;
+      for (int64_t j = 0; j < k; ++j) w[2 * k + j] = 0.0f;  // all zero: scale 1
+      for (int64_t j = 0; j < k; ++j) {
+        uint32_t bits = 0x3f800000u + (static_cast<uint32_t>(j) << 16) + 0x8000u;  // ties
+        std::memcpy(&w[3 * k + j], &bits, 4);
+      }
+      auto layout = MakeLayout(c.format, n, k, c.group);
+      ASSERT_TRUE(layout.ok());
+      std::vector<uint8_t> plain(layout->bytes() + 64, 0xAB), fast(layout->bytes() + 64, 0xCD);
+      auto* plain_out = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(plain.data()) + 63) & ~uintptr_t{63});
+      auto* fast_out = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(fast.data()) + 63) & ~uintptr_t{63});
+      auto rows = [&](int64_t row, float* dst) { std::memcpy(dst, w.data() + row * k, k * sizeof(float)); };
+      internal::PackRowsWith(*layout, rows, plain_out, /*vector=*/false);
+      internal::PackRowsWith(*layout, rows, fast_out, /*vector=*/true);
+      const std::string name = absl::StrCat(FormatName(c.format), " group ", c.group, ", ", n, " x ", k);
+      ASSERT_EQ(std::memcmp(plain_out, fast_out, layout->bytes()), 0) << name;
+      // And the values are the ones the layout promises.
+      const PackedMatrix m{*layout, fast_out};
+      EXPECT_EQ(UnpackValue(m, 1, 1), c.format == ExpertFormat::kBF16 ? -5.5f : -6.0f) << name;  // -5.5 to even
+      EXPECT_EQ(UnpackValue(m, n, 0), 0.0f) << name;  // a padding row
+    }
+  }
+}
+
+TEST(PackedTest, Bf16RowsPackAsTheirFloatValuesDo) {
+  // Rows of bf16 as stored (odd lengths, rows of zeros, NaN) give the bytes the plain packer gives
+  // from their float values.
+  std::mt19937 rng(12);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (auto [n, k] : {std::pair<int64_t, int64_t>{16, 64}, {17, 100}, {45, 1100}, {33, 31}, {64, 2048}}) {
+    std::vector<uint16_t> bits(n * k);
+    for (uint16_t& v : bits) v = core::FloatToBf16(normal(rng));
+    bits[k + 1] = 0x7f81;  // a signalling NaN, which comes out quiet
+    bits[k + 2] = 0xffc1;
+    auto layout = MakeLayout(ExpertFormat::kBF16, n, k);
+    ASSERT_TRUE(layout.ok());
+    auto plain = core::AlignedBuffer::Allocate(layout->bytes());
+    auto fast = core::AlignedBuffer::Allocate(layout->bytes());
+    ASSERT_TRUE(plain.ok() && fast.ok());
+    internal::PackRowsWith(
+        *layout,
+        [&](int64_t row, float* dst) {
+          if (row % 5 == 4) return std::fill(dst, dst + k, 0.0f);
+          core::ConvertToFloat(bits.data() + row * k, core::DType::kBF16, dst, k);
+        },
+        plain->as<uint8_t>(), /*vector=*/false);
+    PackRowsBf16(
+        *layout, [&](int64_t row) { return row % 5 == 4 ? nullptr : bits.data() + row * k; }, fast->as<uint8_t>());
+    EXPECT_EQ(std::memcmp(plain->as<uint8_t>(), fast->as<uint8_t>(), layout->bytes()), 0) << n << " x " << k;
+    // PackMatrix takes the same path for bf16 tensors.
+    auto via_matrix = core::AlignedBuffer::Allocate(layout->bytes());
+    ASSERT_TRUE(via_matrix.ok());
+    for (int64_t row = 4; row < n; row += 5) std::fill(bits.begin() + row * k, bits.begin() + (row + 1) * k, 0);
+    ASSERT_TRUE(PackMatrix({bits.data(), core::DType::kBF16, {n, k}}, *layout, via_matrix->as<uint8_t>()).ok());
+    EXPECT_EQ(std::memcmp(plain->as<uint8_t>(), via_matrix->as<uint8_t>(), layout->bytes()), 0) << n << " x " << k;
+  }
 }
 
 TEST(PackedTest, RejectsBadShapesAndGroups) {

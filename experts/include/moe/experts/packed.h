@@ -74,8 +74,20 @@ absl::Status PackMatrix(const core::TensorView& w, const MatrixLayout& layout, u
 // Packs rows produced by `row(n, dst)`, which writes the layout.k floats of row n < layout.n.
 void PackRows(const MatrixLayout& layout, const std::function<void(int64_t n, float* dst)>& row, uint8_t* out);
 
+// Packs bf16 rows as stored: `row(n)` gives the layout.k values of row n < layout.n, or null for a
+// row of zeros. The same bytes as PackRows from their float values, without converting them
+// (where the CPU has AVX-512 and the layout is bf16; otherwise through PackRows).
+void PackRowsBf16(const MatrixLayout& layout, const std::function<const uint16_t*(int64_t n)>& row, uint8_t* out);
+
 // The value the kernels compute with, for tests and the portable kernel: W[n][k] after
 // quantization (0 in the padding).
 float UnpackValue(const PackedMatrix& m, int64_t n, int64_t k);
+
+namespace internal {
+// PackRows with the AVX-512 packer (vector, where the CPU has AVX-512 F and BW) or the plain one,
+// value by value; both write the same bytes (a test checks it).
+void PackRowsWith(const MatrixLayout& layout, const std::function<void(int64_t n, float* dst)>& row, uint8_t* out,
+                  bool vector);
+}  // namespace internal
 
 }  // namespace moe::experts

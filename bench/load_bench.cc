@@ -1,0 +1,151 @@
+#include "load_bench.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+
+namespace moe::bench {
+namespace {
+
+constexpr int64_t kPiece = 8 << 20;  // bytes per read; a multiple of any O_DIRECT alignment
+
+// Open file descriptors, closed on the way out.
+struct Fds {
+  std::vector<int> fds;
+  ~Fds() {
+    for (int fd : fds) ::close(fd);
+  }
+};
+
+}  // namespace
+
+absl::StatusOr<std::vector<std::string>> CheckpointFiles(const std::string& dir) {
+  std::error_code ec;
+  std::vector<std::string> files;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    if (entry.path().extension() == ".safetensors") files.push_back(entry.path().string());
+  }
+  if (ec) return absl::NotFoundError(absl::StrCat(dir, ": cannot list: ", ec.message()));
+  if (files.empty()) return absl::NotFoundError(absl::StrCat(dir, ": no .safetensors files"));
+  std::sort(files.begin(), files.end());
+  return files;
+}
+
+absl::StatusOr<int64_t> FilesBytes(const std::vector<std::string>& files) {
+  int64_t total = 0;
+  for (const std::string& f : files) {
+    std::error_code ec;
+    const auto size = std::filesystem::file_size(f, ec);
+    if (ec) return absl::NotFoundError(absl::StrCat(f, ": ", ec.message()));
+    total += static_cast<int64_t>(size);
+  }
+  return total;
+}
+
+absl::StatusOr<double> CachedShare(const std::vector<std::string>& files) {
+  const int64_t page = ::sysconf(_SC_PAGESIZE);
+  int64_t total = 0, cached = 0;
+  for (const std::string& f : files) {
+    const int fd = ::open(f.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return absl::NotFoundError(absl::StrCat(f, ": cannot open: ", std::strerror(errno)));
+    struct stat st;
+    if (::fstat(fd, &st) != 0) {
+      ::close(fd);
+      return absl::InternalError(absl::StrCat(f, ": cannot stat: ", std::strerror(errno)));
+    }
+    const int64_t size = st.st_size;
+    total += size;
+    if (size == 0) {
+      ::close(fd);
+      continue;
+    }
+    // Mapping the file reads nothing; mincore says which of its pages are resident.
+    void* addr = ::mmap(nullptr, static_cast<size_t>(size), PROT_READ, MAP_SHARED, fd, 0);
+    ::close(fd);
+    if (addr == MAP_FAILED) return absl::InternalError(absl::StrCat(f, ": cannot map: ", std::strerror(errno)));
+    std::vector<unsigned char> resident(static_cast<size_t>((size + page - 1) / page));
+    const int rc = ::mincore(addr, static_cast<size_t>(size), resident.data());
+    const int err = errno;
+    ::munmap(addr, static_cast<size_t>(size));
+    if (rc != 0) return absl::InternalError(absl::StrCat(f, ": mincore: ", std::strerror(err)));
+    for (size_t p = 0; p < resident.size(); ++p) {
+      if (resident[p] & 1) cached += std::min<int64_t>(page, size - static_cast<int64_t>(p) * page);
+    }
+  }
+  return total == 0 ? 1.0 : static_cast<double>(cached) / static_cast<double>(total);
+}
+
+absl::StatusOr<double> ReadFilesGbps(const std::vector<std::string>& files, int threads, bool direct) {
+  struct Piece {
+    int file;
+    int64_t offset;
+  };
+  std::vector<Piece> pieces;
+  Fds fds;
+  int64_t total = 0;
+  for (size_t i = 0; i < files.size(); ++i) {
+    const int fd = ::open(files[i].c_str(), O_RDONLY | O_CLOEXEC | (direct ? O_DIRECT : 0));
+    if (fd < 0) {
+      if (direct && errno == EINVAL) {
+        return absl::UnimplementedError(absl::StrCat(files[i], ": the filesystem refuses O_DIRECT"));
+      }
+      return absl::NotFoundError(absl::StrCat(files[i], ": cannot open: ", std::strerror(errno)));
+    }
+    fds.fds.push_back(fd);
+    struct stat st;
+    if (::fstat(fd, &st) != 0) return absl::InternalError(absl::StrCat(files[i], ": cannot stat"));
+    for (int64_t o = 0; o < st.st_size; o += kPiece) pieces.push_back({static_cast<int>(i), o});
+    total += st.st_size;
+  }
+  threads = std::max(1, threads);
+  std::atomic<size_t> next{0};
+  std::atomic<int> failure{0};  // errno of the first failed read
+  auto reader = [&] {
+    // O_DIRECT needs an aligned buffer; 2 MiB also suits huge pages.
+    std::unique_ptr<void, decltype(&std::free)> buffer(std::aligned_alloc(2 << 20, kPiece), &std::free);
+    if (buffer == nullptr) {
+      failure = ENOMEM;
+      return;
+    }
+    for (size_t p; (p = next.fetch_add(1)) < pieces.size() && failure.load() == 0;) {
+      const int fd = fds.fds[pieces[p].file];
+      for (int64_t done = 0; done < kPiece;) {
+        const ssize_t n = ::pread(fd, static_cast<char*>(buffer.get()) + done, kPiece - done, pieces[p].offset + done);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) {
+          int expected = 0;
+          failure.compare_exchange_strong(expected, errno);
+          return;
+        }
+        if (n == 0) break;  // end of file
+        done += n;
+        if (direct && done % 4096 != 0) break;  // a short direct read ends at end of file
+      }
+    }
+  };
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) pool.emplace_back(reader);
+  for (std::thread& t : pool) t.join();
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (const int err = failure.load(); err != 0) {
+    if (direct && err == EINVAL) return absl::UnimplementedError("the filesystem refuses O_DIRECT reads");
+    return absl::InternalError(absl::StrCat("reading the checkpoint files: ", std::strerror(err)));
+  }
+  return static_cast<double>(total) / std::max(secs, 1e-9) / 1e9;
+}
+
+}  // namespace moe::bench
