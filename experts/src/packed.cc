@@ -222,7 +222,7 @@ MOE_PACK_AVX512 void PackBlockAvx512(const MatrixLayout& l, const float* tile, i
   // int8 and int4: the scales first (per row; per row and group).
   const bool int8 = l.format == ExpertFormat::kInt8;
   const int64_t groups = int8 ? 1 : l.groups(), group = int8 ? l.k_pad : l.group;
-  alignas(64) float row_scale[16 * 64];  // [row][group]; groups <= k_pad / 32 <= 64 per 2048 columns
+  alignas(64) float row_scale[16 * 64];  // [row][group], on the heap past 64 groups
   std::vector<float> many;
   float* rs = row_scale;
   if (16 * groups > 16 * 64) {
