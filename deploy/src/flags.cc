@@ -122,7 +122,8 @@ void AddExpertFlags(Flags& flags) {
             "microseconds the pool's threads stay awake after a MoE layer, ready for the next (default: 0 on the "
             "CPU backend, whose own threads need the cores between layers; 2000 with the forward on a GPU)");
   flags.Add("expert-shm", "NAME",
-            "keep the packed experts in shared memory /dev/shm/NAME; later processes attach instead of loading");
+            "keep the packed experts in shared memory /dev/shm/NAME (and NAME.1, ... when large); later processes attach "
+            "instead of loading");
 }
 
 absl::Status ReadExpertFlags(const Flags& flags, runtime::ModelOptions* options) {

@@ -2,8 +2,8 @@
 //
 // Private arenas are anonymous memory, 2 MiB aligned, backed by huge pages where the kernel
 // gives them (explicit hugetlb pages first, then transparent huge pages), 4 KiB pages otherwise.
-// Shared arenas are a named POSIX shared-memory segment (/dev/shm/NAME): the first process
-// creates and fills it, then Publish()es it; later processes (a restarted worker, the other
+// Shared arenas are a named POSIX shared-memory segment (/dev/shm/NAME, in parts NAME.1, NAME.2,
+// ... when large): the first process creates and fills it, then Publish()es it; later processes (a restarted worker, the other
 // workers of the host) attach read-only in well under a second, without reloading. A segment
 // records a key (model, format, layout); attaching with another key is an error.
 //
@@ -25,9 +25,12 @@ class HostArena {
   static absl::StatusOr<std::unique_ptr<HostArena>> CreatePrivate(size_t bytes);
   // Attaches to segment `name` if it holds `key` and is complete; otherwise creates it (a stale
   // segment whose creator died is replaced). kFailedPrecondition if it holds another key;
-  // kUnavailable if another live process is still filling it.
-  static absl::StatusOr<std::unique_ptr<HostArena>> OpenShared(const std::string& name, uint64_t key, size_t bytes);
-  // Removes segment `name` (the memory goes once every process has unmapped it).
+  // kUnavailable if another live process is still filling it. A segment of more than
+  // min_part_bytes comes in parts (/dev/shm/NAME, NAME.1, ... up to 16), mapped end to end, so
+  // that the threads filling it get pages side by side.
+  static absl::StatusOr<std::unique_ptr<HostArena>> OpenShared(const std::string& name, uint64_t key, size_t bytes,
+                                                               size_t min_part_bytes = 256u << 20);
+  // Removes segment `name` and its parts (the memory goes once every process has unmapped it).
   static absl::Status Unlink(const std::string& name);
 
   ~HostArena();
