@@ -145,6 +145,11 @@ absl::StatusOr<std::unique_ptr<HostArena>> HostArena::OpenShared(const std::stri
         ::close(fd);
         return absl::UnavailableError(absl::StrCat("shared memory ", path, " is being created; try again"));
       }
+      if (std::all_of(seen.magic, seen.magic + 8, [](char c) { return c == 0; })) {
+        ::close(fd);  // sized, its header not written yet (for microseconds, unless its creator died then)
+        return absl::UnavailableError(absl::StrCat("shared memory ", path, " is being created; try again (if it ",
+                                                   "stays so, remove /dev/shm", path, "*)"));
+      }
       const bool ours = std::memcmp(seen.magic, kMagic, 8) == 0 && seen.version == kVersion;
       if (!ours || seen.key != key || seen.bytes != bytes || seen.parts < 1 || seen.parts > kMaxParts ||
           seen.parts * seen.part_bytes < bytes ||
@@ -193,15 +198,8 @@ absl::StatusOr<std::unique_ptr<HostArena>> HostArena::OpenShared(const std::stri
       return fail(absl::ResourceExhaustedError(
           absl::StrCat("shared memory ", path, ": mmap failed: ", std::strerror(map_err))));
     }
-    if (created) UnlinkOtherParts(path);  // parts a dead creator may have left
-    for (int part = 1; part < n_parts; ++part) {
-      if (absl::Status st = MapPart(path, part, n_part_bytes, created, aligned + kHugePage + part * n_part_bytes);
-          !st.ok()) {
-        return fail(st);
-      }
-    }
     auto* header = static_cast<SegmentHeader*>(p);
-    if (created) {
+    if (created) {  // at once, so that others see who is filling it
       std::memcpy(header->magic, kMagic, 8);
       header->version = kVersion;
       header->key = key;
@@ -210,6 +208,13 @@ absl::StatusOr<std::unique_ptr<HostArena>> HostArena::OpenShared(const std::stri
       header->parts = static_cast<uint32_t>(parts);
       header->part_bytes = part_bytes;
       header->ready.store(0, std::memory_order_release);
+      UnlinkOtherParts(path);  // parts a dead creator may have left
+    }
+    for (int part = 1; part < n_parts; ++part) {
+      if (absl::Status st = MapPart(path, part, n_part_bytes, created, aligned + kHugePage + part * n_part_bytes);
+          !st.ok()) {
+        return fail(st);
+      }
     }
     arena->attached_ = !created;
     arena->mapping_ = aligned;
