@@ -26,7 +26,7 @@ class HostArena {
   // Attaches to segment `name` if it holds `key` and is complete; otherwise creates it (a stale
   // segment whose creator died is replaced). kFailedPrecondition if it holds another key;
   // kUnavailable if another live process is still filling it. A segment of more than
-  // min_part_bytes comes in parts (/dev/shm/NAME, NAME.1, ... up to 16), mapped end to end, so
+  // min_part_bytes comes in parts (/dev/shm/NAME, NAME.1, ... up to 64), mapped end to end, so
   // that the threads filling it get pages side by side.
   static absl::StatusOr<std::unique_ptr<HostArena>> OpenShared(const std::string& name, uint64_t key, size_t bytes,
                                                                size_t min_part_bytes = 256u << 20);
