@@ -44,17 +44,6 @@ absl::StatusOr<std::vector<std::string>> CheckpointFiles(const std::string& dir)
   return files;
 }
 
-absl::StatusOr<int64_t> FilesBytes(const std::vector<std::string>& files) {
-  int64_t total = 0;
-  for (const std::string& f : files) {
-    std::error_code ec;
-    const auto size = std::filesystem::file_size(f, ec);
-    if (ec) return absl::NotFoundError(absl::StrCat(f, ": ", ec.message()));
-    total += static_cast<int64_t>(size);
-  }
-  return total;
-}
-
 absl::StatusOr<double> CachedShare(const std::vector<std::string>& files) {
   const int64_t page = ::sysconf(_SC_PAGESIZE);
   int64_t total = 0, cached = 0;

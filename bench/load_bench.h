@@ -12,9 +12,6 @@ namespace moe::bench {
 // The checkpoint files of a model directory (*.safetensors), sorted; kNotFound if there are none.
 absl::StatusOr<std::vector<std::string>> CheckpointFiles(const std::string& dir);
 
-// Total size of the files in bytes.
-absl::StatusOr<int64_t> FilesBytes(const std::vector<std::string>& files);
-
 // The share of the files' bytes whose pages are in the page cache now (0 to 1).
 absl::StatusOr<double> CachedShare(const std::vector<std::string>& files);
 

@@ -341,6 +341,20 @@ class ExpertPool::Impl {
     }
   }
 
+  // Runs f(t) for t in [0, threads), each on its own thread of the arena (the measurements'
+  // parallel loops; the crew must be parked).
+  template <typename F>
+  void OnEachThread(int threads, F&& f) {
+    arena.execute([&] {
+      tbb::parallel_for(
+          tbb::blocked_range<int>(0, threads, 1),
+          [&](const tbb::blocked_range<int>& r) {
+            for (int t = r.begin(); t < r.end(); ++t) f(t);
+          },
+          tbb::static_partitioner());
+    });
+  }
+
   void StartPhases() { phase_start = std::chrono::steady_clock::now(); }
   // Ends the running phase as `name` and starts the next.
   void EndPhase(const char* name) {
@@ -1170,14 +1184,9 @@ double ExpertPool::MeasureReadBandwidth(size_t bytes, int repeats) {
   float* data = buffer->as<float>();
   const size_t chunk = (n / threads_ + 15) / 16 * 16;
   auto each_chunk = [&](auto&& f) {
-    impl_->arena.execute([&] {
-      tbb::parallel_for(tbb::blocked_range<size_t>(0, static_cast<size_t>(threads_), 1),
-                        [&](const tbb::blocked_range<size_t>& r) {
-        for (size_t t = r.begin(); t < r.end(); ++t) {
-          const size_t b = std::min(n, t * chunk), e = std::min(n, b + chunk);
-          f(data + b, e - b);
-        }
-      }, tbb::static_partitioner());
+    impl_->OnEachThread(threads_, [&](int t) {
+      const size_t b = std::min(n, static_cast<size_t>(t) * chunk), e = std::min(n, b + chunk);
+      f(data + b, e - b);
     });
   };
   each_chunk([](float* p, size_t len) { std::fill(p, p + len, 1.0f); });  // fault the pages in first
@@ -1219,14 +1228,7 @@ ExpertPool::KernelStream ExpertPool::MeasureKernelStream(int64_t tokens, int rep
   for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(static_cast<int>(i * 2654435761u % 2001) - 1000) / 1000;
   const int64_t ld_gate_up = swiglu != nullptr ? inter : gate_up_.n_pad + 16, ld_down = h + 16;
   std::atomic<bool> failed{false};
-  auto each_thread = [&](auto&& f) {
-    impl_->arena.execute([&] {
-      tbb::parallel_for(tbb::blocked_range<int>(0, threads_, 1), [&](const tbb::blocked_range<int>& r) {
-        for (int t = r.begin(); t < r.end(); ++t) f(t);
-      }, tbb::static_partitioner());
-    });
-  };
-  each_thread([&](int t) {
+  impl_->OnEachThread(threads_, [&](int t) {
     Scratch& s = scratch[t];
     absl::Status st = PrepareThreadForKernel(kind);
     if (st.ok()) st = s.in.Prepare(x.data(), tokens, h, gate_up_.k_pad, kind, format, SumGroup(gate_up_));
@@ -1264,7 +1266,7 @@ ExpertPool::KernelStream ExpertPool::MeasureKernelStream(int64_t tokens, int rep
                                        std::tuple{false, true, &best.down_gbps}, std::tuple{true, true, &best.all_gbps}}) {
       const double bytes = static_cast<double>(matrices) * ((gate_up ? gate_up_.bytes() : 0) + (down ? down_.bytes() : 0));
       const auto t0 = std::chrono::steady_clock::now();
-      each_thread([&, gate_up = gate_up, down = down](int t) { run(t, gate_up, down); });
+      impl_->OnEachThread(threads_, [&, gate_up = gate_up, down = down](int t) { run(t, gate_up, down); });
       const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       *gbps = std::max(*gbps, bytes / secs / 1e9);
     }
