@@ -5,6 +5,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
@@ -12,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <thread>
 
@@ -29,6 +34,106 @@ struct Fds {
     for (int fd : fds) ::close(fd);
   }
 };
+
+// Copies n bytes to dst with streaming stores (they bypass the caches, as the packer's do).
+void StreamCopy(uint8_t* dst, const uint8_t* src, size_t n) {
+#if defined(__SSE2__)
+  const size_t head = std::min(n, static_cast<size_t>(-reinterpret_cast<uintptr_t>(dst) & 15));
+  std::memcpy(dst, src, head);
+  size_t i = head;
+  for (; i + 16 <= n; i += 16) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+  }
+  std::memcpy(dst + i, src + i, n - i);
+  _mm_sfence();
+#else
+  std::memcpy(dst, src, n);
+#endif
+}
+
+// Reads the files whole with `threads` threads: each claims 8 MiB pieces in turn and reads them
+// into its own buffer, `chunk` bytes per pread, calling sink(offset across the files, bytes, n)
+// after each (if given). Returns GB/s of file bytes.
+using Sink = std::function<void(int64_t, const uint8_t*, int64_t)>;
+absl::StatusOr<double> ReadPieces(const std::vector<std::string>& files, int threads, bool direct, int64_t chunk,
+                                  const Sink& sink) {
+  struct Piece {
+    int file;
+    int64_t offset, global;  // in the file, and across the files
+  };
+  std::vector<Piece> pieces;
+  Fds fds;
+  int64_t total = 0;
+  for (size_t i = 0; i < files.size(); ++i) {
+    const int fd = ::open(files[i].c_str(), O_RDONLY | O_CLOEXEC | (direct ? O_DIRECT : 0));
+    if (fd < 0) {
+      if (direct && errno == EINVAL) {
+        return absl::UnimplementedError(absl::StrCat(files[i], ": the filesystem refuses O_DIRECT"));
+      }
+      return absl::NotFoundError(absl::StrCat(files[i], ": cannot open: ", std::strerror(errno)));
+    }
+    fds.fds.push_back(fd);
+    struct stat st;
+    if (::fstat(fd, &st) != 0) return absl::InternalError(absl::StrCat(files[i], ": cannot stat"));
+    for (int64_t o = 0; o < st.st_size; o += kPiece) pieces.push_back({static_cast<int>(i), o, total + o});
+    total += st.st_size;
+  }
+  threads = std::max(1, threads);
+  std::atomic<size_t> next{0};
+  std::atomic<int> failure{0};  // errno of the first failed read
+  auto reader = [&] {
+    // O_DIRECT needs an aligned buffer; 2 MiB also suits huge pages.
+    std::unique_ptr<void, decltype(&std::free)> buffer(std::aligned_alloc(2 << 20, kPiece), &std::free);
+    if (buffer == nullptr) {
+      failure = ENOMEM;
+      return;
+    }
+    auto* data = static_cast<uint8_t*>(buffer.get());
+    for (size_t p; (p = next.fetch_add(1)) < pieces.size() && failure.load() == 0;) {
+      const int fd = fds.fds[pieces[p].file];
+      for (int64_t c0 = 0; c0 < kPiece;) {  // chunk after chunk
+        int64_t done = 0;
+        while (done < chunk) {
+          const ssize_t n = ::pread(fd, data + done, chunk - done, pieces[p].offset + c0 + done);
+          if (n < 0 && errno == EINTR) continue;
+          if (n < 0) {
+            int expected = 0;
+            failure.compare_exchange_strong(expected, errno);
+            return;
+          }
+          if (n == 0) break;  // end of file
+          done += n;
+          if (direct && done % 4096 != 0) break;  // a short direct read ends at end of file
+        }
+        if (sink && done > 0) sink(pieces[p].global + c0, data, done);
+        if (done < chunk) break;
+        c0 += done;
+      }
+    }
+  };
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) pool.emplace_back(reader);
+  for (std::thread& t : pool) t.join();
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (const int err = failure.load(); err != 0) {
+    if (direct && err == EINVAL) return absl::UnimplementedError("the filesystem refuses O_DIRECT reads");
+    return absl::InternalError(absl::StrCat("reading the checkpoint files: ", std::strerror(err)));
+  }
+  return static_cast<double>(total) / std::max(secs, 1e-9) / 1e9;
+}
+
+// Bytes the files hold in all.
+absl::StatusOr<int64_t> TotalBytes(const std::vector<std::string>& files) {
+  int64_t total = 0;
+  for (const std::string& f : files) {
+    std::error_code ec;
+    const uintmax_t size = std::filesystem::file_size(f, ec);
+    if (ec) return absl::NotFoundError(absl::StrCat(f, ": cannot stat: ", ec.message()));
+    total += static_cast<int64_t>(size);
+  }
+  return total;
+}
 
 }  // namespace
 
@@ -78,63 +183,23 @@ absl::StatusOr<double> CachedShare(const std::vector<std::string>& files) {
 }
 
 absl::StatusOr<double> ReadFilesGbps(const std::vector<std::string>& files, int threads, bool direct) {
-  struct Piece {
-    int file;
-    int64_t offset;
+  return ReadPieces(files, threads, direct, kPiece, nullptr);
+}
+
+absl::StatusOr<double> CopyFilesGbps(const std::vector<std::string>& files, int threads, uint8_t* dst,
+                                     size_t dst_bytes) {
+  auto total = TotalBytes(files);
+  if (!total.ok()) return total.status();
+  if (*total == 0) return 0.0;
+  // Chunks of 256 KiB: read into the thread's L2 and written out from there.
+  constexpr int64_t kChunk = 256 << 10;
+  const auto share = [&](int64_t g) {
+    return static_cast<size_t>(static_cast<unsigned __int128>(g) * dst_bytes / static_cast<uint64_t>(*total));
   };
-  std::vector<Piece> pieces;
-  Fds fds;
-  int64_t total = 0;
-  for (size_t i = 0; i < files.size(); ++i) {
-    const int fd = ::open(files[i].c_str(), O_RDONLY | O_CLOEXEC | (direct ? O_DIRECT : 0));
-    if (fd < 0) {
-      if (direct && errno == EINVAL) {
-        return absl::UnimplementedError(absl::StrCat(files[i], ": the filesystem refuses O_DIRECT"));
-      }
-      return absl::NotFoundError(absl::StrCat(files[i], ": cannot open: ", std::strerror(errno)));
-    }
-    fds.fds.push_back(fd);
-    struct stat st;
-    if (::fstat(fd, &st) != 0) return absl::InternalError(absl::StrCat(files[i], ": cannot stat"));
-    for (int64_t o = 0; o < st.st_size; o += kPiece) pieces.push_back({static_cast<int>(i), o});
-    total += st.st_size;
-  }
-  threads = std::max(1, threads);
-  std::atomic<size_t> next{0};
-  std::atomic<int> failure{0};  // errno of the first failed read
-  auto reader = [&] {
-    // O_DIRECT needs an aligned buffer; 2 MiB also suits huge pages.
-    std::unique_ptr<void, decltype(&std::free)> buffer(std::aligned_alloc(2 << 20, kPiece), &std::free);
-    if (buffer == nullptr) {
-      failure = ENOMEM;
-      return;
-    }
-    for (size_t p; (p = next.fetch_add(1)) < pieces.size() && failure.load() == 0;) {
-      const int fd = fds.fds[pieces[p].file];
-      for (int64_t done = 0; done < kPiece;) {
-        const ssize_t n = ::pread(fd, static_cast<char*>(buffer.get()) + done, kPiece - done, pieces[p].offset + done);
-        if (n < 0 && errno == EINTR) continue;
-        if (n < 0) {
-          int expected = 0;
-          failure.compare_exchange_strong(expected, errno);
-          return;
-        }
-        if (n == 0) break;  // end of file
-        done += n;
-        if (direct && done % 4096 != 0) break;  // a short direct read ends at end of file
-      }
-    }
-  };
-  const auto start = std::chrono::steady_clock::now();
-  std::vector<std::thread> pool;
-  for (int t = 0; t < threads; ++t) pool.emplace_back(reader);
-  for (std::thread& t : pool) t.join();
-  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  if (const int err = failure.load(); err != 0) {
-    if (direct && err == EINVAL) return absl::UnimplementedError("the filesystem refuses O_DIRECT reads");
-    return absl::InternalError(absl::StrCat("reading the checkpoint files: ", std::strerror(err)));
-  }
-  return static_cast<double>(total) / std::max(secs, 1e-9) / 1e9;
+  return ReadPieces(files, threads, /*direct=*/false, kChunk, [&](int64_t g, const uint8_t* data, int64_t n) {
+    const size_t d0 = share(g), d1 = share(g + n);
+    StreamCopy(dst + d0, data, std::min<size_t>(d1 - d0, static_cast<size_t>(n)));
+  });
 }
 
 }  // namespace moe::bench

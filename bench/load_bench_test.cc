@@ -2,8 +2,10 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -26,7 +28,7 @@ class LoadBenchTest : public ::testing::Test {
     const fs::path path = dir_ / name;
     std::ofstream out(path, std::ios::binary);
     std::string data(bytes, '\0');
-    for (size_t i = 0; i < bytes; ++i) data[i] = static_cast<char>(i * 7);
+    for (size_t i = 0; i < bytes; ++i) data[i] = static_cast<char>(i * 7 % 251);  // never 0xff
     out.write(data.data(), static_cast<std::streamsize>(data.size()));
     return path.string();
   }
@@ -62,6 +64,36 @@ TEST_F(LoadBenchTest, AFileJustWrittenIsInThePageCacheAndReads) {
     EXPECT_EQ(direct.status().code(), absl::StatusCode::kUnimplemented) << direct.status();
   }
   EXPECT_EQ(ReadFilesGbps({(dir_ / "missing.safetensors").string()}, 1, false).status().code(),
+            absl::StatusCode::kNotFound);
+}
+
+std::string Contents(const std::vector<std::string>& files) {
+  std::string all;
+  for (const std::string& f : files) {
+    std::ifstream in(f, std::ios::binary);
+    all.append(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  return all;
+}
+
+TEST_F(LoadBenchTest, CopyingFillsEveryByteOfTheDestinationFromTheFiles) {
+  // Two files, the first of several pieces and chunks with an odd tail.
+  const std::vector<std::string> files = {Write("a.safetensors", (9 << 20) + 4321), Write("b.safetensors", 1000)};
+  const std::string all = Contents(files);
+  // As large as the files: a copy of them, in order.
+  std::vector<uint8_t> same(all.size(), 0xff);
+  auto gbps = CopyFilesGbps(files, 3, same.data(), same.size());
+  ASSERT_TRUE(gbps.ok()) << gbps.status();
+  EXPECT_GT(*gbps, 0.0);
+  EXPECT_EQ(std::string(same.begin(), same.end()), all);
+  // Half as large (an int8 arena from bf16 files): every byte written once, from the files (no
+  // 0xff in them), the first ones from their start.
+  std::vector<uint8_t> half(all.size() / 2 + 3, 0xff);
+  gbps = CopyFilesGbps(files, 4, half.data(), half.size());
+  ASSERT_TRUE(gbps.ok()) << gbps.status();
+  EXPECT_EQ(std::count(half.begin(), half.end(), 0xff), 0);
+  EXPECT_EQ(std::string(half.begin(), half.begin() + 1000), all.substr(0, 1000));
+  EXPECT_EQ(CopyFilesGbps({(dir_ / "missing.safetensors").string()}, 1, half.data(), half.size()).status().code(),
             absl::StatusCode::kNotFound);
 }
 

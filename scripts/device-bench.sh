@@ -19,10 +19,13 @@ done
 echo "== bench load (qwen3-30b-a3b, 8 layers: about 10 GB of bf16 experts)"
 "$B" make-model --preset qwen3-30b-a3b --layers 8 --out /tmp/q30b8 --quiet
 name=moeserve_bench_$$
-for run in first second; do
-  "$B" bench load --model /tmp/q30b8 --expert-format int8 --expert-shm "$name" --json
+for format in bf16 int8 int4; do
+  "$B" bench load --model /tmp/q30b8 --expert-format $format --json
 done
-"$B" bench load --model /tmp/q30b8 --expert-format bf16 --json
+for format in int8 bf16; do  # a shared arena: the first run fills it, the second attaches
+  "$B" bench load --model /tmp/q30b8 --expert-format $format --expert-shm "$name" --json
+  "$B" bench load --model /tmp/q30b8 --expert-format $format --expert-shm "$name" --json --unlink
+done
 sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null && echo "(page cache dropped)" && \
   "$B" bench load --model /tmp/q30b8 --expert-format bf16 --json
-rm -f "/dev/shm/$name"
+rm -f "/dev/shm/$name" "/dev/shm/$name".* "/dev/shm/$name"-bound*

@@ -253,6 +253,12 @@ TEST(CliBenchTest, ASecondProcessAttachesToTheSharedArena) {
   EXPECT_GT(a["page_cache_gbps"].get<double>(), 0.0);
   EXPECT_GT(a["read_gbps"].get<double>(), 0.0);
   EXPECT_NEAR(a["ratio"].get<double>(), a["load_gbps"].get<double>() / a["read_gbps"].get<double>(), 1e-9);
+  // And copying them into a fresh shared segment of the arena's cut, which is gone afterwards.
+  EXPECT_GT(a["copy_gbps"].get<double>(), 0.0);
+  EXPECT_GT(a["copy_bound_gbps"].get<double>(), 0.0);
+  EXPECT_NEAR(a["copy_ratio"].get<double>(), a["load_gbps"].get<double>() / a["copy_bound_gbps"].get<double>(),
+              1e-9);
+  EXPECT_FALSE(std::filesystem::exists("/dev/shm/" + name + "-bound"));
   auto second = testing::RunMoeserve(
       {"bench", "load", "--model", model, "--expert-format", "int8", "--expert-shm", name, "--json", "--unlink"});
   ASSERT_EQ(second.exit_code, 0) << second.err;
@@ -260,6 +266,7 @@ TEST(CliBenchTest, ASecondProcessAttachesToTheSharedArena) {
   EXPECT_TRUE(b["attached"].get<bool>());
   EXPECT_EQ(b["checkpoint_bytes"].get<int64_t>(), 0);
   EXPECT_EQ(b["read_gbps"].get<double>(), 0.0);  // nothing read, nothing to bound
+  EXPECT_EQ(b["copy_bound_gbps"].get<double>(), 0.0);
   EXPECT_FALSE(std::filesystem::exists("/dev/shm/" + name));
   // Generation through an attached arena gives the same tokens as a private one.
   auto third = testing::RunMoeserve({"bench", "load", "--model", model, "--expert-format", "int8", "--expert-shm", name});
