@@ -25,7 +25,8 @@
 namespace moe::bench {
 namespace {
 
-constexpr int64_t kPiece = 8 << 20;  // bytes per read; a multiple of any O_DIRECT alignment
+constexpr int64_t kPiece = 8 << 20;  // bytes per direct read; a multiple of any O_DIRECT alignment
+constexpr int64_t kChunk = 256 << 10;  // bytes per read from the page cache: they stay in L2
 
 // Open file descriptors, closed on the way out.
 struct Fds {
@@ -51,9 +52,11 @@ void StreamCopy(uint8_t* dst, const uint8_t* src, size_t n) {
 #endif
 }
 
-// Reads the files whole with `threads` threads: each claims 8 MiB pieces in turn and reads them
-// into its own buffer, `chunk` bytes per pread, calling sink(offset across the files, bytes, n)
-// after each (if given). Returns GB/s of file bytes.
+// Reads the files whole with `threads` threads: the 8 MiB pieces of all files, in order, are cut
+// into one run of pieces per thread (as the load's parallel loop gives each thread a run of
+// experts: with a shared arena in parts, the threads then fill different parts), and each thread
+// reads its run into its own buffer, `chunk` bytes per pread, calling sink(offset across the
+// files, bytes, n) after each (if given). Returns GB/s of file bytes.
 using Sink = std::function<void(int64_t, const uint8_t*, int64_t)>;
 absl::StatusOr<double> ReadPieces(const std::vector<std::string>& files, int threads, bool direct, int64_t chunk,
                                   const Sink& sink) {
@@ -79,9 +82,8 @@ absl::StatusOr<double> ReadPieces(const std::vector<std::string>& files, int thr
     total += st.st_size;
   }
   threads = std::max(1, threads);
-  std::atomic<size_t> next{0};
   std::atomic<int> failure{0};  // errno of the first failed read
-  auto reader = [&] {
+  auto reader = [&](size_t first, size_t end) {
     // O_DIRECT needs an aligned buffer; 2 MiB also suits huge pages.
     std::unique_ptr<void, decltype(&std::free)> buffer(std::aligned_alloc(2 << 20, kPiece), &std::free);
     if (buffer == nullptr) {
@@ -89,7 +91,7 @@ absl::StatusOr<double> ReadPieces(const std::vector<std::string>& files, int thr
       return;
     }
     auto* data = static_cast<uint8_t*>(buffer.get());
-    for (size_t p; (p = next.fetch_add(1)) < pieces.size() && failure.load() == 0;) {
+    for (size_t p = first; p < end && failure.load() == 0; ++p) {
       const int fd = fds.fds[pieces[p].file];
       for (int64_t c0 = 0; c0 < kPiece;) {  // chunk after chunk
         int64_t done = 0;
@@ -113,7 +115,7 @@ absl::StatusOr<double> ReadPieces(const std::vector<std::string>& files, int thr
   };
   const auto start = std::chrono::steady_clock::now();
   std::vector<std::thread> pool;
-  for (int t = 0; t < threads; ++t) pool.emplace_back(reader);
+  for (int t = 0; t < threads; ++t) pool.emplace_back(reader, t * pieces.size() / threads, (t + 1) * pieces.size() / threads);
   for (std::thread& t : pool) t.join();
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (const int err = failure.load(); err != 0) {
@@ -183,16 +185,17 @@ absl::StatusOr<double> CachedShare(const std::vector<std::string>& files) {
 }
 
 absl::StatusOr<double> ReadFilesGbps(const std::vector<std::string>& files, int threads, bool direct) {
-  return ReadPieces(files, threads, direct, kPiece, nullptr);
+  // From the page cache in chunks that stay in the thread's L2 (a whole piece per read would
+  // write the buffer out to memory as well); past it, whole pieces: the disk wants large reads.
+  return ReadPieces(files, threads, direct, direct ? kPiece : kChunk, nullptr);
 }
 
 absl::StatusOr<double> CopyFilesGbps(const std::vector<std::string>& files, int threads, uint8_t* dst,
                                      size_t dst_bytes) {
+  // Read and written from the thread's L2, in chunks.
   auto total = TotalBytes(files);
   if (!total.ok()) return total.status();
   if (*total == 0) return 0.0;
-  // Chunks of 256 KiB: read into the thread's L2 and written out from there.
-  constexpr int64_t kChunk = 256 << 10;
   const auto share = [&](int64_t g) {
     return static_cast<size_t>(static_cast<unsigned __int128>(g) * dst_bytes / static_cast<uint64_t>(*total));
   };

@@ -18,9 +18,9 @@ absl::StatusOr<std::vector<std::string>> CheckpointFiles(const std::string& dir)
 // The share of the files' bytes whose pages are in the page cache now (0 to 1).
 absl::StatusOr<double> CachedShare(const std::vector<std::string>& files);
 
-// Reads the files whole with `threads` threads, in 8 MiB pieces into each thread's own buffer, and
-// returns GB/s. `direct`: with O_DIRECT, past the page cache (the disk's speed); kUnimplemented
-// where the filesystem refuses it.
+// Reads the files whole with `threads` threads, each a run of 8 MiB pieces into its own buffer
+// (from the page cache in chunks of 256 KiB, which stay in L2), and returns GB/s. `direct`: with
+// O_DIRECT, past the page cache (the disk's speed); kUnimplemented where the filesystem refuses it.
 absl::StatusOr<double> ReadFilesGbps(const std::vector<std::string>& files, int threads, bool direct);
 
 // Reads the files as ReadFilesGbps does from the page cache, in chunks that stay in the thread's

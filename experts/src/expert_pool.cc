@@ -479,9 +479,8 @@ absl::Status ExpertPool::Load(const ExpertWeightSource& source) {
         const int64_t unit = (n / 32) * 16 + n % 16;
         return {(n / 16) % 2 == 0 ? &w->gate : &w->up, unit};
       };
-      if (options_.format == ExpertFormat::kBF16 && w->gate.dtype == core::DType::kBF16 &&
-          w->up.dtype == core::DType::kBF16) {
-        // bf16 rows go in as they are, without floats in between.
+      if (w->gate.dtype == core::DType::kBF16 && w->up.dtype == core::DType::kBF16) {
+        // bf16 rows go in as they are, without a row of floats in between.
         PackRowsBf16(
             gate_up_,
             [&](int64_t n) -> const uint16_t* {

@@ -335,36 +335,46 @@ TEST(PackedTest, TheAvx512PackerWritesTheSameBytesAsThePlainOne) {
 }
 
 TEST(PackedTest, Bf16RowsPackAsTheirFloatValuesDo) {
-  // Rows of bf16 as stored (odd lengths, rows of zeros, NaN) give the bytes the plain packer gives
-  // from their float values.
+  // Rows of bf16 as stored (odd lengths, rows of zeros; NaN where the format keeps it) give the
+  // bytes the plain packer gives from their float values, in every format.
   std::mt19937 rng(12);
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  for (auto [n, k] : {std::pair<int64_t, int64_t>{16, 64}, {17, 100}, {45, 1100}, {33, 31}, {64, 2048}}) {
-    std::vector<uint16_t> bits(n * k);
-    for (uint16_t& v : bits) v = core::FloatToBf16(normal(rng));
-    bits[k + 1] = 0x7f81;  // a signalling NaN, which comes out quiet
-    bits[k + 2] = 0xffc1;
-    auto layout = MakeLayout(ExpertFormat::kBF16, n, k);
-    ASSERT_TRUE(layout.ok());
-    auto plain = core::AlignedBuffer::Allocate(layout->bytes());
-    auto fast = core::AlignedBuffer::Allocate(layout->bytes());
-    ASSERT_TRUE(plain.ok() && fast.ok());
-    internal::PackRowsWith(
-        *layout,
-        [&](int64_t row, float* dst) {
-          if (row % 5 == 4) return std::fill(dst, dst + k, 0.0f);
-          core::ConvertToFloat(bits.data() + row * k, core::DType::kBF16, dst, k);
-        },
-        plain->as<uint8_t>(), /*vector=*/false);
-    PackRowsBf16(
-        *layout, [&](int64_t row) { return row % 5 == 4 ? nullptr : bits.data() + row * k; }, fast->as<uint8_t>());
-    EXPECT_EQ(std::memcmp(plain->as<uint8_t>(), fast->as<uint8_t>(), layout->bytes()), 0) << n << " x " << k;
-    // PackMatrix takes the same path for bf16 tensors.
-    auto via_matrix = core::AlignedBuffer::Allocate(layout->bytes());
-    ASSERT_TRUE(via_matrix.ok());
-    for (int64_t row = 4; row < n; row += 5) std::fill(bits.begin() + row * k, bits.begin() + (row + 1) * k, 0);
-    ASSERT_TRUE(PackMatrix({bits.data(), core::DType::kBF16, {n, k}}, *layout, via_matrix->as<uint8_t>()).ok());
-    EXPECT_EQ(std::memcmp(plain->as<uint8_t>(), via_matrix->as<uint8_t>(), layout->bytes()), 0) << n << " x " << k;
+  struct Case {
+    ExpertFormat format;
+    int group;
+  };
+  for (const Case& f : {Case{ExpertFormat::kBF16, 32}, Case{ExpertFormat::kInt8, 32}, Case{ExpertFormat::kInt4, 32},
+                        Case{ExpertFormat::kInt4, 128}}) {
+    for (auto [n, k] : {std::pair<int64_t, int64_t>{16, 64}, {17, 100}, {45, 1100}, {33, 31}, {64, 2048}}) {
+      SCOPED_TRACE(absl::StrCat(FormatName(f.format), " group ", f.group, ", ", n, " x ", k));
+      std::vector<uint16_t> bits(n * k);
+      for (uint16_t& v : bits) v = core::FloatToBf16(normal(rng));
+      if (f.format == ExpertFormat::kBF16) {
+        bits[k + 1] = 0x7f81;  // a signalling NaN, which comes out quiet
+        bits[k + 2] = 0xffc1;
+      }
+      auto layout = MakeLayout(f.format, n, k, f.group);
+      ASSERT_TRUE(layout.ok());
+      auto plain = core::AlignedBuffer::Allocate(layout->bytes());
+      auto fast = core::AlignedBuffer::Allocate(layout->bytes());
+      ASSERT_TRUE(plain.ok() && fast.ok());
+      internal::PackRowsWith(
+          *layout,
+          [&](int64_t row, float* dst) {
+            if (row % 5 == 4) return std::fill(dst, dst + k, 0.0f);
+            core::ConvertToFloat(bits.data() + row * k, core::DType::kBF16, dst, k);
+          },
+          plain->as<uint8_t>(), /*vector=*/false);
+      PackRowsBf16(
+          *layout, [&](int64_t row) { return row % 5 == 4 ? nullptr : bits.data() + row * k; }, fast->as<uint8_t>());
+      EXPECT_EQ(std::memcmp(plain->as<uint8_t>(), fast->as<uint8_t>(), layout->bytes()), 0);
+      // PackMatrix takes the same path for bf16 tensors.
+      auto via_matrix = core::AlignedBuffer::Allocate(layout->bytes());
+      ASSERT_TRUE(via_matrix.ok());
+      for (int64_t row = 4; row < n; row += 5) std::fill(bits.begin() + row * k, bits.begin() + (row + 1) * k, 0);
+      ASSERT_TRUE(PackMatrix({bits.data(), core::DType::kBF16, {n, k}}, *layout, via_matrix->as<uint8_t>()).ok());
+      EXPECT_EQ(std::memcmp(plain->as<uint8_t>(), via_matrix->as<uint8_t>(), layout->bytes()), 0);
+    }
   }
 }
 

@@ -77,7 +77,7 @@ absl::Status PackMatrix(const core::TensorView& w, const MatrixLayout& l, uint8_
                                                    ", expected [", l.n, ", ", l.k, "]"));
   }
   const int64_t row_bytes = l.k * core::DTypeSize(w.dtype);
-  if (w.dtype == core::DType::kBF16 && l.format == ExpertFormat::kBF16) {
+  if (w.dtype == core::DType::kBF16) {
     PackRowsBf16(
         l, [&](int64_t n) { return reinterpret_cast<const uint16_t*>(static_cast<const uint8_t*>(w.data) + n * row_bytes); },
         out);
@@ -193,32 +193,42 @@ MOE_PACK_AVX512 inline __m512i Quantize(__m512 x, __m512 scale, float lo, float 
   return _mm512_add_epi32(_mm512_cvtps_epi32(v), _mm512_set1_epi32(offset));  // to nearest even
 }
 
-// The same bytes as PackBlockPlain: each row's values become one dword per 64-byte line (a k
-// pair in bf16, a k quad in int8 and int4), and a 16 x 16 transpose turns 16 rows' dwords into
-// 16 lines. The lines go to memory with streaming stores: an arena is written once at load and
-// read much later, and plain stores would first read every line in (on the 32-core machine a
-// bf16 load from the page cache went from 33-38 to 39-41 GB/s, int8 from 36-41 to 41-43). The
-// caller fences them.
-MOE_PACK_AVX512 void PackBlockAvx512(const MatrixLayout& l, const float* tile, int64_t b, uint8_t* out) {
+// The rows of a block for PackBlockIntAvx512, 16 floats at a time: from a float tile (16 rows of
+// k_pad, zero padded) ...
+struct FloatTile {
+  const float* tile;
+  int64_t ld;
+  MOE_PACK_AVX512 __m512 Load(int r, int64_t k) const { return _mm512_loadu_ps(tile + r * ld + k); }
+  void Prefetch(int r, int64_t k) const {}
+};
+
+// ... or from bf16 rows as stored (row[r]: k values, or null for a row of zeros), converted in
+// registers: the same floats, without a tile of them. Prefetch(r, k) brings the line of the next
+// block's row r at k into L2 (next: that block's rows, or null): each row is read once, as the
+// block's scales are found, and the L2's own prefetcher stops at the end of each 4 KB page.
+struct Bf16Rows {
+  const uint16_t* const* row;
+  int64_t k;
+  const uint16_t* const* next;
+  void Prefetch(int r, int64_t k0) const {
+    if (next != nullptr && next[r] != nullptr && k0 % 32 == 0 && k0 < k) _mm_prefetch(next[r] + k0, _MM_HINT_T1);
+  }
+  MOE_PACK_AVX512 __m512 Load(int r, int64_t k0) const {
+    const int64_t left = k - k0;
+    if (row[r] == nullptr || left <= 0) return _mm512_setzero_ps();
+    const __mmask32 mask = left >= 16 ? __mmask32(0xFFFF) : static_cast<__mmask32>((1u << left) - 1);
+    const __m512i bits = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(_mm512_maskz_loadu_epi16(mask, row[r] + k0)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+  }
+};
+
+// int8 and int4 block b from the rows of `src`: the same bytes as PackBlockPlain from the same
+// floats. The absolute maxima are taken as AbsMaxAvx512 takes them (16 lanes, then reduced).
+template <typename Src>
+MOE_PACK_AVX512 void PackBlockIntAvx512(const MatrixLayout& l, const Src& src, int64_t b, uint8_t* out) {
   uint8_t* block = out + b * l.block_bytes();
   float* scales = reinterpret_cast<float*>(out + l.weight_bytes());
   __m512i v[16];
-  if (l.format == ExpertFormat::kBF16) {
-    for (int64_t k0 = 0; k0 < l.k_pad; k0 += 32) {  // 16 lines
-      for (int r = 0; r < 16; ++r) {
-        const float* x = tile + r * l.k_pad + k0;
-        const __m512i even_odd_lo = Bf16Bits(_mm512_loadu_ps(x)), even_odd_hi = Bf16Bits(_mm512_loadu_ps(x + 16));
-        // Dword i = bf16(x[2i]) | bf16(x[2i + 1]) << 16.
-        v[r] = _mm512_permutex2var_epi16(even_odd_lo, _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42,
-                                                                         40, 38, 36, 34, 32, 30, 28, 26, 24, 22, 20,
-                                                                         18, 16, 14, 12, 10, 8, 6, 4, 2, 0),
-                                         even_odd_hi);
-      }
-      Transpose16x16(v);
-      for (int j = 0; j < 16; ++j) _mm512_stream_si512(reinterpret_cast<__m512i*>(block + (k0 / 2 + j) * 64), v[j]);
-    }
-    return;
-  }
   // int8 and int4: the scales first (per row; per row and group).
   const bool int8 = l.format == ExpertFormat::kInt8;
   const int64_t groups = int8 ? 1 : l.groups(), group = int8 ? l.k_pad : l.group;
@@ -231,7 +241,12 @@ MOE_PACK_AVX512 void PackBlockAvx512(const MatrixLayout& l, const float* tile, i
   }
   for (int r = 0; r < 16; ++r) {
     for (int64_t g = 0; g < groups; ++g) {
-      const float amax = internal::AbsMaxAvx512(tile + r * l.k_pad + g * group, group);
+      __m512 m = _mm512_setzero_ps();
+      for (int64_t k = g * group; k < (g + 1) * group; k += 16) {
+        src.Prefetch(r, k);
+        m = _mm512_max_ps(m, _mm512_abs_ps(src.Load(r, k)));
+      }
+      const float amax = _mm512_reduce_max_ps(m);
       const float scale = amax > 0 ? amax / (int8 ? 127.0f : 7.0f) : 1.0f;
       rs[r * groups + g] = scale;
       if (int8) {
@@ -245,11 +260,10 @@ MOE_PACK_AVX512 void PackBlockAvx512(const MatrixLayout& l, const float* tile, i
   const int offset = int8 ? 128 : 8;
   for (int64_t k0 = 0; k0 < l.k_pad; k0 += 64) {  // 16 lines of quads
     for (int r = 0; r < 16; ++r) {
-      const float* x = tile + r * l.k_pad + k0;
       __m512i q[4];
       for (int c = 0; c < 4; ++c) {
         const __m512 scale = _mm512_set1_ps(rs[r * groups + (k0 + c * 16) / group]);
-        q[c] = Quantize(_mm512_loadu_ps(x + c * 16), scale, lo, hi, offset);
+        q[c] = Quantize(src.Load(r, k0 + c * 16), scale, lo, hi, offset);
       }
       // 64 values 0..255 to bytes, in order: dword i = the quad k0 + 4i .. 4i + 3.
       const __m512i w01 = _mm512_packus_epi32(q[0], q[1]), w23 = _mm512_packus_epi32(q[2], q[3]);
@@ -271,6 +285,34 @@ MOE_PACK_AVX512 void PackBlockAvx512(const MatrixLayout& l, const float* tile, i
       }
     }
   }
+}
+
+// The same bytes as PackBlockPlain: each row's values become one dword per 64-byte line (a k
+// pair in bf16, a k quad in int8 and int4), and a 16 x 16 transpose turns 16 rows' dwords into
+// 16 lines. The lines go to memory with streaming stores: an arena is written once at load and
+// read much later, and plain stores would first read every line in (on the 32-core machine a
+// bf16 load from the page cache went from 33-38 to 39-41 GB/s, int8 from 36-41 to 41-43). The
+// caller fences them.
+MOE_PACK_AVX512 void PackBlockAvx512(const MatrixLayout& l, const float* tile, int64_t b, uint8_t* out) {
+  if (l.format == ExpertFormat::kBF16) {
+    uint8_t* block = out + b * l.block_bytes();
+    __m512i v[16];
+    for (int64_t k0 = 0; k0 < l.k_pad; k0 += 32) {  // 16 lines
+      for (int r = 0; r < 16; ++r) {
+        const float* x = tile + r * l.k_pad + k0;
+        const __m512i even_odd_lo = Bf16Bits(_mm512_loadu_ps(x)), even_odd_hi = Bf16Bits(_mm512_loadu_ps(x + 16));
+        // Dword i = bf16(x[2i]) | bf16(x[2i + 1]) << 16.
+        v[r] = _mm512_permutex2var_epi16(even_odd_lo, _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42,
+                                                                         40, 38, 36, 34, 32, 30, 28, 26, 24, 22, 20,
+                                                                         18, 16, 14, 12, 10, 8, 6, 4, 2, 0),
+                                         even_odd_hi);
+      }
+      Transpose16x16(v);
+      for (int j = 0; j < 16; ++j) _mm512_stream_si512(reinterpret_cast<__m512i*>(block + (k0 / 2 + j) * 64), v[j]);
+    }
+    return;
+  }
+  PackBlockIntAvx512(l, FloatTile{tile, l.k_pad}, b, out);
 }
 
 // bf16 rows as stored (row[r]: l.k values, or null for a zero row) into bf16 block b: the same
@@ -336,7 +378,7 @@ void PackRows(const MatrixLayout& l, const std::function<void(int64_t n, float* 
 
 void PackRowsBf16(const MatrixLayout& l, const std::function<const uint16_t*(int64_t n)>& source, uint8_t* out) {
   const core::CpuFeatures& cpu = core::GetCpuFeatures();
-  if (l.format != ExpertFormat::kBF16 || !cpu.avx512f || !cpu.avx512bw) {
+  if (!cpu.avx512f || !cpu.avx512bw) {
     PackRows(
         l,
         [&](int64_t n, float* dst) {
@@ -350,10 +392,22 @@ void PackRowsBf16(const MatrixLayout& l, const std::function<const uint16_t*(int
         out);
     return;
   }
+  // As PackRowsWith: every weight byte is written below; the scales' tail (to 64 bytes) is not.
+  std::memset(out + l.weight_bytes(), 0, l.scale_bytes());
+  const uint16_t* rows[2][16];  // this block's and the next one's
+  auto block_rows = [&](int64_t b, const uint16_t** r) {
+    for (int64_t i = 0; i < 16; ++i) r[i] = b * 16 + i < l.n ? source(b * 16 + i) : nullptr;
+  };
+  block_rows(0, rows[0]);
   for (int64_t b = 0; b < l.blocks(); ++b) {
-    const uint16_t* rows[16];
-    for (int64_t r = 0; r < 16; ++r) rows[r] = b * 16 + r < l.n ? source(b * 16 + r) : nullptr;
-    PackBlockBf16Bits(l, rows, b, out);
+    const uint16_t** cur = rows[b % 2];
+    const uint16_t** next = b + 1 < l.blocks() ? rows[(b + 1) % 2] : nullptr;
+    if (next != nullptr) block_rows(b + 1, next);
+    if (l.format == ExpertFormat::kBF16) {
+      PackBlockBf16Bits(l, cur, b, out);
+    } else {
+      PackBlockIntAvx512(l, Bf16Rows{cur, l.k, next}, b, out);
+    }
   }
   _mm_sfence();  // as PackRowsWith
 }

@@ -75,8 +75,9 @@ absl::Status PackMatrix(const core::TensorView& w, const MatrixLayout& layout, u
 void PackRows(const MatrixLayout& layout, const std::function<void(int64_t n, float* dst)>& row, uint8_t* out);
 
 // Packs bf16 rows as stored: `row(n)` gives the layout.k values of row n < layout.n, or null for a
-// row of zeros. The same bytes as PackRows from their float values, without converting them
-// (where the CPU has AVX-512 and the layout is bf16; otherwise through PackRows).
+// row of zeros. The same bytes as PackRows from their float values, without a row of floats in
+// between (where the CPU has AVX-512: bf16 bits go as they are, int8 and int4 are quantized from
+// floats in registers; otherwise through PackRows).
 void PackRowsBf16(const MatrixLayout& layout, const std::function<const uint16_t*(int64_t n)>& row, uint8_t* out);
 
 // The value the kernels compute with, for tests and the portable kernel: W[n][k] after
