@@ -19,6 +19,8 @@ done
 echo "== bench load (qwen3-30b-a3b, 8 layers: about 10 GB of bf16 experts)"
 "$B" make-model --preset qwen3-30b-a3b --layers 8 --out /tmp/q30b8 --quiet
 name=moeserve_bench_$$
+echo "(the first load after the machine starts is slower, as the kernel hands out memory for the first time:)"
+"$B" bench load --model /tmp/q30b8 --expert-format bf16 --json
 for format in bf16 int8 int4; do
   "$B" bench load --model /tmp/q30b8 --expert-format $format --json
 done
