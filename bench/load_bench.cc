@@ -25,7 +25,7 @@
 namespace moe::bench {
 namespace {
 
-constexpr int64_t kPiece = 8 << 20;  // bytes per direct read; a multiple of any O_DIRECT alignment
+constexpr int64_t kPiece = 8 << 20;    // bytes per direct read; a multiple of any O_DIRECT alignment
 constexpr int64_t kChunk = 256 << 10;  // bytes per read from the page cache: they stay in L2
 
 // Open file descriptors, closed on the way out.
@@ -115,7 +115,9 @@ absl::StatusOr<double> ReadPieces(const std::vector<std::string>& files, int thr
   };
   const auto start = std::chrono::steady_clock::now();
   std::vector<std::thread> pool;
-  for (int t = 0; t < threads; ++t) pool.emplace_back(reader, t * pieces.size() / threads, (t + 1) * pieces.size() / threads);
+  for (int t = 0; t < threads; ++t) {
+    pool.emplace_back(reader, t * pieces.size() / threads, (t + 1) * pieces.size() / threads);
+  }
   for (std::thread& t : pool) t.join();
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (const int err = failure.load(); err != 0) {

@@ -256,8 +256,7 @@ TEST(CliBenchTest, ASecondProcessAttachesToTheSharedArena) {
   // And copying them into a fresh shared segment of the arena's cut, which is gone afterwards.
   EXPECT_GT(a["copy_gbps"].get<double>(), 0.0);
   EXPECT_GT(a["copy_bound_gbps"].get<double>(), 0.0);
-  EXPECT_NEAR(a["copy_ratio"].get<double>(), a["load_gbps"].get<double>() / a["copy_bound_gbps"].get<double>(),
-              1e-9);
+  EXPECT_NEAR(a["copy_ratio"].get<double>(), a["load_gbps"].get<double>() / a["copy_bound_gbps"].get<double>(), 1e-9);
   EXPECT_FALSE(std::filesystem::exists("/dev/shm/" + name + "-bound"));
   auto second = testing::RunMoeserve(
       {"bench", "load", "--model", model, "--expert-format", "int8", "--expert-shm", name, "--json", "--unlink"});

@@ -201,8 +201,8 @@ absl::Status MeasureLoadBound(const std::vector<std::string>& files, double cach
                          bench::CopyFilesGbps(files, threads, fresh.arena->data(), fresh.arena->size()));
     bound->copy_gbps = std::max(bound->copy_gbps, gbps);
   }
-  bound->copy_bound_gbps = 1.0 / (seconds_per_gb - cached_before / bound->page_cache_gbps +
-                                  cached_before / bound->copy_gbps);
+  bound->copy_bound_gbps =
+      1.0 / (seconds_per_gb - cached_before / bound->page_cache_gbps + cached_before / bound->copy_gbps);
   return absl::OkStatus();
 }
 
@@ -247,8 +247,8 @@ int BenchLoad(int argc, char** argv) {
   LoadBound bound;
   if (!attached) {
     if (!cached_before.ok()) return Fail(cached_before.status(), 1);
-    if (absl::Status s = MeasureLoadBound(*files, *cached_before, pool->threads(), pool->arena(),
-                                          options.pool.shm_name, &bound);
+    if (absl::Status s =
+            MeasureLoadBound(*files, *cached_before, pool->threads(), pool->arena(), options.pool.shm_name, &bound);
         !s.ok()) {
       return Fail(s, 1);
     }
@@ -290,10 +290,10 @@ int BenchLoad(int argc, char** argv) {
       if (!bound.disk_note.empty()) std::cout << " (" << bound.disk_note << ")";
       std::cout << absl::StrFormat(" with %d threads: the load ran at %.0f%% of the %.2f GB/s they allow\n",
                                    pool->threads(), 100 * ratio, bound.gbps);
-      std::cout << absl::StrFormat("copied from the page cache into fresh memory of the arena's kind and size (%.2f GB), "
-                                   "the files went at %.2f GB/s: the load ran at %.0f%% of the %.2f GB/s that allows\n",
-                                   pool->arena().size() / 1e9, bound.copy_gbps, 100 * copy_ratio,
-                                   bound.copy_bound_gbps);
+      std::cout << absl::StrFormat(
+          "copied from the page cache into fresh memory of the arena's kind and size (%.2f GB), "
+          "the files went at %.2f GB/s: the load ran at %.0f%% of the %.2f GB/s that allows\n",
+          pool->arena().size() / 1e9, bound.copy_gbps, 100 * copy_ratio, bound.copy_bound_gbps);
     }
   }
   if (flags.Switch("unlink") && !options.pool.shm_name.empty()) {

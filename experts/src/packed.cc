@@ -302,10 +302,11 @@ MOE_PACK_AVX512 void PackBlockAvx512(const MatrixLayout& l, const float* tile, i
         const float* x = tile + r * l.k_pad + k0;
         const __m512i even_odd_lo = Bf16Bits(_mm512_loadu_ps(x)), even_odd_hi = Bf16Bits(_mm512_loadu_ps(x + 16));
         // Dword i = bf16(x[2i]) | bf16(x[2i + 1]) << 16.
-        v[r] = _mm512_permutex2var_epi16(even_odd_lo, _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42,
-                                                                         40, 38, 36, 34, 32, 30, 28, 26, 24, 22, 20,
-                                                                         18, 16, 14, 12, 10, 8, 6, 4, 2, 0),
-                                         even_odd_hi);
+        v[r] =
+            _mm512_permutex2var_epi16(even_odd_lo,
+                                      _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32,
+                                                       30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0),
+                                      even_odd_hi);
       }
       Transpose16x16(v);
       for (int j = 0; j < 16; ++j) _mm512_stream_si512(reinterpret_cast<__m512i*>(block + (k0 / 2 + j) * 64), v[j]);
