@@ -293,17 +293,23 @@ TEST(ActivationsTest, GatherEqualsPreparingTheRows) {
   EXPECT_EQ(out.Gather(bf16, pick.data(), m, KernelKind::kAvx512).code(), absl::StatusCode::kInvalidArgument);
 }
 
+// Every packed format, int4 with each group size.
+struct PackCase {
+  ExpertFormat format;
+  int group;
+};
+constexpr PackCase kEveryPacking[] = {{ExpertFormat::kBF16, 32},
+                                      {ExpertFormat::kInt8, 32},
+                                      {ExpertFormat::kInt4, 32},
+                                      {ExpertFormat::kInt4, 64},
+                                      {ExpertFormat::kInt4, 128}};
+
 TEST(PackedTest, TheAvx512PackerWritesTheSameBytesAsThePlainOne) {
   const core::CpuFeatures& cpu = core::GetCpuFeatures();
   if (!cpu.avx512f || !cpu.avx512bw) GTEST_SKIP() << "this CPU has no AVX-512 F and BW: " << cpu.ToString();
   std::mt19937 rng(11);
   std::normal_distribution<float> normal(0.0f, 0.5f);
-  struct Case {
-    ExpertFormat format;
-    int group;
-  };
-  for (const Case& c : {Case{ExpertFormat::kBF16, 32}, Case{ExpertFormat::kInt8, 32}, Case{ExpertFormat::kInt4, 32},
-                        Case{ExpertFormat::kInt4, 64}, Case{ExpertFormat::kInt4, 128}}) {
+  for (const PackCase& c : kEveryPacking) {
     for (auto [n, k] : {std::pair<int64_t, int64_t>{16, 64}, {17, 100}, {45, 1100}, {33, 300}, {64, 2048}}) {
       std::vector<float> w(n * k);
       for (float& v : w) v = normal(rng);
@@ -339,12 +345,7 @@ TEST(PackedTest, Bf16RowsPackAsTheirFloatValuesDo) {
   // bytes the plain packer gives from their float values, in every format.
   std::mt19937 rng(12);
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  struct Case {
-    ExpertFormat format;
-    int group;
-  };
-  for (const Case& f : {Case{ExpertFormat::kBF16, 32}, Case{ExpertFormat::kInt8, 32}, Case{ExpertFormat::kInt4, 32},
-                        Case{ExpertFormat::kInt4, 128}}) {
+  for (const PackCase& f : kEveryPacking) {
     for (auto [n, k] : {std::pair<int64_t, int64_t>{16, 64}, {17, 100}, {45, 1100}, {33, 31}, {64, 2048}}) {
       SCOPED_TRACE(absl::StrCat(FormatName(f.format), " group ", f.group, ", ", n, " x ", k));
       std::vector<uint16_t> bits(n * k);
