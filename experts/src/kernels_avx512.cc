@@ -20,8 +20,9 @@ namespace {
 constexpr int64_t kPrefetchLines = 16;
 // And a second, further stream into L2, which has more miss slots than L1.
 constexpr int64_t kFarLines = 64;
-// From this many tokens on, the int8 kernel takes four blocks at once (Int8FourBlocks): below it,
-// a call streams weights from memory and the one-block tile's further prefetch matters more.
+// From this many tokens on, the int8 and int4 kernels take several blocks at once (Int8FourBlocks,
+// Int4TwoBlocks): below it, a call streams weights from memory and the one-block tiles' further
+// prefetch matters more.
 constexpr int64_t kManyTokens = 6;
 
 int32_t Load32(const void* p) {
@@ -247,6 +248,106 @@ MOE_AVX512_VNNI void Int4Tile(const PackedMatrix& w, int64_t b, const Activation
   for (int t = 0; t < MM; ++t) _mm512_storeu_ps(y + t * ldy, _mm512_mul_ps(out[t], _mm512_set1_ps(a.i8_scale(m0 + t))));
 }
 
+// int4 for many tokens: 2 consecutive blocks (32 columns) against MM <= 6 tokens, with named
+// accumulators (see Dpbusd). Each 64-byte load holds two lines of a block; its nibbles unpack to
+// both lines' int8 with 2.5 instructions a line instead of 4, which share the ports with vpdpbusd.
+// Bitwise the same as Int4Tile: exact integer sums per group, then the same float operations in
+// the same order. The next `pf_lines` lines from `pf` go to L2 meanwhile, spread over the steps.
+template <int MM>
+MOE_AVX512_VNNI void Int4TwoBlocks(const PackedMatrix& w, int64_t b, const Activations& a, int64_t m0, float* y,
+                                   int64_t ldy, const uint8_t* pf, int64_t pf_lines) {
+  static_assert(MM >= 1 && MM <= 6);
+  const uint8_t* blk0 = w.block(b);
+  const uint8_t* blk1 = w.block(b + 1);
+  const int64_t group_lines = w.layout.group / 4, groups = w.layout.groups();
+  const int64_t pf_per_pair = (pf_lines + groups * group_lines / 2 - 1) / (groups * group_lines / 2);
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  const __m512 fz = _mm512_setzero_ps();
+  __m512 o00 = fz, o01 = fz, o10 = fz, o11 = fz, o20 = fz, o21 = fz, o30 = fz, o31 = fz, o40 = fz, o41 = fz, o50 = fz,
+         o51 = fz;
+  const int8_t* x = a.i8(m0);
+  const int64_t stride = a.stride();
+  // Out of the loops: the accessors' arithmetic (a division for groups()) spilled every register.
+  const float* scales0 = w.block_scales(b, 0);
+  const float* scales1 = w.block_scales(b + 1, 0);
+  const int32_t* sums[6];
+  for (int t = 0; t < MM; ++t) sums[t] = a.i8_sums(m0 + t);
+  int64_t pf_next = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    // Each token's sums start at minus its offset (8 times the sum of its activations in the group):
+    // the same integers as subtracting it at the end, one instruction fewer per accumulator.
+    __m512i c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
+#define MOE_INT4_START(t)                                   \
+  if constexpr (MM > t) {                                   \
+    c##t##0 = c##t##1 = _mm512_set1_epi32(-8 * sums[t][g]); \
+  }
+    MOE_INT4_START(0) MOE_INT4_START(1) MOE_INT4_START(2) MOE_INT4_START(3) MOE_INT4_START(4) MOE_INT4_START(5)
+#undef MOE_INT4_START
+    for (int64_t j = g * group_lines; j < (g + 1) * group_lines; j += 2) {  // group_lines >= 8
+      for (int64_t i = pf_next; i < std::min(pf_lines, pf_next + pf_per_pair); ++i) {
+        _mm_prefetch(reinterpret_cast<const char*>(pf + i * 64), _MM_HINT_T1);
+      }
+      pf_next += pf_per_pair;
+      const __m512i p0 = _mm512_load_si512(blk0 + j * 32), p1 = _mm512_load_si512(blk1 + j * 32);
+      const __m512i lo0 = _mm512_and_si512(p0, mask), hi0 = _mm512_and_si512(_mm512_srli_epi16(p0, 4), mask);
+      const __m512i lo1 = _mm512_and_si512(p1, mask), hi1 = _mm512_and_si512(_mm512_srli_epi16(p1, 4), mask);
+      // Line j: the low 256 bits of lo (rows 0-7) and hi (rows 8-15); line j + 1: the high ones.
+      const __m512i v0 = _mm512_shuffle_i64x2(lo0, hi0, 0x44), v1 = _mm512_shuffle_i64x2(lo1, hi1, 0x44);
+      const __m512i u0 = _mm512_shuffle_i64x2(lo0, hi0, 0xEE), u1 = _mm512_shuffle_i64x2(lo1, hi1, 0xEE);
+      const int8_t* xj = x + 4 * j;
+#define MOE_INT4_TOKEN(t)                                           \
+  if constexpr (MM > t) {                                           \
+    const __m512i xa = _mm512_set1_epi32(Load32(xj + t * stride));  \
+    c##t##0 = Dpbusd(c##t##0, v0, xa);                              \
+    c##t##1 = Dpbusd(c##t##1, v1, xa);                              \
+    const __m512i xb = _mm512_set1_epi32(Load32(xj + t * stride + 4)); \
+    c##t##0 = Dpbusd(c##t##0, u0, xb);                              \
+    c##t##1 = Dpbusd(c##t##1, u1, xb);                              \
+  }
+      MOE_INT4_TOKEN(0) MOE_INT4_TOKEN(1) MOE_INT4_TOKEN(2) MOE_INT4_TOKEN(3) MOE_INT4_TOKEN(4) MOE_INT4_TOKEN(5)
+#undef MOE_INT4_TOKEN
+    }
+    const __m512 s0 = _mm512_loadu_ps(scales0 + 16 * g), s1 = _mm512_loadu_ps(scales1 + 16 * g);
+#define MOE_INT4_GROUP(t)                                               \
+  if constexpr (MM > t) {                                               \
+    o##t##0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c##t##0), s0, o##t##0); \
+    o##t##1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c##t##1), s1, o##t##1); \
+  }
+    MOE_INT4_GROUP(0) MOE_INT4_GROUP(1) MOE_INT4_GROUP(2) MOE_INT4_GROUP(3) MOE_INT4_GROUP(4) MOE_INT4_GROUP(5)
+#undef MOE_INT4_GROUP
+  }
+#define MOE_INT4_STORE(t)                                                    \
+  if constexpr (MM > t) {                                                    \
+    const __m512 xs = _mm512_set1_ps(a.i8_scale(m0 + t));                    \
+    _mm512_storeu_ps(y + t * ldy, _mm512_mul_ps(o##t##0, xs));               \
+    _mm512_storeu_ps(y + t * ldy + 16, _mm512_mul_ps(o##t##1, xs));          \
+  }
+  MOE_INT4_STORE(0) MOE_INT4_STORE(1) MOE_INT4_STORE(2) MOE_INT4_STORE(3) MOE_INT4_STORE(4) MOE_INT4_STORE(5)
+#undef MOE_INT4_STORE
+}
+
+// Int4TwoBlocks over blocks [b, b + 2) and tokens [0, m), six at a time, fetching the next
+// `next_blocks` (at most 2) blocks meanwhile.
+void Int4TwoBlocksAllTokens(const PackedMatrix& w, int64_t b, int64_t next_blocks, const Activations& a, float* y,
+                            int64_t ldy) {
+  const int64_t groups = (a.m() + 5) / 6, next_lines = next_blocks * w.layout.block_bytes() / 64;
+  const uint8_t* next = w.block(b + 2);
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t m0 = 6 * g;
+    float* out = y + m0 * ldy;
+    const int64_t pf0 = next_lines * g / groups, pf1 = next_lines * (g + 1) / groups;
+    const uint8_t* pf = next + pf0 * 64;
+    switch (std::min<int64_t>(6, a.m() - m0)) {
+      case 1: Int4TwoBlocks<1>(w, b, a, m0, out, ldy, pf, pf1 - pf0); break;
+      case 2: Int4TwoBlocks<2>(w, b, a, m0, out, ldy, pf, pf1 - pf0); break;
+      case 3: Int4TwoBlocks<3>(w, b, a, m0, out, ldy, pf, pf1 - pf0); break;
+      case 4: Int4TwoBlocks<4>(w, b, a, m0, out, ldy, pf, pf1 - pf0); break;
+      case 5: Int4TwoBlocks<5>(w, b, a, m0, out, ldy, pf, pf1 - pf0); break;
+      default: Int4TwoBlocks<6>(w, b, a, m0, out, ldy, pf, pf1 - pf0); break;
+    }
+  }
+}
+
 // Runs `tile<MM>` over every block and every group of up to kMax tokens.
 template <int kMax, typename Tile>
 void ForTokenGroups(const Activations& a, int64_t b0, int64_t b1, float* y, int64_t ldy, Tile&& tile) {
@@ -372,6 +473,9 @@ void MatmulVnniInt8(const PackedMatrix& w, const Activations& a, int64_t b0, int
 }
 
 void MatmulVnniInt4(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, float* y, int64_t ldy) {
+  if (a.m() >= kManyTokens) {
+    for (; b0 + 2 <= b1; b0 += 2, y += 32) Int4TwoBlocksAllTokens(w, b0, std::min<int64_t>(2, b1 - b0 - 2), a, y, ldy);
+  }
   ForTokenGroups<4>(a, b0, b1, y, ldy, [&](int64_t b, int64_t m0, int64_t mm, float* out) {
     switch (mm) {
       case 1: Int4Tile<1>(w, b, a, m0, out, ldy); break;

@@ -230,42 +230,43 @@ TEST(SwiGluKernelTest, EqualsTheKernelThenSiluMul) {
 // still gets the same bits. Shapes: an odd number of blocks (a last pass of one block), K across
 // several of the int4 kernel's unpacked chunks and not a multiple of them, token counts around
 // the 16- and 32-token passes.
-// From six tokens on, VNNI int8 runs four blocks and up to six tokens at a time; a token's row must
-// still be bit for bit what the one-token tile gives it alone, for every size of the last group of
-// tokens (1 to 6), with blocks left over after the fours, and from a block range that does not
+// From six tokens on, VNNI runs four blocks (int8) or two (int4) and up to six tokens at a time; a
+// token's row must still be bit for bit what the one-token tile gives it alone, for every size of
+// the last group of tokens (1 to 6), with blocks left over, and from a block range that does not
 // start at the first block.
 TEST(VnniKernelTest, ManyTokensGiveEachTokenItsOwnResultBitForBit) {
   if (const std::string why = KernelUnsupportedReason(KernelKind::kVnni, ExpertFormat::kInt8, core::GetCpuFeatures());
       !why.empty()) {
     GTEST_SKIP() << "vnni not run on this CPU: " << why;
   }
-  std::mt19937 rng(9);
-  std::normal_distribution<float> dist;
-  const int64_t n = 16 * 11, k = 700;  // 11 blocks: two fours and three left
-  auto matrix = PackRandom(ExpertFormat::kInt8, n, k, 32, rng);
-  ASSERT_TRUE(matrix.ok()) << matrix.status();
-  const MatrixLayout* layout = &matrix->layout;
-  const MatmulKernel kernel = GetKernel(KernelKind::kVnni, ExpertFormat::kInt8);
-  for (int64_t m = 6; m <= 14; ++m) {
-    std::vector<float> x(m * k);
-    for (float& v : x) v = dist(rng);
-    Activations all;
-    ASSERT_TRUE(all.Prepare(x.data(), m, k, layout->k_pad, KernelKind::kVnni, ExpertFormat::kInt8,
-                            static_cast<int>(layout->k_pad))
-                    .ok());
-    for (int64_t b0 : {int64_t{0}, int64_t{3}}) {
-      const int64_t cols = (layout->blocks() - b0) * 16, ld = cols + 7;
-      std::vector<float> got(m * ld, -5.0f);
-      kernel(matrix->packed(), all, b0, layout->blocks(), got.data(), ld);
-      for (int64_t i = 0; i < m; ++i) {
-        Activations one;
-        ASSERT_TRUE(one.Prepare(x.data() + i * k, 1, k, layout->k_pad, KernelKind::kVnni, ExpertFormat::kInt8,
-                                static_cast<int>(layout->k_pad))
-                        .ok());
-        std::vector<float> want(ld, -5.0f);
-        kernel(matrix->packed(), one, b0, layout->blocks(), want.data(), ld);
-        ASSERT_EQ(std::vector<float>(got.begin() + i * ld, got.begin() + (i + 1) * ld), want)
-            << m << " tokens, token " << i << ", from block " << b0;
+  for (auto [format, group] : {std::pair{ExpertFormat::kInt8, 32}, {ExpertFormat::kInt4, 32}, {ExpertFormat::kInt4, 64},
+                               {ExpertFormat::kInt4, 128}}) {
+    SCOPED_TRACE(std::string(FormatName(format)) + " group " + std::to_string(group));
+    std::mt19937 rng(9);
+    std::normal_distribution<float> dist;
+    const int64_t n = 16 * 11, k = 700;  // 11 blocks: fours or pairs, and some left
+    auto matrix = PackRandom(format, n, k, group, rng);
+    ASSERT_TRUE(matrix.ok()) << matrix.status();
+    const MatrixLayout* layout = &matrix->layout;
+    const MatmulKernel kernel = GetKernel(KernelKind::kVnni, format);
+    const int sum_group = format == ExpertFormat::kInt4 ? group : static_cast<int>(layout->k_pad);
+    for (int64_t m = 6; m <= 14; ++m) {
+      std::vector<float> x(m * k);
+      for (float& v : x) v = dist(rng);
+      Activations all;
+      ASSERT_TRUE(all.Prepare(x.data(), m, k, layout->k_pad, KernelKind::kVnni, format, sum_group).ok());
+      for (int64_t b0 : {int64_t{0}, int64_t{3}}) {
+        const int64_t cols = (layout->blocks() - b0) * 16, ld = cols + 7;
+        std::vector<float> got(m * ld, -5.0f);
+        kernel(matrix->packed(), all, b0, layout->blocks(), got.data(), ld);
+        for (int64_t i = 0; i < m; ++i) {
+          Activations one;
+          ASSERT_TRUE(one.Prepare(x.data() + i * k, 1, k, layout->k_pad, KernelKind::kVnni, format, sum_group).ok());
+          std::vector<float> want(ld, -5.0f);
+          kernel(matrix->packed(), one, b0, layout->blocks(), want.data(), ld);
+          ASSERT_EQ(std::vector<float>(got.begin() + i * ld, got.begin() + (i + 1) * ld), want)
+              << m << " tokens, token " << i << ", from block " << b0;
+        }
       }
     }
   }

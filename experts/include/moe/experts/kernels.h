@@ -72,6 +72,8 @@ class Activations {
   float i8_scale(int64_t row) const { return i8_scale_[row]; }
   // Sum of the quantized values of `row` in group g (columns [g*sum_group, (g+1)*sum_group)).
   int32_t i8_sum(int64_t row, int64_t g) const { return i8_sum_[row * groups_ + g]; }
+  // The sums of every group of `row`.
+  const int32_t* i8_sums(int64_t row) const { return i8_sum_.data() + row * groups_; }
 
  private:
   absl::Status Grow(core::AlignedBuffer& buffer, size_t bytes);
