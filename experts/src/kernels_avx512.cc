@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "moe/experts/kernels.h"
 #include "silu_avx512.h"
@@ -138,73 +139,114 @@ MOE_AVX512_VNNI inline __m512i Dpbusd(__m512i acc, __m512i a, __m512i b) {
 // int8 for many tokens: 4 consecutive blocks (64 columns) against MM <= 6 tokens, one accumulator
 // per (token, block), so each k quad's broadcast feeds 4 products and each weight line MM. The
 // one-block tile below reloads a broadcast for every 16 columns and holds its accumulators in an
-// array. Bitwise the same as Int8Tile: the integer sums are exact and the same float operations
-// follow. Accumulator c<t><n>: token t, block n. Meanwhile the lines [pf, pf + 64 pf_lines) go to L2,
-// spread over the steps (the next four blocks: each group of tokens fetches its share).
+// array. Lines [j0, j1) of the blocks: the first range starts the sums at minus each token's
+// offset (128 times the sum of its activations: the same integers as subtracting it at the end),
+// later ranges take them from `partial` (MM rows of 64), and all but the last leave them there;
+// the last writes the results, with the same float operations as Int8Tile, so bitwise the same.
+// Accumulator c<t><n>: token t, block n. Meanwhile the lines [pf, pf + 64 pf_lines) go to L2,
+// spread over the steps.
 template <int MM>
-MOE_AVX512_VNNI void Int8FourBlocks(const uint8_t* blk, int64_t block_bytes, int64_t lines, const float* w_scale,
-                                    const Activations& a, int64_t m0, float* y, int64_t ldy, const uint8_t* pf,
-                                    int64_t pf_lines) {
+MOE_AVX512_VNNI void Int8FourBlocks(const uint8_t* blk, int64_t block_bytes, int64_t j0, int64_t j1,
+                                    const float* w_scale, const Activations& a, int64_t m0, int32_t* partial,
+                                    float* y, int64_t ldy, const uint8_t* pf, int64_t pf_lines) {
   static_assert(MM >= 1 && MM <= 6);
-  const __m512i z = _mm512_setzero_si512();
-  __m512i c00 = z, c01 = z, c02 = z, c03 = z, c10 = z, c11 = z, c12 = z, c13 = z, c20 = z, c21 = z, c22 = z, c23 = z;
-  __m512i c30 = z, c31 = z, c32 = z, c33 = z, c40 = z, c41 = z, c42 = z, c43 = z, c50 = z, c51 = z, c52 = z, c53 = z;
+  __m512i c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23;
+  __m512i c30, c31, c32, c33, c40, c41, c42, c43, c50, c51, c52, c53;
+  const bool first = j0 == 0, last = j1 == a.k_pad() / 4;
+#define MOE_INT8_START(t)                                                                    \
+  if constexpr (MM > t) {                                                                    \
+    if (first) {                                                                             \
+      c##t##0 = c##t##1 = c##t##2 = c##t##3 = _mm512_set1_epi32(-128 * a.i8_sum(m0 + t, 0)); \
+    } else {                                                                                 \
+      c##t##0 = _mm512_loadu_si512(partial + t * 64);                                        \
+      c##t##1 = _mm512_loadu_si512(partial + t * 64 + 16);                                   \
+      c##t##2 = _mm512_loadu_si512(partial + t * 64 + 32);                                   \
+      c##t##3 = _mm512_loadu_si512(partial + t * 64 + 48);                                   \
+    }                                                                                        \
+  }
+  MOE_INT8_START(0) MOE_INT8_START(1) MOE_INT8_START(2) MOE_INT8_START(3) MOE_INT8_START(4) MOE_INT8_START(5)
+#undef MOE_INT8_START
   const int8_t* x = a.i8(m0);
   const int64_t stride = a.stride();
-  const int64_t pf_per_step = (pf_lines + lines - 1) / lines;
-  for (int64_t j = 0; j < lines; ++j) {
-    for (int64_t i = j * pf_per_step; i < std::min(pf_lines, (j + 1) * pf_per_step); ++i) {
+  const int64_t pf_per_step = (pf_lines + (j1 - j0) - 1) / (j1 - j0);
+  for (int64_t j = j0; j < j1; ++j) {
+    for (int64_t i = (j - j0) * pf_per_step; i < std::min(pf_lines, (j - j0 + 1) * pf_per_step); ++i) {
       _mm_prefetch(reinterpret_cast<const char*>(pf + i * 64), _MM_HINT_T1);
     }
     const uint8_t* line = blk + j * 64;
     const __m512i v0 = _mm512_load_si512(line), v1 = _mm512_load_si512(line + block_bytes);
     const __m512i v2 = _mm512_load_si512(line + 2 * block_bytes), v3 = _mm512_load_si512(line + 3 * block_bytes);
     const int8_t* xj = x + 4 * j;
-#define MOE_INT8_TOKEN(t)                                                \
-  if constexpr (MM > t) {                                                \
-    const __m512i xt = _mm512_set1_epi32(Load32(xj + t * stride));       \
-    c##t##0 = Dpbusd(c##t##0, v0, xt);                                   \
-    c##t##1 = Dpbusd(c##t##1, v1, xt);                                   \
-    c##t##2 = Dpbusd(c##t##2, v2, xt);                                   \
-    c##t##3 = Dpbusd(c##t##3, v3, xt);                                   \
+#define MOE_INT8_TOKEN(t)                                          \
+  if constexpr (MM > t) {                                          \
+    const __m512i xt = _mm512_set1_epi32(Load32(xj + t * stride)); \
+    c##t##0 = Dpbusd(c##t##0, v0, xt);                             \
+    c##t##1 = Dpbusd(c##t##1, v1, xt);                             \
+    c##t##2 = Dpbusd(c##t##2, v2, xt);                             \
+    c##t##3 = Dpbusd(c##t##3, v3, xt);                             \
   }
     MOE_INT8_TOKEN(0) MOE_INT8_TOKEN(1) MOE_INT8_TOKEN(2) MOE_INT8_TOKEN(3) MOE_INT8_TOKEN(4) MOE_INT8_TOKEN(5)
 #undef MOE_INT8_TOKEN
   }
-  const __m512i sums[6][4] = {{c00, c01, c02, c03}, {c10, c11, c12, c13}, {c20, c21, c22, c23},
-                              {c30, c31, c32, c33}, {c40, c41, c42, c43}, {c50, c51, c52, c53}};
-  for (int t = 0; t < MM; ++t) {
-    const __m512i offset = _mm512_set1_epi32(128 * a.i8_sum(m0 + t, 0));
-    const __m512 xs = _mm512_set1_ps(a.i8_scale(m0 + t));
-    for (int n = 0; n < 4; ++n) {
-      const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(w_scale + 16 * n), xs);
-      const __m512i corrected = _mm512_sub_epi32(sums[t][n], offset);
-      _mm512_storeu_ps(y + t * ldy + 16 * n, _mm512_mul_ps(_mm512_cvtepi32_ps(corrected), s));
-    }
+  if (!last) {
+#define MOE_INT8_KEEP(t)                                     \
+  if constexpr (MM > t) {                                    \
+    _mm512_storeu_si512(partial + t * 64, c##t##0);          \
+    _mm512_storeu_si512(partial + t * 64 + 16, c##t##1);     \
+    _mm512_storeu_si512(partial + t * 64 + 32, c##t##2);     \
+    _mm512_storeu_si512(partial + t * 64 + 48, c##t##3);     \
   }
+    MOE_INT8_KEEP(0) MOE_INT8_KEEP(1) MOE_INT8_KEEP(2) MOE_INT8_KEEP(3) MOE_INT8_KEEP(4) MOE_INT8_KEEP(5)
+#undef MOE_INT8_KEEP
+    return;
+  }
+  const __m512 ws0 = _mm512_loadu_ps(w_scale), ws1 = _mm512_loadu_ps(w_scale + 16);
+  const __m512 ws2 = _mm512_loadu_ps(w_scale + 32), ws3 = _mm512_loadu_ps(w_scale + 48);
+#define MOE_INT8_STORE(t)                                                                                 \
+  if constexpr (MM > t) {                                                                                 \
+    const __m512 xs = _mm512_set1_ps(a.i8_scale(m0 + t));                                                 \
+    _mm512_storeu_ps(y + t * ldy, _mm512_mul_ps(_mm512_cvtepi32_ps(c##t##0), _mm512_mul_ps(ws0, xs)));      \
+    _mm512_storeu_ps(y + t * ldy + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(c##t##1), _mm512_mul_ps(ws1, xs))); \
+    _mm512_storeu_ps(y + t * ldy + 32, _mm512_mul_ps(_mm512_cvtepi32_ps(c##t##2), _mm512_mul_ps(ws2, xs))); \
+    _mm512_storeu_ps(y + t * ldy + 48, _mm512_mul_ps(_mm512_cvtepi32_ps(c##t##3), _mm512_mul_ps(ws3, xs))); \
+  }
+  MOE_INT8_STORE(0) MOE_INT8_STORE(1) MOE_INT8_STORE(2) MOE_INT8_STORE(3) MOE_INT8_STORE(4) MOE_INT8_STORE(5)
+#undef MOE_INT8_STORE
 }
 
-// Int8FourBlocks over blocks [b, b + 4) and tokens [0, m), six at a time, fetching the next
-// `next_blocks` (at most 4) blocks meanwhile.
+// Lines per pass of Int8FourBlocks: 16 KB of the four blocks, which stay in L1 while every group
+// of six tokens goes over them (all 512 lines of a 2048-wide row at once, 128 KB, came from L2 for
+// each group: on the 32-core machine the kernel alone then ran gate+up at a third of down's speed).
+constexpr int64_t kInt8PassLines = 64;
+
+// Int8FourBlocks over blocks [b, b + 4) and tokens [0, m), six at a time, in passes of
+// kInt8PassLines lines, fetching the next `next_blocks` (at most 4) blocks meanwhile.
 void Int8FourBlocksAllTokens(const PackedMatrix& w, int64_t b, int64_t next_blocks, const Activations& a, float* y,
                              int64_t ldy) {
   const uint8_t* blk = w.block(b);
   const int64_t bytes = w.layout.block_bytes(), lines = w.layout.k_pad / 4;
   const float* ws = w.scales() + b * 16;
-  const int64_t groups = (a.m() + 5) / 6, next_lines = next_blocks * bytes / 64;
+  const int64_t groups = (a.m() + 5) / 6, passes = (lines + kInt8PassLines - 1) / kInt8PassLines;
+  const int64_t next_lines = next_blocks * bytes / 64, calls = groups * passes;
   const uint8_t* next = w.block(b + 4);
-  for (int64_t g = 0; g < groups; ++g) {
-    const int64_t m0 = 6 * g;
-    float* out = y + m0 * ldy;
-    const int64_t pf0 = next_lines * g / groups, pf1 = next_lines * (g + 1) / groups;
-    const uint8_t* pf = next + pf0 * 64;
-    switch (std::min<int64_t>(6, a.m() - m0)) {
-      case 1: Int8FourBlocks<1>(blk, bytes, lines, ws, a, m0, out, ldy, pf, pf1 - pf0); break;
-      case 2: Int8FourBlocks<2>(blk, bytes, lines, ws, a, m0, out, ldy, pf, pf1 - pf0); break;
-      case 3: Int8FourBlocks<3>(blk, bytes, lines, ws, a, m0, out, ldy, pf, pf1 - pf0); break;
-      case 4: Int8FourBlocks<4>(blk, bytes, lines, ws, a, m0, out, ldy, pf, pf1 - pf0); break;
-      case 5: Int8FourBlocks<5>(blk, bytes, lines, ws, a, m0, out, ldy, pf, pf1 - pf0); break;
-      default: Int8FourBlocks<6>(blk, bytes, lines, ws, a, m0, out, ldy, pf, pf1 - pf0); break;
+  thread_local std::vector<int32_t> partial;
+  if (passes > 1 && partial.size() < static_cast<size_t>(groups * 6 * 64)) partial.resize(groups * 6 * 64);
+  for (int64_t p = 0; p < passes; ++p) {
+    const int64_t j0 = p * kInt8PassLines, j1 = std::min(lines, j0 + kInt8PassLines);
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t m0 = 6 * g, call = p * groups + g;
+      float* out = y + m0 * ldy;
+      int32_t* part = passes > 1 ? partial.data() + g * 6 * 64 : nullptr;
+      const int64_t pf0 = next_lines * call / calls, pf1 = next_lines * (call + 1) / calls;
+      const uint8_t* pf = next + pf0 * 64;
+      switch (std::min<int64_t>(6, a.m() - m0)) {
+        case 1: Int8FourBlocks<1>(blk, bytes, j0, j1, ws, a, m0, part, out, ldy, pf, pf1 - pf0); break;
+        case 2: Int8FourBlocks<2>(blk, bytes, j0, j1, ws, a, m0, part, out, ldy, pf, pf1 - pf0); break;
+        case 3: Int8FourBlocks<3>(blk, bytes, j0, j1, ws, a, m0, part, out, ldy, pf, pf1 - pf0); break;
+        case 4: Int8FourBlocks<4>(blk, bytes, j0, j1, ws, a, m0, part, out, ldy, pf, pf1 - pf0); break;
+        case 5: Int8FourBlocks<5>(blk, bytes, j0, j1, ws, a, m0, part, out, ldy, pf, pf1 - pf0); break;
+        default: Int8FourBlocks<6>(blk, bytes, j0, j1, ws, a, m0, part, out, ldy, pf, pf1 - pf0); break;
+      }
     }
   }
 }
