@@ -542,10 +542,14 @@ KernelKind ExpertPool::KernelFor(int64_t tokens) const {
       if (tokens >= 16 && usable(KernelKind::kAmx)) return KernelKind::kAmx;
       return usable(KernelKind::kAvx512) ? KernelKind::kAvx512 : KernelKind::kPortable;
     case ExpertFormat::kInt8:
-    case ExpertFormat::kInt4:
-      // On the 32-core machine int4 AMX was 0.95-1.14x VNNI at 8 tokens per expert, 1.45-1.59x at 16.
-      if (tokens >= 16 && usable(KernelKind::kAmx)) return KernelKind::kAmx;
+    case ExpertFormat::kInt4: {
+      // On the 32-core machine (1024-token calls at most: `moeserve bench experts`), int8 AMX was
+      // 1.00-1.01x VNNI at 16 tokens per expert and 1.07-1.19x at 32; int4 AMX 0.90x at 16 and
+      // 1.13-1.17x at 32, as each AMX step of an int4 group costs what a step of int8 does.
+      const int64_t amx_from = options_.format == ExpertFormat::kInt8 ? 16 : 24;
+      if (tokens >= amx_from && usable(KernelKind::kAmx)) return KernelKind::kAmx;
       return usable(KernelKind::kVnni) ? KernelKind::kVnni : KernelKind::kPortable;
+    }
   }
   return KernelKind::kPortable;
 }

@@ -192,6 +192,24 @@ TEST_F(ExpertPoolBehaviour, SubmitReturnsAndWaitDeliversWhileTheCallerWorks) {
   EXPECT_EQ(out, again);
 }
 
+TEST_F(ExpertPoolBehaviour, KernelChoiceFollowsTheTokensPerExpert) {
+  const core::CpuFeatures& cpu = core::GetCpuFeatures();
+  const bool amx = KernelUnsupportedReason(KernelKind::kAmx, ExpertFormat::kInt8, cpu).empty();
+  const bool vnni = KernelUnsupportedReason(KernelKind::kVnni, ExpertFormat::kInt8, cpu).empty();
+  const KernelKind small = vnni ? KernelKind::kVnni : KernelKind::kPortable;
+  auto int8 = Make(2, ExpertFormat::kInt8);
+  auto int4 = Make(2, ExpertFormat::kInt4);
+  EXPECT_EQ(int8->KernelFor(1), small);
+  EXPECT_EQ(int8->KernelFor(15), small);
+  EXPECT_EQ(int8->KernelFor(16), amx ? KernelKind::kAmx : small);
+  // int4 stays on VNNI longer: an AMX step over a group of 32 costs what an int8 step does.
+  EXPECT_EQ(int4->KernelFor(16), small);
+  EXPECT_EQ(int4->KernelFor(23), small);
+  EXPECT_EQ(int4->KernelFor(24), amx ? KernelKind::kAmx : small);
+  ASSERT_TRUE(int4->SetKernel(small).ok());
+  EXPECT_EQ(int4->KernelFor(64), small);  // forced
+}
+
 TEST_F(ExpertPoolBehaviour, KernelStreamTimesEveryPartAndLeavesCallsAsTheyWere) {
   // Every format, with the kernel the pool picks for 16 tokens per expert and with each kernel
   // this CPU has forced: three positive rates, and a call afterwards gives the same bits.
