@@ -139,20 +139,20 @@ MOE_AVX512_VNNI inline __m512i Dpbusd(__m512i acc, __m512i a, __m512i b) {
 // int8 for many tokens: 4 consecutive blocks (64 columns) against MM <= 6 tokens, one accumulator
 // per (token, block), so each k quad's broadcast feeds 4 products and each weight line MM. The
 // one-block tile below reloads a broadcast for every 16 columns and holds its accumulators in an
-// array. Lines [j0, j1) of the blocks: the first range starts the sums at minus each token's
+// array. Lines [j0, j1) of the blocks' `lines`: the first range starts the sums at minus each token's
 // offset (128 times the sum of its activations: the same integers as subtracting it at the end),
 // later ranges take them from `partial` (MM rows of 64), and all but the last leave them there;
 // the last writes the results, with the same float operations as Int8Tile, so bitwise the same.
 // Accumulator c<t><n>: token t, block n. Meanwhile the lines [pf, pf + 64 pf_lines) go to L2,
 // spread over the steps.
 template <int MM>
-MOE_AVX512_VNNI void Int8FourBlocks(const uint8_t* blk, int64_t block_bytes, int64_t j0, int64_t j1,
+MOE_AVX512_VNNI void Int8FourBlocks(const uint8_t* blk, int64_t block_bytes, int64_t j0, int64_t j1, int64_t lines,
                                     const float* w_scale, const Activations& a, int64_t m0, int32_t* partial,
                                     float* y, int64_t ldy, const uint8_t* pf, int64_t pf_lines) {
   static_assert(MM >= 1 && MM <= 6);
   __m512i c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23;
   __m512i c30, c31, c32, c33, c40, c41, c42, c43, c50, c51, c52, c53;
-  const bool first = j0 == 0, last = j1 == a.k_pad() / 4;
+  const bool first = j0 == 0, last = j1 == lines;
 #define MOE_INT8_START(t)                                                                    \
   if constexpr (MM > t) {                                                                    \
     if (first) {                                                                             \
@@ -240,12 +240,12 @@ void Int8FourBlocksAllTokens(const PackedMatrix& w, int64_t b, int64_t next_bloc
       const int64_t pf0 = next_lines * call / calls, pf1 = next_lines * (call + 1) / calls;
       const uint8_t* pf = next + pf0 * 64;
       switch (std::min<int64_t>(6, a.m() - m0)) {
-        case 1: Int8FourBlocks<1>(blk, bytes, j0, j1, ws, a, m0, part, out, ldy, pf, pf1 - pf0); break;
-        case 2: Int8FourBlocks<2>(blk, bytes, j0, j1, ws, a, m0, part, out, ldy, pf, pf1 - pf0); break;
-        case 3: Int8FourBlocks<3>(blk, bytes, j0, j1, ws, a, m0, part, out, ldy, pf, pf1 - pf0); break;
-        case 4: Int8FourBlocks<4>(blk, bytes, j0, j1, ws, a, m0, part, out, ldy, pf, pf1 - pf0); break;
-        case 5: Int8FourBlocks<5>(blk, bytes, j0, j1, ws, a, m0, part, out, ldy, pf, pf1 - pf0); break;
-        default: Int8FourBlocks<6>(blk, bytes, j0, j1, ws, a, m0, part, out, ldy, pf, pf1 - pf0); break;
+        case 1: Int8FourBlocks<1>(blk, bytes, j0, j1, lines, ws, a, m0, part, out, ldy, pf, pf1 - pf0); break;
+        case 2: Int8FourBlocks<2>(blk, bytes, j0, j1, lines, ws, a, m0, part, out, ldy, pf, pf1 - pf0); break;
+        case 3: Int8FourBlocks<3>(blk, bytes, j0, j1, lines, ws, a, m0, part, out, ldy, pf, pf1 - pf0); break;
+        case 4: Int8FourBlocks<4>(blk, bytes, j0, j1, lines, ws, a, m0, part, out, ldy, pf, pf1 - pf0); break;
+        case 5: Int8FourBlocks<5>(blk, bytes, j0, j1, lines, ws, a, m0, part, out, ldy, pf, pf1 - pf0); break;
+        default: Int8FourBlocks<6>(blk, bytes, j0, j1, lines, ws, a, m0, part, out, ldy, pf, pf1 - pf0); break;
       }
     }
   }
