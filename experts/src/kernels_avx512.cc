@@ -309,8 +309,7 @@ MOE_AVX512_VNNI void Int4TwoBlocks(const PackedMatrix& w, int64_t b, const Activ
          o51 = fz;
   const int8_t* x = a.i8(m0);
   const int64_t stride = a.stride();
-  // Out of the loops: block_scales() calls MatrixLayout::block_bytes() (in packed.cc), and a call in
-  // the group loop spilled every accumulator.
+  // Each group's 16 scales follow the last group's.
   const float* scales0 = w.block_scales(b, 0);
   const float* scales1 = w.block_scales(b + 1, 0);
   const int32_t* sums[6];

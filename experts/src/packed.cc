@@ -38,15 +38,6 @@ absl::StatusOr<ExpertFormat> ParseFormat(const std::string& name) {
   return absl::InvalidArgumentError(absl::StrCat("expert format '", name, "' is not one of bf16, int8, int4"));
 }
 
-int64_t MatrixLayout::block_bytes() const {
-  switch (format) {
-    case ExpertFormat::kBF16: return 16 * k_pad * 2;
-    case ExpertFormat::kInt8: return 16 * k_pad;
-    case ExpertFormat::kInt4: return 16 * k_pad / 2;
-  }
-  return 0;
-}
-
 int64_t MatrixLayout::scale_bytes() const {
   switch (format) {
     case ExpertFormat::kBF16: return 0;

@@ -44,7 +44,10 @@ struct MatrixLayout {
   int group = 32;                // int4 group size along K (32, 64 or 128)
 
   int64_t blocks() const { return n_pad / 16; }
-  int64_t block_bytes() const;   // weight bytes of one 16-row block
+  // Weight bytes of one 16-row block. Inline: the kernels reach blocks and scales through it.
+  int64_t block_bytes() const {
+    return format == ExpertFormat::kBF16 ? 32 * k_pad : format == ExpertFormat::kInt8 ? 16 * k_pad : 8 * k_pad;
+  }
   int64_t weight_bytes() const { return blocks() * block_bytes(); }
   int64_t scale_bytes() const;   // after the blocks
   int64_t bytes() const { return weight_bytes() + scale_bytes(); }
