@@ -38,7 +38,7 @@ TEST(CliTest, GenerateJsonAndLogitsMatchTheGoldens) {
   const std::vector<int> want = golden["greedy_ids"];
   auto r = testing::RunMoeserve({"generate", "--model", testing::FixtureDir("glm4_moe"), "--prompt-ids", Join(prompt),
                                  "--max-new-tokens", std::to_string(want.size()), "--temperature", "0", "--json",
-                                 "--dump-logits", dir / "logits.json", "--rope-freqs", "bf16"});
+                                 "--dump-logits", dir / "logits.json"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const nlohmann::json out = LastJsonLine(r.out);
   EXPECT_EQ(out["generated_ids"].get<std::vector<int>>(), want);
@@ -289,8 +289,7 @@ TEST(CliTest, ExpertFlagsChooseThePathAndReportBadValues) {
   const std::vector<int> want = golden["greedy_ids"];
   for (const char* experts : {"reference", "pool"}) {
     auto r = testing::RunMoeserve({"generate", "--model", testing::FixtureDir("qwen2_moe"), "--prompt-ids",
-                                   Join(prompt), "--max-new-tokens", std::to_string(want.size()), "--rope-freqs",
-                                   "bf16", "--experts", experts, "--json"});
+                                   Join(prompt), "--max-new-tokens", std::to_string(want.size()), "--experts", experts, "--json"});
     ASSERT_EQ(r.exit_code, 0) << r.err;
     EXPECT_EQ(LastJsonLine(r.out)["generated_ids"].get<std::vector<int>>(), want) << experts;
   }
