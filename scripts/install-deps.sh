@@ -10,6 +10,8 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   libgloo-dev libnuma-dev
+  libcli11-dev libcpp-httplib-dev libssl-dev openssl curl
+  clang
   python3 python3-numpy python3-grpcio python3-protobuf
 )
 
