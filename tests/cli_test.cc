@@ -128,10 +128,10 @@ TEST(CliTest, BadRequestsAndFlagsAreExplained) {
   EXPECT_THAT(r.err, HasSubstr("unknown flag --tempreature"));
   r = testing::RunMoeserve({"generate", "--model", model, "--prompt-ids", "1", "--expert-linger-us", "-5"});
   EXPECT_EQ(r.exit_code, 2);
-  EXPECT_THAT(r.err, HasSubstr("--expert-linger-us must be at least 0"));
+  EXPECT_THAT(r.err, HasSubstr("--expert-linger-us: -5 is not an integer in [0, 10000000]"));
   r = testing::RunMoeserve({"bench", "experts", "--gap-us", "-1"});
   EXPECT_EQ(r.exit_code, 2);
-  EXPECT_THAT(r.err, HasSubstr("--gap-us and --linger-us must be at least 0"));
+  EXPECT_THAT(r.err, HasSubstr("--gap-us: -1 is not a number in [0, 1e+07]"));
   r = testing::RunMoeserve({"generate", "--prompt-ids", "1"});
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_THAT(r.err, HasSubstr("--model is required"));
@@ -201,8 +201,8 @@ TEST(CliTest, MakeModelShardsBigCheckpointsAndLoadsThemTheSame) {
   }
   EXPECT_EQ(ids[0], ids[1]);
   r = testing::RunMoeserve({"make-model", "--preset", "huge", "--out", dir / "x"});
-  EXPECT_EQ(r.exit_code, 1);
-  EXPECT_THAT(r.err, HasSubstr("unknown preset 'huge'; presets: tiny, qwen3-30b-a3b"));
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("unknown preset 'huge'"));
 }
 
 }  // namespace
@@ -231,10 +231,10 @@ TEST(CliBenchTest, ExpertBenchPrintsRowsAgainstTheMeasuredBandwidth) {
   EXPECT_THAT(r.err, HasSubstr("expert format 'fp8' is not one of bf16, int8, int4"));
   r = testing::RunMoeserve({"bench", "experts", "--batches", "0"});
   EXPECT_EQ(r.exit_code, 2);
-  EXPECT_THAT(r.err, HasSubstr("--batches: '0' is not a positive batch size"));
+  EXPECT_THAT(r.err, HasSubstr("--batches: '0' is not an integer in [1, 65536]"));
   r = testing::RunMoeserve({"bench", "experts", "--stream-tokens", "-1"});
   EXPECT_EQ(r.exit_code, 2);
-  EXPECT_THAT(r.err, HasSubstr("--stream-tokens must be at least 0"));
+  EXPECT_THAT(r.err, HasSubstr("--stream-tokens: -1 is not an integer in [0, 65536]"));
 }
 
 TEST(CliBenchTest, ASecondProcessAttachesToTheSharedArena) {
@@ -303,8 +303,8 @@ TEST(CliTest, ExpertFlagsChooseThePathAndReportBadValues) {
   EXPECT_THAT(r.err, HasSubstr("no avx512 kernel for int8"));
   r = testing::RunMoeserve({"generate", "--model", testing::FixtureDir("qwen2_moe"), "--prompt-ids", "1",
                             "--expert-group", "48", "--expert-format", "int4"});
-  EXPECT_EQ(r.exit_code, 1);
-  EXPECT_THAT(r.err, HasSubstr("int4 group size 48 is not 32, 64 or 128"));
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("--expert-group: 48 not in {32,64,128}"));
 }
 
 }  // namespace
@@ -326,7 +326,7 @@ TEST(CliServeTest, ServeStreamsToThePythonClientAndStopsOnSigterm) {
     const char* bin_dir = std::getenv("MOE_BINARY_DIR");
     const std::string bin = std::string(bin_dir != nullptr ? bin_dir : MOE_BINARY_DIR) + "/moeserve";
     const std::string model = testing::FixtureDir("qwen3_moe");
-    ::execl(bin.c_str(), bin.c_str(), "serve", "--model", model.c_str(), "--listen", "127.0.0.1:0", "--metrics", "off",
+    ::execl(bin.c_str(), bin.c_str(), "serve", "--model", model.c_str(), "--listen", "127.0.0.1:0", "--http", "off",
             "--threads", "2", "--expert-threads", "2", static_cast<char*>(nullptr));
     _exit(127);
   }

@@ -47,7 +47,7 @@ class ServerTest : public ::testing::Test {
     options.scheduler.context = 2048;
     options.scheduler.num_blocks = 2048;
     options.placement = "test";
-    options.metrics_listen = "127.0.0.1:0";
+    options.http_listen = "127.0.0.1:0";
     auto frontend = scheduler::Frontend::Start(*model_, options);
     ASSERT_TRUE(frontend.ok()) << frontend.status();
     frontend_ = std::move(*frontend);

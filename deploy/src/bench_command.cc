@@ -10,7 +10,6 @@
 #include "load_bench.h"
 #include "serving_bench.h"
 #include "moe/scheduler/frontend.h"
-#include "flags.h"
 #include "moe/core/status.h"
 #include "moe/experts/arena.h"
 #include "moe/runtime/model.h"
@@ -30,95 +29,30 @@ std::vector<std::string> SplitList(const std::string& text) {
   return out;
 }
 
-absl::Status ReadBenchOptions(const Flags& flags, bench::ExpertBenchOptions* o) {
-  MOE_ASSIGN_OR_RETURN(int64_t threads, flags.Int("threads"));
-  MOE_ASSIGN_OR_RETURN(int64_t layers, flags.Int("layers"));
-  MOE_ASSIGN_OR_RETURN(int64_t read_mb, flags.Int("read-mb"));
-  MOE_ASSIGN_OR_RETURN(double seconds, flags.Double("seconds"));
-  MOE_ASSIGN_OR_RETURN(o->hidden, flags.Int("hidden"));
-  MOE_ASSIGN_OR_RETURN(o->intermediate, flags.Int("intermediate"));
-  MOE_ASSIGN_OR_RETURN(int64_t experts, flags.Int("experts"));
-  MOE_ASSIGN_OR_RETURN(int64_t top_k, flags.Int("top-k"));
-  o->threads = static_cast<int>(threads);
-  o->layers = static_cast<int>(layers);
-  o->read_bytes = read_mb << 20;
-  o->seconds_per_point = seconds;
-  o->num_experts = static_cast<int>(experts);
-  o->top_k = static_cast<int>(top_k);
-  o->phases = flags.Switch("phases");
-  MOE_ASSIGN_OR_RETURN(o->decode_max_tokens, flags.Int("decode-max-tokens"));
-  MOE_ASSIGN_OR_RETURN(int64_t decode_units, flags.Int("decode-units"));
-  if (o->decode_max_tokens < 0 || decode_units <= 0) {
-    return absl::InvalidArgumentError("--decode-max-tokens must be at least 0 and --decode-units positive");
-  }
-  o->decode_units = static_cast<int>(decode_units);
-  MOE_ASSIGN_OR_RETURN(o->gap_us, flags.Double("gap-us"));
-  MOE_ASSIGN_OR_RETURN(o->linger_us, flags.Int("linger-us"));
-  if (o->gap_us < 0 || o->linger_us < 0) return absl::InvalidArgumentError("--gap-us and --linger-us must be at least 0");
-  MOE_ASSIGN_OR_RETURN(o->stream_tokens, flags.Int("stream-tokens"));
-  if (o->stream_tokens < 0) return absl::InvalidArgumentError("--stream-tokens must be at least 0");
-  o->formats = SplitList(flags.Get("formats"));
-  o->kernels = SplitList(flags.Get("kernels"));
-  o->batches.clear();
-  for (const std::string& b : SplitList(flags.Get("batches"))) {
-    int v;
-    if (!absl::SimpleAtoi(b, &v) || v <= 0) {
-      return absl::InvalidArgumentError("--batches: '" + b + "' is not a positive batch size");
-    }
-    o->batches.push_back(v);
-  }
-  if (o->batches.empty() || o->layers <= 0 || o->top_k <= 0 || o->top_k > o->num_experts || read_mb <= 0) {
-    return absl::InvalidArgumentError("--batches, --layers, --top-k (at most --experts) and --read-mb must be positive");
-  }
-  return absl::OkStatus();
-}
-
-int BenchExperts(int argc, char** argv) {
-  Flags flags("bench experts",
-              "Times one MoE layer call of the CPU expert pool at a real layer shape (default Qwen3-30B-A3B:\n"
-              "hidden 2048, 128 experts, top-8, intermediate 768) for every format, kernel and batch, against\n"
-              "the host read bandwidth measured with the same threads in the same run. Weights are random.\n"
-              "Columns: ms per call, GB/s of expert weights touched, ratio to the read bandwidth, TFLOP/s.\n"
-              "After each kernel's points, the kernel alone over every expert of the arena (--stream-tokens).\n"
-              "Last, at 64 tokens and more, each kernel's speed over its format's AVX-512 path (the same run),\n"
-              "and the most it could be: the AVX-512 time over the time to read the weights once.");
-  flags.Add("threads", "N", "pool threads; 0 uses every core", "0");
-  flags.Add("layers", "N", "layers the calls cycle through (keeps the weights out of the caches)", "4");
-  flags.Add("batches", "LIST", "tokens per call", "1,4,16,64,256,1024");
-  flags.Add("formats", "LIST", "bf16, int8, int4", "bf16,int8,int4");
-  flags.Add("kernels", "LIST", "only these kernels (portable, avx512, avx512bf16, vnni, amx); default all");
-  flags.Add("read-mb", "MB", "buffer for the read-bandwidth roofline", "2048");
-  flags.Add("seconds", "S", "time spent per point", "0.3");
-  flags.Add("hidden", "N", "hidden size", "2048");
-  flags.Add("intermediate", "N", "expert intermediate size", "768");
-  flags.Add("experts", "N", "experts per layer", "128");
-  flags.Add("top-k", "K", "experts per token", "8");
-  flags.Add("decode-max-tokens", "N", "calls of at most N tokens use the pool's decode schedule; 0: never", "16");
-  flags.Add("decode-units", "N", "units of work per thread and stage in the decode schedule", "4");
-  flags.Add("gap-us", "US",
-            "microseconds the caller spins between calls, as a forward does on the rest of a layer (only the calls "
-            "are timed); 0: back to back",
-            "0");
-  flags.Add("linger-us", "US", "microseconds the pool's threads stay awake after a call for the next one; 0: they sleep",
-            "2000");
-  flags.Add("stream-tokens", "N",
-            "after each kernel's points, the kernel alone running over every expert of the arena with N tokens per "
-            "expert (no sorting, gathering or sums): gate+up, down and both in GB/s of weights, against the read "
-            "bandwidth; 0: skip",
-            "64");
-  flags.AddSwitch("phases",
-                  "after each point, its trials, the time of each phase of a call, and how the threads spent the sort "
-                  "and experts phase");
-  flags.AddSwitch("json", "print one JSON array of rows: format, kernel, batch, ms_per_call, weight_gbps, read_gbps, "
-                          "ratio, tflops");
-  flags.AddSwitch("help", "show this help");
-  if (std::optional<int> exit_code = flags.ParseOrExit(argc, argv)) return *exit_code;
+struct ExpertBenchFlags {
   bench::ExpertBenchOptions options;
-  if (absl::Status s = ReadBenchOptions(flags, &options); !s.ok()) return Fail(s, 2);
-  const bool json = flags.Switch("json");
-  auto rows = bench::RunExpertBench(options, json ? std::cerr : std::cout);
+  std::string batches = "1,4,16,64,256,1024", formats = "bf16,int8,int4", kernels;
+  int64_t read_mb = 2048;
+  bool json = false;
+};
+
+int BenchExperts(ExpertBenchFlags flags) {
+  bench::ExpertBenchOptions& options = flags.options;
+  if (options.top_k > options.num_experts) {
+    return Fail(absl::InvalidArgumentError(absl::StrCat("--top-k ", options.top_k, " is more than --experts ",
+                                                        options.num_experts)),
+                2);
+  }
+  auto batches = ParseIntList(flags.batches, "batches");
+  if (!batches.ok()) return Fail(batches.status(), 2);
+  options.batches = *batches;
+  options.formats = SplitList(flags.formats);
+  options.kernels = SplitList(flags.kernels);
+  options.read_bytes = flags.read_mb << 20;
+  WarnIfMoreThreadsThanCores(options.threads, "threads", "bench experts");
+  auto rows = bench::RunExpertBench(options, flags.json ? std::cerr : std::cout);
   if (!rows.ok()) return Fail(rows.status(), 1);
-  if (json) {
+  if (flags.json) {
     nlohmann::ordered_json out = nlohmann::ordered_json::array();
     for (const bench::ExpertBenchRow& r : *rows) {
       out.push_back({{"format", r.format}, {"kernel", r.kernel}, {"batch", r.batch}, {"ms_per_call", r.ms_per_call},
@@ -128,6 +62,64 @@ int BenchExperts(int argc, char** argv) {
     std::cout << out.dump() << std::endl;
   }
   return 0;
+}
+
+void AddBenchExperts(CLI::App& bench, CommandRun* selected) {
+  auto f = std::make_shared<ExpertBenchFlags>();
+  CLI::App* app = AddCommand(
+      bench, "experts", "the CPU expert pool against the read-bandwidth roofline",
+      "Times one MoE layer call of the CPU expert pool at a real layer shape (default Qwen3-30B-A3B:\n"
+      "hidden 2048, 128 experts, top-8, intermediate 768) for every format, kernel and batch, against\n"
+      "the host read bandwidth measured with the same threads in the same run. Weights are random.\n"
+      "Columns: ms per call, GB/s of expert weights touched, ratio to the read bandwidth, TFLOP/s.\n"
+      "After each kernel's points, the kernel alone over every expert of the arena (--stream-tokens).\n"
+      "Last, at 64 tokens and more, each kernel's speed over its format's AVX-512 path (the same run),\n"
+      "and the most it could be: the AVX-512 time over the time to read the weights once.",
+      [f] { return BenchExperts(*f); }, selected);
+  bench::ExpertBenchOptions& o = f->options;
+  app->add_option("--threads", o.threads, "pool threads; 0 uses every core")->check(IntIn(0, 4096))->capture_default_str();
+  app->add_option("--layers", o.layers, "layers the calls cycle through (keeps the weights out of the caches)")
+      ->check(IntIn(1, 1024))
+      ->capture_default_str();
+  app->add_option("--batches", f->batches, "tokens per call")->check(IntListIn(1, 1 << 16))->capture_default_str();
+  app->add_option("--formats", f->formats, "bf16, int8, int4")->capture_default_str();
+  app->add_option("--kernels", f->kernels, "only these kernels (portable, avx512, avx512bf16, vnni, amx); default all");
+  app->add_option("--read-mb", f->read_mb, "buffer for the read-bandwidth roofline, in MiB")
+      ->check(IntIn(1, 1 << 20))
+      ->capture_default_str();
+  app->add_option("--seconds", o.seconds_per_point, "time spent per point")->check(NumberIn(0.001, 3600))->capture_default_str();
+  app->add_option("--hidden", o.hidden, "hidden size")->check(IntIn(32, 1 << 16))->capture_default_str();
+  app->add_option("--intermediate", o.intermediate, "expert intermediate size")->check(IntIn(32, 1 << 17))->capture_default_str();
+  app->add_option("--experts", o.num_experts, "experts per layer")->check(IntIn(1, 4096))->capture_default_str();
+  app->add_option("--top-k", o.top_k, "experts per token (at most --experts)")->check(IntIn(1, 4096))->capture_default_str();
+  app->add_option("--decode-max-tokens", o.decode_max_tokens,
+                  "calls of at most N tokens use the pool's decode schedule; 0: never")
+      ->check(IntIn(0, 1 << 16))
+      ->capture_default_str();
+  app->add_option("--decode-units", o.decode_units, "units of work per thread and stage in the decode schedule")
+      ->check(IntIn(1, 1024))
+      ->capture_default_str();
+  app->add_option("--gap-us", o.gap_us,
+                  "microseconds the caller spins between calls, as a forward does on the rest of a layer (only the "
+                  "calls are timed); 0: back to back")
+      ->check(NumberIn(0, 1e7))
+      ->capture_default_str();
+  app->add_option("--linger-us", o.linger_us,
+                  "microseconds the pool's threads stay awake after a call for the next one; 0: they sleep")
+      ->check(IntIn(0, 10'000'000))
+      ->capture_default_str();
+  app->add_option("--stream-tokens", o.stream_tokens,
+                  "after each kernel's points, the kernel alone running over every expert of the arena with N tokens "
+                  "per expert (no sorting, gathering or sums): gate+up, down and both in GB/s of weights, against "
+                  "the read bandwidth; 0: skip")
+      ->check(IntIn(0, 1 << 16))
+      ->capture_default_str();
+  app->add_flag("--phases", o.phases,
+                "after each point, its trials, the time of each phase of a call, and how the threads spent the sort "
+                "and experts phase");
+  app->add_flag("--json", f->json,
+                "print one JSON array of rows: format, kernel, batch, ms_per_call, weight_gbps, read_gbps, ratio, "
+                "tflops");
 }
 
 constexpr int kDiskReadsInFlight = 16;
@@ -206,29 +198,20 @@ absl::Status MeasureLoadBound(const std::vector<std::string>& files, double cach
   return absl::OkStatus();
 }
 
-int BenchLoad(int argc, char** argv) {
-  Flags flags("bench load",
-              "Loads a model's routed experts into the expert arena and reports the speed (checkpoint bytes read\n"
-              "per second), against the bound measured right after with the pool's thread count: reading the\n"
-              "checkpoint files themselves from the page cache, and from disk (O_DIRECT) for the share that was\n"
-              "not cached before the load. A second bound copies the files from the page cache into fresh memory\n"
-              "of the arena's kind and size (every new page is zeroed by the kernel before it is written, for the\n"
-              "load as for the copy). With --expert-shm the arena is a named shared-memory segment: the\n"
-              "first run fills it, later runs attach to it and report the attach time.");
-  flags.Add("model", "DIR", "Hugging Face model directory");
-  AddExpertFlags(flags);
-  flags.AddSwitch("unlink", "remove the shared-memory segment at the end");
-  flags.AddSwitch("json", "print one JSON object");
-  flags.AddSwitch("help", "show this help");
-  if (std::optional<int> exit_code = flags.ParseOrExit(argc, argv)) return *exit_code;
-  auto model_dir = flags.Required("model");
-  if (!model_dir.ok()) return Fail(model_dir.status(), 2);
+struct LoadBenchFlags {
+  std::string model;
+  ExpertFlags experts;
+  bool unlink = false, json = false;
+};
+
+int BenchLoad(const LoadBenchFlags& flags) {
   runtime::ModelOptions options;
-  if (absl::Status s = ReadExpertFlags(flags, &options); !s.ok()) return Fail(s, 2);
+  if (absl::Status s = flags.experts.Apply(&options, "bench load"); !s.ok()) return Fail(s, 2);
   if (options.experts != runtime::RoutedExpertsMode::kPool) {
     return Fail(absl::InvalidArgumentError("bench load measures the expert pool; drop --experts reference"), 2);
   }
-  options.pool.progress = !flags.Switch("json");
+  options.pool.progress = !flags.json;
+  const std::string* model_dir = &flags.model;
   // What the page cache holds before the load decides its bound: page-cache or disk speed. (A
   // directory the load cannot use gets the load's own error below.)
   auto files = bench::CheckpointFiles(*model_dir);
@@ -255,7 +238,7 @@ int BenchLoad(int argc, char** argv) {
   }
   const double ratio = bound.gbps > 0 ? gbps / bound.gbps : 0.0;
   const double copy_ratio = bound.copy_bound_gbps > 0 ? gbps / bound.copy_bound_gbps : 0.0;
-  if (flags.Switch("json")) {
+  if (flags.json) {
     nlohmann::ordered_json j = {{"attached", attached},
                                 {"arena_bytes", pool->arena().size()},
                                 {"checkpoint_bytes", pool->loaded_bytes()},
@@ -296,60 +279,61 @@ int BenchLoad(int argc, char** argv) {
           pool->arena().size() / 1e9, bound.copy_gbps, 100 * copy_ratio, bound.copy_bound_gbps);
     }
   }
-  if (flags.Switch("unlink") && !options.pool.shm_name.empty()) {
+  if (flags.unlink && !options.pool.shm_name.empty()) {
     if (absl::Status s = experts::HostArena::Unlink(options.pool.shm_name); !s.ok()) return Fail(s, 1);
   }
   return 0;
 }
 
-int BenchServe(int argc, char** argv) {
-  Flags flags("bench serve",
-              "Load generator: concurrent Generate streams against a moeserve server, reporting time to first\n"
-              "token (TTFT), time per output token (TPOT), inter-token latency (ITL) and output tokens/s for\n"
-              "each concurrency. Give --target of a running server, or --model to start one in this process.");
-  flags.Add("target", "HOST:PORT", "a running server");
-  flags.Add("model", "DIR", "start a server in this process on this model instead (CPU backend)");
-  flags.Add("concurrency", "LIST", "concurrent streams, one run each", "1,4,16");
-  flags.Add("requests", "N", "requests per run; 0: 4 per stream, at least 8", "0");
-  flags.Add("prompt-len", "N", "prompt tokens (random ids)", "32");
-  flags.Add("output-len", "N", "tokens generated per request", "32");
-  flags.Add("max-batch-tokens", "N", "with --model: tokens per step", "2048");
-  flags.Add("csv", "PATH", "append one row per request");
-  AddExpertFlags(flags);
-  flags.AddSwitch("json", "print one JSON array of rows");
-  flags.AddSwitch("help", "show this help");
-  if (std::optional<int> exit_code = flags.ParseOrExit(argc, argv)) return *exit_code;
-  bench::ServingBenchOptions o;
-  auto requests = flags.Int("requests");
-  auto prompt_len = flags.Int("prompt-len");
-  auto output_len = flags.Int("output-len");
-  auto batch = flags.Int("max-batch-tokens");
-  for (const absl::Status& s : {requests.status(), prompt_len.status(), output_len.status(), batch.status()}) {
-    if (!s.ok()) return Fail(s, 2);
+void AddBenchLoad(CLI::App& bench, CommandRun* selected) {
+  auto f = std::make_shared<LoadBenchFlags>();
+  CLI::App* app = AddCommand(
+      bench, "load", "loading the expert arena (and attaching to a shared one)",
+      "Loads a model's routed experts into the expert arena and reports the speed (checkpoint bytes read\n"
+      "per second), against the bound measured right after with the pool's thread count: reading the\n"
+      "checkpoint files themselves from the page cache, and from disk (O_DIRECT) for the share that was\n"
+      "not cached before the load. A second bound copies the files from the page cache into fresh memory\n"
+      "of the arena's kind and size (every new page is zeroed by the kernel before it is written, for the\n"
+      "load as for the copy). With --expert-shm the arena is a named shared-memory segment: the\n"
+      "first run fills it, later runs attach to it and report the attach time.",
+      [f] { return BenchLoad(*f); }, selected);
+  app->add_option("--model", f->model, "Hugging Face model directory")->required();
+  f->experts.Add(app);
+  app->add_flag("--unlink", f->unlink, "remove the shared-memory segment at the end");
+  app->add_flag("--json", f->json, "print one JSON object");
+}
+
+struct ServeBenchFlags {
+  bench::ServingBenchOptions options;
+  std::string target, model, concurrency = "1,4,16";
+  int requests = 0, max_batch_tokens = 2048;
+  ExpertFlags experts;
+  bool json = false;
+};
+
+int BenchServe(const ServeBenchFlags& flags) {
+  bench::ServingBenchOptions o = flags.options;
+  auto concurrency = ParseIntList(flags.concurrency, "concurrency");
+  if (!concurrency.ok()) return Fail(concurrency.status(), 2);
+  if (flags.target.empty() == flags.model.empty()) {
+    return Fail(absl::InvalidArgumentError("give one of --target HOST:PORT or --model DIR"), 2);
   }
-  o.prompt_len = static_cast<int>(*prompt_len);
-  o.output_len = static_cast<int>(*output_len);
-  o.csv = flags.Get("csv");
-  std::vector<int> concurrency;
-  for (const std::string& c : SplitList(flags.Get("concurrency"))) {
-    int v;
-    if (!absl::SimpleAtoi(c, &v) || v <= 0) {
-      return Fail(absl::InvalidArgumentError("--concurrency: '" + c + "' is not a positive number"), 2);
-    }
-    concurrency.push_back(v);
+  if (!flags.target.empty()) {
+    if (absl::Status s = CheckListenAddress(flags.target, "target"); !s.ok()) return Fail(s, 2);
+    o.target = flags.target;
   }
   std::unique_ptr<runtime::Model> model;
   std::unique_ptr<scheduler::Frontend> frontend;
-  if (flags.Has("model")) {
+  if (!flags.model.empty()) {
     runtime::ModelOptions model_options;
-    if (absl::Status s = ReadExpertFlags(flags, &model_options); !s.ok()) return Fail(s, 2);
+    if (absl::Status s = flags.experts.Apply(&model_options, "bench serve"); !s.ok()) return Fail(s, 2);
     model_options.pool.progress = false;
-    auto loaded = runtime::Model::Load(flags.Get("model"), model_options);
+    auto loaded = runtime::Model::Load(flags.model, model_options);
     if (!loaded.ok()) return Fail(loaded.status(), 1);
     model = std::move(*loaded);
     scheduler::FrontendOptions fo;
     fo.listen = "127.0.0.1:0";
-    fo.scheduler.max_batch_tokens = static_cast<int>(*batch);
+    fo.scheduler.max_batch_tokens = flags.max_batch_tokens;
     fo.scheduler.max_seqs = 64;
     fo.scheduler.context = model->spec().max_position_embeddings;
     fo.scheduler.num_blocks = 4096;
@@ -358,16 +342,12 @@ int BenchServe(int argc, char** argv) {
     frontend = std::move(*started);
     o.target = absl::StrCat("127.0.0.1:", frontend->port());
     o.vocab = model->spec().vocab_size;
-  } else {
-    auto target = flags.Required("target");
-    if (!target.ok()) return Fail(absl::InvalidArgumentError("give --target HOST:PORT or --model DIR"), 2);
-    o.target = *target;
   }
   nlohmann::ordered_json rows = nlohmann::ordered_json::array();
-  const bool json = flags.Switch("json");
-  for (int c : concurrency) {
+  const bool json = flags.json;
+  for (int c : *concurrency) {
     o.concurrency = c;
-    o.requests = *requests > 0 ? static_cast<int>(*requests) : std::max(8, 4 * c);
+    o.requests = flags.requests > 0 ? flags.requests : std::max(8, 4 * c);
     auto r = bench::RunServingBench(o);
     if (!r.ok()) return Fail(r.status(), 1);
     if (json) {
@@ -389,18 +369,45 @@ int BenchServe(int argc, char** argv) {
   return 0;
 }
 
+
+void AddBenchServe(CLI::App& bench, CommandRun* selected) {
+  auto f = std::make_shared<ServeBenchFlags>();
+  CLI::App* app = AddCommand(
+      bench, "serve", "load generator: TTFT, TPOT, ITL and tokens/s per concurrency",
+      "Load generator: concurrent Generate streams against a moeserve server, reporting time to first\n"
+      "token (TTFT), time per output token (TPOT), inter-token latency (ITL) and output tokens/s for\n"
+      "each concurrency. Give --target of a running server, or --model to start one in this process.",
+      [f] { return BenchServe(*f); }, selected);
+  app->add_option("--target", f->target, "a running server, HOST:PORT");
+  app->add_option("--model", f->model, "start a server in this process on this model instead (CPU backend)");
+  app->add_option("--concurrency", f->concurrency, "concurrent streams, one run each")
+      ->check(IntListIn(1, 4096))
+      ->capture_default_str();
+  app->add_option("--requests", f->requests, "requests per run; 0: 4 per stream, at least 8")
+      ->check(IntIn(0, 1 << 20))
+      ->capture_default_str();
+  app->add_option("--prompt-len", f->options.prompt_len, "prompt tokens (random ids)")
+      ->check(IntIn(1, 1 << 20))
+      ->capture_default_str();
+  app->add_option("--output-len", f->options.output_len, "tokens generated per request")
+      ->check(IntIn(1, 1 << 20))
+      ->capture_default_str();
+  app->add_option("--max-batch-tokens", f->max_batch_tokens, "with --model: tokens per step")
+      ->check(IntIn(1, 1 << 20))
+      ->capture_default_str();
+  app->add_option("--csv", f->options.csv, "append one row per request");
+  f->experts.Add(app);
+  app->add_flag("--json", f->json, "print one JSON array of rows");
+}
+
 }  // namespace
 
-int BenchCommand(int argc, char** argv) {
-  const std::string what = argc > 0 ? argv[0] : "";
-  if (what == "experts") return BenchExperts(argc - 1, argv + 1);
-  if (what == "load") return BenchLoad(argc - 1, argv + 1);
-  if (what == "serve") return BenchServe(argc - 1, argv + 1);
-  std::ostream& out = what == "--help" ? std::cout : std::cerr;
-  out << "usage: moeserve bench experts [flags]   the expert pool against the read-bandwidth roofline\n"
-      << "       moeserve bench load --model DIR   loading the expert arena (and attaching to a shared one)\n"
-      << "       moeserve bench serve [flags]      load generator: TTFT, TPOT, ITL and tokens/s per concurrency\n";
-  return what == "--help" ? 0 : 2;
+void AddBenchCommand(CLI::App& root, CommandRun* selected) {
+  CLI::App* bench = root.add_subcommand("bench", "benchmarks: bench experts, bench load, bench serve");
+  bench->require_subcommand(1);
+  AddBenchExperts(*bench, selected);
+  AddBenchLoad(*bench, selected);
+  AddBenchServe(*bench, selected);
 }
 
 }  // namespace moe::deploy

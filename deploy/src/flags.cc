@@ -1,154 +1,88 @@
 #include "flags.h"
 
-#include <cstdlib>
+#include <sched.h>
+
+#include <cmath>
 #include <iostream>
+#include <thread>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "moe/core/status.h"
 
 namespace moe::deploy {
 
-void Flags::Add(const std::string& name, const std::string& value_name, const std::string& help,
-                const std::string& default_value) {
-  order_.push_back(name);
-  specs_[name] = Spec{value_name, help, default_value, false};
+CLI::App* AddCommand(CLI::App& parent, const std::string& name, const std::string& summary,
+                     const std::string& description, CommandRun run, CommandRun* selected) {
+  CLI::App* app = parent.add_subcommand(name, summary);
+  app->footer(description);
+  app->callback([run = std::move(run), selected] { *selected = run; });
+  return app;
 }
 
-void Flags::AddSwitch(const std::string& name, const std::string& help) {
-  order_.push_back(name);
-  specs_[name] = Spec{"", help, "", true};
-}
+namespace {
 
-absl::Status Flags::Parse(int argc, char** argv) {
-  for (int i = 0; i < argc; ++i) {
-    absl::string_view arg = argv[i];
-    if (!absl::ConsumePrefix(&arg, "--")) {
-      return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", arg, "' (flags start with --)"));
-    }
-    std::string name(arg), value;
-    bool has_value = false;
-    if (auto eq = name.find('='); eq != std::string::npos) {
-      value = name.substr(eq + 1);
-      name = name.substr(0, eq);
-      has_value = true;
-    }
-    auto spec = specs_.find(name);
-    if (spec == specs_.end()) {
-      return absl::InvalidArgumentError(absl::StrCat("unknown flag --", name, " (see moeserve ", command_, " --help)"));
-    }
-    if (spec->second.is_switch) {
-      if (has_value) return absl::InvalidArgumentError(absl::StrCat("--", name, " takes no value"));
-      values_[name] = "1";
-      continue;
-    }
-    if (!has_value) {
-      if (i + 1 >= argc) return absl::InvalidArgumentError(absl::StrCat("--", name, " needs a value"));
-      value = argv[++i];
-    }
-    values_[name] = value;
-  }
-  return absl::OkStatus();
-}
-
-std::optional<int> Flags::ParseOrExit(int argc, char** argv) {
-  if (absl::Status s = Parse(argc, argv); !s.ok()) {
-    std::cerr << "moeserve " << command_ << ": error: " << s.message() << "\n";
-    return 2;
-  }
-  if (Switch("help")) {
-    std::cout << Help();
-    return 0;
-  }
-  return std::nullopt;
-}
-
-bool Flags::Has(const std::string& name) const {
-  return values_.count(name) > 0 || !specs_.at(name).default_value.empty();
-}
-
-std::string Flags::Get(const std::string& name) const {
-  auto it = values_.find(name);
-  return it != values_.end() ? it->second : specs_.at(name).default_value;
-}
-
-absl::StatusOr<std::string> Flags::Required(const std::string& name) const {
-  if (!Has(name) || Get(name).empty()) {
-    return absl::InvalidArgumentError(absl::StrCat("--", name, " is required (see moeserve ", command_, " --help)"));
-  }
-  return Get(name);
-}
-
-absl::StatusOr<int64_t> Flags::Int(const std::string& name) const {
+// The integer's value if `text` is one (decimal, optional sign, nothing else), in int64.
+std::optional<int64_t> StrictInt(const std::string& text) {
   int64_t v;
-  if (!absl::SimpleAtoi(Get(name), &v)) {
-    return absl::InvalidArgumentError(absl::StrCat("--", name, " must be an integer, got '", Get(name), "'"));
-  }
+  if (!absl::SimpleAtoi(text, &v)) return std::nullopt;
   return v;
 }
 
-absl::StatusOr<double> Flags::Double(const std::string& name) const {
-  double v;
-  if (!absl::SimpleAtod(Get(name), &v)) {
-    return absl::InvalidArgumentError(absl::StrCat("--", name, " must be a number, got '", Get(name), "'"));
-  }
-  return v;
+std::string Range(int64_t min, int64_t max) { return absl::StrCat("[", min, ", ", max, "]"); }
+
+}  // namespace
+
+CLI::Validator IntIn(int64_t min, int64_t max) {
+  return CLI::Validator(
+      [min, max](std::string& text) -> std::string {
+        const std::optional<int64_t> v = StrictInt(text);
+        if (!v || *v < min || *v > max) return absl::StrCat(text, " is not an integer in ", Range(min, max));
+        return "";
+      },
+      absl::StrCat("INT in ", Range(min, max)));
 }
 
-std::string Flags::Help() const {
-  std::string s = absl::StrCat("usage: moeserve ", command_, " [flags]\n\n", summary_, "\n\nflags:\n");
-  for (const std::string& name : order_) {
-    const Spec& spec = specs_.at(name);
-    std::string left = absl::StrCat("  --", name, spec.is_switch ? "" : " " + spec.value_name);
-    if (left.size() < 28) left.append(28 - left.size(), ' ');
-    absl::StrAppend(&s, left, " ", spec.help);
-    if (!spec.default_value.empty()) absl::StrAppend(&s, " (default ", spec.default_value, ")");
-    absl::StrAppend(&s, "\n");
-  }
-  return s;
+CLI::Validator NumberIn(double min, double max) {
+  return CLI::Validator(
+      [min, max](std::string& text) -> std::string {
+        double v;
+        if (!absl::SimpleAtod(text, &v) || !std::isfinite(v) || v < min || v > max) {
+          return absl::StrFormat("%s is not a number in [%g, %g]", text, min, max);
+        }
+        return "";
+      },
+      absl::StrFormat("NUMBER in [%g, %g]", min, max));
 }
 
-void AddExpertFlags(Flags& flags) {
-  flags.Add("experts", "pool|reference",
-            "where routed experts run: the CPU expert pool, or the plain reference path", "pool");
-  flags.Add("expert-format", "bf16|int8|int4", "packed format of the expert pool's weights", "bf16");
-  flags.Add("expert-group", "N", "int4 scale group size: 32, 64 or 128", "32");
-  flags.Add("expert-kernel", "NAME",
-            "force a kernel: portable, avx512, avx512bf16, vnni, amx (default: chosen per call)");
-  flags.Add("expert-threads", "N", "expert pool threads; 0 uses every core", "0");
-  flags.Add("expert-linger-us", "US",
-            "microseconds the pool's threads stay awake after a MoE layer, ready for the next (default: 0 on the "
-            "CPU backend, whose own threads need the cores between layers; 2000 with the forward on a GPU)");
-  flags.Add("expert-shm", "NAME",
-            "keep the packed experts in shared memory /dev/shm/NAME (and NAME.1, ... when large); later processes attach "
-            "instead of loading");
+CLI::Validator IntListIn(int64_t min, int64_t max) {
+  return CLI::Validator(
+      [min, max](std::string& text) -> std::string {
+        for (absl::string_view part : absl::StrSplit(text, ',')) {
+          const std::optional<int64_t> v = StrictInt(std::string(absl::StripAsciiWhitespace(part)));
+          if (!v || *v < min || *v > max) {
+            return absl::StrCat("'", part, "' is not an integer in ", Range(min, max), " (want e.g. 1,4,16)");
+          }
+        }
+        return "";
+      },
+      absl::StrCat("LIST of INT in ", Range(min, max)));
 }
 
-absl::Status ReadExpertFlags(const Flags& flags, runtime::ModelOptions* options) {
-  const std::string mode = flags.Get("experts");
-  if (mode == "reference") {
-    options->experts = runtime::RoutedExpertsMode::kReference;
-  } else if (mode != "pool") {
-    return absl::InvalidArgumentError("--experts must be pool or reference, got '" + mode + "'");
+absl::StatusOr<std::vector<int>> ParseIntList(const std::string& text, const std::string& flag) {
+  std::vector<int> out;
+  for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+    int v;
+    if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(part), &v)) {
+      return absl::InvalidArgumentError(absl::StrCat("--", flag, ": '", part, "' is not an integer"));
+    }
+    out.push_back(v);
   }
-  experts::ExpertPoolOptions& pool = options->pool;
-  MOE_ASSIGN_OR_RETURN(pool.format, experts::ParseFormat(flags.Get("expert-format")));
-  MOE_ASSIGN_OR_RETURN(int64_t group, flags.Int("expert-group"));
-  MOE_ASSIGN_OR_RETURN(int64_t threads, flags.Int("expert-threads"));
-  pool.group = static_cast<int>(group);
-  pool.threads = static_cast<int>(threads);
-  if (flags.Has("expert-linger-us")) {
-    MOE_ASSIGN_OR_RETURN(int64_t linger_us, flags.Int("expert-linger-us"));
-    if (linger_us < 0) return absl::InvalidArgumentError("--expert-linger-us must be at least 0");
-    options->expert_linger_us = linger_us;
-  }
-  if (flags.Has("expert-kernel")) {
-    MOE_ASSIGN_OR_RETURN(pool.kernel, experts::ParseKernel(flags.Get("expert-kernel")));
-  }
-  pool.shm_name = flags.Get("expert-shm");
-  return absl::OkStatus();
+  if (out.empty()) return absl::InvalidArgumentError(absl::StrCat("--", flag, ": the list is empty"));
+  return out;
 }
 
 absl::StatusOr<std::vector<int32_t>> ParseIdList(const std::string& text, const std::string& flag) {
@@ -162,6 +96,77 @@ absl::StatusOr<std::vector<int32_t>> ParseIdList(const std::string& text, const 
     ids.push_back(id);
   }
   return ids;
+}
+
+absl::Status CheckListenAddress(const std::string& address, const std::string& flag) {
+  const size_t colon = address.rfind(':');
+  auto bad = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, " '", address, "': ", why));
+  };
+  if (colon == std::string::npos || colon == 0) return bad("want HOST:PORT, e.g. 127.0.0.1:50051 or [::1]:50051");
+  const std::string host = address.substr(0, colon);
+  if (host.find(':') != std::string::npos && (host.front() != '[' || host.back() != ']')) {
+    return bad("an IPv6 host goes in brackets, e.g. [::1]:50051");
+  }
+  int64_t port;
+  if (!absl::SimpleAtoi(address.substr(colon + 1), &port) || port < 0 || port > 65535) {
+    return bad("the port must be an integer in [0, 65535] (0 picks a free one)");
+  }
+  return absl::OkStatus();
+}
+
+int AvailableCores() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+void WarnIfMoreThreadsThanCores(int threads, const std::string& flag, const std::string& command) {
+  const int cores = AvailableCores();
+  if (threads > cores) {
+    std::cerr << absl::StrFormat(
+        "moeserve %s: warning: --%s %d is more than the %d cores this process may use; the extra threads only "
+        "share cores and slow every step (0 uses every core)\n",
+        command, flag, threads, cores);
+  }
+}
+
+void ExpertFlags::Add(CLI::App* app) {
+  app->add_option("--experts", mode, "where routed experts run: the CPU expert pool, or the plain reference path")
+      ->check(CLI::IsMember({"pool", "reference"}))
+      ->capture_default_str();
+  app->add_option("--expert-format", format, "packed format of the expert pool's weights: bf16, int8 or int4")
+      ->capture_default_str();
+  app->add_option("--expert-group", group, "int4 scale group size: 32, 64 or 128")
+      ->check(CLI::IsMember({32, 64, 128}))
+      ->capture_default_str();
+  app->add_option("--expert-kernel", kernel,
+                  "force a kernel: portable, avx512, avx512bf16, vnni, amx (default: chosen per call)");
+  app->add_option("--expert-threads", threads, "expert pool threads; 0 uses every core")
+      ->check(IntIn(0, 4096))
+      ->capture_default_str();
+  app->add_option("--expert-linger-us", linger_us,
+                  "microseconds the pool's threads stay awake after a MoE layer, ready for the next (default: 0 on "
+                  "the CPU backend, whose own threads need the cores between layers)")
+      ->check(IntIn(0, 10'000'000));
+  app->add_option("--expert-shm", shm,
+                  "keep the packed experts in shared memory /dev/shm/NAME (and NAME.1, ... when large); later "
+                  "processes attach instead of loading");
+}
+
+absl::Status ExpertFlags::Apply(runtime::ModelOptions* options, const std::string& command) const {
+  options->experts = mode == "reference" ? runtime::RoutedExpertsMode::kReference : runtime::RoutedExpertsMode::kPool;
+  experts::ExpertPoolOptions& pool = options->pool;
+  MOE_ASSIGN_OR_RETURN(pool.format, experts::ParseFormat(format));
+  pool.group = group;
+  pool.threads = threads;
+  WarnIfMoreThreadsThanCores(threads, "expert-threads", command);
+  if (linger_us) options->expert_linger_us = *linger_us;
+  if (!kernel.empty()) {
+    MOE_ASSIGN_OR_RETURN(pool.kernel, experts::ParseKernel(kernel));
+  }
+  pool.shm_name = shm;
+  return absl::OkStatus();
 }
 
 }  // namespace moe::deploy

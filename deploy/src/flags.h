@@ -1,61 +1,65 @@
-// Command-line flags of one subcommand: declared with their help text, parsed from
-// `--name value` or `--name=value`, with clear errors for unknown or malformed flags.
+// The command line of `moeserve`, on CLI11: one declaration per flag gives its type, range,
+// default and help. Values are range-checked from their text, before conversion, so that a
+// number too large for its type is an error rather than a wrapped or saturated value.
 #pragma once
 
-#include <map>
+#include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "CLI/CLI.hpp"
 #include "absl/status/statusor.h"
 #include "moe/runtime/model.h"
 
 namespace moe::deploy {
 
-class Flags {
- public:
-  Flags(std::string command, std::string summary) : command_(std::move(command)), summary_(std::move(summary)) {}
+// What a subcommand runs once its flags parsed: the process exit code (0 success, 1 a runtime
+// error, 2 a usage error).
+using CommandRun = std::function<int()>;
 
-  // Declares a flag taking a value ("" default means "not set").
-  void Add(const std::string& name, const std::string& value_name, const std::string& help,
-           const std::string& default_value = "");
-  // Declares a switch (no value).
-  void AddSwitch(const std::string& name, const std::string& help);
+// Declares `name` under `parent`; its callback stores `run` in `*selected` after a successful
+// parse, so that main runs exactly the command the user named.
+CLI::App* AddCommand(CLI::App& parent, const std::string& name, const std::string& summary,
+                     const std::string& description, CommandRun run, CommandRun* selected);
 
-  // kInvalidArgument naming the flag for an unknown flag or a missing value.
-  absl::Status Parse(int argc, char** argv);
-  // Parses; with --help prints the help and returns 0, on an error prints it and returns 2;
-  // otherwise returns nothing and the command goes on. Needs a "help" switch declared.
-  std::optional<int> ParseOrExit(int argc, char** argv);
+// Validators on the flag's text: an integer (decimal, no fraction, no overflow) or a finite
+// number within [min, max]. The message names the range: "99999999999 is not an integer in
+// [1, 1048576]".
+CLI::Validator IntIn(int64_t min, int64_t max);
+CLI::Validator NumberIn(double min, double max);
 
-  bool Has(const std::string& name) const;
-  std::string Get(const std::string& name) const;
-  bool Switch(const std::string& name) const { return Has(name); }
-  // Typed getters: kInvalidArgument naming the flag when the value does not parse.
-  absl::StatusOr<int64_t> Int(const std::string& name) const;
-  absl::StatusOr<double> Double(const std::string& name) const;
-  absl::StatusOr<std::string> Required(const std::string& name) const;
-
-  std::string Help() const;
-
- private:
-  struct Spec {
-    std::string value_name, help, default_value;
-    bool is_switch = false;
-  };
-  std::string command_, summary_;
-  std::vector<std::string> order_;
-  std::map<std::string, Spec> specs_;
-  std::map<std::string, std::string> values_;
-};
-
-// The expert-pool flags shared by the commands that load a model: --experts, --expert-format,
-// --expert-group, --expert-kernel, --expert-threads, --expert-shm.
-void AddExpertFlags(Flags& flags);
-// kInvalidArgument naming the flag for a bad value.
-absl::Status ReadExpertFlags(const Flags& flags, runtime::ModelOptions* options);
+// A comma-separated list of integers in [min, max], e.g. --batches 1,4,16.
+CLI::Validator IntListIn(int64_t min, int64_t max);
+absl::StatusOr<std::vector<int>> ParseIntList(const std::string& text, const std::string& flag);
 
 // "1,2,3" -> {1, 2, 3}; kInvalidArgument naming the bad element.
 absl::StatusOr<std::vector<int32_t>> ParseIdList(const std::string& text, const std::string& flag);
+
+// HOST:PORT with the port in 0..65535 (0 picks a free one), IPv6 hosts in brackets ([::1]:PORT).
+absl::Status CheckListenAddress(const std::string& address, const std::string& flag);
+
+// The CPU threads of this process (its affinity mask), for defaults and warnings.
+int AvailableCores();
+// A warning on stderr when `threads` is more than the cores this process may use: the extra
+// threads only share cores, which slows every step.
+void WarnIfMoreThreadsThanCores(int threads, const std::string& flag, const std::string& command);
+
+// The expert-pool flags shared by the commands that load a model: --experts, --expert-format,
+// --expert-group, --expert-kernel, --expert-threads, --expert-linger-us, --expert-shm.
+struct ExpertFlags {
+  std::string mode = "pool";
+  std::string format = "bf16";
+  int group = 32;
+  std::string kernel;
+  int threads = 0;
+  std::optional<int64_t> linger_us;
+  std::string shm;
+
+  void Add(CLI::App* app);
+  // kInvalidArgument naming the flag for a value the pool cannot take.
+  absl::Status Apply(runtime::ModelOptions* options, const std::string& command) const;
+};
 
 }  // namespace moe::deploy

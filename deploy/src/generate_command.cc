@@ -39,91 +39,94 @@ absl::Status DumpLogits(const std::string& path, const std::vector<std::vector<f
 
 double PerSecond(double count, double seconds) { return seconds > 0 ? count / seconds : 0.0; }
 
+struct GenerateFlags {
+  std::string model, prompt_ids, dump_logits;
+  int64_t max_new_tokens = 16;
+  double temperature = 0, top_p = 1, min_p = 0;
+  int top_k = 0;
+  std::optional<uint64_t> seed;
+  int threads = 0;
+  bool ignore_eos = false, json = false;
+  ExpertFlags experts;
+};
+
+int RunGenerate(const GenerateFlags& flags);
+
 }  // namespace
 
-int GenerateCommand(int argc, char** argv) {
-  Flags flags("generate",
-              "Runs one prompt through a model on the CPU backend: prefill, then greedy or sampled decode with the\n"
-              "KV cache. Prints the generated token ids and the prefill and decode speed.");
-  flags.Add("model", "DIR", "Hugging Face model directory (config.json + safetensors)");
-  flags.Add("prompt-ids", "IDS", "prompt as comma-separated token ids, e.g. 1,2,3");
-  flags.Add("max-new-tokens", "N", "tokens to generate", "16");
-  flags.Add("temperature", "T", "sampling temperature; 0 is greedy", "0");
-  flags.Add("top-k", "K", "sample from the K most likely tokens; 0 is off", "0");
-  flags.Add("top-p", "P", "sample from the smallest set with probability >= P", "1");
-  flags.Add("min-p", "P", "drop tokens below P times the best token's probability", "0");
-  flags.Add("seed", "S", "random seed for sampling (same seed, same tokens)");
-  flags.Add("threads", "N", "CPU threads; 0 uses every core", "0");
-  flags.Add("rope-freqs", "f32|bf16",
-            "precision of the RoPE frequencies: f32 as transformers loads checkpoints; bf16 reproduces a\n"
-            "                               model cast whole to bf16 (the test fixtures' goldens)",
-            "f32");
-  AddExpertFlags(flags);
-  flags.AddSwitch("ignore-eos", "keep generating after an end-of-sequence token");
-  flags.AddSwitch("json", "print one JSON object: generated_ids, token counts, timings");
-  flags.Add("dump-logits", "PATH", "write the logits of every prompt position as a JSON array of rows");
-  flags.AddSwitch("help", "show this help");
-  if (std::optional<int> exit_code = flags.ParseOrExit(argc, argv)) return *exit_code;
+void AddGenerateCommand(CLI::App& root, CommandRun* selected) {
+  auto flags = std::make_shared<GenerateFlags>();
+  CLI::App* app = AddCommand(root, "generate", "run one prompt (token ids) through a model and print the tokens and speed",
+                             "Runs one prompt through a model on the CPU backend: prefill, then greedy or sampled\n"
+                             "decode with the KV cache. Prints the generated token ids and the prefill and decode speed.",
+                             [flags] { return RunGenerate(*flags); }, selected);
+  app->add_option("--model", flags->model, "Hugging Face model directory (config.json + safetensors)")->required();
+  app->add_option("--prompt-ids", flags->prompt_ids, "prompt as comma-separated token ids, e.g. 1,2,3")->required();
+  app->add_option("--max-new-tokens", flags->max_new_tokens,
+                  "tokens to generate (prompt plus these must fit the model's context)")
+      ->check(IntIn(0, 1 << 24))
+      ->capture_default_str();
+  app->add_option("--temperature", flags->temperature, "sampling temperature; 0 is greedy")
+      ->check(NumberIn(0, 100))
+      ->capture_default_str();
+  app->add_option("--top-k", flags->top_k, "sample from the K most likely tokens; 0 is off")
+      ->check(IntIn(0, 1 << 24))
+      ->capture_default_str();
+  app->add_option("--top-p", flags->top_p, "sample from the smallest set with probability >= P")
+      ->check(NumberIn(0, 1))
+      ->capture_default_str();
+  app->add_option("--min-p", flags->min_p, "drop tokens below P times the best token's probability")
+      ->check(NumberIn(0, 1))
+      ->capture_default_str();
+  app->add_option("--seed", flags->seed, "random seed for sampling (same seed, same tokens)")
+      ->check(IntIn(0, INT64_MAX));
+  app->add_option("--threads", flags->threads, "CPU threads; 0 uses every core")
+      ->check(IntIn(0, 4096))
+      ->capture_default_str();
+  flags->experts.Add(app);
+  app->add_flag("--ignore-eos", flags->ignore_eos, "keep generating after an end-of-sequence token");
+  app->add_flag("--json", flags->json, "print one JSON object: generated_ids, token counts, timings");
+  app->add_option("--dump-logits", flags->dump_logits,
+                  "write the logits of every prompt position as a JSON array of rows");
+}
 
-  auto model_dir = flags.Required("model");
-  if (!model_dir.ok()) return Fail(model_dir.status(), 2);
-  auto prompt_text = flags.Required("prompt-ids");
-  if (!prompt_text.ok()) {
-    return Fail(absl::InvalidArgumentError("--prompt-ids is required (text prompts need the tokenizer, not built yet)"), 2);
-  }
-  auto prompt = ParseIdList(*prompt_text, "prompt-ids");
+namespace {
+
+int RunGenerate(const GenerateFlags& flags) {
+  auto prompt = ParseIdList(flags.prompt_ids, "prompt-ids");
   if (!prompt.ok()) return Fail(prompt.status(), 2);
 
   runtime::GenerateOptions options;
-  auto max_new = flags.Int("max-new-tokens");
-  auto temperature = flags.Double("temperature");
-  auto top_k = flags.Int("top-k");
-  auto top_p = flags.Double("top-p");
-  auto min_p = flags.Double("min-p");
-  auto threads = flags.Int("threads");
-  for (const absl::Status& s : {max_new.status(), temperature.status(), top_k.status(), top_p.status(),
-                                min_p.status(), threads.status()}) {
-    if (!s.ok()) return Fail(s, 2);
-  }
-  options.max_new_tokens = static_cast<int>(*max_new);
-  options.sampling.temperature = static_cast<float>(*temperature);
-  options.sampling.top_k = static_cast<int>(*top_k);
-  options.sampling.top_p = static_cast<float>(*top_p);
-  options.sampling.min_p = static_cast<float>(*min_p);
-  if (flags.Has("seed")) {
-    auto seed = flags.Int("seed");
-    if (!seed.ok()) return Fail(seed.status(), 2);
-    options.sampling.seed = static_cast<uint64_t>(*seed);
-  }
-  options.stop_at_eos = !flags.Switch("ignore-eos");
-  options.prompt_logits = flags.Has("dump-logits");
+  options.max_new_tokens = static_cast<int>(flags.max_new_tokens);
+  options.sampling.temperature = static_cast<float>(flags.temperature);
+  options.sampling.top_k = flags.top_k;
+  options.sampling.top_p = static_cast<float>(flags.top_p);
+  options.sampling.min_p = static_cast<float>(flags.min_p);
+  if (flags.seed) options.sampling.seed = *flags.seed;
+  options.stop_at_eos = !flags.ignore_eos;
+  options.prompt_logits = !flags.dump_logits.empty();
   if (absl::Status s = options.sampling.Validate(); !s.ok()) return Fail(s, 2);
+  WarnIfMoreThreadsThanCores(flags.threads, "threads", "generate");
 
   const auto load_start = std::chrono::steady_clock::now();
   runtime::ModelOptions model_options;
-  model_options.threads = static_cast<int>(*threads);
-  if (absl::Status s = ReadExpertFlags(flags, &model_options); !s.ok()) return Fail(s, 2);
-  const std::string rope_freqs = flags.Get("rope-freqs");
-  if (rope_freqs == "bf16") {
-    model_options.rope_frequencies = runtime::RopeFrequencies::kBFloat16;
-  } else if (rope_freqs != "f32") {
-    return Fail(absl::InvalidArgumentError("--rope-freqs must be f32 or bf16, got '" + rope_freqs + "'"), 2);
-  }
-  auto model = runtime::Model::Load(*model_dir, model_options);
+  model_options.threads = flags.threads;
+  if (absl::Status s = flags.experts.Apply(&model_options, "generate"); !s.ok()) return Fail(s, 2);
+  auto model = runtime::Model::Load(flags.model, model_options);
   if (!model.ok()) return Fail(model.status());
   const double load_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count();
 
   auto result = runtime::Generate(**model, *prompt, options);
   if (!result.ok()) return Fail(result.status());
-  if (flags.Has("dump-logits")) {
-    if (absl::Status s = DumpLogits(flags.Get("dump-logits"), result->prompt_logits); !s.ok()) return Fail(s);
+  if (!flags.dump_logits.empty()) {
+    if (absl::Status s = DumpLogits(flags.dump_logits, result->prompt_logits); !s.ok()) return Fail(s);
   }
 
   const size_t generated = result->generated_ids.size();
   const double decode_tokens = generated > 1 ? static_cast<double>(generated - 1) : 0.0;
   const double prefill_tps = PerSecond(static_cast<double>(prompt->size()), result->prefill_seconds);
   const double decode_tps = PerSecond(decode_tokens, result->decode_seconds);
-  if (flags.Switch("json")) {
+  if (flags.json) {
     nlohmann::ordered_json j = {{"generated_ids", result->generated_ids},
                                 {"prompt_tokens", prompt->size()},
                                 {"generated_tokens", generated},
@@ -151,4 +154,5 @@ int GenerateCommand(int argc, char** argv) {
   return 0;
 }
 
+}  // namespace
 }  // namespace moe::deploy

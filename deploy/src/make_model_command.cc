@@ -3,51 +3,50 @@
 
 #include "absl/strings/str_join.h"
 #include "commands.h"
-#include "flags.h"
 #include "make_model.h"
 
 namespace moe::deploy {
+namespace {
 
-int MakeModelCommand(int argc, char** argv) {
-  Flags flags("make-model",
-              "Writes a random-weight checkpoint in the Hugging Face format (config.json + safetensors) at the\n"
-              "shape of a real model, for demos and benchmarks. Presets: " +
-                  absl::StrJoin(MakeModelPresets(), ", ") +
-                  ".\n"
-                  "qwen3-30b-a3b has hidden 2048, 128 experts top-8 of width 768, 32 query and 4 KV heads of 128.");
-  flags.Add("arch", "ARCH", "architecture (model_type)", "qwen3_moe");
-  flags.Add("preset", "NAME", "tiny or qwen3-30b-a3b", "tiny");
-  flags.Add("layers", "N", "number of layers instead of the preset's");
-  flags.Add("vocab", "N", "vocabulary size instead of the preset's");
-  flags.Add("seed", "S", "random seed", "0");
-  flags.Add("max-shard-mb", "MB", "tensor bytes per safetensors shard; bigger checkpoints are split, with an index", "4096");
-  flags.Add("out", "DIR", "output directory");
-  flags.AddSwitch("quiet", "no progress lines");
-  flags.AddSwitch("help", "show this help");
-  auto fail = [](const absl::Status& s, int code) {
+int RunMakeModel(const MakeModelOptions& options) {
+  if (absl::Status s = MakeModel(options); !s.ok()) {
     std::cerr << "moeserve make-model: error: " << s.message() << "\n";
-    return code;
-  };
-  if (std::optional<int> exit_code = flags.ParseOrExit(argc, argv)) return *exit_code;
-  MakeModelOptions o;
-  auto out = flags.Required("out");
-  if (!out.ok()) return fail(out.status(), 2);
-  o.out = *out;
-  o.arch = flags.Get("arch");
-  o.preset = flags.Get("preset");
-  for (const char* name : {"layers", "vocab", "seed", "max-shard-mb"}) {
-    if (!flags.Has(name)) continue;
-    auto v = flags.Int(name);
-    if (!v.ok()) return fail(v.status(), 2);
-    if (std::string(name) == "layers") o.layers = static_cast<int>(*v);
-    if (std::string(name) == "vocab") o.vocab = static_cast<int>(*v);
-    if (std::string(name) == "seed") o.seed = static_cast<uint64_t>(*v);
-    if (std::string(name) == "max-shard-mb") o.max_shard_bytes = *v << 20;
+    return s.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
   }
-  o.progress = !flags.Switch("quiet");
-  if (absl::Status s = MakeModel(o); !s.ok()) return fail(s, 1);
-  std::cerr << "make-model: wrote " << o.out << "\n";
+  std::cerr << "make-model: wrote " << options.out << "\n";
   return 0;
+}
+
+}  // namespace
+
+void AddMakeModelCommand(CLI::App& root, CommandRun* selected) {
+  auto o = std::make_shared<MakeModelOptions>();
+  auto quiet = std::make_shared<bool>(false);
+  CLI::App* app = AddCommand(
+      root, "make-model", "write a random-weight checkpoint at a real model's shape, for demos and benchmarks",
+      "Writes a random-weight checkpoint in the Hugging Face format (config.json + safetensors) at the\n"
+      "shape of a real model. Presets: " +
+          absl::StrJoin(MakeModelPresets(), ", ") +
+          ".\nqwen3-30b-a3b has hidden 2048, 128 experts top-8 of width 768, 32 query and 4 KV heads of 128.\n"
+          "The checkpoint is written beside --out under a temporary name and renamed at the end; free space is\n"
+          "checked first, and nothing is left behind on an error.",
+      [o, quiet] {
+        MakeModelOptions options = *o;
+        options.progress = !*quiet;
+        return RunMakeModel(options);
+      },
+      selected);
+  app->add_option("--arch", o->arch, "architecture (model_type)")->capture_default_str();
+  app->add_option("--preset", o->preset, "shape preset")->capture_default_str();
+  app->add_option("--layers", o->layers, "number of layers instead of the preset's")->check(IntIn(1, 1024));
+  app->add_option("--vocab", o->vocab, "vocabulary size instead of the preset's")->check(IntIn(1, 1 << 24));
+  app->add_option("--seed", o->seed, "random seed")->check(IntIn(0, INT64_MAX))->capture_default_str();
+  app->add_option_function<int64_t>(
+         "--max-shard-mb", [o](int64_t mb) { o->max_shard_bytes = mb << 20; },
+         "tensor bytes per safetensors shard, in MiB; bigger checkpoints are split, with an index (default 4096)")
+      ->check(IntIn(1, 1 << 20));
+  app->add_option("--out", o->out, "output directory")->required();
+  app->add_flag("--quiet", *quiet, "no progress lines");
 }
 
 }  // namespace moe::deploy

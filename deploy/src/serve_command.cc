@@ -1,4 +1,7 @@
-// moeserve serve: the gRPC server of the client API in one process on the CPU backend.
+// moeserve serve: the gRPC server of the client API and the HTTP listener, in one process on the
+// CPU backend.
+#include <unistd.h>
+
 #include <atomic>
 #include <csignal>
 #include <iostream>
@@ -6,11 +9,12 @@
 
 #include "absl/strings/str_format.h"
 #include "commands.h"
-#include "flags.h"
 #include "moe/scheduler/frontend.h"
 
 namespace moe::deploy {
 namespace {
+
+constexpr int kMaxContext = 1 << 24;
 
 int Fail(const absl::Status& s, int code) {
   std::cerr << "moeserve serve: error: " << s.message() << "\n";
@@ -20,87 +24,169 @@ int Fail(const absl::Status& s, int code) {
 std::atomic<bool> g_stop{false};
 void OnSignal(int) { g_stop.store(true); }
 
-}  // namespace
+struct ServeFlags {
+  std::string model, listen = "127.0.0.1:50051", http = "127.0.0.1:8080";
+  int max_seqs = 64, max_queue = 256, max_batch_tokens = 2048, threads = 0;
+  std::optional<int> ctx, max_prompt_tokens;
+  int64_t kv_cache_mb = 1024, max_request_bytes = 4 << 20;
+  int drain_seconds = 10;
+  bool no_request_log = false;
+  ExpertFlags experts;
+};
 
-int ServeCommand(int argc, char** argv) {
-  Flags flags("serve",
-              "Serves a model over gRPC (moeserve.v1.Generation, grpc.health.v1.Health, reflection) from one\n"
-              "process on the CPU backend, batching requests continuously. Stops on SIGINT or SIGTERM.");
-  flags.Add("model", "DIR", "Hugging Face model directory");
-  flags.Add("listen", "HOST:PORT", "address of the gRPC server", "127.0.0.1:50051");
-  flags.Add("metrics", "HOST:PORT", "Prometheus metrics endpoint (GET /metrics); 'off' for none", "127.0.0.1:9090");
-  flags.Add("max-seqs", "N", "sequences running at once", "64");
-  flags.Add("max-queue", "N", "requests waiting; past it Generate fails at once with RESOURCE_EXHAUSTED", "256");
-  flags.Add("max-batch-tokens", "N", "tokens per step (decode tokens first, then prefill chunks)", "2048");
-  flags.Add("ctx", "N", "context: prompt plus max_new_tokens (default: the model's)");
-  flags.Add("kv-cache-mb", "MB", "memory for the paged KV cache", "1024");
-  flags.Add("threads", "N", "CPU threads for the backend; 0 uses every core", "0");
-  AddExpertFlags(flags);
-  flags.AddSwitch("help", "show this help");
-  if (std::optional<int> exit_code = flags.ParseOrExit(argc, argv)) return *exit_code;
-  auto model_dir = flags.Required("model");
-  if (!model_dir.ok()) return Fail(model_dir.status(), 2);
+int64_t PhysicalMemoryBytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? static_cast<int64_t>(pages) * page : INT64_MAX;
+}
 
-  runtime::ModelOptions model_options;
-  if (absl::Status s = ReadExpertFlags(flags, &model_options); !s.ok()) return Fail(s, 2);
-  scheduler::FrontendOptions options;
-  options.listen = flags.Get("listen");
-  options.metrics_listen = flags.Get("metrics") == "off" ? "" : flags.Get("metrics");
-  auto max_seqs = flags.Int("max-seqs");
-  auto max_queue = flags.Int("max-queue");
-  auto batch = flags.Int("max-batch-tokens");
-  auto kv_mb = flags.Int("kv-cache-mb");
-  auto threads = flags.Int("threads");
-  for (const absl::Status& s : {max_seqs.status(), max_queue.status(), batch.status(), kv_mb.status(), threads.status()}) {
-    if (!s.ok()) return Fail(s, 2);
-  }
-  if (*max_seqs <= 0 || *max_queue < 0 || *batch <= 0 || *kv_mb <= 0) {
-    return Fail(absl::InvalidArgumentError("--max-seqs, --max-batch-tokens and --kv-cache-mb must be positive"), 2);
-  }
-  model_options.threads = static_cast<int>(*threads);
-  auto model = runtime::Model::Load(*model_dir, model_options);
-  if (!model.ok()) return Fail(model.status(), 1);
-  const runtime::ModelSpec& spec = (*model)->spec();
-
-  scheduler::SchedulerConfig& sc = options.scheduler;
-  sc.max_seqs = static_cast<int>(*max_seqs);
-  sc.max_queue = static_cast<int>(*max_queue);
-  sc.max_batch_tokens = static_cast<int>(*batch);
-  sc.context = spec.max_position_embeddings;
-  if (flags.Has("ctx")) {
-    auto ctx = flags.Int("ctx");
-    if (!ctx.ok() || *ctx <= 0) return Fail(absl::InvalidArgumentError("--ctx must be a positive integer"), 2);
-    sc.context = static_cast<int>(*ctx);
+// The scheduler's KV blocks and context from the flags and the model: the context is the
+// model's (or --ctx), and never more than the KV cache holds.
+absl::Status PlanKvCache(const ServeFlags& flags, const runtime::ModelSpec& spec, scheduler::SchedulerConfig* sc) {
+  const int64_t kv_bytes = flags.kv_cache_mb << 20;
+  if (kv_bytes > PhysicalMemoryBytes()) {
+    return absl::InvalidArgumentError(absl::StrFormat("--kv-cache-mb %d is more than this machine's %d MiB of memory",
+                                                      flags.kv_cache_mb, PhysicalMemoryBytes() >> 20));
   }
   runtime::KvCacheShape kv;
   kv.num_layers = spec.num_layers;
   kv.num_blocks = 1;
-  kv.block_size = sc.block_size;
+  kv.block_size = sc->block_size;
   kv.num_kv_heads = spec.num_kv_heads;
   kv.head_dim = spec.head_dim;
-  sc.num_blocks = static_cast<int>((*kv_mb << 20) / kv.bytes());
-  if (runtime::BlocksFor(sc.context, sc.block_size) > sc.num_blocks) {
-    std::cerr << absl::StrFormat(
-        "moeserve serve: warning: --kv-cache-mb %d holds %d positions, less than the context of %d; requests "
-        "longer than that are refused\n",
-        *kv_mb, sc.num_blocks * sc.block_size, sc.context);
+  const int64_t blocks = kv_bytes / static_cast<int64_t>(kv.bytes());
+  if (blocks < 1) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--kv-cache-mb %d holds no KV block: one block of %d positions takes %d bytes for this model",
+        flags.kv_cache_mb, sc->block_size, kv.bytes()));
   }
+  sc->num_blocks = static_cast<int>(std::min<int64_t>(blocks, kMaxContext / sc->block_size));
+  const int64_t positions = static_cast<int64_t>(sc->num_blocks) * sc->block_size;
+  if (flags.ctx) {
+    if (*flags.ctx > spec.max_position_embeddings) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "--ctx %d is beyond the model's max_position_embeddings (%d); moeserve has no RoPE scaling yet, so "
+          "positions past it would be computed wrong",
+          *flags.ctx, spec.max_position_embeddings));
+    }
+    if (*flags.ctx > positions) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "--ctx %d needs a KV cache of %d positions; --kv-cache-mb %d holds %d (raise --kv-cache-mb to %d)", *flags.ctx,
+          *flags.ctx, flags.kv_cache_mb, positions,
+          (runtime::BlocksFor(*flags.ctx, sc->block_size) * static_cast<int64_t>(kv.bytes()) + (1 << 20) - 1) >> 20));
+    }
+    sc->context = *flags.ctx;
+  } else {
+    sc->context = static_cast<int>(std::min<int64_t>(spec.max_position_embeddings, positions));
+    if (sc->context < spec.max_position_embeddings) {
+      std::cerr << absl::StrFormat(
+          "moeserve serve: warning: --kv-cache-mb %d holds %d positions, less than the model's context of %d; the "
+          "context is %d (raise --kv-cache-mb for more)\n",
+          flags.kv_cache_mb, positions, spec.max_position_embeddings, sc->context);
+    }
+  }
+  sc->max_prompt_tokens = flags.max_prompt_tokens.value_or(sc->context);
+  if (sc->max_prompt_tokens > sc->context) {
+    return absl::InvalidArgumentError(absl::StrFormat("--max-prompt-tokens %d is more than the context of %d",
+                                                      sc->max_prompt_tokens, sc->context));
+  }
+  return absl::OkStatus();
+}
+
+int RunServe(const ServeFlags& flags) {
+  for (const auto& [address, flag] : {std::pair{flags.listen, "listen"}, std::pair{flags.http, "http"}}) {
+    if (address == "off" && std::string(flag) == "http") continue;
+    if (absl::Status s = CheckListenAddress(address, flag); !s.ok()) return Fail(s, 2);
+  }
+  runtime::ModelOptions model_options;
+  model_options.threads = flags.threads;
+  WarnIfMoreThreadsThanCores(flags.threads, "threads", "serve");
+  if (absl::Status s = flags.experts.Apply(&model_options, "serve"); !s.ok()) return Fail(s, 2);
+
+  auto model = runtime::Model::Load(flags.model, model_options);
+  if (!model.ok()) return Fail(model.status(), 1);
+  const runtime::ModelSpec& spec = (*model)->spec();
+
+  scheduler::FrontendOptions options;
+  options.listen = flags.listen;
+  options.http_listen = flags.http == "off" ? "" : flags.http;
+  options.max_request_bytes = flags.max_request_bytes;
+  options.request_log = !flags.no_request_log;
+  scheduler::SchedulerConfig& sc = options.scheduler;
+  sc.max_seqs = flags.max_seqs;
+  sc.max_queue = flags.max_queue;
+  sc.max_batch_tokens = flags.max_batch_tokens;
+  if (absl::Status s = PlanKvCache(flags, spec, &sc); !s.ok()) return Fail(s, 2);
   options.placement = (*model)->expert_pool() != nullptr ? (*model)->expert_pool()->Describe() : "reference path";
 
   auto frontend = scheduler::Frontend::Start(**model, options);
   if (!frontend.ok()) return Fail(frontend.status(), 1);
-  std::cerr << absl::StrFormat("moeserve serve: %s\nmoeserve serve: %s; KV cache %d blocks of %d positions\n",
-                               spec.Summary(), options.placement, sc.num_blocks, sc.block_size);
+  std::cerr << absl::StrFormat(
+      "moeserve serve: %s\nmoeserve serve: %s; KV cache %d blocks of %d positions; context %d\n", spec.Summary(),
+      options.placement, sc.num_blocks, sc.block_size, sc.context);
   std::cout << "serving on port " << (*frontend)->port() << std::endl;
-  if ((*frontend)->metrics_port() != 0) {
-    std::cerr << "moeserve serve: metrics on port " << (*frontend)->metrics_port() << " (GET /metrics)\n";
+  if ((*frontend)->http_port() != 0) {
+    std::cerr << "moeserve serve: HTTP on port " << (*frontend)->http_port() << " (/metrics, /health, /ready)\n";
   }
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
-  while (!g_stop.load()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  std::cerr << "moeserve serve: shutting down\n";
-  (*frontend)->Shutdown();
+  while (!g_stop.load()) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  std::cerr << absl::StrFormat(
+      "moeserve serve: draining: no new requests; running ones have up to %d s to finish (--drain-seconds)\n",
+      flags.drain_seconds);
+  const int aborted = (*frontend)->Drain(std::chrono::seconds(flags.drain_seconds));
+  std::cerr << absl::StrFormat("moeserve serve: stopped (%d requests cut off by the drain's end)\n", aborted);
   return 0;
+}
+
+}  // namespace
+
+void AddServeCommand(CLI::App& root, CommandRun* selected) {
+  auto f = std::make_shared<ServeFlags>();
+  CLI::App* app = AddCommand(
+      root, "serve", "serve a model over gRPC and HTTP with continuous batching (one process, CPU backend)",
+      "Serves a model over gRPC (moeserve.v1.Generation, grpc.health.v1.Health, reflection v1 and v1alpha)\n"
+      "from one process on the CPU backend, batching requests continuously, with an HTTP listener for\n"
+      "/metrics (Prometheus), /health and /ready. On SIGINT or SIGTERM it drains: it stops accepting\n"
+      "requests, lets the running ones finish for up to --drain-seconds, then ends the rest with\n"
+      "UNAVAILABLE \"server shutting down\". One JSON line per request goes to stderr.",
+      [f] { return RunServe(*f); }, selected);
+  app->add_option("--model", f->model, "Hugging Face model directory")->required();
+  app->add_option("--listen", f->listen, "gRPC address, HOST:PORT ([::1]:PORT for IPv6; port 0 picks one)")
+      ->capture_default_str();
+  app->add_option("--http", f->http, "HTTP address for /metrics, /health and /ready; 'off' for none")
+      ->capture_default_str();
+  app->add_option("--max-seqs", f->max_seqs, "sequences running at once")->check(IntIn(1, 4096))->capture_default_str();
+  app->add_option("--max-queue", f->max_queue,
+                  "requests waiting for a free slot; past it Generate fails at once with RESOURCE_EXHAUSTED. 0 is no "
+                  "waiting room: a request that cannot start at once is refused")
+      ->check(IntIn(0, 1 << 20))
+      ->capture_default_str();
+  app->add_option("--max-batch-tokens", f->max_batch_tokens, "tokens per step (decode tokens first, then prefill chunks)")
+      ->check(IntIn(1, 1 << 20))
+      ->capture_default_str();
+  app->add_option("--ctx", f->ctx,
+                  "context: prompt plus max_new_tokens (default: the model's max_position_embeddings, or what the KV "
+                  "cache holds if less)")
+      ->check(IntIn(1, kMaxContext));
+  app->add_option("--kv-cache-mb", f->kv_cache_mb, "memory for the paged KV cache, in MiB")
+      ->check(IntIn(1, int64_t{1} << 30))
+      ->capture_default_str();
+  app->add_option("--max-prompt-tokens", f->max_prompt_tokens,
+                  "longest prompt accepted, in tokens (default: the context); longer ones get INVALID_ARGUMENT")
+      ->check(IntIn(1, kMaxContext));
+  app->add_option("--max-request-bytes", f->max_request_bytes,
+                  "largest request message accepted, in bytes (gRPC and HTTP); larger ones are refused")
+      ->check(IntIn(1024, int64_t{1} << 30))
+      ->capture_default_str();
+  app->add_option("--drain-seconds", f->drain_seconds,
+                  "on SIGTERM, how long running requests may take to finish before they are cut off")
+      ->check(IntIn(0, 3600))
+      ->capture_default_str();
+  app->add_flag("--no-request-log", f->no_request_log, "no JSON line per request on stderr");
+  app->add_option("--threads", f->threads, "CPU threads for the backend; 0 uses every core")
+      ->check(IntIn(0, 4096))
+      ->capture_default_str();
+  f->experts.Add(app);
 }
 
 }  // namespace moe::deploy

@@ -59,6 +59,7 @@ absl::StatusOr<GenerateResult> Generate(Model& model, const std::vector<int32_t>
   }
   auto start = std::chrono::steady_clock::now();
   MOE_RETURN_IF_ERROR(model.Forward(batch, *cache, &logits));
+  MOE_RETURN_IF_ERROR(CheckLogitsFinite(logits.data(), static_cast<int64_t>(logits.size())));
   result.prefill_seconds = SecondsSince(start);
   if (options.prompt_logits) {
     for (size_t i = 0; i < prompt.size(); ++i) {
@@ -83,6 +84,7 @@ absl::StatusOr<GenerateResult> Generate(Model& model, const std::vector<int32_t>
     batch.sequences = {SequenceChunk{position, 1, table.data(), blocks}};
     batch.logit_rows = {0};
     MOE_RETURN_IF_ERROR(model.Forward(batch, *cache, &logits));
+    MOE_RETURN_IF_ERROR(CheckLogitsFinite(logits.data(), vocab));
     last = logits.data();
     ++position;
   }

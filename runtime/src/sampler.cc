@@ -124,4 +124,15 @@ int32_t Sampler::Sample(const float* logits, int vocab) {
   return order[keep - 1];
 }
 
+absl::Status CheckLogitsFinite(const float* logits, int64_t count) {
+  bool finite = true;
+  for (int64_t i = 0; i < count; ++i) finite &= std::isfinite(logits[i]);  // no branch in the loop
+  if (finite) return absl::OkStatus();
+  int64_t at = 0;
+  while (std::isfinite(logits[at])) ++at;
+  return absl::InternalError(absl::StrCat(
+      "the model computed a non-finite logit (", logits[at] != logits[at] ? "NaN" : "infinity", " at vocabulary index ",
+      at, "); its weights or config.json values (rope_theta, rms_norm_eps, ...) are broken, so no token is served"));
+}
+
 }  // namespace moe::runtime

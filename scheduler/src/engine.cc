@@ -79,7 +79,12 @@ Engine::Engine(runtime::Model& model, SchedulerConfig config, std::unique_ptr<ru
 
 Engine::~Engine() { Stop(); }
 
-void Engine::Stop() {
+void Engine::StopAccepting() {
+  std::lock_guard<std::mutex> lock(mu_);
+  accepting_ = false;
+}
+
+void Engine::Stop(absl::Status reason) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
@@ -91,12 +96,13 @@ void Engine::Stop() {
   for (auto& [id, stream] : streams_) {
     Output out = OutputFor(id);
     out.finished = FinishReason::kAborted;
+    out.error = reason;
     stream->Push(std::move(out), Clock::now(), &metrics_);
   }
   streams_.clear();
   std::lock_guard<std::mutex> lock(mu_);
   live_.clear();
-  for (PendingAdd* add : adds_) add->done.set_value(absl::UnavailableError("the server is shutting down"));
+  for (PendingAdd* add : adds_) add->done.set_value(absl::UnavailableError("server shutting down"));
   adds_.clear();
 }
 
@@ -107,7 +113,7 @@ absl::StatusOr<std::shared_ptr<Stream>> Engine::Submit(Request request) {
   std::future<absl::Status> done = add.done.get_future();
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (stop_) return absl::UnavailableError("the server is shutting down");
+    if (stop_ || !accepting_) return absl::UnavailableError("server shutting down: not accepting new requests");
     adds_.push_back(&add);
   }
   work_.notify_all();

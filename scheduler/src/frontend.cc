@@ -5,11 +5,16 @@
 #include <grpcpp/health_check_service_interface.h>
 
 #include <atomic>
+#include <iostream>
+#include <mutex>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "moe/runtime/model_spec.h"
 #include "moe/scheduler/metrics.h"
 #include "moeserve/v1/generation.grpc.pb.h"
+#include "nlohmann/json.hpp"
+#include "reflection_v1.h"
 
 namespace moe::scheduler {
 namespace {
@@ -35,13 +40,82 @@ pb::FinishReason ToProto(FinishReason r) {
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
+constexpr const char* kGenerationService = "moeserve.v1.Generation";
+
+// HOST:PORT with the port in 0..65535 and an IPv6 host in brackets: gRPC itself takes port
+// 99999 as "pick any" and reads no error into it.
+absl::Status CheckAddress(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  int64_t port;
+  if (colon == std::string::npos || colon == 0 || !absl::SimpleAtoi(address.substr(colon + 1), &port) || port < 0 ||
+      port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("address '", address, "' is not HOST:PORT with a port in [0, 65535] (e.g. 127.0.0.1:50051)"));
+  }
+  const std::string host = address.substr(0, colon);
+  if (host.find(':') != std::string::npos && (host.front() != '[' || host.back() != ']')) {
+    return absl::InvalidArgumentError(absl::StrCat("address '", address, "': an IPv6 host goes in brackets, [::1]:PORT"));
+  }
+  return absl::OkStatus();
+}
+
+// One JSON line per request on stderr, whole lines from any thread.
+class RequestLog {
+ public:
+  explicit RequestLog(bool enabled) : enabled_(enabled) {}
+  void Write(const nlohmann::ordered_json& line) {
+    if (!enabled_) return;
+    const std::string text = line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+    std::lock_guard<std::mutex> lock(mu_);
+    std::cerr << text << std::flush;
+  }
+
+ private:
+  const bool enabled_;
+  std::mutex mu_;
+};
+
+double Ms(std::optional<Clock::time_point> at, Clock::time_point from) {
+  return at ? std::chrono::duration<double, std::milli>(*at - from).count() : -1.0;
+}
+
 class GenerationService final : public pb::Generation::Service {
  public:
-  GenerationService(Engine& engine, const runtime::ModelSpec& spec, std::string placement)
-      : engine_(engine), spec_(spec), placement_(std::move(placement)) {}
+  GenerationService(Engine& engine, const runtime::ModelSpec& spec, std::string placement, RequestLog& log)
+      : engine_(engine), spec_(spec), placement_(std::move(placement)), log_(log) {}
 
   grpc::Status Generate(grpc::ServerContext* context, const pb::GenerateRequest* in,
                         grpc::ServerWriter<pb::GenerateResponse>* writer) override {
+    const Clock::time_point arrival = Clock::now();
+    const std::string id = in->request_id().empty() ? absl::StrCat("req-", next_id_++) : in->request_id();
+    int prompt_tokens = in->token_ids_size(), completion = 0;
+    std::string finish = "";
+    std::shared_ptr<Stream> stream;
+    grpc::Status status = Run(context, *in, id, writer, &stream, &completion, &finish);
+    // A request the engine never took (refused, or the call's metadata was wrong) counts as rejected.
+    if (!status.ok() && stream == nullptr) engine_.CountRejected(static_cast<absl::StatusCode>(status.error_code()));
+    nlohmann::ordered_json line = {{"event", "request"},
+                                   {"id", id},
+                                   {"peer", context->peer()},
+                                   {"status", absl::StatusCodeToString(static_cast<absl::StatusCode>(status.error_code()))},
+                                   {"finish_reason", finish},
+                                   {"prompt_tokens", prompt_tokens},
+                                   {"output_tokens", completion}};
+    if (!status.ok()) line["error"] = status.error_message();
+    if (stream != nullptr) {
+      line["queue_ms"] = Ms(stream->admitted(), arrival);
+      line["ttft_ms"] = Ms(stream->first_token(), arrival);
+    }
+    line["total_ms"] = Ms(Clock::now(), arrival);
+    log_.Write(line);
+    return status;
+  }
+
+  // Validates, submits and streams one request; `stream_out` is set once the engine took it.
+  grpc::Status Run(grpc::ServerContext* context, const pb::GenerateRequest& request_in, const std::string& id,
+                   grpc::ServerWriter<pb::GenerateResponse>* writer, std::shared_ptr<Stream>* stream_out,
+                   int* completion_out, std::string* finish_out) {
+    const pb::GenerateRequest* in = &request_in;
     if (!in->text().empty() || in->messages_size() > 0) {
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                           std::string(in->text().empty() ? "messages" : "text") +
@@ -49,7 +123,7 @@ class GenerationService final : public pb::Generation::Service {
                               "send token_ids");
     }
     Request request;
-    request.id = in->request_id().empty() ? absl::StrCat("req-", next_id_++) : in->request_id();
+    request.id = id;
     request.logprobs = in->logprobs();
     request.prompt.assign(in->token_ids().begin(), in->token_ids().end());
     const pb::SamplingParams& sp = in->sampling();
@@ -71,11 +145,11 @@ class GenerationService final : public pb::Generation::Service {
     if (deadline != std::chrono::system_clock::time_point::max()) {
       request.deadline = Clock::now() + (deadline - std::chrono::system_clock::now());
     }
-    const std::string id = request.id;
     auto stream = engine_.Submit(std::move(request));
     if (!stream.ok()) return ToGrpc(stream.status());
+    *stream_out = *stream;
 
-    int completion = 0;
+    int& completion = *completion_out;
     bool aborted_by_client = false;
     while (true) {
       // Checked on every pass: a request that keeps producing tokens never lets Next time out.
@@ -104,7 +178,9 @@ class GenerationService final : public pb::Generation::Service {
         if (!aborted_by_client) writer->Write(delta);
       }
       if (!out.finished) continue;
+      *finish_out = FinishReasonName(*out.finished);
       if (aborted_by_client) return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client");
+      if (*out.finished == FinishReason::kAborted && !out.error.ok()) return ToGrpc(out.error);  // shutting down
       if (*out.finished == FinishReason::kDeadline) {
         return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "deadline exceeded");
       }
@@ -115,6 +191,7 @@ class GenerationService final : public pb::Generation::Service {
 
   grpc::Status Abort(grpc::ServerContext*, const pb::AbortRequest* in, pb::AbortResponse*) override {
     if (!engine_.Abort(in->request_id())) {
+      engine_.CountRejected(absl::StatusCode::kNotFound);
       return grpc::Status(grpc::StatusCode::NOT_FOUND, "no live request '" + in->request_id() + "'");
     }
     return grpc::Status::OK;
@@ -150,6 +227,7 @@ class GenerationService final : public pb::Generation::Service {
   Engine& engine_;
   const runtime::ModelSpec& spec_;
   const std::string placement_;
+  RequestLog& log_;
   std::atomic<int64_t> next_id_{1};
 };
 
@@ -157,8 +235,10 @@ class GenerationService final : public pb::Generation::Service {
 
 class Frontend::Impl {
  public:
+  std::unique_ptr<RequestLog> log;
   std::unique_ptr<Engine> engine;
   std::unique_ptr<GenerationService> service;
+  std::unique_ptr<internal::ReflectionV1Service> reflection_v1;
   std::unique_ptr<grpc::Server> server;
   std::unique_ptr<MetricsServer> metrics;
   int port = 0;
@@ -169,25 +249,44 @@ Frontend::Frontend(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Frontend::~Frontend() { Shutdown(); }
 
 absl::StatusOr<std::unique_ptr<Frontend>> Frontend::Start(runtime::Model& model, const FrontendOptions& options) {
+  if (absl::Status s = CheckAddress(options.listen); !s.ok()) return s;
+  if (!options.http_listen.empty()) {
+    if (absl::Status s = CheckAddress(options.http_listen); !s.ok()) return s;
+  }
   auto impl = std::make_unique<Impl>();
+  impl->log = std::make_unique<RequestLog>(options.request_log);
   auto engine = Engine::Start(model, options.scheduler);
   if (!engine.ok()) return engine.status();
   impl->engine = std::move(*engine);
-  impl->service = std::make_unique<GenerationService>(*impl->engine, model.spec(), options.placement);
+  impl->service = std::make_unique<GenerationService>(*impl->engine, model.spec(), options.placement, *impl->log);
+  impl->reflection_v1 = std::make_unique<internal::ReflectionV1Service>(std::vector<std::string>{
+      kGenerationService, "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
+      "grpc.reflection.v1alpha.ServerReflection"});
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
+  // No port sharing: a second server on a port in use must fail, not split the clients.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(options.max_request_bytes, INT32_MAX)));
   builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &impl->port);
   builder.RegisterService(impl->service.get());
+  builder.RegisterService(impl->reflection_v1.get());
   impl->server = builder.BuildAndStart();
   if (impl->server == nullptr || impl->port == 0) {
-    return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen, " (address in use or invalid?)"));
+    if (impl->server != nullptr) impl->server->Shutdown();
+    impl->engine->Stop();
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", options.listen, ": the address is in use or not available here"));
   }
-  if (!options.metrics_listen.empty()) {
+  grpc::HealthCheckServiceInterface* health = impl->server->GetHealthCheckService();
+  health->SetServingStatus(true);
+  health->SetServingStatus(kGenerationService, true);
+  if (!options.http_listen.empty()) {
     Engine* engine_ptr = impl->engine.get();
-    auto metrics = MetricsServer::Start(options.metrics_listen, [engine_ptr] { return engine_ptr->RenderMetrics(); });
+    auto metrics = MetricsServer::Start(options.http_listen, [engine_ptr] { return engine_ptr->RenderMetrics(); });
     if (!metrics.ok()) {
       impl->server->Shutdown();
+      impl->engine->Stop();
       return metrics.status();
     }
     impl->metrics = std::move(*metrics);
@@ -195,15 +294,31 @@ absl::StatusOr<std::unique_ptr<Frontend>> Frontend::Start(runtime::Model& model,
   return std::unique_ptr<Frontend>(new Frontend(std::move(impl)));
 }
 
-int Frontend::metrics_port() const { return impl_->metrics != nullptr ? impl_->metrics->port() : 0; }
+int Frontend::http_port() const { return impl_->metrics != nullptr ? impl_->metrics->port() : 0; }
 
 int Frontend::port() const { return impl_->port; }
 Engine& Frontend::engine() { return *impl_->engine; }
 
+int Frontend::Drain(std::chrono::milliseconds grace) {
+  if (impl_ == nullptr || impl_->server == nullptr) return 0;
+  grpc::HealthCheckServiceInterface* health = impl_->server->GetHealthCheckService();
+  health->SetServingStatus(false);
+  health->SetServingStatus(kGenerationService, false);
+  impl_->engine->StopAccepting();
+  const auto deadline = Clock::now() + grace;
+  SchedulerStats stats = impl_->engine->stats();
+  while (stats.running + stats.waiting > 0 && Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    stats = impl_->engine->stats();
+  }
+  Shutdown();
+  return stats.running + stats.waiting;
+}
+
 void Frontend::Shutdown() {
   if (impl_ == nullptr || impl_->server == nullptr) return;
-  // The engine ends the live streams (as aborted) and refuses new ones; then the servers stop,
-  // their handlers done; the engine goes last, as handlers hold it until then.
+  // The engine ends the live streams (UNAVAILABLE "server shutting down") and refuses new ones;
+  // then the servers stop, their handlers done; the engine goes last, as handlers hold it.
   impl_->engine->Stop();
   impl_->metrics.reset();
   impl_->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));

@@ -51,6 +51,11 @@ Metrics::Metrics()
       request_seconds(LatencyBounds()),
       step_seconds(LatencyBounds()) {}
 
+void Metrics::CountRejected(absl::StatusCode code) {
+  const int i = static_cast<int>(code);
+  if (i >= 0 && i < kCodes) ++rejected_[i];
+}
+
 std::string Metrics::Render(const SchedulerStats& stats) const {
   std::string out;
   auto gauge = [&](const char* name, const char* help, double v) {
@@ -69,6 +74,13 @@ std::string Metrics::Render(const SchedulerStats& stats) const {
   counter("moeserve_requests_finished_total", "Requests that ended normally.", requests_finished.load());
   counter("moeserve_requests_aborted_total", "Requests aborted or past their deadline.", requests_aborted.load());
   counter("moeserve_requests_failed_total", "Requests that ended in an error.", requests_failed.load());
+  absl::StrAppend(&out,
+                  "# HELP moeserve_requests_rejected_total Requests refused before they ran, by status code.\n"
+                  "# TYPE moeserve_requests_rejected_total counter\n");
+  for (int i = 1; i < kCodes; ++i) {
+    absl::StrAppend(&out, "moeserve_requests_rejected_total{code=\"",
+                    absl::StatusCodeToString(static_cast<absl::StatusCode>(i)), "\"} ", rejected_[i].load(), "\n");
+  }
   queue_seconds.Render("moeserve_queue_seconds", "Arrival to the first step working on the request.", &out);
   first_token_seconds.Render("moeserve_time_to_first_token_seconds", "Arrival to the first token.", &out);
   inter_token_seconds.Render("moeserve_inter_token_seconds", "Time between tokens of a request.", &out);

@@ -58,7 +58,18 @@ absl::Status Scheduler::Add(Request r) {
     return absl::InvalidArgumentError(absl::StrCat("min_new_tokens: ", s.min_new_tokens,
                                                    " must be between 0 and max_new_tokens (", s.max_new_tokens, ")"));
   }
-  const int64_t total = static_cast<int64_t>(r.prompt.size()) + s.max_new_tokens;
+  const int64_t prompt_len = static_cast<int64_t>(r.prompt.size());
+  if (config_.max_prompt_tokens > 0 && prompt_len > config_.max_prompt_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat("token_ids: prompt of ", prompt_len,
+                                                   " tokens is longer than this server accepts (max_prompt_tokens=",
+                                                   config_.max_prompt_tokens, ")"));
+  }
+  if (prompt_len >= config_.context) {
+    return absl::InvalidArgumentError(absl::StrCat("token_ids: prompt of ", prompt_len,
+                                                   " tokens leaves no room in the context of ", config_.context,
+                                                   " for a new token"));
+  }
+  const int64_t total = prompt_len + s.max_new_tokens;
   if (total > config_.context) {
     return absl::InvalidArgumentError(absl::StrCat("max_new_tokens: prompt of ", r.prompt.size(),
                                                    " tokens plus max_new_tokens=", s.max_new_tokens,
@@ -78,9 +89,16 @@ absl::Status Scheduler::Add(Request r) {
     return absl::ResourceExhaustedError(absl::StrCat("request needs ", runtime::BlocksFor(total, config_.block_size),
                                                      " KV blocks; the cache has ", config_.num_blocks));
   }
-  if (static_cast<int>(waiting_.size()) >= config_.max_queue) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("queue full: ", waiting_.size(), " requests waiting (max_queue=", config_.max_queue, ")"));
+  // Requests beyond the free slots wait; those are what max_queue bounds.
+  const int64_t live = static_cast<int64_t>(running_.size() + waiting_.size());
+  if (live >= config_.max_seqs && live - config_.max_seqs >= config_.max_queue) {
+    if (config_.max_queue == 0) {
+      return absl::ResourceExhaustedError(absl::StrCat("server busy: all ", config_.max_seqs,
+                                                       " slots are taken (max_seqs) and there is no waiting room "
+                                                       "(max_queue=0)"));
+    }
+    return absl::ResourceExhaustedError(absl::StrCat("queue full: ", live - config_.max_seqs,
+                                                     " waiting for a slot (max_queue=", config_.max_queue, ")"));
   }
   auto seq = std::make_unique<Sequence>();
   seq->seq_id = next_seq_id_++;
@@ -248,6 +266,10 @@ std::vector<Output> Scheduler::Step(Executor& executor, Clock::time_point now) {
     seq->computed = s.first + s.count;
     if (seq->computed != static_cast<int64_t>(seq->tokens.size())) continue;  // a prefill chunk
     SampledToken& sample = (*sampled)[row++];
+    if (!sample.error.ok()) {
+      Finish(seq, FinishReason::kError, std::move(sample.error), &outputs);
+      continue;
+    }
     const int32_t token = sample.token;
     seq->tokens.push_back(token);
     ++seq->generated;
@@ -277,6 +299,10 @@ absl::StatusOr<std::vector<SampledToken>> ModelExecutor::Execute(const StepPlan&
     auto& sampler = samplers_[row.seq_id];
     if (sampler == nullptr) sampler = std::make_unique<runtime::Sampler>(row.sampling);
     const float* logits = logits_.data() + i * vocab;
+    if (absl::Status finite = runtime::CheckLogitsFinite(logits, vocab); !finite.ok()) {
+      tokens[i].error = std::move(finite);
+      continue;
+    }
     if (row.sampling.penalized()) {
       penalized.assign(logits, logits + vocab);
       runtime::ApplyPenalties(row.sampling, row.tokens, row.prompt_len, row.tokens + row.prompt_len,

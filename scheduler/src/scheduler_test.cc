@@ -220,7 +220,9 @@ TEST_F(SchedulerTest, StopTokensMinTokensAndSeeds) {
 
 TEST_F(SchedulerTest, BadRequestsAreRefusedNamingTheField) {
   SchedulerConfig config = Config(8);
-  config.max_queue = 2;
+  config.max_seqs = 1;
+  config.max_queue = 1;
+  config.max_prompt_tokens = 100;
   Scheduler scheduler(config);
   struct Case {
     Request request;
@@ -237,6 +239,11 @@ TEST_F(SchedulerTest, BadRequestsAreRefusedNamingTheField) {
   Request min_over = Make("m", {1, 2}, 4);
   min_over.stopping.min_new_tokens = 5;
   Request huge = Make("h", std::vector<int32_t>(40, 1), 4);  // 44 positions > 8 blocks of 4
+  Request over_limit = Make("ol", std::vector<int32_t>(101, 1), 4);
+  SchedulerConfig no_limit = config;
+  no_limit.max_prompt_tokens = 0;
+  Scheduler whole_context(no_limit);
+  Request fills_context = Make("f", std::vector<int32_t>(256, 1), 1);
   for (const Case& c : std::vector<Case>{
            {empty, absl::StatusCode::kInvalidArgument, "token_ids: empty prompt"},
            {oov, absl::StatusCode::kInvalidArgument, "token_ids[2]: 700 is outside the vocabulary [0, 512)"},
@@ -245,18 +252,46 @@ TEST_F(SchedulerTest, BadRequestsAreRefusedNamingTheField) {
            {bad_p, absl::StatusCode::kInvalidArgument, "sampling.top_p"},
            {min_over, absl::StatusCode::kInvalidArgument, "min_new_tokens: 5"},
            {huge, absl::StatusCode::kResourceExhausted, "needs 11 KV blocks; the cache has 8"},
+           {over_limit, absl::StatusCode::kInvalidArgument,
+            "token_ids: prompt of 101 tokens is longer than this server accepts (max_prompt_tokens=100)"},
        }) {
     absl::Status s = scheduler.Add(c.request);
     EXPECT_EQ(s.code(), c.code) << c.message;
     EXPECT_THAT(s.message(), HasSubstr(c.message));
   }
+  // A prompt that fills the context is blamed on the prompt, not on max_new_tokens.
+  absl::Status s = whole_context.Add(fills_context);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("token_ids: prompt of 256 tokens leaves no room in the context of 256"));
+
+  // One slot (max_seqs=1): x takes it, y waits (max_queue=1), z is refused.
   ASSERT_TRUE(scheduler.Add(Make("x", {1, 2}, 2)).ok());
   EXPECT_THAT(scheduler.Add(Make("x", {1}, 2)).message(), HasSubstr("request_id: 'x' is already in use"));
   ASSERT_TRUE(scheduler.Add(Make("y", {1, 2}, 2)).ok());
   absl::Status full = scheduler.Add(Make("z", {1, 2}, 2));
   EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_THAT(full.message(), HasSubstr("queue full: 2 requests waiting (max_queue=2)"));
+  EXPECT_THAT(full.message(), HasSubstr("queue full: 1 waiting for a slot (max_queue=1)"));
   EXPECT_EQ(scheduler.stats().waiting, 2);
+}
+
+TEST_F(SchedulerTest, NoWaitingRoomAcceptsWhatCanStartAtOnceAndRefusesTheRest) {
+  SchedulerConfig config = Config(64);
+  config.max_seqs = 2;
+  config.max_queue = 0;
+  Scheduler scheduler(config);
+  auto cache = model_->NewKvCache(64, 4);
+  ASSERT_TRUE(cache.ok());
+  ModelExecutor executor(*model_, **cache);
+  ASSERT_TRUE(scheduler.Add(Make("a", {1, 2}, 2)).ok());
+  ASSERT_TRUE(scheduler.Add(Make("b", {1, 2}, 2)).ok());
+  absl::Status busy = scheduler.Add(Make("c", {1, 2}, 2));
+  EXPECT_EQ(busy.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(busy.message(), HasSubstr("all 2 slots are taken (max_seqs) and there is no waiting room (max_queue=0)"));
+  // Once one finishes, a new request starts again.
+  for (int i = 0; i < 10 && scheduler.stats().running + scheduler.stats().waiting == 2; ++i) {
+    scheduler.Step(executor);
+  }
+  EXPECT_TRUE(scheduler.Add(Make("c", {1, 2}, 2)).ok());
 }
 
 }  // namespace

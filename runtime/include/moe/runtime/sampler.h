@@ -58,6 +58,10 @@ class Sampler {
   std::mt19937_64 rng_;
 };
 
+// kInternal when a row of logits holds a NaN or an infinity: a broken model (its weights, or a
+// config value such as rope_theta), whose tokens must not be served.
+absl::Status CheckLogitsFinite(const float* logits, int64_t count);
+
 // Index of the largest value; ties go to the lowest index.
 int32_t ArgMax(const float* values, int n);
 

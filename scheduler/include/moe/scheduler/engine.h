@@ -50,9 +50,11 @@ class Engine {
   static absl::StatusOr<std::unique_ptr<Engine>> Start(runtime::Model& model, SchedulerConfig config);
   ~Engine();  // Stop()s
 
-  // Stops the loop: live requests end as aborted, later Submits fail with kUnavailable. The
-  // engine stays valid for callers still holding it. Idempotent.
-  void Stop();
+  // Stops the loop: live requests end as aborted with `reason` as their error, later Submits
+  // fail with kUnavailable. The engine stays valid for callers still holding it. Idempotent.
+  void Stop(absl::Status reason = absl::UnavailableError("server shutting down"));
+  // From now on Submit fails with kUnavailable; live requests run on (a drain's first half).
+  void StopAccepting();
 
   // Errors as Scheduler::Add: kInvalidArgument naming the field, kResourceExhausted when full.
   absl::StatusOr<std::shared_ptr<Stream>> Submit(Request request);
@@ -63,6 +65,7 @@ class Engine {
   // Counters and histograms of everything the engine served; Prometheus text with the stats.
   const Metrics& metrics() const { return metrics_; }
   std::string RenderMetrics() const { return metrics_.Render(stats()); }
+  void CountRejected(absl::StatusCode code) { metrics_.CountRejected(code); }
 
  private:
   Engine(runtime::Model& model, SchedulerConfig config, std::unique_ptr<runtime::KvCache> cache);
@@ -85,6 +88,7 @@ class Engine {
   std::set<std::string> live_;  // ids the loop accepted and has not finished
   bool busy_ = false;           // the scheduler has work
   bool stop_ = false;
+  bool accepting_ = true;
   SchedulerStats stats_;
   Metrics metrics_;
   std::thread thread_;

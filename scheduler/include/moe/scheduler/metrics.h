@@ -39,7 +39,15 @@ struct Metrics {
   std::atomic<uint64_t> requests_failed{0};
   Histogram queue_seconds, first_token_seconds, inter_token_seconds, request_seconds, step_seconds;
 
+  // A request refused before it ran (bad request, full queue, missing API key, shutting down),
+  // counted by its status code.
+  void CountRejected(absl::StatusCode code);
+
   std::string Render(const SchedulerStats& stats) const;
+
+ private:
+  static constexpr int kCodes = 17;  // absl::StatusCode 0..16
+  std::atomic<uint64_t> rejected_[kCodes] = {};
 };
 
 // Serves GET /metrics with what `render` returns; anything else gets 404.

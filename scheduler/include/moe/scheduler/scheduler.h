@@ -27,8 +27,11 @@ namespace moe::scheduler {
 struct SchedulerConfig {
   int max_batch_tokens = 2048;
   int max_seqs = 64;
-  int max_queue = 256;   // waiting requests; Add fails with kResourceExhausted past it
+  // Requests waiting for a slot beyond the max_seqs that run; Add fails with kResourceExhausted
+  // past it. 0: no waiting room, a request that cannot start at once is refused.
+  int max_queue = 256;
   int context = 4096;    // prompt + max_new_tokens limit
+  int max_prompt_tokens = 0;  // longest prompt accepted; 0: the context less one new token
   int block_size = 16;
   int num_blocks = 0;    // KV blocks in the cache
   int vocab_size = 0;
@@ -48,9 +51,10 @@ class Scheduler {
   explicit Scheduler(const SchedulerConfig& config);
   ~Scheduler();
 
-  // Queues a request. kInvalidArgument naming the field (empty or out-of-vocabulary token_ids,
-  // prompt plus max_new_tokens beyond the context, bad sampling values, a duplicate id);
-  // kResourceExhausted when the queue is full or the prompt could never fit the KV cache.
+  // Queues a request. kInvalidArgument naming the field (empty or out-of-vocabulary token_ids, a
+  // prompt longer than max_prompt_tokens or the context, prompt plus max_new_tokens beyond the
+  // context, bad sampling values, a duplicate id); kResourceExhausted when no slot is free and
+  // the queue is full, or the prompt could never fit the KV cache.
   absl::Status Add(Request request);
   // Ends the request at the next Step (reported as kAborted); unknown ids are ignored.
   void Abort(const std::string& id);

@@ -29,6 +29,9 @@ struct SampleRow {
 struct SampledToken {
   int32_t token = 0;
   std::optional<runtime::TokenLogprobs> logprobs;  // when the row asked for them
+  // Set when this row's logits could not be sampled (not finite): the sequence fails with it,
+  // the others in the step go on.
+  absl::Status error;
 };
 
 struct StepPlan {
