@@ -1,5 +1,7 @@
 #include "test_util.h"
 
+#include <csignal>
+
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -59,7 +61,8 @@ void EditConfig(const std::string& dir, const std::function<void(nlohmann::json&
   std::ofstream(dir + "/config.json", std::ios::trunc) << j.dump(2);
 }
 
-void RewriteWeights(const std::string& dir, const std::function<bool(runtime::TensorEntry&)>& edit) {
+void RewriteWeights(const std::string& dir, const std::function<bool(runtime::TensorEntry&)>& edit,
+                    const std::function<void(const runtime::TensorEntry&, std::string*)>& edit_bytes) {
   const std::string path = dir + "/model.safetensors";
   std::vector<runtime::TensorEntry> entries;
   std::vector<std::string> bytes;
@@ -72,6 +75,7 @@ void RewriteWeights(const std::string& dir, const std::function<bool(runtime::Te
       if (!edit(e)) continue;
       std::string b(static_cast<const char*>(view->data), view->bytes());
       b.resize(e.bytes(), '\0');
+      if (edit_bytes) edit_bytes(e, &b);
       entries.push_back(e);
       bytes.push_back(std::move(b));
     }
@@ -112,6 +116,69 @@ CommandResult RunMoeserve(const std::vector<std::string>& args) {
   result.out = slurp(out_path);
   result.err = slurp(err_path);
   return result;
+}
+
+ServeProcess::ServeProcess(const std::vector<std::string>& args) {
+  int out[2];
+  if (::pipe(out) != 0) return;
+  const std::string err_path = scratch_ / "stderr";
+  std::fflush(stdout);
+  std::fflush(stderr);
+  pid_ = ::fork();
+  if (pid_ == 0) {
+    const char* bin_dir = std::getenv("MOE_BINARY_DIR");
+    std::vector<std::string> argv_storage = {std::string(bin_dir != nullptr ? bin_dir : MOE_BINARY_DIR) + "/moeserve",
+                                             "serve"};
+    argv_storage.insert(argv_storage.end(), args.begin(), args.end());
+    std::vector<char*> argv;
+    for (std::string& a : argv_storage) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    ::dup2(out[1], 1);
+    ::close(out[0]);
+    if (!std::freopen(err_path.c_str(), "w", stderr)) _exit(126);
+    ::execv(argv[0], argv.data());
+    _exit(127);
+  }
+  ::close(out[1]);
+  std::string printed;
+  char c;
+  while (printed.find('\n') == std::string::npos && ::read(out[0], &c, 1) == 1) printed += c;
+  ::close(out[0]);
+  const std::string marker = "serving on port ";
+  if (const size_t at = printed.find(marker); at != std::string::npos) {
+    port_ = std::atoi(printed.c_str() + at + marker.size());
+  } else {
+    Wait();
+  }
+}
+
+ServeProcess::~ServeProcess() {
+  if (exit_code_ < 0 && pid_ > 0) Stop(SIGKILL);
+}
+
+int ServeProcess::Stop(int signal) {
+  if (exit_code_ >= 0 || pid_ <= 0) return exit_code_;
+  ::kill(pid_, signal);
+  return Wait();
+}
+
+void ServeProcess::Signal(int signal) {
+  if (exit_code_ < 0 && pid_ > 0) ::kill(pid_, signal);
+}
+
+int ServeProcess::Wait() {
+  if (exit_code_ >= 0 || pid_ <= 0) return exit_code_;
+  int status = 0;
+  ::waitpid(pid_, &status, 0);
+  exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return exit_code_;
+}
+
+std::string ServeProcess::err() const {
+  std::ifstream in(scratch_ / "stderr");
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
 }
 
 }  // namespace moe::testing

@@ -35,8 +35,9 @@ void CopyFixture(const std::string& arch, const std::string& dir);
 void EditConfig(const std::string& dir, const std::function<void(nlohmann::json&)>& edit);
 // Rewrites dir/model.safetensors: `edit` sees every tensor with its bytes and may change the
 // entry (shape, dtype; the bytes are cut or zero-padded to fit) or return false to drop it.
-void RewriteWeights(const std::string& dir,
-                    const std::function<bool(runtime::TensorEntry&)>& edit);
+// `edit_bytes`, when given, may then change each kept tensor's bytes in place.
+void RewriteWeights(const std::string& dir, const std::function<bool(runtime::TensorEntry&)>& edit,
+                    const std::function<void(const runtime::TensorEntry&, std::string*)>& edit_bytes = nullptr);
 
 struct CommandResult {
   int exit_code = -1;
@@ -45,5 +46,25 @@ struct CommandResult {
 };
 // Runs the built `moeserve` binary with `args`, capturing stdout and stderr.
 CommandResult RunMoeserve(const std::vector<std::string>& args);
+
+// `moeserve serve ARGS` as a child process: started, waited on until it prints "serving on port
+// N" (or exits), stderr kept in a file. The destructor kills a child still running.
+class ServeProcess {
+ public:
+  explicit ServeProcess(const std::vector<std::string>& args);
+  ~ServeProcess();
+  int port() const { return port_; }  // 0 if it never served
+  // Sends `signal` and waits for the exit: the exit code, or 128 + the signal that ended it.
+  int Stop(int signal);
+  void Signal(int signal);  // sends it without waiting
+  int Wait();  // for a child that exits by itself
+  std::string err() const;  // what it wrote to stderr so far
+
+ private:
+  ScratchDir scratch_;
+  int pid_ = -1;
+  int port_ = 0;
+  int exit_code_ = -1;
+};
 
 }  // namespace moe::testing

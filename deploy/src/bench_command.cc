@@ -8,12 +8,12 @@
 #include "commands.h"
 #include "expert_bench.h"
 #include "load_bench.h"
-#include "serving_bench.h"
-#include "moe/scheduler/frontend.h"
 #include "moe/core/status.h"
 #include "moe/experts/arena.h"
 #include "moe/runtime/model.h"
+#include "moe/scheduler/frontend.h"
 #include "nlohmann/json.hpp"
+#include "serving_bench.h"
 
 namespace moe::deploy {
 namespace {
@@ -39,8 +39,8 @@ struct ExpertBenchFlags {
 int BenchExperts(ExpertBenchFlags flags) {
   bench::ExpertBenchOptions& options = flags.options;
   if (options.top_k > options.num_experts) {
-    return Fail(absl::InvalidArgumentError(absl::StrCat("--top-k ", options.top_k, " is more than --experts ",
-                                                        options.num_experts)),
+    return Fail(absl::InvalidArgumentError(
+                    absl::StrCat("--top-k ", options.top_k, " is more than --experts ", options.num_experts)),
                 2);
   }
   auto batches = ParseIntList(flags.batches, "batches");
@@ -55,8 +55,13 @@ int BenchExperts(ExpertBenchFlags flags) {
   if (flags.json) {
     nlohmann::ordered_json out = nlohmann::ordered_json::array();
     for (const bench::ExpertBenchRow& r : *rows) {
-      out.push_back({{"format", r.format}, {"kernel", r.kernel}, {"batch", r.batch}, {"ms_per_call", r.ms_per_call},
-                     {"weight_gbps", r.weight_gbps}, {"read_gbps", r.read_gbps}, {"ratio", r.ratio},
+      out.push_back({{"format", r.format},
+                     {"kernel", r.kernel},
+                     {"batch", r.batch},
+                     {"ms_per_call", r.ms_per_call},
+                     {"weight_gbps", r.weight_gbps},
+                     {"read_gbps", r.read_gbps},
+                     {"ratio", r.ratio},
                      {"tflops", r.tflops}});
     }
     std::cout << out.dump() << std::endl;
@@ -77,7 +82,9 @@ void AddBenchExperts(CLI::App& bench, CommandRun* selected) {
       "and the most it could be: the AVX-512 time over the time to read the weights once.",
       [f] { return BenchExperts(*f); }, selected);
   bench::ExpertBenchOptions& o = f->options;
-  app->add_option("--threads", o.threads, "pool threads; 0 uses every core")->check(IntIn(0, 4096))->capture_default_str();
+  app->add_option("--threads", o.threads, "pool threads; 0 uses every core")
+      ->check(IntIn(0, 4096))
+      ->capture_default_str();
   app->add_option("--layers", o.layers, "layers the calls cycle through (keeps the weights out of the caches)")
       ->check(IntIn(1, 1024))
       ->capture_default_str();
@@ -87,11 +94,17 @@ void AddBenchExperts(CLI::App& bench, CommandRun* selected) {
   app->add_option("--read-mb", f->read_mb, "buffer for the read-bandwidth roofline, in MiB")
       ->check(IntIn(1, 1 << 20))
       ->capture_default_str();
-  app->add_option("--seconds", o.seconds_per_point, "time spent per point")->check(NumberIn(0.001, 3600))->capture_default_str();
+  app->add_option("--seconds", o.seconds_per_point, "time spent per point")
+      ->check(NumberIn(0.001, 3600))
+      ->capture_default_str();
   app->add_option("--hidden", o.hidden, "hidden size")->check(IntIn(32, 1 << 16))->capture_default_str();
-  app->add_option("--intermediate", o.intermediate, "expert intermediate size")->check(IntIn(32, 1 << 17))->capture_default_str();
+  app->add_option("--intermediate", o.intermediate, "expert intermediate size")
+      ->check(IntIn(32, 1 << 17))
+      ->capture_default_str();
   app->add_option("--experts", o.num_experts, "experts per layer")->check(IntIn(1, 4096))->capture_default_str();
-  app->add_option("--top-k", o.top_k, "experts per token (at most --experts)")->check(IntIn(1, 4096))->capture_default_str();
+  app->add_option("--top-k", o.top_k, "experts per token (at most --experts)")
+      ->check(IntIn(1, 4096))
+      ->capture_default_str();
   app->add_option("--decode-max-tokens", o.decode_max_tokens,
                   "calls of at most N tokens use the pool's decode schedule; 0: never")
       ->check(IntIn(0, 1 << 16))
@@ -263,9 +276,10 @@ int BenchLoad(const LoadBenchFlags& flags) {
     } else {
       std::cout << absl::StrFormat("loaded %.2f GB of checkpoint experts in %.2f s: %.2f GB/s (model load %.2f s)\n",
                                    pool->loaded_bytes() / 1e9, pool->load_seconds(), gbps, total);
-      std::cout << absl::StrFormat("the checkpoint files (%.0f%% in the page cache before the load) read at %.2f GB/s "
-                                   "from the page cache",
-                                   100 * *cached_before, bound.page_cache_gbps);
+      std::cout << absl::StrFormat(
+          "the checkpoint files (%.0f%% in the page cache before the load) read at %.2f GB/s "
+          "from the page cache",
+          100 * *cached_before, bound.page_cache_gbps);
       if (bound.disk_gbps > 0) {
         std::cout << absl::StrFormat(" and %.2f GB/s from disk (%d reads at a time)", bound.disk_gbps,
                                      std::max(pool->threads(), kDiskReadsInFlight));
@@ -354,9 +368,14 @@ int BenchServe(const ServeBenchFlags& flags) {
       auto stats = [](const bench::LatencyStats& s) {
         return nlohmann::ordered_json{{"mean", s.mean}, {"p50", s.p50}, {"p99", s.p99}};
       };
-      rows.push_back({{"concurrency", c}, {"requests", r->requests}, {"failed", r->failed},
-                      {"output_tokens_per_s", r->output_tokens_per_second}, {"ttft_ms", stats(r->ttft_ms)},
-                      {"tpot_ms", stats(r->tpot_ms)}, {"itl_ms", stats(r->itl_ms)}, {"e2e_ms", stats(r->e2e_ms)}});
+      rows.push_back({{"concurrency", c},
+                      {"requests", r->requests},
+                      {"failed", r->failed},
+                      {"output_tokens_per_s", r->output_tokens_per_second},
+                      {"ttft_ms", stats(r->ttft_ms)},
+                      {"tpot_ms", stats(r->tpot_ms)},
+                      {"itl_ms", stats(r->itl_ms)},
+                      {"e2e_ms", stats(r->e2e_ms)}});
     } else {
       std::cout << absl::StrFormat(
           "concurrency %3d: %8.1f output tokens/s | TTFT ms mean %.1f p50 %.1f p99 %.1f | TPOT ms mean %.2f p50 %.2f "
@@ -368,7 +387,6 @@ int BenchServe(const ServeBenchFlags& flags) {
   if (json) std::cout << rows.dump() << std::endl;
   return 0;
 }
-
 
 void AddBenchServe(CLI::App& bench, CommandRun* selected) {
   auto f = std::make_shared<ServeBenchFlags>();

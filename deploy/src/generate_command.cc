@@ -56,10 +56,11 @@ int RunGenerate(const GenerateFlags& flags);
 
 void AddGenerateCommand(CLI::App& root, CommandRun* selected) {
   auto flags = std::make_shared<GenerateFlags>();
-  CLI::App* app = AddCommand(root, "generate", "run one prompt (token ids) through a model and print the tokens and speed",
-                             "Runs one prompt through a model on the CPU backend: prefill, then greedy or sampled\n"
-                             "decode with the KV cache. Prints the generated token ids and the prefill and decode speed.",
-                             [flags] { return RunGenerate(*flags); }, selected);
+  CLI::App* app = AddCommand(
+      root, "generate", "run one prompt (token ids) through a model and print the tokens and speed",
+      "Runs one prompt through a model on the CPU backend: prefill, then greedy or sampled\n"
+      "decode with the KV cache. Prints the generated token ids and the prefill and decode speed.",
+      [flags] { return RunGenerate(*flags); }, selected);
   app->add_option("--model", flags->model, "Hugging Face model directory (config.json + safetensors)")->required();
   app->add_option("--prompt-ids", flags->prompt_ids, "prompt as comma-separated token ids, e.g. 1,2,3")->required();
   app->add_option("--max-new-tokens", flags->max_new_tokens,
@@ -143,7 +144,7 @@ int RunGenerate(const GenerateFlags& flags) {
             << "backend: " << (*model)->backend().name() << ", loaded in " << absl::StrFormat("%.2f s", load_seconds)
             << "\n"
             << ((*model)->expert_pool() != nullptr ? (*model)->expert_pool()->Describe()
-                                                    : std::string("routed experts: reference path"))
+                                                   : std::string("routed experts: reference path"))
             << "\n"
             << "prompt: " << prompt->size() << " tokens\n"
             << "generated " << generated << " tokens: " << absl::StrJoin(result->generated_ids, " ") << "\n"

@@ -27,8 +27,8 @@ struct Shape {
 absl::StatusOr<Shape> PresetShape(const std::string& preset) {
   if (preset == "tiny") return Shape{128, 4, 4, 2, 32, 16, 4, 64, 256, 512, 4096, 1e6};
   if (preset == "qwen3-30b-a3b") return Shape{2048, 48, 32, 4, 128, 128, 8, 768, 6144, 151936, 40960, 1e6};
-  return absl::InvalidArgumentError(absl::StrCat("unknown preset '", preset, "'; presets: ",
-                                                 absl::StrJoin(MakeModelPresets(), ", ")));
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown preset '", preset, "'; presets: ", absl::StrJoin(MakeModelPresets(), ", ")));
 }
 
 // The config.json of a Qwen3-MoE checkpoint, with the key spellings real checkpoints use.
@@ -140,7 +140,8 @@ const std::vector<std::string>& MakeModelPresets() {
 
 absl::Status MakeModel(const MakeModelOptions& o) {
   if (o.arch != "qwen3_moe") {
-    return absl::InvalidArgumentError(absl::StrCat("make-model: --arch ", o.arch, " is not supported; supported: qwen3_moe"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("make-model: --arch ", o.arch, " is not supported; supported: qwen3_moe"));
   }
   if (o.out.empty()) return absl::InvalidArgumentError("make-model: --out is required");
   MOE_ASSIGN_OR_RETURN(Shape shape, PresetShape(o.preset));
@@ -178,8 +179,9 @@ absl::Status MakeModel(const MakeModelOptions& o) {
   nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
   size_t index = 0;
   for (size_t s = 0; s < shards.size(); ++s) {
-    const std::string name = shards.size() == 1 ? "model.safetensors"
-                                                : absl::StrFormat("model-%05d-of-%05d.safetensors", s + 1, shards.size());
+    const std::string name = shards.size() == 1
+                                 ? "model.safetensors"
+                                 : absl::StrFormat("model-%05d-of-%05d.safetensors", s + 1, shards.size());
     for (const TensorEntry& t : shards[s]) weight_map[t.name] = name;
     const size_t count = shards[s].size();
     MOE_RETURN_IF_ERROR(WriteShard(o.out + "/" + name, std::move(shards[s]), o.seed, index, progress));

@@ -12,13 +12,13 @@ namespace moe::deploy {
 
 struct MakeModelOptions {
   std::string arch = "qwen3_moe";
-  std::string preset = "tiny";        // tiny | qwen3-30b-a3b
-  int layers = 0;                     // 0: the preset's
-  int vocab = 0;                      // 0: the preset's
+  std::string preset = "tiny";  // tiny | qwen3-30b-a3b
+  int layers = 0;               // 0: the preset's
+  int vocab = 0;                // 0: the preset's
   uint64_t seed = 0;
   int64_t max_shard_bytes = 4ll << 30;
   std::string out;
-  bool progress = true;               // progress lines on stderr
+  bool progress = true;  // progress lines on stderr
 };
 
 const std::vector<std::string>& MakeModelPresets();

@@ -14,7 +14,8 @@ constexpr const char* kVersion = "0.1.0";
 // The names of `app`'s subcommands, for "unknown command" errors.
 std::vector<std::string> CommandNames(const CLI::App& app) {
   std::vector<std::string> names;
-  for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; })) names.push_back(sub->get_name());
+  for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; }))
+    names.push_back(sub->get_name());
   return names;
 }
 
@@ -107,7 +108,8 @@ int RunMoeserve(int argc, char** argv) {
         break;
       }
     }
-    if (what == e.what() && !extras.empty()) what = "unexpected argument '" + extras.front() + "' (flags start with --)";
+    if (what == e.what() && !extras.empty())
+      what = "unexpected argument '" + extras.front() + "' (flags start with --)";
     std::cerr << Path(*at) << ": error: " << what << " (see " << Path(*at) << " --help)\n";
     return 2;
   } catch (const CLI::ParseError& e) {

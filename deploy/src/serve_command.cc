@@ -55,9 +55,9 @@ absl::Status PlanKvCache(const ServeFlags& flags, const runtime::ModelSpec& spec
   kv.head_dim = spec.head_dim;
   const int64_t blocks = kv_bytes / static_cast<int64_t>(kv.bytes());
   if (blocks < 1) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "--kv-cache-mb %d holds no KV block: one block of %d positions takes %d bytes for this model",
-        flags.kv_cache_mb, sc->block_size, kv.bytes()));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--kv-cache-mb %d holds no KV block: one block of %d positions takes %d bytes for this model",
+                        flags.kv_cache_mb, sc->block_size, kv.bytes()));
   }
   sc->num_blocks = static_cast<int>(std::min<int64_t>(blocks, kMaxContext / sc->block_size));
   const int64_t positions = static_cast<int64_t>(sc->num_blocks) * sc->block_size;
@@ -70,8 +70,8 @@ absl::Status PlanKvCache(const ServeFlags& flags, const runtime::ModelSpec& spec
     }
     if (*flags.ctx > positions) {
       return absl::InvalidArgumentError(absl::StrFormat(
-          "--ctx %d needs a KV cache of %d positions; --kv-cache-mb %d holds %d (raise --kv-cache-mb to %d)", *flags.ctx,
-          *flags.ctx, flags.kv_cache_mb, positions,
+          "--ctx %d needs a KV cache of %d positions; --kv-cache-mb %d holds %d (raise --kv-cache-mb to %d)",
+          *flags.ctx, *flags.ctx, flags.kv_cache_mb, positions,
           (runtime::BlocksFor(*flags.ctx, sc->block_size) * static_cast<int64_t>(kv.bytes()) + (1 << 20) - 1) >> 20));
     }
     sc->context = *flags.ctx;
@@ -86,8 +86,8 @@ absl::Status PlanKvCache(const ServeFlags& flags, const runtime::ModelSpec& spec
   }
   sc->max_prompt_tokens = flags.max_prompt_tokens.value_or(sc->context);
   if (sc->max_prompt_tokens > sc->context) {
-    return absl::InvalidArgumentError(absl::StrFormat("--max-prompt-tokens %d is more than the context of %d",
-                                                      sc->max_prompt_tokens, sc->context));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--max-prompt-tokens %d is more than the context of %d", sc->max_prompt_tokens, sc->context));
   }
   return absl::OkStatus();
 }
@@ -161,7 +161,8 @@ void AddServeCommand(CLI::App& root, CommandRun* selected) {
                   "waiting room: a request that cannot start at once is refused")
       ->check(IntIn(0, 1 << 20))
       ->capture_default_str();
-  app->add_option("--max-batch-tokens", f->max_batch_tokens, "tokens per step (decode tokens first, then prefill chunks)")
+  app->add_option("--max-batch-tokens", f->max_batch_tokens,
+                  "tokens per step (decode tokens first, then prefill chunks)")
       ->check(IntIn(1, 1 << 20))
       ->capture_default_str();
   app->add_option("--ctx", f->ctx,

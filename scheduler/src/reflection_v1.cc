@@ -13,8 +13,7 @@ using ::google::protobuf::DescriptorPool;
 using ::google::protobuf::FileDescriptor;
 
 // `file` and every file it depends on, each once, as serialized FileDescriptorProtos.
-void AddFileAndDependencies(const FileDescriptor* file, std::set<std::string>* seen,
-                            v1::FileDescriptorResponse* out) {
+void AddFileAndDependencies(const FileDescriptor* file, std::set<std::string>* seen, v1::FileDescriptorResponse* out) {
   if (file == nullptr || !seen->insert(file->name()).second) return;
   google::protobuf::FileDescriptorProto proto;
   file->CopyTo(&proto);
@@ -47,7 +46,8 @@ void FileResponse(const FileDescriptor* file, const std::string& what, v1::Serve
     *response.mutable_original_request() = request;
     switch (request.message_request_case()) {
       case v1::ServerReflectionRequest::kListServices:
-        for (const std::string& name : services_) response.mutable_list_services_response()->add_service()->set_name(name);
+        for (const std::string& name : services_)
+          response.mutable_list_services_response()->add_service()->set_name(name);
         break;
       case v1::ServerReflectionRequest::kFileByFilename:
         FileResponse(pool->FindFileByName(request.file_by_filename()), "file " + request.file_by_filename(), &response);

@@ -1,0 +1,274 @@
+// Bad input as a user or an attacker gives it to the `moeserve` binary: flags out of range,
+// addresses in use, a context the model cannot hold, a model that computes NaN, SIGTERM with
+// requests running. Each case must end in a clear error (exit 1 or 2, or a gRPC status), never a
+// signal, a hang, or a file left behind. docs/bad-inputs.md lists them.
+#include <grpcpp/grpcpp.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <thread>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "moe/core/dtype.h"
+#include "moeserve/v1/generation.grpc.pb.h"
+#include "nlohmann/json.hpp"
+#include "test_util.h"
+
+namespace moe {
+namespace {
+
+namespace fs = std::filesystem;
+namespace pb = ::moeserve::v1;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+struct FlagCase {
+  std::vector<std::string> args;
+  int exit_code;
+  std::string message;
+};
+
+TEST(BadFlagsTest, NumbersOutOfRangeAreRefusedBeforeAnythingRuns) {
+  const std::string model = testing::FixtureDir("qwen3_moe");
+  testing::ScratchDir dir;
+  const std::vector<FlagCase> cases = {
+      {{"make-model", "--vocab", "99999999999", "--out", dir / "m"},
+       2,
+       "--vocab: 99999999999 is not an integer in [1, 16777216]"},
+      {{"make-model", "--layers", "4294967297", "--out", dir / "m"},
+       2,
+       "--layers: 4294967297 is not an integer in [1, 1024]"},
+      {{"make-model", "--layers", "0", "--out", dir / "m"}, 2, "--layers: 0 is not an integer in [1, 1024]"},
+      {{"generate", "--model", model, "--prompt-ids", "1", "--max-new-tokens", "99999999999"},
+       2,
+       "--max-new-tokens: 99999999999 is not an integer in [0, 16777216]"},
+      {{"generate", "--model", model, "--prompt-ids", "1", "--seed", "99999999999999999999"},
+       2,
+       "--seed: 99999999999999999999 is not an integer"},
+      {{"generate", "--model", model, "--prompt-ids", "1", "--temperature", "nan"},
+       2,
+       "--temperature: nan is not a number in [0, 100]"},
+      {{"serve", "--model", model, "--kv-cache-mb", "4294967297"},
+       2,
+       "--kv-cache-mb: 4294967297 is not an integer in [1, 1073741824]"},
+      {{"serve", "--model", model, "--kv-cache-mb", "99999999", "--http", "off"},
+       2,
+       "--kv-cache-mb 99999999 is more than this machine's"},
+      {{"serve", "--model", model, "--max-seqs", "99999999999"},
+       2,
+       "--max-seqs: 99999999999 is not an integer in [1, 4096]"},
+      {{"serve", "--model", model, "--listen", "127.0.0.1:99999"},
+       2,
+       "--listen '127.0.0.1:99999': the port must be an integer in [0, 65535]"},
+      {{"serve", "--model", model, "--http", "::1:8080"}, 2, "an IPv6 host goes in brackets"},
+      {{"serve", "--model", model, "--ctx", "100000", "--http", "off"},
+       2,
+       "--ctx 100000 is beyond the model's max_position_embeddings (2048)"},
+      {{"serve", "--model", model, "--ctx", "2048", "--kv-cache-mb", "1", "--http", "off"},
+       2,
+       "--ctx 2048 needs a KV cache of 2048 positions; --kv-cache-mb 1 holds 512"},
+      {{"bench", "foo"}, 2, "moeserve bench: unknown command 'foo' (commands: experts, load, serve"},
+      {{"generate", "--model", model, "--prompt-ids", "1", "--tempreature", "1"}, 2, "unknown flag --tempreature"},
+  };
+  for (const FlagCase& c : cases) {
+    auto r = testing::RunMoeserve(c.args);
+    EXPECT_EQ(r.exit_code, c.exit_code) << c.args[0] << " " << c.args[1] << ": " << r.err;
+    EXPECT_THAT(r.err, HasSubstr(c.message)) << c.args[0];
+  }
+  EXPECT_FALSE(fs::exists(dir / "m"));  // nothing written for a refused make-model
+}
+
+TEST(BadFlagsTest, MoreThreadsThanCoresWarns) {
+  auto r = testing::RunMoeserve({"generate", "--model", testing::FixtureDir("qwen3_moe"), "--prompt-ids", "1,2",
+                                 "--max-new-tokens", "2", "--threads", "1000", "--expert-threads", "2"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("warning: --threads 1000 is more than the"));
+}
+
+// A listening socket on a free loopback port, without SO_REUSEPORT; closed on destruction.
+class HeldPort {
+ public:
+  HeldPort() {
+    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    EXPECT_EQ(::bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    EXPECT_EQ(::listen(fd_, 4), 0);
+    socklen_t len = sizeof(addr);
+    ::getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len);
+    port_ = ntohs(addr.sin_port);
+  }
+  ~HeldPort() { ::close(fd_); }
+  int port() const { return port_; }
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+};
+
+std::unique_ptr<pb::Generation::Stub> Connect(int port) {
+  return pb::Generation::NewStub(
+      grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+}
+
+TEST(ServeProcessTest, ASecondServerOnAPortInUseFailsInsteadOfSharingIt) {
+  const std::string model = testing::FixtureDir("qwen3_moe");
+  testing::ServeProcess first(
+      {"--model", model, "--listen", "127.0.0.1:0", "--http", "off", "--threads", "1", "--expert-threads", "1"});
+  ASSERT_GT(first.port(), 0) << first.err();
+  const std::string taken = "127.0.0.1:" + std::to_string(first.port());
+  auto r = testing::RunMoeserve(
+      {"serve", "--model", model, "--listen", taken, "--http", "off", "--threads", "1", "--expert-threads", "1"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("cannot listen on " + taken + ": the address is in use"));
+  HeldPort held;  // the HTTP listener likewise
+  r = testing::RunMoeserve({"serve", "--model", model, "--listen", "127.0.0.1:0", "--http",
+                            "127.0.0.1:" + std::to_string(held.port()), "--threads", "1", "--expert-threads", "1"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("127.0.0.1:" + std::to_string(held.port())));
+  EXPECT_EQ(first.Stop(SIGTERM), 0);
+}
+
+TEST(ServeProcessTest, ContextLengthIsWhatTheKvCacheHolds) {
+  // 1 MiB of KV cache holds 512 positions of the tiny qwen3_moe (4 layers, 2 KV heads of 32).
+  testing::ServeProcess serve({"--model", testing::FixtureDir("qwen3_moe"), "--listen", "127.0.0.1:0", "--http", "off",
+                               "--kv-cache-mb", "1", "--threads", "1", "--expert-threads", "1"});
+  ASSERT_GT(serve.port(), 0) << serve.err();
+  EXPECT_THAT(serve.err(), HasSubstr("holds 512 positions, less than the model's context of 2048"));
+  auto stub = Connect(serve.port());
+  grpc::ClientContext ctx;
+  pb::ModelInfo info;
+  ASSERT_TRUE(stub->GetModelInfo(&ctx, pb::GetModelInfoRequest(), &info).ok());
+  EXPECT_EQ(info.context_length(), 512);
+  // A prompt longer than that is blamed on the prompt.
+  pb::GenerateRequest request;
+  for (int i = 0; i < 600; ++i) request.add_token_ids(i % 500);
+  grpc::ClientContext gen_ctx;
+  auto reader = stub->Generate(&gen_ctx, request);
+  pb::GenerateResponse msg;
+  while (reader->Read(&msg)) {
+  }
+  grpc::Status s = reader->Finish();
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("token_ids: prompt of 600 tokens"));
+  EXPECT_EQ(serve.Stop(SIGTERM), 0);
+}
+
+// Streams one request on its own thread: the status and the tokens it got.
+struct Streamed {
+  grpc::Status status;
+  int tokens = 0;
+};
+
+Streamed StreamOne(pb::Generation::Stub* stub, int max_new_tokens, std::atomic<int>* seen = nullptr) {
+  pb::GenerateRequest request;
+  for (int id : {5, 6, 7}) request.add_token_ids(id);
+  request.mutable_stopping()->set_max_new_tokens(max_new_tokens);
+  request.mutable_stopping()->set_ignore_eos(true);
+  grpc::ClientContext ctx;
+  auto reader = stub->Generate(&ctx, request);
+  pb::GenerateResponse msg;
+  Streamed result;
+  while (reader->Read(&msg)) {
+    result.tokens += msg.token_ids_size();
+    if (seen != nullptr) *seen = result.tokens;
+  }
+  result.status = reader->Finish();
+  return result;
+}
+
+TEST(ServeProcessTest, SigtermDrainsThenCutsOffWithUnavailableAndLogsEachRequest) {
+  testing::ServeProcess serve({"--model", testing::FixtureDir("qwen3_moe"), "--listen", "127.0.0.1:0", "--http", "off",
+                               "--drain-seconds", "1", "--threads", "1", "--expert-threads", "1"});
+  ASSERT_GT(serve.port(), 0) << serve.err();
+  auto stub = Connect(serve.port());
+  const Streamed done = StreamOne(stub.get(), 3);
+  ASSERT_TRUE(done.status.ok()) << done.status.error_message();
+  // A stream far longer than the drain: it must be cut off with UNAVAILABLE and a message.
+  std::atomic<int> seen{0};
+  Streamed cut;
+  std::thread long_stream([&] { cut = StreamOne(stub.get(), 2000, &seen); });
+  while (seen < 2) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  const auto stop = std::chrono::steady_clock::now();
+  serve.Signal(SIGTERM);
+  long_stream.join();
+  EXPECT_EQ(cut.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(cut.status.error_message(), HasSubstr("server shutting down"));
+  EXPECT_GE(std::chrono::steady_clock::now() - stop, std::chrono::milliseconds(900));  // it had its drain
+  EXPECT_LT(cut.tokens, 2000);
+  EXPECT_EQ(serve.Wait(), 0);
+  const std::string err = serve.err();
+  EXPECT_THAT(err, HasSubstr("draining"));
+  EXPECT_THAT(err, HasSubstr("1 requests cut off"));
+  // One JSON line per request, with its id, peer, tokens, finish reason and times.
+  int lines = 0;
+  std::istringstream in(err);
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("{\"event\":\"request\"", 0) != 0) continue;
+    const nlohmann::json j = nlohmann::json::parse(line);
+    ++lines;
+    EXPECT_THAT(j["peer"].get<std::string>(), HasSubstr("127.0.0.1"));
+    EXPECT_EQ(j["prompt_tokens"], 3);
+    EXPECT_TRUE(j.contains("ttft_ms") && j.contains("queue_ms") && j.contains("total_ms")) << line;
+    if (j["status"] == "OK") {
+      EXPECT_EQ(j["output_tokens"], 3);
+      EXPECT_EQ(j["finish_reason"], "length");
+    } else {
+      EXPECT_EQ(j["status"], "UNAVAILABLE");
+    }
+  }
+  EXPECT_EQ(lines, 2) << err;
+}
+
+// A copy of the fixture with bf16 NaN in the final norm's weight: it loads, and every logit of
+// every position is NaN.
+void CopyWithNanFinalNorm(const std::string& dir) {
+  testing::CopyFixture("qwen3_moe", dir);
+  testing::RewriteWeights(
+      dir, [](runtime::TensorEntry&) { return true; },
+      [](const runtime::TensorEntry& e, std::string* bytes) {
+        if (e.name != "model.norm.weight") return;
+        for (size_t i = 0; i + 1 < bytes->size(); i += 2) {
+          (*bytes)[i] = static_cast<char>(0xc0);  // bf16 0x7fc0: a quiet NaN
+          (*bytes)[i + 1] = static_cast<char>(0x7f);
+        }
+      });
+}
+
+TEST(NonFiniteLogitsTest, GenerateFailsAndWritesNoLogits) {
+  testing::ScratchDir dir;
+  CopyWithNanFinalNorm(dir / "nan");
+  auto r = testing::RunMoeserve(
+      {"generate", "--model", dir / "nan", "--prompt-ids", "1,2,3", "--dump-logits", dir / "logits.json"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("the model computed a non-finite logit (NaN"));
+  EXPECT_FALSE(fs::exists(dir / "logits.json"));
+  EXPECT_THAT(r.out, Not(HasSubstr("generated")));
+}
+
+TEST(NonFiniteLogitsTest, ServeFailsTheRequestAndFreesItsBlocks) {
+  testing::ScratchDir dir;
+  CopyWithNanFinalNorm(dir / "nan");
+  testing::ServeProcess serve({"--model", dir / "nan", "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0", "--threads",
+                               "1", "--expert-threads", "1"});
+  ASSERT_GT(serve.port(), 0) << serve.err();
+  auto stub = Connect(serve.port());
+  for (int i = 0; i < 2; ++i) {  // the server goes on after the first
+    const Streamed s = StreamOne(stub.get(), 4);
+    EXPECT_EQ(s.status.error_code(), grpc::StatusCode::INTERNAL);
+    EXPECT_THAT(s.status.error_message(), HasSubstr("non-finite logit"));
+    EXPECT_EQ(s.tokens, 0);
+  }
+  EXPECT_EQ(serve.Stop(SIGTERM), 0);
+  EXPECT_THAT(serve.err(), HasSubstr("0 requests cut off"));
+}
+
+}  // namespace
+}  // namespace moe
