@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "moe/runtime/model_spec.h"
+#include "moe/scheduler/http_server.h"
 #include "moe/scheduler/metrics.h"
 #include "moeserve/v1/generation.grpc.pb.h"
 
@@ -160,7 +161,7 @@ class Frontend::Impl {
   std::unique_ptr<Engine> engine;
   std::unique_ptr<GenerationService> service;
   std::unique_ptr<grpc::Server> server;
-  std::unique_ptr<MetricsServer> metrics;
+  std::unique_ptr<HttpServer> metrics;
   int port = 0;
 };
 
@@ -185,12 +186,15 @@ absl::StatusOr<std::unique_ptr<Frontend>> Frontend::Start(runtime::Model& model,
   }
   if (!options.metrics_listen.empty()) {
     Engine* engine_ptr = impl->engine.get();
-    auto metrics = MetricsServer::Start(options.metrics_listen, [engine_ptr] { return engine_ptr->RenderMetrics(); });
-    if (!metrics.ok()) {
+    HttpServerOptions http;
+    http.listen = options.metrics_listen;
+    http.render_metrics = [engine_ptr] { return engine_ptr->RenderMetrics(); };
+    http.initial_state = ServingState::kServing;
+    impl->metrics = std::make_unique<HttpServer>();
+    if (absl::Status started = impl->metrics->Start(http); !started.ok()) {
       impl->server->Shutdown();
-      return metrics.status();
+      return started;
     }
-    impl->metrics = std::move(*metrics);
   }
   return std::unique_ptr<Frontend>(new Frontend(std::move(impl)));
 }

@@ -1,5 +1,5 @@
-// Serving metrics in the Prometheus text format, and a small HTTP endpoint that serves them
-// (GET /metrics). Counters and histograms are thread-safe.
+// Serving metrics in the Prometheus text format (HttpServer serves them at GET /metrics).
+// Counters and histograms are thread-safe.
 #pragma once
 
 #include <atomic>
@@ -40,25 +40,6 @@ struct Metrics {
   Histogram queue_seconds, first_token_seconds, inter_token_seconds, request_seconds, step_seconds;
 
   std::string Render(const SchedulerStats& stats) const;
-};
-
-// Serves GET /metrics with what `render` returns; anything else gets 404.
-class MetricsServer {
- public:
-  // `listen` is HOST:PORT (port 0 picks one). kUnavailable if it cannot bind.
-  static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(const std::string& listen,
-                                                              std::function<std::string()> render);
-  ~MetricsServer();
-  int port() const { return port_; }
-
- private:
-  MetricsServer() = default;
-  void Loop();
-  int fd_ = -1;
-  int port_ = 0;
-  std::function<std::string()> render_;
-  std::atomic<bool> stop_{false};
-  std::thread thread_;
 };
 
 }  // namespace moe::scheduler
