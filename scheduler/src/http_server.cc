@@ -330,7 +330,13 @@ absl::Status HttpServer::Start(const HttpServerOptions& options) {
     server_ = std::make_unique<httplib::Server>();
   }
   httplib::Server& server = *server_;
-  server.set_socket_options(ListenSocketOptions);
+  // httplib creates the listening socket inside bind_to_port; the socket-options hook is the one
+  // place its descriptor shows, and it is needed below to lengthen the accept queue.
+  socket_t listen_socket = INVALID_SOCKET;
+  server.set_socket_options([&listen_socket](socket_t sock) {
+    ListenSocketOptions(sock);
+    listen_socket = sock;
+  });
   server.set_tcp_nodelay(true);
   server.set_read_timeout(options_.read_timeout);
   server.set_write_timeout(options_.write_timeout);
@@ -382,6 +388,10 @@ absl::Status HttpServer::Start(const HttpServerOptions& options) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen, ": ", BindErrorText(err)));
   }
   port_.store(bound);
+  // libcpp-httplib is built with a backlog of 5: a burst of connections beyond that waits for
+  // the client's SYN retry (1 s, then 3 s). Listening again on the bound socket only changes
+  // the backlog.
+  if (listen_socket != INVALID_SOCKET) ::listen(listen_socket, SOMAXCONN);
 
   // httplib's stop() acts only once the accept loop runs, so Start waits for it: a Stop() right
   // after Start() then always closes the socket.
