@@ -109,7 +109,7 @@ class ServerTest : public ::testing::Test {
     addr.sin_port = htons(static_cast<uint16_t>(frontend_->metrics_port()));
     addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-    const std::string get = "GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n";
+    const std::string get = "GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n";
     EXPECT_GT(::send(fd, get.data(), get.size(), 0), 0);
     std::string body;
     char buf[4096];

@@ -11,6 +11,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "moe/runtime/model_spec.h"
+#include "moe/scheduler/http_server.h"
 #include "moe/scheduler/metrics.h"
 #include "moeserve/v1/generation.grpc.pb.h"
 #include "nlohmann/json.hpp"
@@ -81,8 +82,24 @@ double Ms(std::optional<Clock::time_point> at, Clock::time_point from) {
 
 class GenerationService final : public pb::Generation::Service {
  public:
-  GenerationService(Engine& engine, const runtime::ModelSpec& spec, std::string placement, RequestLog& log)
-      : engine_(engine), spec_(spec), placement_(std::move(placement)), log_(log) {}
+  GenerationService(Engine& engine, const runtime::ModelSpec& spec, std::string placement, RequestLog& log,
+                    const ApiKeys* keys)
+      : engine_(engine), spec_(spec), placement_(std::move(placement)), log_(log), keys_(keys) {}
+
+  // UNAUTHENTICATED unless the call carries `authorization: Bearer KEY` for a key (when keys are set).
+  grpc::Status Authorize(const grpc::ServerContext& context) {
+    if (keys_ == nullptr || keys_->empty()) return grpc::Status::OK;
+    const auto& metadata = context.client_metadata();
+    const auto it = metadata.find("authorization");
+    if (it == metadata.end()) {
+      return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                          "missing API key: send the metadata 'authorization: Bearer KEY'");
+    }
+    if (!keys_->AcceptsAuthorization(std::string_view(it->second.data(), it->second.size()))) {
+      return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "invalid API key in the authorization metadata");
+    }
+    return grpc::Status::OK;
+  }
 
   grpc::Status Generate(grpc::ServerContext* context, const pb::GenerateRequest* in,
                         grpc::ServerWriter<pb::GenerateResponse>* writer) override {
@@ -91,7 +108,8 @@ class GenerationService final : public pb::Generation::Service {
     int prompt_tokens = in->token_ids_size(), completion = 0;
     std::string finish = "";
     std::shared_ptr<Stream> stream;
-    grpc::Status status = Run(context, *in, id, writer, &stream, &completion, &finish);
+    grpc::Status status = Authorize(*context);
+    if (status.ok()) status = Run(context, *in, id, writer, &stream, &completion, &finish);
     // A request the engine never took (refused, or the call's metadata was wrong) counts as rejected.
     if (!status.ok() && stream == nullptr) engine_.CountRejected(static_cast<absl::StatusCode>(status.error_code()));
     nlohmann::ordered_json line = {{"event", "request"},
@@ -189,7 +207,11 @@ class GenerationService final : public pb::Generation::Service {
     }
   }
 
-  grpc::Status Abort(grpc::ServerContext*, const pb::AbortRequest* in, pb::AbortResponse*) override {
+  grpc::Status Abort(grpc::ServerContext* context, const pb::AbortRequest* in, pb::AbortResponse*) override {
+    if (grpc::Status auth = Authorize(*context); !auth.ok()) {
+      engine_.CountRejected(absl::StatusCode::kUnauthenticated);
+      return auth;
+    }
     if (!engine_.Abort(in->request_id())) {
       engine_.CountRejected(absl::StatusCode::kNotFound);
       return grpc::Status(grpc::StatusCode::NOT_FOUND, "no live request '" + in->request_id() + "'");
@@ -197,7 +219,11 @@ class GenerationService final : public pb::Generation::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status GetModelInfo(grpc::ServerContext*, const pb::GetModelInfoRequest*, pb::ModelInfo* out) override {
+  grpc::Status GetModelInfo(grpc::ServerContext* context, const pb::GetModelInfoRequest*, pb::ModelInfo* out) override {
+    if (grpc::Status auth = Authorize(*context); !auth.ok()) {
+      engine_.CountRejected(absl::StatusCode::kUnauthenticated);
+      return auth;
+    }
     out->set_architecture(spec_.model_type);
     out->set_context_length(engine_.config().context);
     out->set_vocab_size(spec_.vocab_size);
@@ -228,6 +254,7 @@ class GenerationService final : public pb::Generation::Service {
   const runtime::ModelSpec& spec_;
   const std::string placement_;
   RequestLog& log_;
+  const ApiKeys* keys_;  // not owned; null: no keys asked for
   std::atomic<int64_t> next_id_{1};
 };
 
@@ -235,72 +262,112 @@ class GenerationService final : public pb::Generation::Service {
 
 class Frontend::Impl {
  public:
+  FrontendOptions options;
   std::unique_ptr<RequestLog> log;
+  std::unique_ptr<HttpServer> http;
   std::unique_ptr<Engine> engine;
   std::unique_ptr<GenerationService> service;
   std::unique_ptr<internal::ReflectionV1Service> reflection_v1;
   std::unique_ptr<grpc::Server> server;
-  std::unique_ptr<MetricsServer> metrics;
   int port = 0;
+  // What /metrics reads: the engine while it serves, nothing before or after.
+  std::mutex metrics_mu;
+  Engine* metrics_engine = nullptr;
+
+  std::string RenderMetrics() {
+    std::lock_guard<std::mutex> lock(metrics_mu);
+    return metrics_engine != nullptr ? metrics_engine->RenderMetrics() : std::string();
+  }
 };
 
 Frontend::Frontend(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Frontend::~Frontend() { Shutdown(); }
 
-absl::StatusOr<std::unique_ptr<Frontend>> Frontend::Start(runtime::Model& model, const FrontendOptions& options) {
+absl::StatusOr<std::unique_ptr<Frontend>> Frontend::Create(const FrontendOptions& options) {
   if (absl::Status s = CheckAddress(options.listen); !s.ok()) return s;
-  if (!options.http_listen.empty()) {
-    if (absl::Status s = CheckAddress(options.http_listen); !s.ok()) return s;
+  if (options.tls.enabled()) {
+    if (absl::Status s = CheckTlsFiles(options.tls); !s.ok()) return s;
   }
   auto impl = std::make_unique<Impl>();
+  impl->options = options;
   impl->log = std::make_unique<RequestLog>(options.request_log);
+  if (!options.http_listen.empty()) {
+    HttpServerOptions http;
+    http.listen = options.http_listen;
+    http.tls = options.tls;
+    http.api_keys = options.api_keys.get();
+    http.protect_metrics = options.protect_metrics;
+    http.max_request_bytes = static_cast<size_t>(options.max_request_bytes);
+    Impl* raw = impl.get();
+    http.render_metrics = [raw] { return raw->RenderMetrics(); };
+    http.initial_state = ServingState::kLoading;
+    impl->http = std::make_unique<HttpServer>();
+    if (absl::Status started = impl->http->Start(http); !started.ok()) return started;
+  }
+  return std::unique_ptr<Frontend>(new Frontend(std::move(impl)));
+}
+
+absl::StatusOr<std::unique_ptr<Frontend>> Frontend::Start(runtime::Model& model, const FrontendOptions& options) {
+  auto frontend = Create(options);
+  if (!frontend.ok()) return frontend.status();
+  if (absl::Status s = (*frontend)->Serve(model); !s.ok()) return s;
+  return frontend;
+}
+
+absl::Status Frontend::Serve(runtime::Model& model) {
+  Impl& impl = *impl_;
+  const FrontendOptions& options = impl.options;
   auto engine = Engine::Start(model, options.scheduler);
   if (!engine.ok()) return engine.status();
-  impl->engine = std::move(*engine);
-  impl->service = std::make_unique<GenerationService>(*impl->engine, model.spec(), options.placement, *impl->log);
-  impl->reflection_v1 = std::make_unique<internal::ReflectionV1Service>(std::vector<std::string>{
+  impl.engine = std::move(*engine);
+  impl.service = std::make_unique<GenerationService>(*impl.engine, model.spec(), options.placement, *impl.log,
+                                                      options.api_keys.get());
+  impl.reflection_v1 = std::make_unique<internal::ReflectionV1Service>(std::vector<std::string>{
       kGenerationService, "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
       "grpc.reflection.v1alpha.ServerReflection"});
+  auto credentials = GrpcServerCredentials(options.tls);
+  if (!credentials.ok()) return credentials.status();
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   // No port sharing: a second server on a port in use must fail, not split the clients.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(options.max_request_bytes, INT32_MAX)));
-  builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &impl->port);
-  builder.RegisterService(impl->service.get());
-  builder.RegisterService(impl->reflection_v1.get());
-  impl->server = builder.BuildAndStart();
-  if (impl->server == nullptr || impl->port == 0) {
-    if (impl->server != nullptr) impl->server->Shutdown();
-    impl->engine->Stop();
+  builder.AddListeningPort(options.listen, *credentials, &impl.port);
+  builder.RegisterService(impl.service.get());
+  builder.RegisterService(impl.reflection_v1.get());
+  impl.server = builder.BuildAndStart();
+  if (impl.server == nullptr || impl.port == 0) {
+    if (impl.server != nullptr) impl.server->Shutdown();
+    impl.server.reset();
+    impl.engine->Stop();
     return absl::UnavailableError(
         absl::StrCat("cannot listen on ", options.listen, ": the address is in use or not available here"));
   }
-  grpc::HealthCheckServiceInterface* health = impl->server->GetHealthCheckService();
+  grpc::HealthCheckServiceInterface* health = impl.server->GetHealthCheckService();
   health->SetServingStatus(true);
   health->SetServingStatus(kGenerationService, true);
-  if (!options.http_listen.empty()) {
-    Engine* engine_ptr = impl->engine.get();
-    auto metrics = MetricsServer::Start(options.http_listen, [engine_ptr] { return engine_ptr->RenderMetrics(); });
-    if (!metrics.ok()) {
-      impl->server->Shutdown();
-      impl->engine->Stop();
-      return metrics.status();
-    }
-    impl->metrics = std::move(*metrics);
+  {
+    std::lock_guard<std::mutex> lock(impl.metrics_mu);
+    impl.metrics_engine = impl.engine.get();
   }
-  return std::unique_ptr<Frontend>(new Frontend(std::move(impl)));
+  if (impl.http != nullptr) impl.http->set_state(ServingState::kServing);
+  return absl::OkStatus();
 }
 
-int Frontend::http_port() const { return impl_->metrics != nullptr ? impl_->metrics->port() : 0; }
+int Frontend::http_port() const { return impl_->http != nullptr ? impl_->http->port() : 0; }
 
 int Frontend::port() const { return impl_->port; }
 Engine& Frontend::engine() { return *impl_->engine; }
 
 int Frontend::Drain(std::chrono::milliseconds grace) {
-  if (impl_ == nullptr || impl_->server == nullptr) return 0;
+  if (impl_ == nullptr) return 0;
+  if (impl_->http != nullptr) impl_->http->set_state(ServingState::kDraining);
+  if (impl_->server == nullptr) {
+    Shutdown();
+    return 0;
+  }
   grpc::HealthCheckServiceInterface* health = impl_->server->GetHealthCheckService();
   health->SetServingStatus(false);
   health->SetServingStatus(kGenerationService, false);
@@ -316,11 +383,16 @@ int Frontend::Drain(std::chrono::milliseconds grace) {
 }
 
 void Frontend::Shutdown() {
-  if (impl_ == nullptr || impl_->server == nullptr) return;
+  if (impl_ == nullptr) return;
+  {
+    std::lock_guard<std::mutex> lock(impl_->metrics_mu);
+    impl_->metrics_engine = nullptr;
+  }
+  if (impl_->http != nullptr) impl_->http->Stop();
+  if (impl_->server == nullptr) return;
   // The engine ends the live streams (UNAVAILABLE "server shutting down") and refuses new ones;
-  // then the servers stop, their handlers done; the engine goes last, as handlers hold it.
+  // then the server stops, its handlers done; the engine goes last, as handlers hold it.
   impl_->engine->Stop();
-  impl_->metrics.reset();
   impl_->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   impl_->server.reset();
   impl_->engine.reset();

@@ -1,15 +1,5 @@
 #include "moe/scheduler/metrics.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <poll.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
-#include <cerrno>
-#include <cstring>
-
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
@@ -87,69 +77,6 @@ std::string Metrics::Render(const SchedulerStats& stats) const {
   request_seconds.Render("moeserve_request_seconds", "Arrival to the end of a request.", &out);
   step_seconds.Render("moeserve_step_seconds", "Time of one scheduler step.", &out);
   return out;
-}
-
-absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(const std::string& listen,
-                                                                    std::function<std::string()> render) {
-  const size_t colon = listen.rfind(':');
-  int port = 0;
-  if (colon == std::string::npos || !absl::SimpleAtoi(listen.substr(colon + 1), &port) || port < 0 || port > 65535) {
-    return absl::InvalidArgumentError(absl::StrCat("metrics address '", listen, "' is not HOST:PORT"));
-  }
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  const std::string host = listen.substr(0, colon) == "localhost" ? "127.0.0.1" : listen.substr(0, colon);
-  if (inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) {
-    return absl::InvalidArgumentError(absl::StrCat("metrics address '", listen, "': host must be an IPv4 address"));
-  }
-  std::unique_ptr<MetricsServer> server(new MetricsServer());
-  server->fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  const int one = 1;
-  ::setsockopt(server->fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  if (server->fd_ < 0 || ::bind(server->fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      ::listen(server->fd_, 16) != 0) {
-    return absl::UnavailableError(absl::StrCat("metrics: cannot listen on ", listen, ": ", std::strerror(errno)));
-  }
-  socklen_t len = sizeof(addr);
-  ::getsockname(server->fd_, reinterpret_cast<sockaddr*>(&addr), &len);
-  server->port_ = ntohs(addr.sin_port);
-  server->render_ = std::move(render);
-  server->thread_ = std::thread([s = server.get()] { s->Loop(); });
-  return server;
-}
-
-MetricsServer::~MetricsServer() {
-  stop_ = true;
-  if (thread_.joinable()) thread_.join();
-  if (fd_ >= 0) ::close(fd_);
-}
-
-void MetricsServer::Loop() {
-  while (!stop_) {
-    pollfd p{fd_, POLLIN, 0};
-    if (::poll(&p, 1, 100) <= 0) continue;
-    const int client = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (client < 0) continue;
-    timeval tv{1, 0};
-    ::setsockopt(client, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-    char buf[4096];
-    const ssize_t n = ::recv(client, buf, sizeof(buf) - 1, 0);
-    std::string response;
-    if (n > 0 && std::string_view(buf, n).rfind("GET /metrics", 0) == 0) {
-      const std::string body = render_();
-      response = absl::StrCat("HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: ",
-                              body.size(), "\r\nConnection: close\r\n\r\n", body);
-    } else {
-      response = "HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
-    }
-    for (size_t sent = 0; sent < response.size();) {
-      const ssize_t w = ::send(client, response.data() + sent, response.size() - sent, MSG_NOSIGNAL);
-      if (w <= 0) break;
-      sent += static_cast<size_t>(w);
-    }
-    ::close(client);
-  }
 }
 
 }  // namespace moe::scheduler

@@ -12,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "moe/runtime/model.h"
 #include "moe/scheduler/engine.h"
+#include "moe/scheduler/security.h"
 
 namespace moe::scheduler {
 
@@ -20,21 +21,32 @@ struct FrontendOptions {
   SchedulerConfig scheduler;
   std::string placement;  // reported by GetModelInfo: where routed experts run
   std::string http_listen;  // HOST:PORT of the HTTP listener (/metrics, /health, /ready); "" for none
-  int64_t max_request_bytes = 4 << 20;  // larger gRPC messages are refused (RESOURCE_EXHAUSTED)
+  int64_t max_request_bytes = 4 << 20;  // larger gRPC messages and HTTP bodies are refused
   bool request_log = false;  // one JSON line per request on stderr
+  TlsFiles tls;  // PEM files for gRPC and HTTP; a client CA asks clients for certificates
+  // With keys, gRPC calls need `authorization: Bearer KEY` metadata and HTTP an Authorization
+  // header (UNAUTHENTICATED / 401 otherwise); health and metrics stay open unless protect_metrics.
+  std::shared_ptr<const ApiKeys> api_keys;
+  bool protect_metrics = false;
 };
 
 class Frontend {
  public:
-  // The model must outlive the frontend. kInvalidArgument for a malformed address or a port
-  // outside 0..65535; kUnavailable if an address cannot be bound (in use: no port sharing).
+  // Checks the options and starts the HTTP listener with /health answering 503 "loading", so a
+  // load balancer sees the process while the model loads. kInvalidArgument for a malformed
+  // address, a port outside 0..65535 or bad TLS files; kUnavailable if the address is in use.
+  static absl::StatusOr<std::unique_ptr<Frontend>> Create(const FrontendOptions& options);
+  // Starts the engine over `model` (which must outlive the frontend) and the gRPC server; health
+  // turns SERVING. Errors as Create.
+  absl::Status Serve(runtime::Model& model);
+  // Create, then Serve.
   static absl::StatusOr<std::unique_ptr<Frontend>> Start(runtime::Model& model, const FrontendOptions& options);
   ~Frontend();
 
   int port() const;
   int http_port() const;  // 0 without an HTTP listener
   int metrics_port() const { return http_port(); }
-  Engine& engine();
+  Engine& engine();  // after Serve
   // A graceful stop: health turns NOT_SERVING, new requests get UNAVAILABLE, the running ones
   // have `grace` to finish; then the rest end with UNAVAILABLE "server shutting down" and the
   // servers stop. Returns how many requests were cut off.

@@ -1,5 +1,5 @@
-// Serving metrics in the Prometheus text format, and a small HTTP endpoint that serves them
-// (GET /metrics). Counters and histograms are thread-safe.
+// Serving metrics in the Prometheus text format (HttpServer serves them at GET /metrics).
+// Counters and histograms are thread-safe.
 #pragma once
 
 #include <atomic>
@@ -48,25 +48,6 @@ struct Metrics {
  private:
   static constexpr int kCodes = 17;  // absl::StatusCode 0..16
   std::atomic<uint64_t> rejected_[kCodes] = {};
-};
-
-// Serves GET /metrics with what `render` returns; anything else gets 404.
-class MetricsServer {
- public:
-  // `listen` is HOST:PORT (port 0 picks one). kUnavailable if it cannot bind.
-  static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(const std::string& listen,
-                                                              std::function<std::string()> render);
-  ~MetricsServer();
-  int port() const { return port_; }
-
- private:
-  MetricsServer() = default;
-  void Loop();
-  int fd_ = -1;
-  int port_ = 0;
-  std::function<std::string()> render_;
-  std::atomic<bool> stop_{false};
-  std::thread thread_;
 };
 
 }  // namespace moe::scheduler

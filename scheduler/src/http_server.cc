@@ -1,0 +1,417 @@
+#include "moe/scheduler/http_server.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <openssl/err.h>
+#include <openssl/ssl.h>
+#include <sys/socket.h>
+
+#include <cerrno>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <iostream>
+#include <mutex>
+#include <regex>
+#include <system_error>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "moe/core/status.h"
+#include "nlohmann/json.hpp"
+
+namespace moe::scheduler {
+namespace {
+
+struct ListenAddress {
+  std::string host;  // as getaddrinfo takes it: no brackets
+  int port = 0;
+};
+
+absl::StatusOr<ListenAddress> ParseListenAddress(const std::string& listen) {
+  const auto bad = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(absl::StrCat("listen address '", listen, "': ", why));
+  };
+  std::string host;
+  absl::string_view port_text;
+  const absl::string_view text = listen;
+  if (!text.empty() && text.front() == '[') {
+    const size_t close = text.find(']');
+    if (close == absl::string_view::npos || close + 1 >= text.size() || text[close + 1] != ':') {
+      return bad("expected [IPV6]:PORT, as in [::1]:9090");
+    }
+    host = std::string(text.substr(1, close - 1));
+    port_text = text.substr(close + 2);
+    in6_addr v6{};
+    if (inet_pton(AF_INET6, host.c_str(), &v6) != 1) {
+      return bad(absl::StrCat("'", host, "' is not an IPv6 address"));
+    }
+  } else {
+    const size_t colon = text.rfind(':');
+    if (colon == absl::string_view::npos) return bad("expected HOST:PORT, as in 127.0.0.1:9090");
+    host = std::string(text.substr(0, colon));
+    port_text = text.substr(colon + 1);
+    if (host.find(':') != std::string::npos) return bad("an IPv6 address goes in brackets, as in [::1]:9090");
+    if (host == "localhost") host = "127.0.0.1";
+    in_addr v4{};
+    if (inet_pton(AF_INET, host.c_str(), &v4) != 1) {
+      return bad(absl::StrCat("host '", host, "' is not an IPv4 address, an [IPv6] address or localhost"));
+    }
+  }
+  int64_t port = -1;
+  const bool digits = !port_text.empty() && port_text.size() <= 10 &&
+                      std::all_of(port_text.begin(), port_text.end(), absl::ascii_isdigit);
+  if (!digits || !absl::SimpleAtoi(port_text, &port)) {
+    return bad(absl::StrCat("port '", port_text, "' is not a number"));
+  }
+  if (port > 65535) return bad(absl::StrCat("port ", port, " is out of range 0..65535"));
+  return ListenAddress{host, static_cast<int>(port)};
+}
+
+// Worker threads for connections: one per open connection, made as connections arrive (up to
+// `max_threads`) and kept for the next ones. httplib's own pool has a fixed size (8 threads on a
+// small machine), so a few idle keep-alive connections made every other client wait.
+class ConnectionThreads final : public httplib::TaskQueue {
+ public:
+  explicit ConnectionThreads(size_t max_threads) : max_threads_(max_threads) {}
+
+  void enqueue(std::function<void()> job) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    jobs_.push_back(std::move(job));
+    if (idle_ < jobs_.size() && threads_.size() < max_threads_) {
+      try {
+        threads_.emplace_back([this] { Work(); });
+      } catch (const std::system_error& e) {
+        // Out of threads: the job waits for a running one.
+        std::cerr << "http: cannot start a connection thread (" << e.what() << "); the connection waits\n";
+      }
+    }
+    cv_.notify_one();
+  }
+
+  // Runs the queued jobs (each sees the listener closed and ends quickly), then joins.
+  void shutdown() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      shutdown_ = true;
+    }
+    cv_.notify_all();
+    for (std::thread& t : threads_) t.join();
+  }
+
+ private:
+  void Work() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      ++idle_;
+      cv_.wait(lock, [this] { return !jobs_.empty() || shutdown_; });
+      --idle_;
+      if (jobs_.empty()) return;  // shut down, nothing left
+      std::function<void()> job = std::move(jobs_.front());
+      jobs_.pop_front();
+      lock.unlock();
+      job();
+      lock.lock();
+    }
+  }
+
+  const size_t max_threads_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> jobs_;  // guarded by mu_
+  std::vector<std::thread> threads_;        // guarded by mu_ until shutdown
+  size_t idle_ = 0;                         // threads waiting for a job; guarded by mu_
+  bool shutdown_ = false;                   // guarded by mu_
+};
+
+// SO_REUSEADDR (a restart binds while old connections sit in TIME_WAIT) but not httplib's default
+// SO_REUSEPORT, with which a second server on a port in use would bind and share its traffic.
+void ListenSocketOptions(socket_t sock) {
+  const int yes = 1;
+  ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+}
+
+int NoPassword(char* /*buf*/, int /*size*/, int /*rwflag*/, void* /*u*/) { return 0; }
+
+std::string OpenSslError() {
+  const unsigned long code = ERR_get_error();
+  ERR_clear_error();
+  if (code == 0) return "no detail from OpenSSL";
+  char buf[256];
+  ERR_error_string_n(code, buf, sizeof(buf));
+  return buf;
+}
+
+// Configures the server's TLS context from files CheckTlsFiles has accepted. TLS 1.2 at least;
+// with a client CA, a client without a certificate that CA signed fails the handshake.
+bool SetUpTls(SSL_CTX& ctx, const TlsFiles& tls, std::string* error) {
+  SSL_CTX_set_options(&ctx, SSL_OP_NO_COMPRESSION | SSL_OP_NO_SESSION_RESUMPTION_ON_RENEGOTIATION);
+  SSL_CTX_set_min_proto_version(&ctx, TLS1_2_VERSION);
+  SSL_CTX_set_default_passwd_cb(&ctx, NoPassword);
+  if (SSL_CTX_use_certificate_chain_file(&ctx, tls.cert_file.c_str()) != 1) {
+    *error = absl::StrCat("TLS certificate file ", tls.cert_file, ": ", OpenSslError());
+    return false;
+  }
+  if (SSL_CTX_use_PrivateKey_file(&ctx, tls.key_file.c_str(), SSL_FILETYPE_PEM) != 1 ||
+      SSL_CTX_check_private_key(&ctx) != 1) {
+    *error = absl::StrCat("TLS key file ", tls.key_file, ": ", OpenSslError());
+    return false;
+  }
+  if (!tls.client_ca_file.empty()) {
+    if (SSL_CTX_load_verify_locations(&ctx, tls.client_ca_file.c_str(), nullptr) != 1) {
+      *error = absl::StrCat("TLS client CA file ", tls.client_ca_file, ": ", OpenSslError());
+      return false;
+    }
+    // Tells clients which CA to pick a certificate for.
+    SSL_CTX_set_client_CA_list(&ctx, SSL_load_client_CA_file(tls.client_ca_file.c_str()));
+    SSL_CTX_set_verify(&ctx, SSL_VERIFY_PEER | SSL_VERIFY_FAIL_IF_NO_PEER_CERT, nullptr);
+  }
+  return true;
+}
+
+bool IsOpsPath(const std::string& path) { return path == "/metrics" || path == "/health" || path == "/ready"; }
+
+std::string BindErrorText(int err) {
+  switch (err) {
+    case EADDRINUSE:
+      return "address already in use";
+    case EACCES:
+      return "permission denied (ports below 1024 need privileges)";
+    case EADDRNOTAVAIL:
+      return "no such address on this machine";
+    case 0:
+      return "bind failed";
+    default:
+      return absl::AsciiStrToLower(std::strerror(err));
+  }
+}
+
+}  // namespace
+
+void SetJsonError(httplib::Response& response, int status, std::string_view message, std::string_view type) {
+  const nlohmann::json body = {
+      {"error", {{"message", std::string(message)}, {"type", std::string(type)}, {"code", status}}}};
+  response.status = status;
+  response.set_content(body.dump(), "application/json");
+}
+
+HttpServer::HttpServer() = default;
+
+HttpServer::~HttpServer() { Stop(); }
+
+absl::Status HttpServer::Handle(std::string_view method_view, const std::string& pattern, Handler handler) {
+  const std::string method(method_view);
+  if (server_ != nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("HTTP route ", method, " ", pattern, ": routes are added before Start"));
+  }
+  static const char* const kMethods[] = {"GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"};
+  if (std::find(std::begin(kMethods), std::end(kMethods), method) == std::end(kMethods)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("HTTP route ", method, " ", pattern, ": method must be GET, POST, PUT, PATCH, DELETE or OPTIONS"));
+  }
+  try {
+    std::regex check(pattern);
+  } catch (const std::regex_error& e) {
+    return absl::InvalidArgumentError(absl::StrCat("HTTP route ", method, " ", pattern, ": bad regex: ", e.what()));
+  }
+  routes_.push_back(Route{method, pattern, std::move(handler)});
+  return absl::OkStatus();
+}
+
+bool HttpServer::Authorized(const httplib::Request& request) const {
+  if (options_.api_keys == nullptr || options_.api_keys->empty()) return true;
+  if (!options_.protect_metrics && IsOpsPath(request.path)) return true;
+  return options_.api_keys->AcceptsAuthorization(request.get_header_value("Authorization"));
+}
+
+HttpServer::Handler HttpServer::Guarded(Handler handler) const {
+  return [this, handler = std::move(handler)](const httplib::Request& request, httplib::Response& response) {
+    if (!Authorized(request)) {
+      const bool missing = !request.has_header("Authorization");
+      SetJsonError(response, 401,
+                   missing ? "missing API key: send the header 'Authorization: Bearer KEY'"
+                           : "invalid API key in the Authorization header",
+                   "authentication_error");
+      response.set_header("WWW-Authenticate", "Bearer");
+      return;
+    }
+    handler(request, response);
+  };
+}
+
+void HttpServer::AddBuiltinRoutes() {
+  const auto state_route = [this](const char* ok_body) {
+    return Guarded([this, ok_body](const httplib::Request&, httplib::Response& response) {
+      switch (state()) {
+        case ServingState::kServing:
+          response.set_content(ok_body, "text/plain");
+          return;
+        case ServingState::kLoading:
+          response.status = 503;
+          response.set_content("loading\n", "text/plain");
+          return;
+        case ServingState::kDraining:
+          response.status = 503;
+          response.set_content("draining\n", "text/plain");
+          return;
+      }
+    });
+  };
+  server_->Get("/health", state_route("ok\n"));
+  server_->Get("/ready", state_route("ready\n"));
+  if (options_.render_metrics) {
+    server_->Get("/metrics", Guarded([this](const httplib::Request&, httplib::Response& response) {
+                   response.set_content(options_.render_metrics(), "text/plain; version=0.0.4; charset=utf-8");
+                 }));
+  }
+}
+
+// Gives the errors httplib answers by itself (bad request, no route, body too large) a JSON body;
+// an unknown path asked for without a valid key gets 401, so paths cannot be probed without one.
+void HttpServer::OnError(const httplib::Request& request, httplib::Response& response) const {
+  if (!response.body.empty()) return;  // a handler's own answer
+  switch (response.status) {
+    case 404:
+      if (!Authorized(request)) {
+        SetJsonError(response, 401, "missing or invalid API key: send the header 'Authorization: Bearer KEY'",
+                     "authentication_error");
+        response.set_header("WWW-Authenticate", "Bearer");
+      } else {
+        SetJsonError(response, 404, absl::StrCat("no route for ", request.method, " ", request.path),
+                     "invalid_request_error");
+      }
+      return;
+    case 413:
+      SetJsonError(
+          response, 413,
+          absl::StrCat("request body is larger than this server's limit of ", options_.max_request_bytes, " bytes"),
+          "invalid_request_error");
+      return;
+    case 400:
+      SetJsonError(response, 400, "malformed HTTP request", "invalid_request_error");
+      return;
+    default:
+      SetJsonError(response, response.status, absl::StrCat("HTTP error ", response.status), "invalid_request_error");
+      return;
+  }
+}
+
+absl::Status HttpServer::Start(const HttpServerOptions& options) {
+  if (server_ != nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat("HTTP server already listening on port ", port()));
+  }
+  MOE_ASSIGN_OR_RETURN(const ListenAddress address, ParseListenAddress(options.listen));
+  if (options.max_connections == 0 || options.max_requests_per_connection == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("HTTP server on ", options.listen,
+                                                   ": max_connections and max_requests_per_connection must be > 0"));
+  }
+  if (options.read_timeout.count() <= 0 || options.write_timeout.count() <= 0 ||
+      options.keep_alive_timeout.count() <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("HTTP server on ", options.listen, ": read, write and keep-alive timeouts must be > 0"));
+  }
+  MOE_RETURN_IF_ERROR(CheckTlsFiles(options.tls));
+  options_ = options;
+  state_.store(options.initial_state);
+
+  if (options_.tls.enabled()) {
+    std::string error;
+    auto tls_server =
+        std::make_unique<httplib::SSLServer>([&](SSL_CTX& ctx) { return SetUpTls(ctx, options_.tls, &error); });
+    if (!tls_server->is_valid()) {
+      return absl::InvalidArgumentError(absl::StrCat("HTTP server on ", options.listen,
+                                                     ": TLS setup failed: ", error.empty() ? OpenSslError() : error));
+    }
+    server_ = std::move(tls_server);
+  } else {
+    server_ = std::make_unique<httplib::Server>();
+  }
+  httplib::Server& server = *server_;
+  // httplib creates the listening socket inside bind_to_port; the socket-options hook is the one
+  // place its descriptor shows, and it is needed below to lengthen the accept queue.
+  socket_t listen_socket = INVALID_SOCKET;
+  server.set_socket_options([&listen_socket](socket_t sock) {
+    ListenSocketOptions(sock);
+    listen_socket = sock;
+  });
+  server.set_tcp_nodelay(true);
+  server.set_read_timeout(options_.read_timeout);
+  server.set_write_timeout(options_.write_timeout);
+  server.set_keep_alive_timeout(options_.keep_alive_timeout.count());
+  server.set_keep_alive_max_count(options_.max_requests_per_connection);
+  server.set_payload_max_length(options_.max_request_bytes);
+  // httplib owns and deletes the queue it gets from this factory.
+  const size_t max_connections = options_.max_connections;
+  server.new_task_queue = [max_connections] { return new ConnectionThreads(max_connections); };
+  server.set_error_handler(
+      httplib::Server::HandlerWithResponse([this](const httplib::Request& request, httplib::Response& response) {
+        OnError(request, response);
+        return httplib::Server::HandlerResponse::Handled;
+      }));
+  server.set_exception_handler(
+      [](const httplib::Request& request, httplib::Response& response, std::exception_ptr error) {
+        std::string what = "unknown exception";
+        try {
+          std::rethrow_exception(error);
+        } catch (const std::exception& e) {
+          what = e.what();
+        } catch (...) {
+        }
+        std::cerr << "http: " << request.method << " " << request.path << " failed: " << what << "\n";
+        SetJsonError(response, 500, "internal error while serving the request", "server_error");
+      });
+  AddBuiltinRoutes();
+  for (Route& route : routes_) {
+    Handler guarded = Guarded(std::move(route.handler));
+    if (route.method == "GET") server.Get(route.pattern, std::move(guarded));
+    if (route.method == "POST") server.Post(route.pattern, std::move(guarded));
+    if (route.method == "PUT") server.Put(route.pattern, std::move(guarded));
+    if (route.method == "PATCH") server.Patch(route.pattern, std::move(guarded));
+    if (route.method == "DELETE") server.Delete(route.pattern, std::move(guarded));
+    if (route.method == "OPTIONS") server.Options(route.pattern, std::move(guarded));
+  }
+  routes_.clear();
+
+  errno = 0;
+  int bound = address.port;
+  if (address.port == 0) {
+    bound = server.bind_to_any_port(address.host);
+  } else if (!server.bind_to_port(address.host, address.port)) {
+    bound = -1;
+  }
+  if (bound < 0) {
+    const int err = errno;
+    server_.reset();
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen, ": ", BindErrorText(err)));
+  }
+  port_.store(bound);
+  // libcpp-httplib is built with a backlog of 5: a burst of connections beyond that waits for
+  // the client's SYN retry (1 s, then 3 s). Listening again on the bound socket only changes
+  // the backlog.
+  if (listen_socket != INVALID_SOCKET) ::listen(listen_socket, SOMAXCONN);
+
+  // httplib's stop() acts only once the accept loop runs, so Start waits for it: a Stop() right
+  // after Start() then always closes the socket.
+  auto listener_done = std::make_shared<std::atomic<bool>>(false);
+  listener_ = std::thread([this, listener_done, listen = options.listen] {
+    if (!server_->listen_after_bind() && port_.load() != 0) {
+      std::cerr << "http: the listener on " << listen << " stopped: accept failed\n";
+    }
+    listener_done->store(true);
+  });
+  while (!server.is_running() && !listener_done->load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  return absl::OkStatus();
+}
+
+void HttpServer::Stop() {
+  if (server_ == nullptr) return;
+  port_.store(0);
+  server_->stop();
+  if (listener_.joinable()) listener_.join();
+  server_.reset();
+}
+
+}  // namespace moe::scheduler
