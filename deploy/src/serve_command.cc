@@ -31,6 +31,8 @@ struct ServeFlags {
   int64_t kv_cache_mb = 1024, max_request_bytes = 4 << 20;
   int drain_seconds = 10;
   bool no_request_log = false;
+  std::string tls_cert, tls_key, tls_client_ca, api_key_file;
+  bool api_key_protect_metrics = false;
   ExpertFlags experts;
 };
 
@@ -102,15 +104,33 @@ int RunServe(const ServeFlags& flags) {
   WarnIfMoreThreadsThanCores(flags.threads, "threads", "serve");
   if (absl::Status s = flags.experts.Apply(&model_options, "serve"); !s.ok()) return Fail(s, 2);
 
-  auto model = runtime::Model::Load(flags.model, model_options);
-  if (!model.ok()) return Fail(model.status(), 1);
-  const runtime::ModelSpec& spec = (*model)->spec();
-
   scheduler::FrontendOptions options;
   options.listen = flags.listen;
   options.http_listen = flags.http == "off" ? "" : flags.http;
   options.max_request_bytes = flags.max_request_bytes;
   options.request_log = !flags.no_request_log;
+  options.tls = {flags.tls_cert, flags.tls_key, flags.tls_client_ca};
+  if (!flags.api_key_file.empty()) {
+    auto keys = scheduler::ApiKeys::Load(flags.api_key_file);
+    if (!keys.ok()) return Fail(keys.status(), 2);
+    options.api_keys = std::make_shared<const scheduler::ApiKeys>(std::move(*keys));
+    std::cerr << "moeserve serve: " << options.api_keys->size() << " API keys from " << flags.api_key_file << "\n";
+  } else if (flags.api_key_protect_metrics) {
+    return Fail(absl::InvalidArgumentError("--api-key-protect-metrics needs --api-key-file"), 2);
+  }
+  options.protect_metrics = flags.api_key_protect_metrics;
+
+  // The HTTP listener first, so that /health answers 503 "loading" while the model loads.
+  auto frontend = scheduler::Frontend::Create(options);
+  if (!frontend.ok()) return Fail(frontend.status(), frontend.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1);
+  if ((*frontend)->http_port() != 0) {
+    std::cerr << "moeserve serve: HTTP on port " << (*frontend)->http_port() << " (/metrics, /health, /ready)"
+              << (options.tls.enabled() ? " over TLS" : "") << "\n";
+  }
+  auto model = runtime::Model::Load(flags.model, model_options);
+  if (!model.ok()) return Fail(model.status(), 1);
+  const runtime::ModelSpec& spec = (*model)->spec();
+
   scheduler::SchedulerConfig& sc = options.scheduler;
   sc.max_seqs = flags.max_seqs;
   sc.max_queue = flags.max_queue;
@@ -118,15 +138,12 @@ int RunServe(const ServeFlags& flags) {
   if (absl::Status s = PlanKvCache(flags, spec, &sc); !s.ok()) return Fail(s, 2);
   options.placement = (*model)->expert_pool() != nullptr ? (*model)->expert_pool()->Describe() : "reference path";
 
-  auto frontend = scheduler::Frontend::Start(**model, options);
-  if (!frontend.ok()) return Fail(frontend.status(), 1);
+  (*frontend)->set_scheduler(sc, options.placement);
+  if (absl::Status s = (*frontend)->Serve(**model); !s.ok()) return Fail(s, 1);
   std::cerr << absl::StrFormat(
       "moeserve serve: %s\nmoeserve serve: %s; KV cache %d blocks of %d positions; context %d\n", spec.Summary(),
       options.placement, sc.num_blocks, sc.block_size, sc.context);
   std::cout << "serving on port " << (*frontend)->port() << std::endl;
-  if ((*frontend)->http_port() != 0) {
-    std::cerr << "moeserve serve: HTTP on port " << (*frontend)->http_port() << " (/metrics, /health, /ready)\n";
-  }
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
   while (!g_stop.load()) std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -187,6 +204,15 @@ void AddServeCommand(CLI::App& root, CommandRun* selected) {
   app->add_option("--threads", f->threads, "CPU threads for the backend; 0 uses every core")
       ->check(IntIn(0, 4096))
       ->capture_default_str();
+  app->add_option("--tls-cert", f->tls_cert, "PEM certificate (chain) of the server: gRPC and HTTP serve TLS");
+  app->add_option("--tls-key", f->tls_key, "PEM private key of --tls-cert (unencrypted)");
+  app->add_option("--tls-client-ca", f->tls_client_ca,
+                  "PEM CA certificate: clients must present a certificate it signed (mutual TLS)");
+  app->add_option("--api-key-file", f->api_key_file,
+                  "file of API keys, one per line: gRPC calls need 'authorization: Bearer KEY' metadata and HTTP an "
+                  "'Authorization: Bearer KEY' header; keys are never logged");
+  app->add_flag("--api-key-protect-metrics", f->api_key_protect_metrics,
+                "ask for an API key on /metrics, /health and /ready too (they are open by default)");
   f->experts.Add(app);
 }
 

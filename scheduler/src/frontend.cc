@@ -315,6 +315,11 @@ absl::StatusOr<std::unique_ptr<Frontend>> Frontend::Start(runtime::Model& model,
   return frontend;
 }
 
+void Frontend::set_scheduler(const SchedulerConfig& scheduler, std::string placement) {
+  impl_->options.scheduler = scheduler;
+  impl_->options.placement = std::move(placement);
+}
+
 absl::Status Frontend::Serve(runtime::Model& model) {
   Impl& impl = *impl_;
   const FrontendOptions& options = impl.options;

@@ -39,6 +39,9 @@ class Frontend {
   // Starts the engine over `model` (which must outlive the frontend) and the gRPC server; health
   // turns SERVING. Errors as Create.
   absl::Status Serve(runtime::Model& model);
+  // Before Serve: the scheduler's settings and the placement, when they depend on the model
+  // (loaded after Create, so that /health reports the load).
+  void set_scheduler(const SchedulerConfig& scheduler, std::string placement);
   // Create, then Serve.
   static absl::StatusOr<std::unique_ptr<Frontend>> Start(runtime::Model& model, const FrontendOptions& options);
   ~Frontend();
