@@ -159,7 +159,7 @@ absl::StatusOr<Architecture> ArchitectureFromType(const std::string& model_type,
   if (model_type == "qwen2_moe") return Architecture::kQwen2Moe;
   if (model_type == "mixtral") return Architecture::kMixtral;
   if (model_type == "glm4_moe") return Architecture::kGlm4Moe;
-  const std::string shown = model_type.size() > 60 ? model_type.substr(0, 60) + "..." : model_type;
+  const std::string shown = model_type.size() > 60 ? absl::StrCat(model_type.substr(0, 60), "...") : model_type;
   return absl::InvalidArgumentError(absl::StrCat(
       source, ": model_type '", shown, "' is not supported; supported: ", absl::StrJoin(SupportedModelTypes(), ", ")));
 }
