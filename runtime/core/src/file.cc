@@ -49,7 +49,7 @@ absl::Status OpenError(const std::string& path, int err) {
   if (err == ENOENT) return absl::NotFoundError(absl::StrCat(path, ": no such file"));
   if (err == ELOOP) {
     return absl::InvalidArgumentError(
-        absl::StrCat(path, " is a symbolic link loop (a link that points back to itself); replace it with the file"));
+        absl::StrCat(path, " is a symbolic link loop (its links lead back to themselves); point it at the real file"));
   }
   return absl::InvalidArgumentError(absl::StrCat(path, ": cannot open: ", std::strerror(err)));
 }
