@@ -248,7 +248,7 @@ absl::Status ReadExperts(const ConfigReader& c, ModelSpec& s) {
       MOE_ASSIGN_OR_RETURN(int step, c.Int({"decoder_sparse_step"}, 1, 1, s.num_layers, layers));
       MOE_ASSIGN_OR_RETURN(std::vector<int> mlp_only,
                            c.IntList("mlp_only_layers", 0, s.num_layers - 1,
-                                     absl::StrCat(s.num_layers - 1, ", the last of num_hidden_layers=", s.num_layers)));
+                                     absl::StrCat(s.num_layers - 1, " (num_hidden_layers=", s.num_layers, ")")));
       for (int l = 0; l < s.num_layers; ++l) {
         bool dense = std::find(mlp_only.begin(), mlp_only.end(), l) != mlp_only.end();
         s.layer_is_moe[l] = !dense && (l + 1) % step == 0;
@@ -298,7 +298,7 @@ absl::Status ReadExperts(const ConfigReader& c, ModelSpec& s) {
 
 // Special token ids: each must name a row of the embedding.
 absl::Status ReadTokenIds(const ConfigReader& c, ModelSpec& s) {
-  const std::string vocab = absl::StrCat(s.vocab_size - 1, ", the last id of vocab_size=", s.vocab_size);
+  const std::string vocab = absl::StrCat(s.vocab_size - 1, " (vocab_size=", s.vocab_size, ")");
   MOE_ASSIGN_OR_RETURN(s.eos_token_ids, c.IntList("eos_token_id", 0, s.vocab_size - 1, vocab));
   for (const char* key : {"bos_token_id", "pad_token_id"}) {
     if (c.Has({key})) MOE_RETURN_IF_ERROR(c.Int({key}, 0, s.vocab_size - 1, vocab).status());

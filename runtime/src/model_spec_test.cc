@@ -339,8 +339,7 @@ TEST(ModelSpecTest, LayerListsMustNameExistingLayers) {
   Json j = Qwen3Config();  // 3 layers
   j["mlp_only_layers"] = Json::array({0, 3});
   EXPECT_THAT(Parse(j).status().message(),
-              HasSubstr("mlp_only_layers[1]=3 is out of range: must be between 0 and 2, the last of "
-                        "num_hidden_layers=3"));
+              HasSubstr("mlp_only_layers[1]=3 is out of range: must be between 0 and 2 (num_hidden_layers=3)"));
   j["mlp_only_layers"] = Json::array({-1});
   EXPECT_THAT(Parse(j).status().message(), HasSubstr("mlp_only_layers[0]=-1 is out of range"));
   j["mlp_only_layers"] = Json::array();
@@ -356,9 +355,7 @@ TEST(ModelSpecTest, TokenIdsMustBeInTheVocabulary) {
     const char* message;
   };
   for (const Case& c : {
-           Case{"eos_token_id", 1000,
-                "eos_token_id=1000 is out of range: must be between 0 and 999, the last id of "
-                "vocab_size=1000"},
+           Case{"eos_token_id", 1000, "eos_token_id=1000 is out of range: must be between 0 and 999 (vocab_size=1000)"},
            Case{"eos_token_id", Json::array({7, -1}), "eos_token_id[1]=-1 is out of range"},
            Case{"eos_token_id", "x", "eos_token_id must be a list of integers, found \"x\""},
            Case{"bos_token_id", 5000, "bos_token_id=5000 is out of range"},
