@@ -4,6 +4,7 @@
 // QK-norm, attention bias) are plain fields so that the forward is written once.
 #pragma once
 
+#include <cstddef>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -52,8 +53,8 @@ struct ModelSpec {
   int max_position_embeddings = 0;
   bool tie_word_embeddings = false;
 
-  int intermediate_size = 0;      // FFN width of dense layers
-  int moe_intermediate_size = 0;  // FFN width of one routed expert
+  int intermediate_size = 0;       // FFN width of dense layers
+  int moe_intermediate_size = 0;   // FFN width of one routed expert
   std::vector<bool> layer_is_moe;  // per layer: routed experts (true) or a dense FFN
   RoutingSpec routing;
   int shared_expert_intermediate_size = 0;  // 0: no shared expert
@@ -67,12 +68,22 @@ struct ModelSpec {
   std::string Summary() const;
 };
 
+// The largest config.json read; real ones are a few KiB.
+inline constexpr size_t kMaxConfigBytes = size_t{4} << 20;
+
 // Parses and checks a config.json text. `source` names the file in error messages.
-// kInvalidArgument for malformed JSON, a missing or impossible value, or an unsupported
-// model_type (the message lists the supported ones).
+// kInvalidArgument for malformed JSON (with the line and column), a missing value, a value of
+// the wrong type, or an impossible one, and for an unsupported model_type (the message lists the
+// supported ones). Every integer is range-checked before it is narrowed or anything is sized from
+// it: num_hidden_layers 1..1024, hidden_size 1..65536, heads 1..1024, head_dim 2..1024 (even),
+// experts 1..4096, top-k 1..experts, intermediate sizes 1..2^20, vocab_size and
+// max_position_embeddings 1..2^24, layer lists within the layers, token ids within the
+// vocabulary. Floats must be finite in fp32: rope_theta in [1, 1e12], rms_norm_eps and
+// partial_rotary_factor in (0, 1], routed_scaling_factor in (0, 1000].
 absl::StatusOr<ModelSpec> ParseModelSpec(std::string_view config_json, std::string_view source);
 
-// Reads `<model_dir>/config.json`.
+// Reads `<model_dir>/config.json`: kNotFound when it is missing, kInvalidArgument when it is not
+// a regular file (a device, fifo, directory or symbolic link loop) or is over kMaxConfigBytes.
 absl::StatusOr<ModelSpec> LoadModelSpec(const std::string& model_dir);
 
 }  // namespace moe::runtime

@@ -25,9 +25,15 @@ class WeightSource {
 };
 
 // Opens the safetensors checkpoint in `model_dir`. Errors (kInvalidArgument, or kNotFound when no
-// weights file exists) name the file and, for a bad entry, the tensor: a header that runs past the
-// end of the file or is not JSON, an unknown dtype, offsets that do not match the shape, or a
-// tensor whose bytes lie past the end of a truncated file.
+// weights file exists) name the file and, for a bad entry, the tensor: a header length over the
+// format's 100 MiB cap or past the end of the file, a header that is not JSON (with line and
+// column), an unknown dtype, a shape whose byte count overflows, offsets that end before they
+// begin or do not match the shape, or a tensor whose bytes lie past the end of a truncated file.
+// model.safetensors.index.json is read only as a regular file of at most 64 MiB, and each of its
+// shard names must be a relative path without '..' components; the shard files themselves may be
+// symbolic links to anywhere (the Hugging Face cache links snapshots to ../../blobs/). A symbolic
+// link loop or a path that is not a regular file (fifo, device, directory) is kInvalidArgument
+// naming the path; nothing here throws.
 absl::StatusOr<std::unique_ptr<WeightSource>> OpenSafetensors(const std::string& model_dir);
 
 // Checks one file's header and data layout; used by OpenSafetensors and by tools.

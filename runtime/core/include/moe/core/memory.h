@@ -40,7 +40,8 @@ class AlignedBuffer {
 class MappedFile {
  public:
   MappedFile() = default;
-  // kNotFound if the file does not exist; kInvalidArgument if it is not a regular file.
+  // kNotFound if the file does not exist; kInvalidArgument if it is not a regular file (a fifo is
+  // refused without waiting for a writer) or is a symbolic link loop.
   static absl::StatusOr<MappedFile> Open(const std::string& path);
   MappedFile(MappedFile&& other) noexcept;
   MappedFile& operator=(MappedFile&& other) noexcept;
