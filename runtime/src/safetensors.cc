@@ -83,7 +83,8 @@ absl::Status SafetensorsSource::AddFile(const std::string& path, const std::vect
     if (only_names != nullptr && std::find(only_names->begin(), only_names->end(), name) == only_names->end()) {
       continue;  // the index assigns this tensor to another shard
     }
-    auto where = [&](const std::string& what) { return bad(absl::StrCat("tensor ", name, ": ", what)); };
+    // An init-capture: clang 14 (scripts/fuzz.sh) cannot capture a structured binding itself.
+    auto where = [&, &name = name](const std::string& what) { return bad(absl::StrCat("tensor ", name, ": ", what)); };
     if (!info.is_object() || !info.contains("dtype") || !info.contains("shape") || !info.contains("data_offsets")) {
       return where("bad header entry (needs dtype, shape, data_offsets)");
     }
