@@ -35,7 +35,7 @@ run_target() {
   rm -rf "$dir"
   mkdir -p "$dir/corpus" "$dir/tmp" "$out/findings/$t"
   cp fuzz/corpus/"$t"/* "$dir/corpus/"
-  if [[ -d fuzz/regressions/$t ]]; then find "fuzz/regressions/$t" -type f -exec cp {} "$dir/corpus/" \;; fi
+  if [[ -d fuzz/regressions/$t ]]; then find "fuzz/regressions/$t" -maxdepth 1 -type f -exec cp {} "$dir/corpus/" \;; fi
   local dict=()
   [[ -f fuzz/dicts/$t.dict ]] && dict=("-dict=fuzz/dicts/$t.dict")
   local start=$SECONDS rc=0
