@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
-# Installs, builds and runs every test (GPU tests skip where no GPU is visible).
+# Installs, builds and runs every test (GPU tests skip where no GPU is visible), then builds the
+# fuzz targets with clang and runs each for FUZZ_SECONDS (default 60; FUZZ_SECONDS=0 skips them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/build.sh
 ctest --test-dir build --output-on-failure -j"$(nproc)"
+if [[ "${FUZZ_SECONDS:-60}" != 0 ]]; then
+  ./scripts/fuzz.sh
+fi

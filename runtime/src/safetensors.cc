@@ -107,7 +107,8 @@ absl::Status SafetensorsSource::AddFile(const std::string& path, const std::set<
   for (const auto& [name, info] : header.items()) {
     if (name == "__metadata__") continue;
     if (only_names != nullptr && only_names->count(name) == 0) continue;  // the index puts it in another shard
-    auto where = [&](const std::string& what) { return bad(absl::StrCat("tensor ", name, ": ", what)); };
+    // An init-capture: clang 14 (scripts/fuzz.sh) cannot capture a structured binding itself.
+    auto where = [&, &name = name](const std::string& what) { return bad(absl::StrCat("tensor ", name, ": ", what)); };
     if (!info.is_object() || !info.contains("dtype") || !info.contains("shape") || !info.contains("data_offsets")) {
       return where("bad header entry (needs dtype, shape, data_offsets)");
     }
