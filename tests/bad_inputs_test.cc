@@ -9,6 +9,8 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <fstream>
+#include <sys/wait.h>
 #include <filesystem>
 #include <thread>
 
@@ -18,6 +20,7 @@
 #include "moeserve/v1/generation.grpc.pb.h"
 #include "nlohmann/json.hpp"
 #include "test_util.h"
+#include "../scheduler/src/test_pki.h"
 
 namespace moe {
 namespace {
@@ -268,6 +271,105 @@ TEST(NonFiniteLogitsTest, ServeFailsTheRequestAndFreesItsBlocks) {
   }
   EXPECT_EQ(serve.Stop(SIGTERM), 0);
   EXPECT_THAT(serve.err(), HasSubstr("0 requests cut off"));
+}
+
+}  // namespace
+}  // namespace moe
+
+namespace moe {
+namespace {
+
+// The Python example client, as a user runs it against `serve`; its output and exit code.
+testing::CommandResult RunPythonClient(int port, const std::string& extra) {
+  const std::string cmd = "PYTHONPATH=" + std::string(MOE_BINARY_DIR) + "/python /usr/bin/python3 " +
+                          std::string(MOE_SOURCE_DIR) + "/examples/stream_client.py --target localhost:" +
+                          std::to_string(port) + " --prompt-ids 5,6,7 --max-new-tokens 4 " + extra + " 2>&1";
+  testing::CommandResult r;
+  if (FILE* p = ::popen(cmd.c_str(), "r")) {
+    char buf[512];
+    for (size_t n; (n = std::fread(buf, 1, sizeof(buf), p)) > 0;) r.out.append(buf, n);
+    const int status = ::pclose(p);
+    r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  }
+  return r;
+}
+
+std::string Curl(const std::string& args) {
+  std::string out;
+  if (FILE* p = ::popen(("curl -sS --max-time 10 " + args + " 2>&1; echo \" curl=$?\"").c_str(), "r")) {
+    char buf[512];
+    for (size_t n; (n = std::fread(buf, 1, sizeof(buf), p)) > 0;) out.append(buf, n);
+    ::pclose(p);
+  }
+  return out;
+}
+
+TEST(SecureServeTest, TlsAndApiKeysForTheGrpcClientAndHttps) {
+  scheduler::internal::TestPki pki;
+  ASSERT_TRUE(pki.ok()) << "openssl failed in " << pki.dir();
+  testing::ScratchDir dir;
+  std::ofstream(dir / "keys") << "# one key per line\nsecret-key-1\n";
+  testing::ServeProcess serve({"--model", testing::FixtureDir("qwen3_moe"), "--listen", "127.0.0.1:0", "--http",
+                               "127.0.0.1:0", "--tls-cert", pki.Path("server.pem"), "--tls-key",
+                               pki.Path("server.key"), "--api-key-file", dir / "keys", "--threads", "1",
+                               "--expert-threads", "1"});
+  ASSERT_GT(serve.port(), 0) << serve.err();
+  const std::string ca = " --ca-cert " + pki.Path("ca.pem");
+  auto r = RunPythonClient(serve.port(), ca + " --api-key secret-key-1");
+  EXPECT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_THAT(r.out, AllOf(HasSubstr("tokens:"), HasSubstr("finished: FINISH_REASON_LENGTH, 4 tokens")));
+  r = RunPythonClient(serve.port(), ca);  // no key
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.out, HasSubstr("UNAUTHENTICATED: missing API key"));
+  r = RunPythonClient(serve.port(), ca + " --api-key wrong");
+  EXPECT_THAT(r.out, HasSubstr("UNAUTHENTICATED: invalid API key"));
+  EXPECT_THAT(serve.err(), Not(HasSubstr("secret-key-1")));  // keys are never logged
+
+  // HTTPS: /metrics open (no --api-key-protect-metrics), read with the CA; it counts the rejections.
+  const std::string http_port = serve.err().substr(serve.err().find("HTTP on port ") + 13);
+  const std::string url = "https://localhost:" + std::to_string(std::atoi(http_port.c_str())) + "/metrics";
+  const std::string metrics = Curl("--cacert " + pki.Path("ca.pem") + " " + url);
+  EXPECT_THAT(metrics, HasSubstr("moeserve_requests_rejected_total{code=\"UNAUTHENTICATED\"} 2"));
+  EXPECT_THAT(metrics, HasSubstr("curl=0"));
+  EXPECT_THAT(Curl(url), Not(HasSubstr("curl=0")));  // an unknown CA is refused
+  EXPECT_EQ(serve.Stop(SIGTERM), 0);
+}
+
+TEST(SecureServeTest, MutualTlsNeedsAClientCertificateFromTheCa) {
+  scheduler::internal::TestPki pki;
+  ASSERT_TRUE(pki.ok()) << "openssl failed in " << pki.dir();
+  testing::ServeProcess serve({"--model", testing::FixtureDir("qwen3_moe"), "--listen", "127.0.0.1:0", "--http",
+                               "off", "--tls-cert", pki.Path("server.pem"), "--tls-key", pki.Path("server.key"),
+                               "--tls-client-ca", pki.Path("ca.pem"), "--threads", "1", "--expert-threads", "1"});
+  ASSERT_GT(serve.port(), 0) << serve.err();
+  const std::string ca = " --ca-cert " + pki.Path("ca.pem");
+  auto r = RunPythonClient(serve.port(),
+                           ca + " --client-cert " + pki.Path("client.pem") + " --client-key " + pki.Path("client.key"));
+  EXPECT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_THAT(r.out, HasSubstr("finished: FINISH_REASON_LENGTH, 4 tokens"));
+  r = RunPythonClient(serve.port(), ca);  // no client certificate
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.out, HasSubstr("UNAVAILABLE"));
+  r = RunPythonClient(serve.port(), ca + " --client-cert " + pki.Path("stranger.pem") + " --client-key " +
+                                        pki.Path("stranger.key"));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(serve.Stop(SIGTERM), 0);
+}
+
+TEST(SecureServeTest, BadTlsAndKeyFilesAreUsageErrors) {
+  testing::ScratchDir dir;
+  std::ofstream(dir / "empty-keys") << "# nothing\n";
+  const std::string model = testing::FixtureDir("qwen3_moe");
+  auto r = testing::RunMoeserve({"serve", "--model", model, "--tls-cert", dir / "missing.pem", "--tls-key",
+                                 dir / "missing.key"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("missing.pem"));
+  r = testing::RunMoeserve({"serve", "--model", model, "--api-key-file", dir / "empty-keys"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("no key in it"));
+  r = testing::RunMoeserve({"serve", "--model", model, "--api-key-protect-metrics"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("--api-key-protect-metrics needs --api-key-file"));
 }
 
 }  // namespace
