@@ -17,6 +17,9 @@
 #include "moe/runtime/sampler.h"
 #include "moe/scheduler/frontend.h"
 #include "moeserve/v1/generation.grpc.pb.h"
+#include "grpc/reflection/v1/reflection.pb.h"
+#include <google/protobuf/descriptor.pb.h>
+#include <future>
 #include "test_util.h"
 
 namespace moe {
@@ -403,6 +406,130 @@ TEST_F(ServerTest, FiveHundredRequestsWithRandomCancellationsLeaveNothingBehind)
   Result after = Run(Make(prompts_[4], 4));  // still healthy
   ASSERT_TRUE(after.status.ok());
   EXPECT_EQ(after.tokens, Alone(prompts_[4], 4));
+}
+
+}  // namespace
+}  // namespace moe
+
+namespace moe {
+namespace {
+
+// grpc.health.v1.Health/Check for `service`: the status code of the call and the answer's bytes.
+std::pair<grpc::StatusCode, std::string> HealthCheck(const std::shared_ptr<grpc::Channel>& channel,
+                                                     const std::string& service) {
+  grpc::GenericStub generic(channel);
+  grpc::ClientContext ctx;
+  std::string request_bytes;
+  if (!service.empty()) request_bytes = std::string("\x0a", 1) + static_cast<char>(service.size()) + service;
+  grpc::Slice slice(request_bytes);
+  grpc::ByteBuffer request(&slice, 1), response;
+  std::promise<grpc::Status> done;
+  generic.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
+                    [&](grpc::Status s) { done.set_value(s); });
+  const grpc::Status status = done.get_future().get();
+  std::vector<grpc::Slice> slices;
+  std::string bytes;
+  if (status.ok() && response.Dump(&slices).ok()) {
+    for (const grpc::Slice& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  }
+  return {status.error_code(), bytes};
+}
+
+TEST_F(ServerTest, HealthAnswersPerServiceNameAndTurnsNotServingOnDrain) {
+  StartServer();
+  const std::string serving("\x08\x01", 2), not_serving("\x08\x02", 2);
+  EXPECT_EQ(HealthCheck(channel_, ""), std::make_pair(grpc::StatusCode::OK, serving));
+  EXPECT_EQ(HealthCheck(channel_, "moeserve.v1.Generation"), std::make_pair(grpc::StatusCode::OK, serving));
+  EXPECT_EQ(HealthCheck(channel_, "no.such.Service").first, grpc::StatusCode::NOT_FOUND);
+  // A drain with a stream running: health turns NOT_SERVING at once, new requests are refused.
+  std::atomic<int> got{0};
+  Result cut;
+  std::thread long_stream([&] {
+    grpc::ClientContext ctx;
+    auto reader = stub_->Generate(&ctx, Make(prompts_[0], 1500));
+    pb::GenerateResponse msg;
+    while (reader->Read(&msg)) got += msg.token_ids_size();
+    cut.status = reader->Finish();
+  });
+  while (got < 1) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  std::thread drain([&] { EXPECT_EQ(frontend_->Drain(std::chrono::milliseconds(500)), 1); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_EQ(HealthCheck(channel_, "moeserve.v1.Generation"), std::make_pair(grpc::StatusCode::OK, not_serving));
+  Result refused = Run(Make(prompts_[1], 2));
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(refused.status.error_message(), HasSubstr("server shutting down: not accepting new requests"));
+  drain.join();
+  long_stream.join();
+  EXPECT_EQ(cut.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(cut.status.error_message(), "server shutting down");
+}
+
+// One ServerReflectionInfo exchange on `method` (v1 or v1alpha: the messages are the same).
+grpc::reflection::v1::ServerReflectionResponse Reflect(const std::shared_ptr<grpc::Channel>& channel,
+                                                       const std::string& method,
+                                                       const grpc::reflection::v1::ServerReflectionRequest& request) {
+  grpc::GenericStub generic(channel);
+  grpc::ClientContext ctx;
+  grpc::CompletionQueue cq;
+  auto call = generic.PrepareCall(&ctx, method, &cq);
+  void* tag;
+  bool ok;
+  call->StartCall(reinterpret_cast<void*>(1));
+  cq.Next(&tag, &ok);
+  grpc::Slice slice(request.SerializeAsString());
+  grpc::ByteBuffer out(&slice, 1), in;
+  call->WriteLast(out, grpc::WriteOptions(), reinterpret_cast<void*>(2));
+  cq.Next(&tag, &ok);
+  call->Read(&in, reinterpret_cast<void*>(3));
+  cq.Next(&tag, &ok);
+  grpc::reflection::v1::ServerReflectionResponse response;
+  std::vector<grpc::Slice> slices;
+  std::string bytes;
+  if (ok && in.Dump(&slices).ok()) {
+    for (const grpc::Slice& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  }
+  response.ParseFromString(bytes);
+  grpc::Status status;
+  call->Finish(&status, reinterpret_cast<void*>(4));
+  cq.Next(&tag, &ok);
+  return response;
+}
+
+TEST_F(ServerTest, ReflectionV1AndV1AlphaListAndDescribeTheServices) {
+  StartServer();
+  for (const char* method : {"/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                             "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"}) {
+    grpc::reflection::v1::ServerReflectionRequest list;
+    list.set_list_services("*");
+    const auto listed = Reflect(channel_, method, list);
+    std::vector<std::string> names;
+    for (const auto& s : listed.list_services_response().service()) names.push_back(s.name());
+    EXPECT_THAT(names, ::testing::Contains("moeserve.v1.Generation")) << method;
+
+    grpc::reflection::v1::ServerReflectionRequest symbol;
+    symbol.set_file_containing_symbol("moeserve.v1.Generation");
+    const auto described = Reflect(channel_, method, symbol);
+    ASSERT_GE(described.file_descriptor_response().file_descriptor_proto_size(), 1) << method;
+    google::protobuf::FileDescriptorProto file;
+    ASSERT_TRUE(file.ParseFromString(described.file_descriptor_response().file_descriptor_proto(0)));
+    EXPECT_EQ(file.name(), "moeserve/v1/generation.proto");
+    ASSERT_GE(file.service_size(), 1);
+    EXPECT_EQ(file.service(0).name(), "Generation");
+
+    grpc::reflection::v1::ServerReflectionRequest missing;
+    missing.set_file_containing_symbol("no.such.Symbol");
+    EXPECT_EQ(Reflect(channel_, method, missing).error_response().error_code(),
+              static_cast<int>(grpc::StatusCode::NOT_FOUND))
+        << method;
+  }
+}
+
+TEST_F(ServerTest, RejectedRequestsAreCountedByStatusCode) {
+  StartServer();
+  Result bad = Run(Make({}, 4));
+  EXPECT_EQ(bad.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(Metric("moeserve_requests_rejected_total{code=\"INVALID_ARGUMENT\"}"), 1);
+  EXPECT_EQ(Metric("moeserve_requests_rejected_total{code=\"RESOURCE_EXHAUSTED\"}"), 0);
 }
 
 }  // namespace
