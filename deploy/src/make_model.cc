@@ -455,7 +455,6 @@ struct CheckpointPlan {
   std::string config;
   std::vector<std::string> shard_names;
   std::vector<std::vector<TensorEntry>> shards;
-  std::string index;  // empty for a single file
   int64_t tensor_bytes = 0;
   int64_t disk_bytes = 0;  // an upper bound on what the files take
 };
@@ -488,16 +487,19 @@ absl::StatusOr<CheckpointPlan> PlanCheckpoint(const MakeModelOptions& o) {
     plan.shard_names.push_back(n == 1 ? "model.safetensors"
                                       : absl::StrFormat("model-%05d-of-%05d.safetensors", i + 1, n));
   }
+  int64_t index_bytes = 0;
   if (n > 1) {
-    Json weight_map = Json::object();
+    // `"name": "model-00001-of-00002.safetensors",` on a line of its own, and the metadata.
     for (size_t i = 0; i < n; ++i) {
-      for (const TensorEntry& t : plan.shards[i]) weight_map[t.name] = plan.shard_names[i];
+      for (const TensorEntry& t : plan.shards[i]) {
+        index_bytes += static_cast<int64_t>(t.name.size() + plan.shard_names[i].size()) + 16;
+      }
     }
-    plan.index = Json{{"metadata", {{"total_size", plan.tensor_bytes}}}, {"weight_map", weight_map}}.dump(1) + "\n";
+    index_bytes += 256;
   }
   const int64_t files = static_cast<int64_t>(n) + 2;
-  plan.disk_bytes = plan.tensor_bytes + headers + static_cast<int64_t>(plan.config.size() + plan.index.size()) +
-                    files * kBytesPerFile;
+  plan.disk_bytes =
+      plan.tensor_bytes + headers + static_cast<int64_t>(plan.config.size()) + index_bytes + files * kBytesPerFile;
   return plan;
 }
 
@@ -676,19 +678,30 @@ absl::StatusOr<fs::path> MakeSiblingDir(const std::string& out, const fs::path& 
   return fs::path(templ);
 }
 
-absl::Status WriteCheckpoint(const MakeModelOptions& o, CheckpointPlan& plan, const fs::path& dir) {
+// model.safetensors.index.json. The weight map is sorted by name, as Hugging Face writes it
+// (and a sorted map keeps building it fast for hundreds of thousands of tensors).
+std::string IndexJson(const CheckpointPlan& plan) {
+  nlohmann::json weight_map = nlohmann::json::object();
+  for (size_t i = 0; i < plan.shards.size(); ++i) {
+    for (const TensorEntry& t : plan.shards[i]) weight_map[t.name] = plan.shard_names[i];
+  }
+  nlohmann::json index = {{"metadata", {{"total_size", plan.tensor_bytes}}}};
+  index["weight_map"] = std::move(weight_map);
+  return index.dump(1) + "\n";
+}
+
+absl::Status WriteCheckpoint(const MakeModelOptions& o, const CheckpointPlan& plan, const fs::path& dir) {
   MOE_RETURN_IF_ERROR(WriteTextFile((dir / "config.json").string(), plan.config));
   core::ProgressReporter progress("make-model: written", plan.tensor_bytes, o.progress);
   size_t index = 0;
   for (size_t s = 0; s < plan.shards.size(); ++s) {
     const size_t count = plan.shards[s].size();
-    MOE_RETURN_IF_ERROR(
-        WriteShard((dir / plan.shard_names[s]).string(), std::move(plan.shards[s]), o.seed, index, progress));
+    MOE_RETURN_IF_ERROR(WriteShard((dir / plan.shard_names[s]).string(), plan.shards[s], o.seed, index, progress));
     index += count;
   }
   progress.Finish();
-  if (!plan.index.empty()) {
-    MOE_RETURN_IF_ERROR(WriteTextFile((dir / "model.safetensors.index.json").string(), plan.index));
+  if (plan.shards.size() > 1) {
+    MOE_RETURN_IF_ERROR(WriteTextFile((dir / "model.safetensors.index.json").string(), IndexJson(plan)));
   }
   return absl::OkStatus();
 }
