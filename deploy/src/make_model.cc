@@ -515,6 +515,9 @@ absl::Status FileError(const std::string& what, int err) {
     case EDQUOT:
     case EFBIG:
       return absl::ResourceExhaustedError(message);
+    case ENOTDIR:
+    case ENAMETOOLONG:
+      return absl::InvalidArgumentError(message);
     case EACCES:
     case EPERM:
     case EROFS:
@@ -656,10 +659,10 @@ absl::Status CreateParents(const std::string& out, const fs::path& dir, RemoveOn
   const fs::path existing = ExistingAncestor(dir);
   if (existing == dir) return absl::OkStatus();
   const fs::path top = existing / *dir.lexically_relative(existing).begin();
+  created = RemoveOnFailure(top);  // also what a failure part way leaves
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) return FileError(absl::StrCat("make-model: --out ", out, ": cannot create ", dir.string()), ec.value());
-  created = RemoveOnFailure(top);
   return absl::OkStatus();
 }
 

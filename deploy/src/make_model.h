@@ -50,11 +50,13 @@ absl::StatusOr<int64_t> MakeModelCheckpointBytes(const MakeModelOptions& options
 
 // Writes the checkpoint into a temporary directory beside `out` and renames it into place at
 // the end; on any error what was written is removed and `out` is left as it was.
-//   kInvalidArgument: a bad option (as ValidateMakeModelOptions), or `out` is not a directory;
+//   kInvalidArgument: a bad option (as ValidateMakeModelOptions), or `out` (or a parent) is not
+//     a directory;
 //   kAlreadyExists: `out` is a non-empty directory and `overwrite` is not set;
 //   kResourceExhausted: the checkpoint does not fit in the free space of `out`'s filesystem
 //     (checked before anything is written), or a write failed for lack of space or a file size
 //     limit;
+//   kPermissionDenied: `out` or its parent cannot be written;
 //   kInternal: another file system error (creating, renaming).
 absl::Status MakeModel(const MakeModelOptions& options);
 
