@@ -1,7 +1,16 @@
 #include "make_model.h"
 
+#include <fcntl.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
 #include <filesystem>
-#include <fstream>
+#include <optional>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -9,6 +18,7 @@
 #include "moe/core/dtype.h"
 #include "moe/core/progress.h"
 #include "moe/core/status.h"
+#include "moe/runtime/model_spec.h"
 #include "moe/runtime/safetensors_writer.h"
 #include "nlohmann/json.hpp"
 #include "oneapi/tbb/parallel_for.h"
@@ -17,73 +27,522 @@ namespace moe::deploy {
 namespace {
 
 namespace fs = std::filesystem;
+using runtime::Architecture;
 using runtime::TensorEntry;
+using Json = nlohmann::ordered_json;
 
+// A model's shape, with the fields of every architecture; those an architecture does not use
+// keep their defaults.
 struct Shape {
-  int hidden, layers, heads, kv_heads, head_dim, experts, top_k, moe_inter, inter, vocab, max_pos;
-  double rope_theta;
+  Architecture arch = Architecture::kQwen3Moe;
+  int64_t hidden = 0, layers = 0, heads = 0, kv_heads = 0, head_dim = 0;
+  int64_t experts = 0, top_k = 0;
+  int64_t moe_inter = 0;     // routed expert width (Mixtral: intermediate_size)
+  int64_t inter = 0;         // dense MLP width
+  int64_t shared_inter = 0;  // qwen2_moe: shared_expert_intermediate_size (with a gate)
+  int64_t n_shared = 0;      // glm4_moe: n_shared_experts, each moe_inter wide
+  int64_t first_dense = 0;   // glm4_moe: first_k_dense_replace
+  int64_t n_group = 1, topk_group = 1;
+  double routed_scaling = 1.0;
+  bool norm_topk = true;
+  bool qkv_bias = false, qk_norm = false;
+  double partial_rotary = 1.0;
+  int64_t vocab = 0, max_pos = 4096;
+  double rope_theta = 1e6, rms_eps = 1e-6;
 };
 
-absl::StatusOr<Shape> PresetShape(const std::string& preset) {
-  if (preset == "tiny") return Shape{128, 4, 4, 2, 32, 16, 4, 64, 256, 512, 4096, 1e6};
-  if (preset == "qwen3-30b-a3b") return Shape{2048, 48, 32, 4, 128, 128, 8, 768, 6144, 151936, 40960, 1e6};
+struct Preset {
+  std::string_view name;
+  Shape shape;
+};
+
+// The tiny presets have the fixtures' shapes (testdata/fixtures/<arch>); the others the
+// published configs of the checkpoints they are named after.
+const std::vector<Preset>& Presets() {
+  static const std::vector<Preset> presets = {
+      {"tiny",
+       {.arch = Architecture::kQwen3Moe,
+        .hidden = 128,
+        .layers = 4,
+        .heads = 4,
+        .kv_heads = 2,
+        .head_dim = 32,
+        .experts = 16,
+        .top_k = 4,
+        .moe_inter = 64,
+        .inter = 256,
+        .qk_norm = true,
+        .vocab = 512}},
+      {"qwen3-30b-a3b",
+       {.arch = Architecture::kQwen3Moe,
+        .hidden = 2048,
+        .layers = 48,
+        .heads = 32,
+        .kv_heads = 4,
+        .head_dim = 128,
+        .experts = 128,
+        .top_k = 8,
+        .moe_inter = 768,
+        .inter = 6144,
+        .qk_norm = true,
+        .vocab = 151936,
+        .max_pos = 40960}},
+      {"qwen3-235b-a22b",
+       {.arch = Architecture::kQwen3Moe,
+        .hidden = 4096,
+        .layers = 94,
+        .heads = 64,
+        .kv_heads = 4,
+        .head_dim = 128,
+        .experts = 128,
+        .top_k = 8,
+        .moe_inter = 1536,
+        .inter = 12288,
+        .qk_norm = true,
+        .vocab = 151936,
+        .max_pos = 40960}},
+      {"tiny",
+       {.arch = Architecture::kQwen2Moe,
+        .hidden = 128,
+        .layers = 4,
+        .heads = 4,
+        .kv_heads = 2,
+        .head_dim = 32,
+        .experts = 8,
+        .top_k = 2,
+        .moe_inter = 64,
+        .inter = 256,
+        .shared_inter = 128,
+        .norm_topk = false,
+        .qkv_bias = true,
+        .vocab = 512}},
+      {"qwen1.5-moe-a2.7b",
+       {.arch = Architecture::kQwen2Moe,
+        .hidden = 2048,
+        .layers = 24,
+        .heads = 16,
+        .kv_heads = 16,
+        .head_dim = 128,
+        .experts = 60,
+        .top_k = 4,
+        .moe_inter = 1408,
+        .inter = 5632,
+        .shared_inter = 5632,
+        .norm_topk = false,
+        .qkv_bias = true,
+        .vocab = 151936,
+        .max_pos = 8192}},
+      {"qwen2-57b-a14b",
+       {.arch = Architecture::kQwen2Moe,
+        .hidden = 3584,
+        .layers = 28,
+        .heads = 28,
+        .kv_heads = 4,
+        .head_dim = 128,
+        .experts = 64,
+        .top_k = 8,
+        .moe_inter = 2560,
+        .inter = 18944,
+        .shared_inter = 20480,
+        .norm_topk = false,
+        .qkv_bias = true,
+        .vocab = 151936,
+        .max_pos = 32768}},
+      {"tiny",
+       {.arch = Architecture::kMixtral,
+        .hidden = 128,
+        .layers = 4,
+        .heads = 4,
+        .kv_heads = 2,
+        .head_dim = 32,
+        .experts = 8,
+        .top_k = 2,
+        .moe_inter = 128,
+        .inter = 128,
+        .vocab = 512}},
+      {"mixtral-8x7b",
+       {.arch = Architecture::kMixtral,
+        .hidden = 4096,
+        .layers = 32,
+        .heads = 32,
+        .kv_heads = 8,
+        .head_dim = 128,
+        .experts = 8,
+        .top_k = 2,
+        .moe_inter = 14336,
+        .inter = 14336,
+        .vocab = 32000,
+        .max_pos = 32768,
+        .rms_eps = 1e-5}},
+      {"mixtral-8x22b",
+       {.arch = Architecture::kMixtral,
+        .hidden = 6144,
+        .layers = 56,
+        .heads = 48,
+        .kv_heads = 8,
+        .head_dim = 128,
+        .experts = 8,
+        .top_k = 2,
+        .moe_inter = 16384,
+        .inter = 16384,
+        .vocab = 32768,
+        .max_pos = 65536,
+        .rms_eps = 1e-5}},
+      {"tiny",
+       {.arch = Architecture::kGlm4Moe,
+        .hidden = 128,
+        .layers = 4,
+        .heads = 4,
+        .kv_heads = 2,
+        .head_dim = 32,
+        .experts = 16,
+        .top_k = 4,
+        .moe_inter = 64,
+        .inter = 256,
+        .n_shared = 1,
+        .first_dense = 1,
+        .n_group = 4,
+        .topk_group = 2,
+        .routed_scaling = 2.5,
+        .qkv_bias = true,
+        .partial_rotary = 0.5,
+        .vocab = 512}},
+      {"glm-4.5-air",
+       {.arch = Architecture::kGlm4Moe,
+        .hidden = 4096,
+        .layers = 46,
+        .heads = 96,
+        .kv_heads = 8,
+        .head_dim = 128,
+        .experts = 128,
+        .top_k = 8,
+        .moe_inter = 1408,
+        .inter = 10944,
+        .n_shared = 1,
+        .first_dense = 1,
+        .qkv_bias = true,
+        .partial_rotary = 0.5,
+        .vocab = 151552,
+        .max_pos = 131072,
+        .rms_eps = 1e-5}},
+      {"glm-4.5",
+       {.arch = Architecture::kGlm4Moe,
+        .hidden = 5120,
+        .layers = 92,
+        .heads = 96,
+        .kv_heads = 8,
+        .head_dim = 128,
+        .experts = 160,
+        .top_k = 8,
+        .moe_inter = 1536,
+        .inter = 12288,
+        .n_shared = 1,
+        .first_dense = 3,
+        .routed_scaling = 2.5,
+        .qkv_bias = true,
+        .qk_norm = true,
+        .partial_rotary = 0.5,
+        .vocab = 151552,
+        .max_pos = 131072,
+        .rms_eps = 1e-5}},
+  };
+  return presets;
+}
+
+absl::StatusOr<Architecture> ParseArch(const std::string& arch) {
+  const std::vector<std::string>& types = runtime::SupportedModelTypes();
+  for (Architecture a :
+       {Architecture::kQwen3Moe, Architecture::kQwen2Moe, Architecture::kMixtral, Architecture::kGlm4Moe}) {
+    if (runtime::ArchitectureName(a) == arch) return a;
+  }
   return absl::InvalidArgumentError(
-      absl::StrCat("unknown preset '", preset, "'; presets: ", absl::StrJoin(MakeModelPresets(), ", ")));
+      absl::StrCat("make-model: --arch '", arch, "' is not supported; supported: ", absl::StrJoin(types, ", ")));
 }
 
-// The config.json of a Qwen3-MoE checkpoint, with the key spellings real checkpoints use.
-nlohmann::ordered_json Qwen3Config(const Shape& s) {
-  return {{"architectures", {"Qwen3MoeForCausalLM"}},
-          {"model_type", "qwen3_moe"},
-          {"hidden_size", s.hidden},
-          {"num_hidden_layers", s.layers},
-          {"num_attention_heads", s.heads},
-          {"num_key_value_heads", s.kv_heads},
-          {"head_dim", s.head_dim},
-          {"num_experts", s.experts},
-          {"num_experts_per_tok", s.top_k},
-          {"moe_intermediate_size", s.moe_inter},
-          {"intermediate_size", s.inter},
-          {"decoder_sparse_step", 1},
-          {"mlp_only_layers", nlohmann::ordered_json::array()},
-          {"norm_topk_prob", true},
-          {"vocab_size", s.vocab},
-          {"max_position_embeddings", s.max_pos},
-          {"rope_theta", s.rope_theta},
-          {"rms_norm_eps", 1e-6},
-          {"attention_bias", false},
-          {"tie_word_embeddings", false},
-          {"torch_dtype", "bfloat16"},
-          {"eos_token_id", nullptr},
-          {"moeserve_random_weights", true}};
+absl::Status CheckRange(const char* flag, int64_t value, int64_t lo, int64_t hi, const char* what) {
+  if (value >= lo && value <= hi) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("make-model: ", flag, " ", value, " is out of range; ", what, " from ", lo, " to ", hi));
 }
 
-std::vector<TensorEntry> Qwen3Tensors(const Shape& s) {
-  using core::DType;
-  const int64_t h = s.hidden, q = int64_t{s.heads} * s.head_dim, kv = int64_t{s.kv_heads} * s.head_dim;
-  std::vector<TensorEntry> t;
-  t.push_back({"model.embed_tokens.weight", DType::kBF16, {s.vocab, h}});
-  for (int l = 0; l < s.layers; ++l) {
-    const std::string p = absl::StrCat("model.layers.", l, ".");
-    t.push_back({p + "input_layernorm.weight", DType::kBF16, {h}});
-    t.push_back({p + "post_attention_layernorm.weight", DType::kBF16, {h}});
-    t.push_back({p + "self_attn.q_proj.weight", DType::kBF16, {q, h}});
-    t.push_back({p + "self_attn.k_proj.weight", DType::kBF16, {kv, h}});
-    t.push_back({p + "self_attn.v_proj.weight", DType::kBF16, {kv, h}});
-    t.push_back({p + "self_attn.o_proj.weight", DType::kBF16, {h, q}});
-    t.push_back({p + "self_attn.q_norm.weight", DType::kBF16, {s.head_dim}});
-    t.push_back({p + "self_attn.k_norm.weight", DType::kBF16, {s.head_dim}});
-    t.push_back({p + "mlp.gate.weight", DType::kBF16, {s.experts, h}});
-    for (int e = 0; e < s.experts; ++e) {
-      const std::string ep = absl::StrCat(p, "mlp.experts.", e, ".");
-      t.push_back({ep + "gate_proj.weight", DType::kBF16, {s.moe_inter, h}});
-      t.push_back({ep + "up_proj.weight", DType::kBF16, {s.moe_inter, h}});
-      t.push_back({ep + "down_proj.weight", DType::kBF16, {h, s.moe_inter}});
+// The shape the options ask for, after every range check.
+absl::StatusOr<Shape> ResolveShape(const MakeModelOptions& o) {
+  MOE_ASSIGN_OR_RETURN(Architecture arch, ParseArch(o.arch));
+  const Preset* found = nullptr;
+  const Preset* other_arch = nullptr;
+  for (const Preset& p : Presets()) {
+    if (p.name != o.preset) continue;
+    if (p.shape.arch == arch) {
+      found = &p;
+    } else if (other_arch == nullptr) {
+      other_arch = &p;
     }
   }
-  t.push_back({"model.norm.weight", DType::kBF16, {h}});
-  t.push_back({"lm_head.weight", DType::kBF16, {s.vocab, h}});
+  if (found == nullptr) {
+    const std::string fitting = absl::StrJoin(MakeModelPresets(o.arch), ", ");
+    if (other_arch != nullptr) {
+      const std::string other(runtime::ArchitectureName(other_arch->shape.arch));
+      return absl::InvalidArgumentError(absl::StrCat("make-model: preset '", o.preset, "' is a ", other, " shape, not ",
+                                                     o.arch, "; pass --arch ", other, ", or a preset for ", o.arch,
+                                                     ": ", fitting));
+    }
+    return absl::InvalidArgumentError(
+        absl::StrCat("make-model: unknown preset '", o.preset, "'; presets: ", fitting, " (for --arch ", o.arch, ")"));
+  }
+  Shape s = found->shape;
+  if (o.layers != 0) {
+    MOE_RETURN_IF_ERROR(CheckRange("--layers", o.layers, 1, kMakeModelMaxLayers, "give a layer count"));
+    s.layers = o.layers;
+  }
+  if (o.vocab != 0) {
+    MOE_RETURN_IF_ERROR(CheckRange("--vocab", o.vocab, 1, kMakeModelMaxVocab, "give a vocabulary size"));
+    s.vocab = o.vocab;
+  }
+  if (o.max_shard_bytes < kMakeModelMinShardBytes || o.max_shard_bytes > kMakeModelMaxShardBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("make-model: --max-shard-mb gives ", o.max_shard_bytes,
+                                                   " bytes per shard; give 1 to ", kMakeModelMaxShardBytes >> 20,
+                                                   " MB"));
+  }
+  return s;
+}
+
+// The config.json of a checkpoint of this architecture, with the key spellings its published
+// checkpoints use (num_experts / num_local_experts / n_routed_experts, ...).
+Json ModelConfig(const Shape& s) {
+  Json c;
+  switch (s.arch) {
+    case Architecture::kQwen3Moe:
+      c = {{"architectures", {"Qwen3MoeForCausalLM"}}, {"model_type", "qwen3_moe"}};
+      break;
+    case Architecture::kQwen2Moe:
+      c = {{"architectures", {"Qwen2MoeForCausalLM"}}, {"model_type", "qwen2_moe"}};
+      break;
+    case Architecture::kMixtral:
+      c = {{"architectures", {"MixtralForCausalLM"}}, {"model_type", "mixtral"}};
+      break;
+    case Architecture::kGlm4Moe:
+      c = {{"architectures", {"Glm4MoeForCausalLM"}}, {"model_type", "glm4_moe"}};
+      break;
+  }
+  c["hidden_size"] = s.hidden;
+  c["num_hidden_layers"] = s.layers;
+  c["num_attention_heads"] = s.heads;
+  c["num_key_value_heads"] = s.kv_heads;
+  c["head_dim"] = s.head_dim;
+  c["num_experts_per_tok"] = s.top_k;
+  c["intermediate_size"] = s.inter;
+  switch (s.arch) {
+    case Architecture::kQwen3Moe:
+    case Architecture::kQwen2Moe:
+      c["num_experts"] = s.experts;
+      c["moe_intermediate_size"] = s.moe_inter;
+      c["decoder_sparse_step"] = 1;
+      c["mlp_only_layers"] = Json::array();
+      c["norm_topk_prob"] = s.norm_topk;
+      if (s.arch == Architecture::kQwen2Moe) {
+        c["shared_expert_intermediate_size"] = s.shared_inter;
+        c["qkv_bias"] = s.qkv_bias;
+      } else {
+        c["attention_bias"] = s.qkv_bias;
+      }
+      break;
+    case Architecture::kMixtral:
+      c["num_local_experts"] = s.experts;
+      c["sliding_window"] = nullptr;
+      break;
+    case Architecture::kGlm4Moe:
+      c["n_routed_experts"] = s.experts;
+      c["n_shared_experts"] = s.n_shared;
+      c["moe_intermediate_size"] = s.moe_inter;
+      c["first_k_dense_replace"] = s.first_dense;
+      c["n_group"] = s.n_group;
+      c["topk_group"] = s.topk_group;
+      c["routed_scaling_factor"] = s.routed_scaling;
+      c["norm_topk_prob"] = s.norm_topk;
+      c["partial_rotary_factor"] = s.partial_rotary;
+      c["attention_bias"] = s.qkv_bias;
+      c["use_qk_norm"] = s.qk_norm;
+      c["num_nextn_predict_layers"] = 0;  // no multi-token-prediction layer is written
+      break;
+  }
+  c["vocab_size"] = s.vocab;
+  c["max_position_embeddings"] = s.max_pos;
+  c["rope_theta"] = s.rope_theta;
+  c["rms_norm_eps"] = s.rms_eps;
+  c["tie_word_embeddings"] = false;
+  c["torch_dtype"] = "bfloat16";
+  // Random weights have no end-of-sequence token: generation runs to its length.
+  c["bos_token_id"] = nullptr;
+  c["eos_token_id"] = nullptr;
+  c["moeserve_random_weights"] = true;
+  return c;
+}
+
+void AddFfn(std::vector<TensorEntry>& t, const std::string& p, const char* gate, const char* up, const char* down,
+            int64_t h, int64_t width) {
+  t.push_back({p + gate + ".weight", core::DType::kBF16, {width, h}});
+  t.push_back({p + up + ".weight", core::DType::kBF16, {width, h}});
+  t.push_back({p + down + ".weight", core::DType::kBF16, {h, width}});
+}
+
+void AddAttention(std::vector<TensorEntry>& t, const Shape& s, const std::string& p) {
+  using core::DType;
+  const int64_t h = s.hidden, q = s.heads * s.head_dim, kv = s.kv_heads * s.head_dim;
+  t.push_back({p + "input_layernorm.weight", DType::kBF16, {h}});
+  t.push_back({p + "post_attention_layernorm.weight", DType::kBF16, {h}});
+  t.push_back({p + "self_attn.q_proj.weight", DType::kBF16, {q, h}});
+  t.push_back({p + "self_attn.k_proj.weight", DType::kBF16, {kv, h}});
+  t.push_back({p + "self_attn.v_proj.weight", DType::kBF16, {kv, h}});
+  t.push_back({p + "self_attn.o_proj.weight", DType::kBF16, {h, q}});
+  if (s.qkv_bias) {
+    t.push_back({p + "self_attn.q_proj.bias", DType::kBF16, {q}});
+    t.push_back({p + "self_attn.k_proj.bias", DType::kBF16, {kv}});
+    t.push_back({p + "self_attn.v_proj.bias", DType::kBF16, {kv}});
+  }
+  if (s.qk_norm) {
+    t.push_back({p + "self_attn.q_norm.weight", DType::kBF16, {s.head_dim}});
+    t.push_back({p + "self_attn.k_norm.weight", DType::kBF16, {s.head_dim}});
+  }
+}
+
+void AddMoe(std::vector<TensorEntry>& t, const Shape& s, const std::string& p) {
+  using core::DType;
+  const int64_t h = s.hidden;
+  const bool mixtral = s.arch == Architecture::kMixtral;
+  const std::string block = p + (mixtral ? "block_sparse_moe." : "mlp.");
+  t.push_back({block + "gate.weight", DType::kBF16, {s.experts, h}});
+  if (s.arch == Architecture::kGlm4Moe)
+    t.push_back({block + "gate.e_score_correction_bias", DType::kBF16, {s.experts}});
+  for (int64_t e = 0; e < s.experts; ++e) {
+    const std::string ep = absl::StrCat(block, "experts.", e, ".");
+    if (mixtral) {
+      AddFfn(t, ep, "w1", "w3", "w2", h, s.moe_inter);
+    } else {
+      AddFfn(t, ep, "gate_proj", "up_proj", "down_proj", h, s.moe_inter);
+    }
+  }
+  if (s.arch == Architecture::kQwen2Moe && s.shared_inter > 0) {
+    AddFfn(t, block + "shared_expert.", "gate_proj", "up_proj", "down_proj", h, s.shared_inter);
+    t.push_back({block + "shared_expert_gate.weight", DType::kBF16, {1, h}});
+  }
+  if (s.arch == Architecture::kGlm4Moe && s.n_shared > 0) {
+    AddFfn(t, block + "shared_experts.", "gate_proj", "up_proj", "down_proj", h, s.n_shared * s.moe_inter);
+  }
+}
+
+// Every tensor the loader reads for this shape, in the order of a Hugging Face checkpoint.
+std::vector<TensorEntry> ModelTensors(const Shape& s) {
+  using core::DType;
+  std::vector<TensorEntry> t;
+  t.push_back({"model.embed_tokens.weight", DType::kBF16, {s.vocab, s.hidden}});
+  for (int64_t l = 0; l < s.layers; ++l) {
+    const std::string p = absl::StrCat("model.layers.", l, ".");
+    AddAttention(t, s, p);
+    const bool dense = s.arch == Architecture::kGlm4Moe && l < s.first_dense;
+    if (dense) {
+      AddFfn(t, p + "mlp.", "gate_proj", "up_proj", "down_proj", s.hidden, s.inter);
+    } else {
+      AddMoe(t, s, p);
+    }
+  }
+  t.push_back({"model.norm.weight", DType::kBF16, {s.hidden}});
+  t.push_back({"lm_head.weight", DType::kBF16, {s.vocab, s.hidden}});
   return t;
+}
+
+// What will be written: the config, the shards with their tensors, and the index.
+struct CheckpointPlan {
+  std::string config;
+  std::vector<std::string> shard_names;
+  std::vector<std::vector<TensorEntry>> shards;
+  int64_t tensor_bytes = 0;
+  int64_t disk_bytes = 0;  // an upper bound on what the files take
+};
+
+// A safetensors header entry is `"name":{"dtype":"BF16","shape":[a,b],"data_offsets":[x,y]},`;
+// 96 bytes past the name covers the longest numbers. Each file may also take one more block.
+constexpr int64_t kHeaderBytesPerTensor = 96;
+constexpr int64_t kBytesPerFile = 64 * 1024;
+
+absl::StatusOr<CheckpointPlan> PlanCheckpoint(const MakeModelOptions& o) {
+  MOE_ASSIGN_OR_RETURN(Shape shape, ResolveShape(o));
+  CheckpointPlan plan;
+  plan.config = ModelConfig(shape).dump(2) + "\n";
+  // Split into shards of at most max_shard_bytes of tensors (a tensor is never split), as
+  // Hugging Face's max_shard_size does.
+  plan.shards.emplace_back();
+  int64_t in_shard = 0, headers = 0;
+  for (TensorEntry& t : ModelTensors(shape)) {
+    if (in_shard > 0 && in_shard + t.bytes() > o.max_shard_bytes) {
+      plan.shards.emplace_back();
+      in_shard = 0;
+    }
+    in_shard += t.bytes();
+    plan.tensor_bytes += t.bytes();
+    headers += static_cast<int64_t>(t.name.size()) + kHeaderBytesPerTensor;
+    plan.shards.back().push_back(std::move(t));
+  }
+  const size_t n = plan.shards.size();
+  for (size_t i = 0; i < n; ++i) {
+    plan.shard_names.push_back(n == 1 ? "model.safetensors"
+                                      : absl::StrFormat("model-%05d-of-%05d.safetensors", i + 1, n));
+  }
+  int64_t index_bytes = 0;
+  if (n > 1) {
+    // `"name": "model-00001-of-00002.safetensors",` on a line of its own, and the metadata.
+    for (size_t i = 0; i < n; ++i) {
+      for (const TensorEntry& t : plan.shards[i]) {
+        index_bytes += static_cast<int64_t>(t.name.size() + plan.shard_names[i].size()) + 16;
+      }
+    }
+    index_bytes += 256;
+  }
+  const int64_t files = static_cast<int64_t>(n) + 2;
+  plan.disk_bytes =
+      plan.tensor_bytes + headers + static_cast<int64_t>(plan.config.size()) + index_bytes + files * kBytesPerFile;
+  return plan;
+}
+
+std::string HumanBytes(int64_t bytes) {
+  return absl::StrFormat("%.1f GiB", static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0));
+}
+
+// An errno from writing, as a status: lack of space or a file size limit is kResourceExhausted.
+absl::Status FileError(const std::string& what, int err) {
+  const std::string message = absl::StrCat(what, ": ", std::strerror(err));
+  switch (err) {
+    case ENOSPC:
+    case EDQUOT:
+    case EFBIG:
+      return absl::ResourceExhaustedError(message);
+    case ENOTDIR:
+    case ENAMETOOLONG:
+      return absl::InvalidArgumentError(message);
+    case EACCES:
+    case EPERM:
+    case EROFS:
+      return absl::PermissionDeniedError(message);
+    default:
+      return absl::InternalError(message);
+  }
+}
+
+absl::Status WriteTextFile(const std::string& path, const std::string& text) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return FileError(absl::StrCat(path, ": cannot create"), errno);
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int err = errno;
+      ::close(fd);
+      return FileError(absl::StrCat(path, ": cannot write"), err);
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (::close(fd) != 0) return FileError(absl::StrCat(path, ": cannot write"), errno);
+  return absl::OkStatus();
 }
 
 uint64_t SplitMix(uint64_t& state) {
@@ -93,11 +552,17 @@ uint64_t SplitMix(uint64_t& state) {
   return z ^ (z >> 31);
 }
 
-// Norm weights are 1; matrices are uniform with variance 1/fan_in, so activations keep their
-// scale through the layers and the logits are not degenerate.
+bool EndsWith(const std::string& s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// Norm weights are 1 and biases 0 (as a fresh model starts); matrices are uniform with variance
+// 1/fan_in, so activations keep their scale through the layers and the logits are not
+// degenerate.
 void FillChunk(const TensorEntry& t, uint16_t* data, int64_t begin, int64_t end, uint64_t seed) {
   if (t.shape.size() == 1) {
-    std::fill(data + begin, data + end, core::FloatToBf16(1.0f));
+    const float value = EndsWith(t.name, "norm.weight") ? 1.0f : 0.0f;
+    std::fill(data + begin, data + end, core::FloatToBf16(value));
     return;
   }
   const float bound = std::sqrt(3.0f / static_cast<float>(t.shape[1]));
@@ -131,69 +596,209 @@ absl::Status WriteShard(const std::string& path, std::vector<TensorEntry> tensor
   return writer.Finish();
 }
 
-}  // namespace
+// Removes a directory tree on destruction unless released: what a failed make-model wrote.
+class RemoveOnFailure {
+ public:
+  RemoveOnFailure() = default;
+  explicit RemoveOnFailure(fs::path path) : path_(std::move(path)) {}
+  RemoveOnFailure(const RemoveOnFailure&) = delete;
+  RemoveOnFailure& operator=(const RemoveOnFailure&) = delete;
+  RemoveOnFailure& operator=(RemoveOnFailure&& other) noexcept {
+    Remove();
+    path_ = std::exchange(other.path_, fs::path());
+    return *this;
+  }
+  ~RemoveOnFailure() { Remove(); }
+  void Release() { path_.clear(); }
 
-const std::vector<std::string>& MakeModelPresets() {
-  static const std::vector<std::string> presets = {"tiny", "qwen3-30b-a3b"};
-  return presets;
+ private:
+  void Remove() noexcept {
+    if (path_.empty()) return;
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+    path_.clear();
+  }
+  fs::path path_;
+};
+
+// The destination as an absolute path without "." or ".." or a trailing separator.
+absl::StatusOr<fs::path> ResolveDestination(const std::string& out) {
+  std::error_code ec;
+  fs::path p = fs::weakly_canonical(fs::absolute(out, ec), ec);
+  if (ec) return absl::InvalidArgumentError(absl::StrCat("make-model: --out ", out, ": ", ec.message()));
+  if (p.filename().empty()) p = p.parent_path();
+  if (p.filename().empty() || p == p.root_path()) {
+    return absl::InvalidArgumentError(absl::StrCat("make-model: --out ", out, " cannot be a model directory"));
+  }
+  return p;
 }
 
-absl::Status MakeModel(const MakeModelOptions& o) {
-  if (o.arch != "qwen3_moe") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("make-model: --arch ", o.arch, " is not supported; supported: qwen3_moe"));
-  }
-  if (o.out.empty()) return absl::InvalidArgumentError("make-model: --out is required");
-  MOE_ASSIGN_OR_RETURN(Shape shape, PresetShape(o.preset));
-  if (o.layers < 0 || o.vocab < 0 || o.max_shard_bytes <= 0) {
-    return absl::InvalidArgumentError("make-model: --layers, --vocab and --max-shard-mb must be positive");
-  }
-  if (o.layers > 0) shape.layers = o.layers;
-  if (o.vocab > 0) shape.vocab = o.vocab;
-
+// The nearest directory of `p` (itself or an ancestor) that exists.
+fs::path ExistingAncestor(fs::path p) {
   std::error_code ec;
-  fs::create_directories(o.out, ec);
-  if (ec) return absl::InvalidArgumentError(absl::StrCat(o.out, ": cannot create: ", ec.message()));
-  {
-    std::ofstream config(o.out + "/config.json");
-    config << Qwen3Config(shape).dump(2) << "\n";
-    if (!config) return absl::InvalidArgumentError(absl::StrCat(o.out, "/config.json: cannot write"));
-  }
+  while (!fs::exists(p, ec) && p.has_parent_path() && p != p.root_path()) p = p.parent_path();
+  return p;
+}
 
-  // Split into shards of at most max_shard_bytes (a tensor is never split).
-  std::vector<TensorEntry> all = Qwen3Tensors(shape);
-  std::vector<std::vector<TensorEntry>> shards(1);
-  int64_t total = 0, in_shard = 0;
-  for (TensorEntry& t : all) {
-    if (in_shard > 0 && in_shard + t.bytes() > o.max_shard_bytes) {
-      shards.emplace_back();
-      in_shard = 0;
-    }
-    in_shard += t.bytes();
-    total += t.bytes();
-    shards.back().push_back(std::move(t));
+absl::Status CheckFreeSpace(const std::string& out, const fs::path& dir, int64_t needed) {
+  struct statvfs st;
+  if (::statvfs(dir.c_str(), &st) != 0) {
+    return FileError(absl::StrCat("make-model: --out ", out, ": cannot read the free space of ", dir.string()), errno);
   }
-  for (const char* stale : {"/model.safetensors", "/model.safetensors.index.json"}) fs::remove(o.out + stale, ec);
+  const int64_t free_bytes =
+      static_cast<int64_t>(std::min<uint64_t>(static_cast<uint64_t>(st.f_bavail) * st.f_frsize, uint64_t{INT64_MAX}));
+  if (needed <= free_bytes) return absl::OkStatus();
+  return absl::ResourceExhaustedError(
+      absl::StrCat("make-model: the checkpoint needs ", needed, " bytes (", HumanBytes(needed), ") but ", dir.string(),
+                   " has ", free_bytes, " bytes (", HumanBytes(free_bytes),
+                   ") free; nothing was written (use --layers or --vocab for a smaller model, or another --out)"));
+}
 
-  core::ProgressReporter progress("make-model: written", total, o.progress);
-  nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
+// Creates `dir` and its missing parents; `created` removes the topmost one made here.
+absl::Status CreateParents(const std::string& out, const fs::path& dir, RemoveOnFailure& created) {
+  const fs::path existing = ExistingAncestor(dir);
+  if (existing == dir) return absl::OkStatus();
+  const fs::path top = existing / *dir.lexically_relative(existing).begin();
+  created = RemoveOnFailure(top);  // also what a failure part way leaves
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return FileError(absl::StrCat("make-model: --out ", out, ": cannot create ", dir.string()), ec.value());
+  return absl::OkStatus();
+}
+
+// A fresh directory beside `dest` (same filesystem, so a rename moves it into place).
+absl::StatusOr<fs::path> MakeSiblingDir(const std::string& out, const fs::path& dest, const std::string& kind) {
+  std::string templ = (dest.parent_path() / absl::StrCat(".", dest.filename().string(), ".", kind, "-XXXXXX")).string();
+  if (::mkdtemp(templ.data()) == nullptr) {
+    return FileError(
+        absl::StrCat("make-model: --out ", out, ": cannot create a directory in ", dest.parent_path().string()), errno);
+  }
+  std::error_code ec;
+  fs::permissions(templ,
+                  fs::perms::owner_all | fs::perms::group_read | fs::perms::group_exec | fs::perms::others_read |
+                      fs::perms::others_exec,
+                  ec);
+  return fs::path(templ);
+}
+
+// model.safetensors.index.json. The weight map is sorted by name, as Hugging Face writes it
+// (and a sorted map keeps building it fast for hundreds of thousands of tensors).
+std::string IndexJson(const CheckpointPlan& plan) {
+  nlohmann::json weight_map = nlohmann::json::object();
+  for (size_t i = 0; i < plan.shards.size(); ++i) {
+    for (const TensorEntry& t : plan.shards[i]) weight_map[t.name] = plan.shard_names[i];
+  }
+  nlohmann::json index = {{"metadata", {{"total_size", plan.tensor_bytes}}}};
+  index["weight_map"] = std::move(weight_map);
+  return index.dump(1) + "\n";
+}
+
+absl::Status WriteCheckpoint(const MakeModelOptions& o, const CheckpointPlan& plan, const fs::path& dir) {
+  MOE_RETURN_IF_ERROR(WriteTextFile((dir / "config.json").string(), plan.config));
+  core::ProgressReporter progress("make-model: written", plan.tensor_bytes, o.progress);
   size_t index = 0;
-  for (size_t s = 0; s < shards.size(); ++s) {
-    const std::string name = shards.size() == 1
-                                 ? "model.safetensors"
-                                 : absl::StrFormat("model-%05d-of-%05d.safetensors", s + 1, shards.size());
-    for (const TensorEntry& t : shards[s]) weight_map[t.name] = name;
-    const size_t count = shards[s].size();
-    MOE_RETURN_IF_ERROR(WriteShard(o.out + "/" + name, std::move(shards[s]), o.seed, index, progress));
+  for (size_t s = 0; s < plan.shards.size(); ++s) {
+    const size_t count = plan.shards[s].size();
+    MOE_RETURN_IF_ERROR(WriteShard((dir / plan.shard_names[s]).string(), plan.shards[s], o.seed, index, progress));
     index += count;
   }
   progress.Finish();
-  if (shards.size() > 1) {
-    nlohmann::ordered_json idx = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
-    std::ofstream out(o.out + "/model.safetensors.index.json");
-    out << idx.dump(1) << "\n";
-    if (!out) return absl::InvalidArgumentError(absl::StrCat(o.out, "/model.safetensors.index.json: cannot write"));
+  if (plan.shards.size() > 1) {
+    MOE_RETURN_IF_ERROR(WriteTextFile((dir / "model.safetensors.index.json").string(), IndexJson(plan)));
   }
+  return absl::OkStatus();
+}
+
+// Moves the finished checkpoint `tmp` to `dest`; an existing `dest` is moved aside first and
+// removed only once the new one is in place (put back if that fails).
+absl::Status MoveIntoPlace(const std::string& out, const fs::path& tmp, const fs::path& dest, bool replace) {
+  if (!replace) {
+    if (::rename(tmp.c_str(), dest.c_str()) != 0) {
+      return FileError(absl::StrCat("make-model: --out ", out, ": cannot move the new checkpoint into place"), errno);
+    }
+    return absl::OkStatus();
+  }
+  MOE_ASSIGN_OR_RETURN(fs::path old, MakeSiblingDir(out, dest, "old"));
+  RemoveOnFailure old_guard(old);
+  if (::rename(dest.c_str(), old.c_str()) != 0) {
+    return FileError(absl::StrCat("make-model: --out ", out, ": cannot move the old checkpoint aside"), errno);
+  }
+  if (::rename(tmp.c_str(), dest.c_str()) != 0) {
+    const int err = errno;
+    if (::rename(old.c_str(), dest.c_str()) == 0) old_guard.Release();
+    return FileError(absl::StrCat("make-model: --out ", out, ": cannot move the new checkpoint into place"), err);
+  }
+  return absl::OkStatus();  // old_guard removes the old checkpoint
+}
+
+}  // namespace
+
+const std::vector<std::string>& MakeModelPresets() {
+  static const std::vector<std::string> names = [] {
+    std::vector<std::string> n;
+    for (const Preset& p : Presets()) {
+      if (std::find(n.begin(), n.end(), p.name) == n.end()) n.emplace_back(p.name);
+    }
+    return n;
+  }();
+  return names;
+}
+
+std::vector<std::string> MakeModelPresets(std::string_view arch) {
+  std::vector<std::string> names;
+  for (const Preset& p : Presets()) {
+    if (runtime::ArchitectureName(p.shape.arch) == arch) names.emplace_back(p.name);
+  }
+  return names;
+}
+
+absl::Status ValidateMakeModelOptions(const MakeModelOptions& o) {
+  MOE_RETURN_IF_ERROR(ResolveShape(o).status());
+  if (o.out.empty()) return absl::InvalidArgumentError("make-model: --out is required");
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> MakeModelCheckpointBytes(const MakeModelOptions& o) {
+  MOE_ASSIGN_OR_RETURN(CheckpointPlan plan, PlanCheckpoint(o));
+  return plan.disk_bytes;
+}
+
+absl::Status MakeModel(const MakeModelOptions& o) {
+  MOE_RETURN_IF_ERROR(ValidateMakeModelOptions(o));
+  MOE_ASSIGN_OR_RETURN(CheckpointPlan plan, PlanCheckpoint(o));
+  MOE_ASSIGN_OR_RETURN(fs::path dest, ResolveDestination(o.out));
+
+  // The destination: absent, an empty directory, or (with overwrite) a directory to replace.
+  std::error_code ec;
+  const fs::file_status status = fs::symlink_status(dest, ec);
+  bool replace = false;
+  if (fs::exists(status)) {
+    if (!fs::is_directory(status)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("make-model: --out ", o.out, " exists and is not a directory; choose another --out"));
+    }
+    const bool empty = fs::is_empty(dest, ec);
+    if (ec) return FileError(absl::StrCat("make-model: --out ", o.out, ": cannot list it"), ec.value());
+    if (!empty && !o.overwrite) {
+      return absl::AlreadyExistsError(absl::StrCat("make-model: --out ", o.out,
+                                                   " already exists and is not empty; choose a new directory or "
+                                                   "pass --overwrite to replace it"));
+    }
+    replace = !empty;
+  }
+
+  // Everything is checked before the first byte is written.
+  MOE_RETURN_IF_ERROR(CheckFreeSpace(o.out, ExistingAncestor(dest.parent_path()), plan.disk_bytes));
+  RemoveOnFailure created_parents;
+  MOE_RETURN_IF_ERROR(CreateParents(o.out, dest.parent_path(), created_parents));
+  MOE_ASSIGN_OR_RETURN(fs::path tmp, MakeSiblingDir(o.out, dest, "partial"));
+  RemoveOnFailure partial(tmp);
+  if (absl::Status s = WriteCheckpoint(o, plan, tmp); !s.ok()) {
+    return core::Annotate(s, absl::StrCat("make-model: writing ", o.out, " (nothing was left behind)"));
+  }
+  MOE_RETURN_IF_ERROR(MoveIntoPlace(o.out, tmp, dest, replace));
+  partial.Release();
+  created_parents.Release();
   return absl::OkStatus();
 }
 

@@ -11,7 +11,8 @@ namespace {
 int RunMakeModel(const MakeModelOptions& options) {
   if (absl::Status s = MakeModel(options); !s.ok()) {
     std::cerr << "moeserve make-model: error: " << s.message() << "\n";
-    return s.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+    const bool usage = s.code() == absl::StatusCode::kInvalidArgument || s.code() == absl::StatusCode::kAlreadyExists;
+    return usage ? 2 : 1;
   }
   std::cerr << "make-model: wrote " << options.out << "\n";
   return 0;
@@ -25,9 +26,12 @@ void AddMakeModelCommand(CLI::App& root, CommandRun* selected) {
   CLI::App* app = AddCommand(
       root, "make-model", "write a random-weight checkpoint at a real model's shape, for demos and benchmarks",
       "Writes a random-weight checkpoint in the Hugging Face format (config.json + safetensors) at the\n"
-      "shape of a real model. Presets: " +
-          absl::StrJoin(MakeModelPresets(), ", ") +
-          ".\nqwen3-30b-a3b has hidden 2048, 128 experts top-8 of width 768, 32 query and 4 KV heads of 128.\n"
+      "shape of a real model, for any architecture the loader reads. Presets (by --arch):\n"
+      "  qwen3_moe: " + absl::StrJoin(MakeModelPresets("qwen3_moe"), ", ") +
+          "\n  qwen2_moe: " + absl::StrJoin(MakeModelPresets("qwen2_moe"), ", ") +
+          "\n  mixtral: " + absl::StrJoin(MakeModelPresets("mixtral"), ", ") +
+          "\n  glm4_moe: " + absl::StrJoin(MakeModelPresets("glm4_moe"), ", ") +
+          "\nqwen3-30b-a3b has hidden 2048, 128 experts top-8 of width 768, 32 query and 4 KV heads of 128.\n"
           "The checkpoint is written beside --out under a temporary name and renamed at the end; free space is\n"
           "checked first, and nothing is left behind on an error.",
       [o, quiet] {
@@ -46,6 +50,8 @@ void AddMakeModelCommand(CLI::App& root, CommandRun* selected) {
          "tensor bytes per safetensors shard, in MiB; bigger checkpoints are split, with an index (default 4096)")
       ->check(IntIn(1, 1 << 20));
   app->add_option("--out", o->out, "output directory")->required();
+  app->add_flag("--overwrite", o->overwrite,
+                "replace an existing non-empty --out (only once the new checkpoint is complete)");
   app->add_flag("--quiet", *quiet, "no progress lines");
 }
 
