@@ -135,15 +135,6 @@ void ListenSocketOptions(socket_t sock) {
 
 int NoPassword(char* /*buf*/, int /*size*/, int /*rwflag*/, void* /*u*/) { return 0; }
 
-std::string OpenSslError() {
-  const unsigned long code = ERR_get_error();
-  ERR_clear_error();
-  if (code == 0) return "no detail from OpenSSL";
-  char buf[256];
-  ERR_error_string_n(code, buf, sizeof(buf));
-  return buf;
-}
-
 // Configures the server's TLS context from files CheckTlsFiles has accepted. TLS 1.2 at least;
 // with a client CA, a client without a certificate that CA signed fails the handshake.
 bool SetUpTls(SSL_CTX& ctx, const TlsFiles& tls, std::string* error) {

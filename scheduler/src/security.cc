@@ -20,14 +20,7 @@
 #include "moe/core/status.h"
 
 namespace moe::scheduler {
-namespace {
 
-// Key files and PEM files are small; a bound keeps a wrong path (a log, a device) from being
-// read whole into memory.
-constexpr size_t kMaxFileBytes = size_t{1} << 20;
-
-// The oldest queued OpenSSL error as text, and the queue cleared so it cannot leak into the
-// next report.
 std::string OpenSslError() {
   const unsigned long code = ERR_get_error();
   ERR_clear_error();
@@ -36,6 +29,13 @@ std::string OpenSslError() {
   ERR_error_string_n(code, buf, sizeof(buf));
   return buf;
 }
+
+namespace {
+
+// Key files and PEM files are small; a bound keeps a wrong path (a log, a device) from being
+// read whole into memory.
+constexpr size_t kMaxFileBytes = size_t{1} << 20;
+
 
 // Reads a regular, readable file of at most kMaxFileBytes. `what` names the file's role.
 absl::StatusOr<std::string> ReadSmallFile(const std::string& path, absl::string_view what) {

@@ -63,4 +63,8 @@ class ApiKeys {
   std::vector<Digest> digests_;
 };
 
+// The oldest queued OpenSSL error as text, and the queue cleared so it cannot leak into the
+// next report (for the TLS errors of the gRPC and HTTP servers).
+std::string OpenSslError();
+
 }  // namespace moe::scheduler
