@@ -189,22 +189,21 @@ Streamed StreamOne(pb::Generation::Stub* stub, int max_new_tokens, std::atomic<i
 
 TEST(ServeProcessTest, SigtermDrainsThenCutsOffWithUnavailableAndLogsEachRequest) {
   testing::ServeProcess serve({"--model", testing::FixtureDir("qwen3_moe"), "--listen", "127.0.0.1:0", "--http", "off",
-                               "--drain-seconds", "1", "--threads", "1", "--expert-threads", "1"});
+                               "--drain-seconds", "0", "--threads", "1", "--expert-threads", "1"});
   ASSERT_GT(serve.port(), 0) << serve.err();
   auto stub = Connect(serve.port());
   const Streamed done = StreamOne(stub.get(), 3);
   ASSERT_TRUE(done.status.ok()) << done.status.error_message();
-  // A stream far longer than the drain: it must be cut off with UNAVAILABLE and a message.
+  // A stream still running when the drain ends (at once: --drain-seconds 0) is cut off with
+  // UNAVAILABLE and a message. (That running requests finish within the drain: server_test.)
   std::atomic<int> seen{0};
   Streamed cut;
   std::thread long_stream([&] { cut = StreamOne(stub.get(), 2000, &seen); });
   while (seen < 2) std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  const auto stop = std::chrono::steady_clock::now();
   serve.Signal(SIGTERM);
   long_stream.join();
   EXPECT_EQ(cut.status.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_THAT(cut.status.error_message(), HasSubstr("server shutting down"));
-  EXPECT_GE(std::chrono::steady_clock::now() - stop, std::chrono::milliseconds(900));  // it had its drain
   EXPECT_LT(cut.tokens, 2000);
   EXPECT_EQ(serve.Wait(), 0);
   const std::string err = serve.err();

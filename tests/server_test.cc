@@ -441,25 +441,31 @@ TEST_F(ServerTest, HealthAnswersPerServiceNameAndTurnsNotServingOnDrain) {
   EXPECT_EQ(HealthCheck(channel_, ""), std::make_pair(grpc::StatusCode::OK, serving));
   EXPECT_EQ(HealthCheck(channel_, "moeserve.v1.Generation"), std::make_pair(grpc::StatusCode::OK, serving));
   EXPECT_EQ(HealthCheck(channel_, "no.such.Service").first, grpc::StatusCode::NOT_FOUND);
-  // A drain with a stream running: health turns NOT_SERVING at once, new requests are refused.
+  // A drain with two streams running: health turns NOT_SERVING at once and new requests are
+  // refused; the short stream finishes within the grace, the long one is cut off after it.
   std::atomic<int> got{0};
-  Result cut;
+  Result cut, finished;
   std::thread long_stream([&] {
     grpc::ClientContext ctx;
-    auto reader = stub_->Generate(&ctx, Make(prompts_[0], 1500));
+    auto reader = stub_->Generate(&ctx, Make(prompts_[0], 2000));
     pb::GenerateResponse msg;
     while (reader->Read(&msg)) got += msg.token_ids_size();
     cut.status = reader->Finish();
   });
   while (got < 1) std::this_thread::sleep_for(std::chrono::milliseconds(2));
-  std::thread drain([&] { EXPECT_EQ(frontend_->Drain(std::chrono::milliseconds(500)), 1); });
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  std::thread short_stream([&] { finished = Run(Make(prompts_[2], 20)); });
+  while (frontend_->engine().stats().running < 2) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  std::thread drain([&] { EXPECT_EQ(frontend_->Drain(std::chrono::milliseconds(200)), 1); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
   EXPECT_EQ(HealthCheck(channel_, "moeserve.v1.Generation"), std::make_pair(grpc::StatusCode::OK, not_serving));
   Result refused = Run(Make(prompts_[1], 2));
   EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_THAT(refused.status.error_message(), HasSubstr("server shutting down: not accepting new requests"));
   drain.join();
   long_stream.join();
+  short_stream.join();
+  EXPECT_TRUE(finished.status.ok()) << finished.status.error_message();
+  EXPECT_EQ(finished.tokens.size(), 20u);
   EXPECT_EQ(cut.status.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_EQ(cut.status.error_message(), "server shutting down");
 }
