@@ -373,3 +373,31 @@ TEST(SecureServeTest, BadTlsAndKeyFilesAreUsageErrors) {
 
 }  // namespace
 }  // namespace moe
+
+namespace moe {
+namespace {
+
+TEST(ServeProcessTest, AMessageOverMaxRequestBytesIsRefusedAndTheServerGoesOn) {
+  testing::ServeProcess serve({"--model", testing::FixtureDir("qwen3_moe"), "--listen", "127.0.0.1:0", "--http",
+                               "off", "--max-request-bytes", "1024", "--threads", "1", "--expert-threads", "1"});
+  ASSERT_GT(serve.port(), 0) << serve.err();
+  auto stub = pb::Generation::NewStub(
+      grpc::CreateChannel("127.0.0.1:" + std::to_string(serve.port()), grpc::InsecureChannelCredentials()));
+  pb::GenerateRequest big;
+  for (int i = 0; i < 1000; ++i) big.add_token_ids(300 + i % 200);  // two bytes each: about 2 KB
+  grpc::ClientContext ctx;
+  auto reader = stub->Generate(&ctx, big);
+  pb::GenerateResponse msg;
+  while (reader->Read(&msg)) {
+  }
+  const grpc::Status refused = reader->Finish();
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_FALSE(refused.error_message().empty());
+  grpc::ClientContext info_ctx;
+  pb::ModelInfo info;
+  EXPECT_TRUE(stub->GetModelInfo(&info_ctx, pb::GetModelInfoRequest(), &info).ok());
+  EXPECT_EQ(serve.Stop(SIGTERM), 0);
+}
+
+}  // namespace
+}  // namespace moe

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <fstream>
 #include <stdexcept>
+#include <iostream>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -94,8 +95,9 @@ TEST(HttpServerTest, TwentyIdleConnectionsDoNotDelayAScrape) {
   const auto elapsed = std::chrono::steady_clock::now() - start;
   ASSERT_TRUE(response) << httplib::to_string(response.error());
   EXPECT_EQ(response->status, 200);
-  EXPECT_LT(elapsed, std::chrono::milliseconds(100))
-      << std::chrono::duration_cast<std::chrono::milliseconds>(elapsed).count() << " ms";
+  const double ms = std::chrono::duration<double, std::milli>(elapsed).count();
+  std::cout << "[ scrape ] GET /metrics took " << ms << " ms with 20 idle connections open\n";
+  EXPECT_LT(elapsed, std::chrono::milliseconds(100)) << ms << " ms";
   for (int fd : idle) ::close(fd);
 }
 
