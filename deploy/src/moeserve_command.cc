@@ -59,7 +59,7 @@ int RunMoeserve(int argc, char** argv) {
                              ": serves Mixture-of-Experts language models (qwen3_moe, qwen2_moe, mixtral, glm4_moe)\n"
                              "from Hugging Face checkpoints. `moeserve COMMAND --help` explains each command."),
                 "moeserve");
-  root.get_formatter()->column_width(36);
+  root.get_formatter()->column_width(36);  // subcommands share the root's formatter
   root.require_subcommand(0, 1);
   root.set_version_flag("--version", std::string("moeserve ") + kVersion);
   CommandRun selected;
@@ -73,12 +73,6 @@ int RunMoeserve(int argc, char** argv) {
       return 0;
     };
   });
-  for (CLI::App* sub : root.get_subcommands([](const CLI::App*) { return true; })) {
-    sub->get_formatter()->column_width(36);
-    for (CLI::App* leaf : sub->get_subcommands([](const CLI::App*) { return true; })) {
-      leaf->get_formatter()->column_width(36);
-    }
-  }
 
   if (argc < 2) {
     std::cerr << root.help();

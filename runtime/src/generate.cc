@@ -59,7 +59,7 @@ absl::StatusOr<GenerateResult> Generate(Model& model, const std::vector<int32_t>
   }
   auto start = std::chrono::steady_clock::now();
   MOE_RETURN_IF_ERROR(model.Forward(batch, *cache, &logits));
-  MOE_RETURN_IF_ERROR(CheckLogitsFinite(logits.data(), static_cast<int64_t>(logits.size())));
+  MOE_RETURN_IF_ERROR(CheckLogitsFinite(logits.data(), static_cast<int64_t>(logits.size()) / vocab, vocab));
   result.prefill_seconds = SecondsSince(start);
   if (options.prompt_logits) {
     for (size_t i = 0; i < prompt.size(); ++i) {
@@ -84,7 +84,7 @@ absl::StatusOr<GenerateResult> Generate(Model& model, const std::vector<int32_t>
     batch.sequences = {SequenceChunk{position, 1, table.data(), blocks}};
     batch.logit_rows = {0};
     MOE_RETURN_IF_ERROR(model.Forward(batch, *cache, &logits));
-    MOE_RETURN_IF_ERROR(CheckLogitsFinite(logits.data(), vocab));
+    MOE_RETURN_IF_ERROR(CheckLogitsFinite(logits.data(), 1, vocab));
     last = logits.data();
     ++position;
   }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <vector>
 
@@ -124,15 +125,24 @@ int32_t Sampler::Sample(const float* logits, int vocab) {
   return order[keep - 1];
 }
 
-absl::Status CheckLogitsFinite(const float* logits, int64_t count) {
-  bool finite = true;
-  for (int64_t i = 0; i < count; ++i) finite &= std::isfinite(logits[i]);  // no branch in the loop
-  if (finite) return absl::OkStatus();
+absl::Status CheckLogitsFinite(const float* logits, int64_t rows, int vocab) {
+  // Exponent bits all ones is NaN or infinity. On the bits, the loop vectorizes (std::isfinite
+  // does not): a few microseconds for a row of 150k logits, against the forward's milliseconds.
+  const int64_t count = rows * vocab;
+  uint32_t bad = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, logits + i, sizeof(bits));
+    bad |= static_cast<uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
+  }
+  if (bad == 0) return absl::OkStatus();
   int64_t at = 0;
   while (std::isfinite(logits[at])) ++at;
+  const std::string where = rows > 1 ? absl::StrCat("row ", at / vocab, ", vocabulary index ", at % vocab)
+                                     : absl::StrCat("vocabulary index ", at % vocab);
   return absl::InternalError(absl::StrCat(
-      "the model computed a non-finite logit (", logits[at] != logits[at] ? "NaN" : "infinity", " at vocabulary index ",
-      at, "); its weights or config.json values (rope_theta, rms_norm_eps, ...) are broken, so no token is served"));
+      "the model computed a non-finite logit (", std::isnan(logits[at]) ? "NaN" : "infinity", " at ", where,
+      "); its weights or config.json values (rope_theta, rms_norm_eps, ...) are broken, so no token is served"));
 }
 
 }  // namespace moe::runtime

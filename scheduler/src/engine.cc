@@ -26,9 +26,15 @@ void Stream::Push(Output out, Clock::time_point now, Metrics* metrics) {
       metrics->prompt_tokens += out.prompt_tokens;
       switch (*out.finished) {
         case FinishReason::kAborted:
-        case FinishReason::kDeadline: ++metrics->requests_aborted; break;
-        case FinishReason::kError: ++metrics->requests_failed; break;
-        default: ++metrics->requests_finished; break;
+        case FinishReason::kDeadline:
+          ++metrics->requests_aborted;
+          break;
+        case FinishReason::kError:
+          ++metrics->requests_failed;
+          break;
+        default:
+          ++metrics->requests_finished;
+          break;
       }
     }
     outputs_.push_back(std::move(out));
@@ -84,15 +90,17 @@ void Engine::StopAccepting() {
   accepting_ = false;
 }
 
-void Engine::Stop(absl::Status reason) {
+int Engine::Stop() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
   }
   work_.notify_all();
-  if (!thread_.joinable()) return;
+  if (!thread_.joinable()) return 0;
   thread_.join();
   // Whatever was still live ends as aborted; queued submissions are refused.
+  const absl::Status reason = absl::UnavailableError("server shutting down");
+  int cut = static_cast<int>(streams_.size());
   for (auto& [id, stream] : streams_) {
     Output out = OutputFor(id);
     out.finished = FinishReason::kAborted;
@@ -102,8 +110,16 @@ void Engine::Stop(absl::Status reason) {
   streams_.clear();
   std::lock_guard<std::mutex> lock(mu_);
   live_.clear();
-  for (PendingAdd* add : adds_) add->done.set_value(absl::UnavailableError("server shutting down"));
+  cut += static_cast<int>(adds_.size());
+  for (PendingAdd* add : adds_) add->done.set_value(reason);
   adds_.clear();
+  idle_.notify_all();
+  return cut;
+}
+
+bool Engine::WaitIdle(Clock::time_point deadline) {
+  std::unique_lock<std::mutex> lock(mu_);
+  return idle_.wait_until(lock, deadline, [&] { return adds_.empty() && !inbox_in_hand_ && live_.empty(); });
 }
 
 absl::StatusOr<std::shared_ptr<Stream>> Engine::Submit(Request request) {
@@ -143,6 +159,7 @@ void Engine::DrainInbox() {
     std::lock_guard<std::mutex> lock(mu_);
     adds.swap(adds_);
     aborts.swap(aborts_);
+    inbox_in_hand_ = !adds.empty();
   }
   for (PendingAdd* add : adds) {
     const std::string id = add->request.id;
@@ -154,6 +171,11 @@ void Engine::DrainInbox() {
     }
     add->done.set_value(s);
   }
+  if (!adds.empty()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    inbox_in_hand_ = false;
+  }
+  idle_.notify_all();
   for (const std::string& id : aborts) scheduler_.Abort(id);
 }
 
@@ -181,10 +203,13 @@ void Engine::Loop() {
       }
       stream->Push(std::move(out), now, &metrics_);
     }
-    std::lock_guard<std::mutex> lock(mu_);
-    for (const std::string& id : finished) live_.erase(id);
-    busy_ = !scheduler_.idle();
-    stats_ = scheduler_.stats();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const std::string& id : finished) live_.erase(id);
+      busy_ = !scheduler_.idle();
+      stats_ = scheduler_.stats();
+    }
+    if (!finished.empty()) idle_.notify_all();
   }
 }
 

@@ -8,10 +8,10 @@
 #include <iostream>
 #include <mutex>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "moe/runtime/model_spec.h"
 #include "moe/scheduler/http_server.h"
+#include "moe/scheduler/listen_address.h"
 #include "moe/scheduler/metrics.h"
 #include "moeserve/v1/generation.grpc.pb.h"
 #include "nlohmann/json.hpp"
@@ -29,12 +29,17 @@ grpc::Status ToGrpc(const absl::Status& s) {
 
 pb::FinishReason ToProto(FinishReason r) {
   switch (r) {
-    case FinishReason::kLength: return pb::FINISH_REASON_LENGTH;
-    case FinishReason::kEos: return pb::FINISH_REASON_EOS;
-    case FinishReason::kStopToken: return pb::FINISH_REASON_STOP_TOKEN;
+    case FinishReason::kLength:
+      return pb::FINISH_REASON_LENGTH;
+    case FinishReason::kEos:
+      return pb::FINISH_REASON_EOS;
+    case FinishReason::kStopToken:
+      return pb::FINISH_REASON_STOP_TOKEN;
     case FinishReason::kAborted:
-    case FinishReason::kDeadline: return pb::FINISH_REASON_ABORTED;
-    case FinishReason::kError: return pb::FINISH_REASON_ERROR;
+    case FinishReason::kDeadline:
+      return pb::FINISH_REASON_ABORTED;
+    case FinishReason::kError:
+      return pb::FINISH_REASON_ERROR;
   }
   return pb::FINISH_REASON_UNSPECIFIED;
 }
@@ -43,29 +48,12 @@ double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).coun
 
 constexpr const char* kGenerationService = "moeserve.v1.Generation";
 
-// HOST:PORT with the port in 0..65535 and an IPv6 host in brackets: gRPC itself takes port
-// 99999 as "pick any" and reads no error into it.
-absl::Status CheckAddress(const std::string& address) {
-  const size_t colon = address.rfind(':');
-  int64_t port;
-  if (colon == std::string::npos || colon == 0 || !absl::SimpleAtoi(address.substr(colon + 1), &port) || port < 0 ||
-      port > 65535) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("address '", address, "' is not HOST:PORT with a port in [0, 65535] (e.g. 127.0.0.1:50051)"));
-  }
-  const std::string host = address.substr(0, colon);
-  if (host.find(':') != std::string::npos && (host.front() != '[' || host.back() != ']')) {
-    return absl::InvalidArgumentError(absl::StrCat("address '", address, "': an IPv6 host goes in brackets, [::1]:PORT"));
-  }
-  return absl::OkStatus();
-}
-
 // One JSON line per request on stderr, whole lines from any thread.
 class RequestLog {
  public:
   explicit RequestLog(bool enabled) : enabled_(enabled) {}
+  bool enabled() const { return enabled_; }
   void Write(const nlohmann::ordered_json& line) {
-    if (!enabled_) return;
     const std::string text = line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
     std::lock_guard<std::mutex> lock(mu_);
     std::cerr << text << std::flush;
@@ -86,6 +74,12 @@ class GenerationService final : public pb::Generation::Service {
                     const ApiKeys* keys)
       : engine_(engine), spec_(spec), placement_(std::move(placement)), log_(log), keys_(keys) {}
 
+  // Counts a call refused before it ran, and returns its status.
+  grpc::Status Rejected(grpc::Status status) {
+    engine_.CountRejected(static_cast<absl::StatusCode>(status.error_code()));
+    return status;
+  }
+
   // UNAUTHENTICATED unless the call carries `authorization: Bearer KEY` for a key (when keys are set).
   grpc::Status Authorize(const grpc::ServerContext& context) {
     if (keys_ == nullptr || keys_->empty()) return grpc::Status::OK;
@@ -105,46 +99,78 @@ class GenerationService final : public pb::Generation::Service {
                         grpc::ServerWriter<pb::GenerateResponse>* writer) override {
     const Clock::time_point arrival = Clock::now();
     const std::string id = in->request_id().empty() ? absl::StrCat("req-", next_id_++) : in->request_id();
-    int prompt_tokens = in->token_ids_size(), completion = 0;
-    std::string finish = "";
-    std::shared_ptr<Stream> stream;
+    Served served;
     grpc::Status status = Authorize(*context);
-    if (status.ok()) status = Run(context, *in, id, writer, &stream, &completion, &finish);
+    if (status.ok()) status = Run(context, *in, id, writer, &served);
     // A request the engine never took (refused, or the call's metadata was wrong) counts as rejected.
-    if (!status.ok() && stream == nullptr) engine_.CountRejected(static_cast<absl::StatusCode>(status.error_code()));
-    nlohmann::ordered_json line = {{"event", "request"},
-                                   {"id", id},
-                                   {"peer", context->peer()},
-                                   {"status", absl::StatusCodeToString(static_cast<absl::StatusCode>(status.error_code()))},
-                                   {"finish_reason", finish},
-                                   {"prompt_tokens", prompt_tokens},
-                                   {"output_tokens", completion}};
-    if (!status.ok()) line["error"] = status.error_message();
-    if (stream != nullptr) {
-      line["queue_ms"] = Ms(stream->admitted(), arrival);
-      line["ttft_ms"] = Ms(stream->first_token(), arrival);
+    if (!status.ok() && served.stream == nullptr) {
+      engine_.CountRejected(static_cast<absl::StatusCode>(status.error_code()));
     }
-    line["total_ms"] = Ms(Clock::now(), arrival);
-    log_.Write(line);
+    if (log_.enabled()) Log(*context, *in, id, arrival, status, served);
     return status;
   }
 
-  // Validates, submits and streams one request; `stream_out` is set once the engine took it.
-  grpc::Status Run(grpc::ServerContext* context, const pb::GenerateRequest& request_in, const std::string& id,
-                   grpc::ServerWriter<pb::GenerateResponse>* writer, std::shared_ptr<Stream>* stream_out,
-                   int* completion_out, std::string* finish_out) {
-    const pb::GenerateRequest* in = &request_in;
-    if (!in->text().empty() || in->messages_size() > 0) {
+  grpc::Status Abort(grpc::ServerContext* context, const pb::AbortRequest* in, pb::AbortResponse*) override {
+    if (grpc::Status auth = Authorize(*context); !auth.ok()) return Rejected(auth);
+    if (!engine_.Abort(in->request_id())) {
+      return grpc::Status(grpc::StatusCode::NOT_FOUND, "no live request '" + in->request_id() + "'");
+    }
+    return grpc::Status::OK;
+  }
+
+  grpc::Status GetModelInfo(grpc::ServerContext* context, const pb::GetModelInfoRequest*, pb::ModelInfo* out) override {
+    if (grpc::Status auth = Authorize(*context); !auth.ok()) return Rejected(auth);
+    out->set_architecture(spec_.model_type);
+    out->set_context_length(engine_.config().context);
+    out->set_vocab_size(spec_.vocab_size);
+    out->set_num_experts(spec_.routing.num_experts);
+    out->set_experts_per_token(spec_.routing.top_k);
+    out->set_placement(placement_);
+    out->set_version("0.1.0");
+    return grpc::Status::OK;
+  }
+
+ private:
+  // What Run did for a request, for the request log.
+  struct Served {
+    std::shared_ptr<Stream> stream;  // set once the engine took the request
+    int completion_tokens = 0;
+    std::string finish_reason;
+  };
+
+  void Log(const grpc::ServerContext& context, const pb::GenerateRequest& in, const std::string& id,
+           Clock::time_point arrival, const grpc::Status& status, const Served& served) {
+    nlohmann::ordered_json line = {
+        {"event", "request"},
+        {"id", id},
+        {"peer", context.peer()},
+        {"status", absl::StatusCodeToString(static_cast<absl::StatusCode>(status.error_code()))},
+        {"finish_reason", served.finish_reason},
+        {"prompt_tokens", in.token_ids_size()},
+        {"output_tokens", served.completion_tokens}};
+    if (!status.ok()) line["error"] = status.error_message();
+    if (served.stream != nullptr) {
+      line["queue_ms"] = Ms(served.stream->admitted(), arrival);
+      line["ttft_ms"] = Ms(served.stream->first_token(), arrival);
+    }
+    line["total_ms"] = Ms(Clock::now(), arrival);
+    log_.Write(line);
+  }
+
+  // Validates, submits and streams one request.
+  grpc::Status Run(grpc::ServerContext* context, const pb::GenerateRequest& in, const std::string& id,
+                   grpc::ServerWriter<pb::GenerateResponse>* writer, Served* served) {
+    if (!in.text().empty() || in.messages_size() > 0) {
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          std::string(in->text().empty() ? "messages" : "text") +
+                          std::string(in.text().empty() ? "messages" : "text") +
                               ": text and chat prompts need the tokenizer, which this server does not have yet; "
                               "send token_ids");
     }
     Request request;
     request.id = id;
-    request.logprobs = in->logprobs();
-    request.prompt.assign(in->token_ids().begin(), in->token_ids().end());
-    const pb::SamplingParams& sp = in->sampling();
+    request.logprobs = in.logprobs();
+    request.prompt.assign(in.token_ids().begin(), in.token_ids().end());
+    const pb::SamplingParams& sp = in.sampling();
     request.sampling.temperature = sp.temperature();
     request.sampling.top_p = sp.has_top_p() ? sp.top_p() : 1.0f;
     request.sampling.repetition_penalty = sp.repetition_penalty() == 0.0f ? 1.0f : sp.repetition_penalty();
@@ -153,7 +179,7 @@ class GenerationService final : public pb::Generation::Service {
     request.sampling.top_k = sp.top_k();
     request.sampling.min_p = sp.min_p();
     if (sp.has_seed()) request.sampling.seed = sp.seed();
-    const pb::StoppingParams& st = in->stopping();
+    const pb::StoppingParams& st = in.stopping();
     request.stopping.max_new_tokens = st.max_new_tokens() == 0 ? 16 : st.max_new_tokens();
     request.stopping.min_new_tokens = st.min_new_tokens();
     request.stopping.stop_token_ids.assign(st.stop_token_ids().begin(), st.stop_token_ids().end());
@@ -165,9 +191,9 @@ class GenerationService final : public pb::Generation::Service {
     }
     auto stream = engine_.Submit(std::move(request));
     if (!stream.ok()) return ToGrpc(stream.status());
-    *stream_out = *stream;
+    served->stream = *stream;
 
-    int& completion = *completion_out;
+    int& completion = served->completion_tokens;
     bool aborted_by_client = false;
     while (true) {
       // Checked on every pass: a request that keeps producing tokens never lets Next time out.
@@ -196,45 +222,13 @@ class GenerationService final : public pb::Generation::Service {
         if (!aborted_by_client) writer->Write(delta);
       }
       if (!out.finished) continue;
-      *finish_out = FinishReasonName(*out.finished);
+      served->finish_reason = FinishReasonName(*out.finished);
       if (aborted_by_client) return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client");
-      if (*out.finished == FinishReason::kAborted && !out.error.ok()) return ToGrpc(out.error);  // shutting down
-      if (*out.finished == FinishReason::kDeadline) {
-        return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "deadline exceeded");
-      }
-      if (*out.finished == FinishReason::kError) return ToGrpc(out.error);
-      return grpc::Status::OK;
+      // The error of a failed request, a passed deadline, or a shutdown; none for an ending or an Abort.
+      return ToGrpc(out.error);
     }
   }
 
-  grpc::Status Abort(grpc::ServerContext* context, const pb::AbortRequest* in, pb::AbortResponse*) override {
-    if (grpc::Status auth = Authorize(*context); !auth.ok()) {
-      engine_.CountRejected(absl::StatusCode::kUnauthenticated);
-      return auth;
-    }
-    if (!engine_.Abort(in->request_id())) {
-      engine_.CountRejected(absl::StatusCode::kNotFound);
-      return grpc::Status(grpc::StatusCode::NOT_FOUND, "no live request '" + in->request_id() + "'");
-    }
-    return grpc::Status::OK;
-  }
-
-  grpc::Status GetModelInfo(grpc::ServerContext* context, const pb::GetModelInfoRequest*, pb::ModelInfo* out) override {
-    if (grpc::Status auth = Authorize(*context); !auth.ok()) {
-      engine_.CountRejected(absl::StatusCode::kUnauthenticated);
-      return auth;
-    }
-    out->set_architecture(spec_.model_type);
-    out->set_context_length(engine_.config().context);
-    out->set_vocab_size(spec_.vocab_size);
-    out->set_num_experts(spec_.routing.num_experts);
-    out->set_experts_per_token(spec_.routing.top_k);
-    out->set_placement(placement_);
-    out->set_version("0.1.0");
-    return grpc::Status::OK;
-  }
-
- private:
   void FillFinal(const Stream& stream, const Output& out, int completion, pb::GenerateResponse* msg) {
     msg->set_finish_reason(ToProto(*out.finished));
     if (!out.error.ok()) msg->set_error(std::string(out.error.message()));
@@ -285,10 +279,9 @@ Frontend::Frontend(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Frontend::~Frontend() { Shutdown(); }
 
 absl::StatusOr<std::unique_ptr<Frontend>> Frontend::Create(const FrontendOptions& options) {
-  if (absl::Status s = CheckAddress(options.listen); !s.ok()) return s;
-  if (options.tls.enabled()) {
-    if (absl::Status s = CheckTlsFiles(options.tls); !s.ok()) return s;
-  }
+  if (auto address = ParseListenAddress(options.listen); !address.ok()) return address.status();
+  // Any TLS file named, even one alone, is checked now: before the model loads.
+  if (absl::Status s = CheckTlsFiles(options.tls); !s.ok()) return s;
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   impl->log = std::make_unique<RequestLog>(options.request_log);
@@ -300,8 +293,7 @@ absl::StatusOr<std::unique_ptr<Frontend>> Frontend::Create(const FrontendOptions
     http.protect_metrics = options.protect_metrics;
     http.max_request_bytes = static_cast<size_t>(options.max_request_bytes);
     Impl* raw = impl.get();
-    http.render_metrics = [raw] { return raw->RenderMetrics(); };
-    http.initial_state = ServingState::kLoading;
+    http.render_metrics = [raw] { return raw->RenderMetrics(); };  // /health: 503 "loading" until Serve
     impl->http = std::make_unique<HttpServer>();
     if (absl::Status started = impl->http->Start(http); !started.ok()) return started;
   }
@@ -323,16 +315,16 @@ void Frontend::set_scheduler(const SchedulerConfig& scheduler, std::string place
 absl::Status Frontend::Serve(runtime::Model& model) {
   Impl& impl = *impl_;
   const FrontendOptions& options = impl.options;
+  auto credentials = GrpcServerCredentials(options.tls);
+  if (!credentials.ok()) return credentials.status();
   auto engine = Engine::Start(model, options.scheduler);
   if (!engine.ok()) return engine.status();
   impl.engine = std::move(*engine);
   impl.service = std::make_unique<GenerationService>(*impl.engine, model.spec(), options.placement, *impl.log,
-                                                      options.api_keys.get());
-  impl.reflection_v1 = std::make_unique<internal::ReflectionV1Service>(std::vector<std::string>{
-      kGenerationService, "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
-      "grpc.reflection.v1alpha.ServerReflection"});
-  auto credentials = GrpcServerCredentials(options.tls);
-  if (!credentials.ok()) return credentials.status();
+                                                     options.api_keys.get());
+  impl.reflection_v1 = std::make_unique<internal::ReflectionV1Service>(
+      std::vector<std::string>{kGenerationService, "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
+                               "grpc.reflection.v1alpha.ServerReflection"});
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -377,14 +369,10 @@ int Frontend::Drain(std::chrono::milliseconds grace) {
   health->SetServingStatus(false);
   health->SetServingStatus(kGenerationService, false);
   impl_->engine->StopAccepting();
-  const auto deadline = Clock::now() + grace;
-  SchedulerStats stats = impl_->engine->stats();
-  while (stats.running + stats.waiting > 0 && Clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    stats = impl_->engine->stats();
-  }
+  impl_->engine->WaitIdle(Clock::now() + grace);
+  const int cut = impl_->engine->Stop();
   Shutdown();
-  return stats.running + stats.waiting;
+  return cut;
 }
 
 void Frontend::Shutdown() {

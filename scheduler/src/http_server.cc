@@ -2,7 +2,6 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
-#include <openssl/err.h>
 #include <openssl/ssl.h>
 #include <sys/socket.h>
 
@@ -20,55 +19,11 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "moe/core/status.h"
+#include "moe/scheduler/listen_address.h"
 #include "nlohmann/json.hpp"
 
 namespace moe::scheduler {
 namespace {
-
-struct ListenAddress {
-  std::string host;  // as getaddrinfo takes it: no brackets
-  int port = 0;
-};
-
-absl::StatusOr<ListenAddress> ParseListenAddress(const std::string& listen) {
-  const auto bad = [&](absl::string_view why) {
-    return absl::InvalidArgumentError(absl::StrCat("listen address '", listen, "': ", why));
-  };
-  std::string host;
-  absl::string_view port_text;
-  const absl::string_view text = listen;
-  if (!text.empty() && text.front() == '[') {
-    const size_t close = text.find(']');
-    if (close == absl::string_view::npos || close + 1 >= text.size() || text[close + 1] != ':') {
-      return bad("expected [IPV6]:PORT, as in [::1]:9090");
-    }
-    host = std::string(text.substr(1, close - 1));
-    port_text = text.substr(close + 2);
-    in6_addr v6{};
-    if (inet_pton(AF_INET6, host.c_str(), &v6) != 1) {
-      return bad(absl::StrCat("'", host, "' is not an IPv6 address"));
-    }
-  } else {
-    const size_t colon = text.rfind(':');
-    if (colon == absl::string_view::npos) return bad("expected HOST:PORT, as in 127.0.0.1:9090");
-    host = std::string(text.substr(0, colon));
-    port_text = text.substr(colon + 1);
-    if (host.find(':') != std::string::npos) return bad("an IPv6 address goes in brackets, as in [::1]:9090");
-    if (host == "localhost") host = "127.0.0.1";
-    in_addr v4{};
-    if (inet_pton(AF_INET, host.c_str(), &v4) != 1) {
-      return bad(absl::StrCat("host '", host, "' is not an IPv4 address, an [IPv6] address or localhost"));
-    }
-  }
-  int64_t port = -1;
-  const bool digits = !port_text.empty() && port_text.size() <= 10 &&
-                      std::all_of(port_text.begin(), port_text.end(), absl::ascii_isdigit);
-  if (!digits || !absl::SimpleAtoi(port_text, &port)) {
-    return bad(absl::StrCat("port '", port_text, "' is not a number"));
-  }
-  if (port > 65535) return bad(absl::StrCat("port ", port, " is out of range 0..65535"));
-  return ListenAddress{host, static_cast<int>(port)};
-}
 
 // Worker threads for connections: one per open connection, made as connections arrive (up to
 // `max_threads`) and kept for the next ones. httplib's own pool has a fixed size (8 threads on a
@@ -134,6 +89,12 @@ void ListenSocketOptions(socket_t sock) {
 }
 
 int NoPassword(char* /*buf*/, int /*size*/, int /*rwflag*/, void* /*u*/) { return 0; }
+
+// 401 in OpenAI's error shape, with the challenge that names the scheme.
+void SetUnauthorized(httplib::Response& response, std::string_view message) {
+  SetJsonError(response, 401, message, "authentication_error");
+  response.set_header("WWW-Authenticate", "Bearer");
+}
 
 // Configures the server's TLS context from files CheckTlsFiles has accepted. TLS 1.2 at least;
 // with a client CA, a client without a certificate that CA signed fails the handshake.
@@ -222,11 +183,8 @@ HttpServer::Handler HttpServer::Guarded(Handler handler) const {
   return [this, handler = std::move(handler)](const httplib::Request& request, httplib::Response& response) {
     if (!Authorized(request)) {
       const bool missing = !request.has_header("Authorization");
-      SetJsonError(response, 401,
-                   missing ? "missing API key: send the header 'Authorization: Bearer KEY'"
-                           : "invalid API key in the Authorization header",
-                   "authentication_error");
-      response.set_header("WWW-Authenticate", "Bearer");
+      SetUnauthorized(response, missing ? "missing API key: send the header 'Authorization: Bearer KEY'"
+                                        : "invalid API key in the Authorization header");
       return;
     }
     handler(request, response);
@@ -267,9 +225,7 @@ void HttpServer::OnError(const httplib::Request& request, httplib::Response& res
   switch (response.status) {
     case 404:
       if (!Authorized(request)) {
-        SetJsonError(response, 401, "missing or invalid API key: send the header 'Authorization: Bearer KEY'",
-                     "authentication_error");
-        response.set_header("WWW-Authenticate", "Bearer");
+        SetUnauthorized(response, "missing or invalid API key: send the header 'Authorization: Bearer KEY'");
       } else {
         SetJsonError(response, 404, absl::StrCat("no route for ", request.method, " ", request.path),
                      "invalid_request_error");

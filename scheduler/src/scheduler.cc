@@ -296,13 +296,13 @@ absl::StatusOr<std::vector<SampledToken>> ModelExecutor::Execute(const StepPlan&
   std::vector<float> penalized;
   for (size_t i = 0; i < plan.samples.size(); ++i) {
     const SampleRow& row = plan.samples[i];
-    auto& sampler = samplers_[row.seq_id];
-    if (sampler == nullptr) sampler = std::make_unique<runtime::Sampler>(row.sampling);
     const float* logits = logits_.data() + i * vocab;
-    if (absl::Status finite = runtime::CheckLogitsFinite(logits, vocab); !finite.ok()) {
+    if (absl::Status finite = runtime::CheckLogitsFinite(logits, 1, vocab); !finite.ok()) {
       tokens[i].error = std::move(finite);
       continue;
     }
+    auto& sampler = samplers_[row.seq_id];
+    if (sampler == nullptr) sampler = std::make_unique<runtime::Sampler>(row.sampling);
     if (row.sampling.penalized()) {
       penalized.assign(logits, logits + vocab);
       runtime::ApplyPenalties(row.sampling, row.tokens, row.prompt_len, row.tokens + row.prompt_len,

@@ -5,18 +5,16 @@
 #include <openssl/evp.h>
 #include <openssl/pem.h>
 #include <openssl/x509.h>
-#include <sys/stat.h>
 
 #include <cerrno>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "grpcpp/security/server_credentials.h"
+#include "moe/core/file.h"
 #include "moe/core/status.h"
 
 namespace moe::scheduler {
@@ -36,26 +34,16 @@ namespace {
 // read whole into memory.
 constexpr size_t kMaxFileBytes = size_t{1} << 20;
 
-
-// Reads a regular, readable file of at most kMaxFileBytes. `what` names the file's role.
+// Reads a regular file of at most kMaxFileBytes (core::ReadBoundedFile: no fifo waits, no
+// unbounded reads). `what` names the file's role; as these files are named by flags, every
+// failure is kInvalidArgument.
 absl::StatusOr<std::string> ReadSmallFile(const std::string& path, absl::string_view what) {
-  struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(what, " ", path, ": ", std::strerror(errno)));
+  absl::StatusOr<std::string> text = core::ReadBoundedFile(path, kMaxFileBytes, std::string(what));
+  if (text.ok()) return text;
+  if (absl::IsNotFound(text.status())) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " ", path, ": ", std::strerror(ENOENT)));
   }
-  if (!S_ISREG(st.st_mode)) {
-    return absl::InvalidArgumentError(absl::StrCat(what, " ", path, ": not a regular file"));
-  }
-  if (static_cast<size_t>(st.st_size) > kMaxFileBytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, " ", path, ": ", st.st_size, " bytes, more than the 1 MiB such a file can be"));
-  }
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::InvalidArgumentError(absl::StrCat(what, " ", path, ": cannot read: ", std::strerror(errno)));
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) return absl::InvalidArgumentError(absl::StrCat(what, " ", path, ": read failed"));
-  return text.str();
+  return absl::InvalidArgumentError(absl::StrCat(what, " ", text.status().message()));
 }
 
 struct BioFree {

@@ -58,9 +58,10 @@ class Sampler {
   std::mt19937_64 rng_;
 };
 
-// kInternal when a row of logits holds a NaN or an infinity: a broken model (its weights, or a
-// config value such as rope_theta), whose tokens must not be served.
-absl::Status CheckLogitsFinite(const float* logits, int64_t count);
+// kInternal when logits[rows x vocab] hold a NaN or an infinity: a broken model (its weights, or
+// a config value such as rope_theta), whose tokens must not be served. The message names the
+// first one's row (when there are several) and vocabulary index.
+absl::Status CheckLogitsFinite(const float* logits, int64_t rows, int vocab);
 
 // Index of the largest value; ties go to the lowest index.
 int32_t ArgMax(const float* values, int n);

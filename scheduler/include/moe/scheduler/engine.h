@@ -50,11 +50,15 @@ class Engine {
   static absl::StatusOr<std::unique_ptr<Engine>> Start(runtime::Model& model, SchedulerConfig config);
   ~Engine();  // Stop()s
 
-  // Stops the loop: live requests end as aborted with `reason` as their error, later Submits
-  // fail with kUnavailable. The engine stays valid for callers still holding it. Idempotent.
-  void Stop(absl::Status reason = absl::UnavailableError("server shutting down"));
+  // Stops the loop: live requests end as aborted with the error kUnavailable "server shutting
+  // down", queued submissions and later Submits fail with kUnavailable. Returns how many
+  // requests it cut off that way (0 when already stopped). The engine stays valid for callers
+  // still holding it. Idempotent.
+  int Stop();
   // From now on Submit fails with kUnavailable; live requests run on (a drain's first half).
   void StopAccepting();
+  // Waits until no request is live or queued for the loop, or until `deadline`; true if idle.
+  bool WaitIdle(Clock::time_point deadline);
 
   // Errors as Scheduler::Add: kInvalidArgument naming the field, kResourceExhausted when full.
   absl::StatusOr<std::shared_ptr<Stream>> Submit(Request request);
@@ -78,17 +82,19 @@ class Engine {
   const SchedulerConfig config_;
   std::unique_ptr<runtime::KvCache> cache_;
   std::unique_ptr<ModelExecutor> executor_;
-  Scheduler scheduler_;                                    // loop thread only
+  Scheduler scheduler_;                                     // loop thread only
   std::map<std::string, std::shared_ptr<Stream>> streams_;  // loop thread only
 
   mutable std::mutex mu_;  // guards the inbox and what other threads read
   std::condition_variable work_;
+  std::condition_variable idle_;  // notified when live_ or the inbox shrinks
   std::deque<PendingAdd*> adds_;
   std::vector<std::string> aborts_;
   std::set<std::string> live_;  // ids the loop accepted and has not finished
   bool busy_ = false;           // the scheduler has work
   bool stop_ = false;
   bool accepting_ = true;
+  bool inbox_in_hand_ = false;  // the loop took submissions from adds_ and has not yet made them live
   SchedulerStats stats_;
   Metrics metrics_;
   std::thread thread_;

@@ -48,7 +48,6 @@ class Frontend {
 
   int port() const;
   int http_port() const;  // 0 without an HTTP listener
-  int metrics_port() const { return http_port(); }
   Engine& engine();  // after Serve
   // A graceful stop: health turns NOT_SERVING, new requests get UNAVAILABLE, the running ones
   // have `grace` to finish; then the rest end with UNAVAILABLE "server shutting down" and the
