@@ -322,5 +322,22 @@ TEST(MakeModelTest, CommandUnderAFileSizeLimitFailsAndLeavesNothing) {
   EXPECT_THAT(Entries(dir.path()), IsEmpty());
 }
 
+// Every preset, cut to one layer, makes a config the loader takes (a GLM-4.5 shape has three dense
+// layers first: cut to one, it must say one).
+TEST(MakeModelTest, EveryPresetCutToOneLayerMakesAConfigThatLoads) {
+  for (const std::string& arch : runtime::SupportedModelTypes()) {
+    for (const std::string& preset : deploy::MakeModelPresets(arch)) {
+      deploy::MakeModelOptions o;
+      o.arch = arch;
+      o.preset = preset;
+      o.layers = 1;
+      o.vocab = 64;
+      o.out = "unused";
+      const auto bytes = deploy::MakeModelCheckpointBytes(o);
+      EXPECT_TRUE(bytes.ok()) << arch << " " << preset << ": " << bytes.status();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace moe

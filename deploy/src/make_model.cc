@@ -294,6 +294,7 @@ absl::StatusOr<Shape> ResolveShape(const MakeModelOptions& o) {
     MOE_RETURN_IF_ERROR(CheckRange("--layers", o.layers, 1, kMakeModelMaxLayers, "give a layer count"));
     s.layers = o.layers;
   }
+  s.first_dense = std::min(s.first_dense, s.layers);  // a preset cut to fewer layers than its dense ones
   if (o.vocab != 0) {
     MOE_RETURN_IF_ERROR(CheckRange("--vocab", o.vocab, 1, kMakeModelMaxVocab, "give a vocabulary size"));
     s.vocab = o.vocab;
@@ -468,6 +469,11 @@ absl::StatusOr<CheckpointPlan> PlanCheckpoint(const MakeModelOptions& o) {
   MOE_ASSIGN_OR_RETURN(Shape shape, ResolveShape(o));
   CheckpointPlan plan;
   plan.config = ModelConfig(shape).dump(2) + "\n";
+  // The loader's own checks on what would be written: a config it refuses is never written.
+  if (absl::Status loads = runtime::ParseModelSpec(plan.config, "config.json").status(); !loads.ok()) {
+    return absl::InternalError(
+        absl::StrCat("make-model: the config.json of preset '", o.preset, "' would not load: ", loads.message()));
+  }
   // Split into shards of at most max_shard_bytes of tensors (a tensor is never split), as
   // Hugging Face's max_shard_size does.
   plan.shards.emplace_back();
@@ -624,7 +630,8 @@ class RemoveOnFailure {
 // The destination as an absolute path without "." or ".." or a trailing separator.
 absl::StatusOr<fs::path> ResolveDestination(const std::string& out) {
   std::error_code ec;
-  fs::path p = fs::weakly_canonical(fs::absolute(out, ec), ec);
+  const fs::path absolute = fs::absolute(out, ec);  // its error is kept, not overwritten below
+  fs::path p = ec ? fs::path() : fs::weakly_canonical(absolute, ec);
   if (ec) return absl::InvalidArgumentError(absl::StrCat("make-model: --out ", out, ": ", ec.message()));
   if (p.filename().empty()) p = p.parent_path();
   if (p.filename().empty() || p == p.root_path()) {
@@ -725,24 +732,22 @@ absl::Status MoveIntoPlace(const std::string& out, const fs::path& tmp, const fs
   }
   if (::rename(tmp.c_str(), dest.c_str()) != 0) {
     const int err = errno;
-    if (::rename(old.c_str(), dest.c_str()) == 0) old_guard.Release();
+    // Whether or not the old checkpoint goes back, it is never removed here: when it cannot be
+    // put back, the message says where it is.
+    old_guard.Release();
+    if (::rename(old.c_str(), dest.c_str()) != 0) {
+      return FileError(absl::StrCat("make-model: --out ", out,
+                                    ": cannot move the new checkpoint into place, nor the "
+                                    "old one back; the old one is in ",
+                                    old.string()),
+                       err);
+    }
     return FileError(absl::StrCat("make-model: --out ", out, ": cannot move the new checkpoint into place"), err);
   }
   return absl::OkStatus();  // old_guard removes the old checkpoint
 }
 
 }  // namespace
-
-const std::vector<std::string>& MakeModelPresets() {
-  static const std::vector<std::string> names = [] {
-    std::vector<std::string> n;
-    for (const Preset& p : Presets()) {
-      if (std::find(n.begin(), n.end(), p.name) == n.end()) n.emplace_back(p.name);
-    }
-    return n;
-  }();
-  return names;
-}
 
 std::vector<std::string> MakeModelPresets(std::string_view arch) {
   std::vector<std::string> names;

@@ -11,13 +11,14 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "moe/runtime/model_spec.h"
 
 namespace moe::deploy {
 
 // Limits on what a user may ask for. They keep a typo (--vocab 99999999999) from becoming a
 // checkpoint that fills the disk, while leaving room for every published MoE shape.
-inline constexpr int64_t kMakeModelMaxLayers = 1024;
-inline constexpr int64_t kMakeModelMaxVocab = int64_t{1} << 24;
+inline constexpr int64_t kMakeModelMaxLayers = runtime::kMaxLayers;  // what the loader accepts
+inline constexpr int64_t kMakeModelMaxVocab = runtime::kMaxVocab;
 inline constexpr int64_t kMakeModelMinShardBytes = int64_t{1} << 20;
 inline constexpr int64_t kMakeModelMaxShardBytes = int64_t{1} << 40;
 
@@ -36,7 +37,6 @@ struct MakeModelOptions {
 };
 
 // Every preset name, over all architectures (for help text).
-const std::vector<std::string>& MakeModelPresets();
 // The presets that fit `arch` ("tiny" first); empty for an unknown arch.
 std::vector<std::string> MakeModelPresets(std::string_view arch);
 

@@ -27,7 +27,8 @@ void AddMakeModelCommand(CLI::App& root, CommandRun* selected) {
       root, "make-model", "write a random-weight checkpoint at a real model's shape, for demos and benchmarks",
       "Writes a random-weight checkpoint in the Hugging Face format (config.json + safetensors) at the\n"
       "shape of a real model, for any architecture the loader reads. Presets (by --arch):\n"
-      "  qwen3_moe: " + absl::StrJoin(MakeModelPresets("qwen3_moe"), ", ") +
+      "  qwen3_moe: " +
+          absl::StrJoin(MakeModelPresets("qwen3_moe"), ", ") +
           "\n  qwen2_moe: " + absl::StrJoin(MakeModelPresets("qwen2_moe"), ", ") +
           "\n  mixtral: " + absl::StrJoin(MakeModelPresets("mixtral"), ", ") +
           "\n  glm4_moe: " + absl::StrJoin(MakeModelPresets("glm4_moe"), ", ") +
@@ -42,13 +43,14 @@ void AddMakeModelCommand(CLI::App& root, CommandRun* selected) {
       selected);
   app->add_option("--arch", o->arch, "architecture (model_type)")->capture_default_str();
   app->add_option("--preset", o->preset, "shape preset")->capture_default_str();
-  app->add_option("--layers", o->layers, "number of layers instead of the preset's")->check(IntIn(1, 1024));
-  app->add_option("--vocab", o->vocab, "vocabulary size instead of the preset's")->check(IntIn(1, 1 << 24));
+  app->add_option("--layers", o->layers, "number of layers instead of the preset's")
+      ->check(IntIn(1, kMakeModelMaxLayers));
+  app->add_option("--vocab", o->vocab, "vocabulary size instead of the preset's")->check(IntIn(1, kMakeModelMaxVocab));
   app->add_option("--seed", o->seed, "random seed")->check(IntIn(0, INT64_MAX))->capture_default_str();
   app->add_option_function<int64_t>(
          "--max-shard-mb", [o](int64_t mb) { o->max_shard_bytes = mb << 20; },
          "tensor bytes per safetensors shard, in MiB; bigger checkpoints are split, with an index (default 4096)")
-      ->check(IntIn(1, 1 << 20));
+      ->check(IntIn(kMakeModelMinShardBytes >> 20, kMakeModelMaxShardBytes >> 20));
   app->add_option("--out", o->out, "output directory")->required();
   app->add_flag("--overwrite", o->overwrite,
                 "replace an existing non-empty --out (only once the new checkpoint is complete)");

@@ -19,14 +19,12 @@ using core::DescribeJson;
 // Sane limits for config values, checked before anything is sized from them. Generous for the
 // largest published MoE models (DeepSeek-V3: 61 layers, hidden 7168, 128 heads, 256 experts,
 // vocab 129280; Qwen3-235B-A22B: 94 layers, 128 experts; GLM-4.5: 92 layers, 160 experts).
-constexpr int64_t kMaxLayers = 1024;
 constexpr int64_t kMaxHidden = 65536;
 constexpr int64_t kMaxHeads = 1024;
 constexpr int64_t kMaxHeadDim = 1024;
 constexpr int64_t kMaxExperts = 4096;
 constexpr int64_t kMaxSharedExperts = 64;
 constexpr int64_t kMaxIntermediate = int64_t{1} << 20;
-constexpr int64_t kMaxVocab = int64_t{1} << 24;
 constexpr int64_t kMaxPositions = int64_t{1} << 24;
 
 // A config value found, with the key it was found under ("rope_parameters.rope_theta").

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -12,6 +13,11 @@
 #include "absl/status/statusor.h"
 
 namespace moe::runtime {
+
+// Limits on config values that tools writing configs share (make-model): more layers or a larger
+// vocabulary than any published model, small enough that nothing sized from them overflows.
+inline constexpr int64_t kMaxLayers = 1024;
+inline constexpr int64_t kMaxVocab = int64_t{1} << 24;
 
 enum class Architecture { kQwen3Moe, kQwen2Moe, kMixtral, kGlm4Moe };
 
