@@ -42,7 +42,8 @@ class Server {
     mo.threads = 1;
     mo.pool.threads = 1;
     mo.pool.progress = false;
-    const std::string dir = std::string(MOE_TESTDATA_DIR) + "/fixtures/qwen3_moe";
+    const char* testdata = std::getenv("MOE_TESTDATA_DIR");  // as the tests: set when run from a bundle
+    const std::string dir = std::string(testdata != nullptr ? testdata : MOE_TESTDATA_DIR) + "/fixtures/qwen3_moe";
     auto model = moe::runtime::Model::Load(dir, mo);
     MOE_FUZZ_CHECK(model.ok(), "cannot load %s: %s", dir.c_str(), std::string(model.status().message()).c_str());
     model_ = std::move(*model);

@@ -13,7 +13,9 @@ cd "$(dirname "$0")/.."
 
 seconds="${FUZZ_SECONDS:-60}"
 jobs="${FUZZ_JOBS:-$(nproc)}"
-read -r -a targets <<<"${FUZZ_TARGETS:-safetensors_header shard_index model_config generate_request}"
+# Every fuzz/<target>_fuzzer.cc is a target (fuzz/CMakeLists.txt builds the same list).
+all_targets=$(cd fuzz && ls ./*_fuzzer.cc | sed 's#^\./##; s#_fuzzer\.cc$##' | tr '\n' ' ')
+read -r -a targets <<<"${FUZZ_TARGETS:-$all_targets}"
 out=build-fuzz
 
 # Per target: the largest input, the time one input may take, and the memory it may use. A file

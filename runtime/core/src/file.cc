@@ -42,7 +42,7 @@ const char* FileTypeName(unsigned int st_mode) {
   if (S_ISBLK(st_mode)) return "a block device";
   if (S_ISSOCK(st_mode)) return "a socket";
   if (S_ISREG(st_mode)) return "a regular file";
-  return "not a regular file";
+  return "a special file";
 }
 
 absl::Status OpenError(const std::string& path, int err) {

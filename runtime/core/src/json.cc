@@ -67,6 +67,12 @@ std::string DescribeJson(const Json& value) {
   if (value.is_array()) return absl::StrCat("a list of ", value.size(), " value", plural);
   if (value.is_object()) return absl::StrCat("an object of ", value.size(), " key", plural);
   if (value.is_null()) return "null";
+  // A long string (a header can hold megabytes) is cut before it is escaped, not after.
+  if (value.is_string() && value.get_ref<const std::string&>().size() > kMaxShown) {
+    return Cut(Json(value.get_ref<const std::string&>().substr(0, kMaxShown + 1))
+                   .dump(-1, ' ', false, Json::error_handler_t::replace),
+               kMaxShown);
+  }
   return Cut(value.dump(-1, ' ', false, Json::error_handler_t::replace), kMaxShown);
 }
 
