@@ -144,8 +144,9 @@ absl::StatusOr<int64_t> TotalBytes(const std::vector<std::string>& files) {
 absl::StatusOr<std::vector<std::string>> CheckpointFiles(const std::string& dir) {
   std::error_code ec;
   std::vector<std::string> files;
-  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
-    if (entry.path().extension() == ".safetensors") files.push_back(entry.path().string());
+  // increment(ec), not a range-for: its operator++ throws on an error, which would abort the bench.
+  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    if (it->path().extension() == ".safetensors") files.push_back(it->path().string());
   }
   if (ec) return absl::NotFoundError(absl::StrCat(dir, ": cannot list: ", ec.message()));
   if (files.empty()) return absl::NotFoundError(absl::StrCat(dir, ": no .safetensors files"));
