@@ -6,21 +6,21 @@
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstring>
-#include <fstream>
-#include <sys/wait.h>
 #include <filesystem>
+#include <fstream>
 #include <thread>
 
+#include "../scheduler/src/test_pki.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "moe/core/dtype.h"
 #include "moeserve/v1/generation.grpc.pb.h"
 #include "nlohmann/json.hpp"
 #include "test_util.h"
-#include "../scheduler/src/test_pki.h"
 
 namespace moe {
 namespace {
@@ -272,17 +272,12 @@ TEST(NonFiniteLogitsTest, ServeFailsTheRequestAndFreesItsBlocks) {
   EXPECT_THAT(serve.err(), HasSubstr("0 requests cut off"));
 }
 
-}  // namespace
-}  // namespace moe
-
-namespace moe {
-namespace {
-
 // The Python example client, as a user runs it against `serve`; its output and exit code.
 testing::CommandResult RunPythonClient(int port, const std::string& extra) {
   const std::string cmd = "PYTHONPATH=" + std::string(MOE_BINARY_DIR) + "/python /usr/bin/python3 " +
-                          std::string(MOE_SOURCE_DIR) + "/examples/stream_client.py --target localhost:" +
-                          std::to_string(port) + " --prompt-ids 5,6,7 --max-new-tokens 4 " + extra + " 2>&1";
+                          std::string(MOE_SOURCE_DIR) +
+                          "/examples/stream_client.py --target localhost:" + std::to_string(port) +
+                          " --prompt-ids 5,6,7 --max-new-tokens 4 " + extra + " 2>&1";
   testing::CommandResult r;
   if (FILE* p = ::popen(cmd.c_str(), "r")) {
     char buf[512];
@@ -309,9 +304,8 @@ TEST(SecureServeTest, TlsAndApiKeysForTheGrpcClientAndHttps) {
   testing::ScratchDir dir;
   std::ofstream(dir / "keys") << "# one key per line\nsecret-key-1\n";
   testing::ServeProcess serve({"--model", testing::FixtureDir("qwen3_moe"), "--listen", "127.0.0.1:0", "--http",
-                               "127.0.0.1:0", "--tls-cert", pki.Path("server.pem"), "--tls-key",
-                               pki.Path("server.key"), "--api-key-file", dir / "keys", "--threads", "1",
-                               "--expert-threads", "1"});
+                               "127.0.0.1:0", "--tls-cert", pki.Path("server.pem"), "--tls-key", pki.Path("server.key"),
+                               "--api-key-file", dir / "keys", "--threads", "1", "--expert-threads", "1"});
   ASSERT_GT(serve.port(), 0) << serve.err();
   const std::string ca = " --ca-cert " + pki.Path("ca.pem");
   auto r = RunPythonClient(serve.port(), ca + " --api-key secret-key-1");
@@ -337,8 +331,8 @@ TEST(SecureServeTest, TlsAndApiKeysForTheGrpcClientAndHttps) {
 TEST(SecureServeTest, MutualTlsNeedsAClientCertificateFromTheCa) {
   scheduler::internal::TestPki pki;
   ASSERT_TRUE(pki.ok()) << "openssl failed in " << pki.dir();
-  testing::ServeProcess serve({"--model", testing::FixtureDir("qwen3_moe"), "--listen", "127.0.0.1:0", "--http",
-                               "off", "--tls-cert", pki.Path("server.pem"), "--tls-key", pki.Path("server.key"),
+  testing::ServeProcess serve({"--model", testing::FixtureDir("qwen3_moe"), "--listen", "127.0.0.1:0", "--http", "off",
+                               "--tls-cert", pki.Path("server.pem"), "--tls-key", pki.Path("server.key"),
                                "--tls-client-ca", pki.Path("ca.pem"), "--threads", "1", "--expert-threads", "1"});
   ASSERT_GT(serve.port(), 0) << serve.err();
   const std::string ca = " --ca-cert " + pki.Path("ca.pem");
@@ -349,8 +343,8 @@ TEST(SecureServeTest, MutualTlsNeedsAClientCertificateFromTheCa) {
   r = RunPythonClient(serve.port(), ca);  // no client certificate
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_THAT(r.out, HasSubstr("UNAVAILABLE"));
-  r = RunPythonClient(serve.port(), ca + " --client-cert " + pki.Path("stranger.pem") + " --client-key " +
-                                        pki.Path("stranger.key"));
+  r = RunPythonClient(serve.port(),
+                      ca + " --client-cert " + pki.Path("stranger.pem") + " --client-key " + pki.Path("stranger.key"));
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_EQ(serve.Stop(SIGTERM), 0);
 }
@@ -359,8 +353,8 @@ TEST(SecureServeTest, BadTlsAndKeyFilesAreUsageErrors) {
   testing::ScratchDir dir;
   std::ofstream(dir / "empty-keys") << "# nothing\n";
   const std::string model = testing::FixtureDir("qwen3_moe");
-  auto r = testing::RunMoeserve({"serve", "--model", model, "--tls-cert", dir / "missing.pem", "--tls-key",
-                                 dir / "missing.key"});
+  auto r = testing::RunMoeserve(
+      {"serve", "--model", model, "--tls-cert", dir / "missing.pem", "--tls-key", dir / "missing.key"});
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_THAT(r.err, HasSubstr("missing.pem"));
   r = testing::RunMoeserve({"serve", "--model", model, "--api-key-file", dir / "empty-keys"});
@@ -371,18 +365,11 @@ TEST(SecureServeTest, BadTlsAndKeyFilesAreUsageErrors) {
   EXPECT_THAT(r.err, HasSubstr("--api-key-protect-metrics needs --api-key-file"));
 }
 
-}  // namespace
-}  // namespace moe
-
-namespace moe {
-namespace {
-
 TEST(ServeProcessTest, AMessageOverMaxRequestBytesIsRefusedAndTheServerGoesOn) {
-  testing::ServeProcess serve({"--model", testing::FixtureDir("qwen3_moe"), "--listen", "127.0.0.1:0", "--http",
-                               "off", "--max-request-bytes", "1024", "--threads", "1", "--expert-threads", "1"});
+  testing::ServeProcess serve({"--model", testing::FixtureDir("qwen3_moe"), "--listen", "127.0.0.1:0", "--http", "off",
+                               "--max-request-bytes", "1024", "--threads", "1", "--expert-threads", "1"});
   ASSERT_GT(serve.port(), 0) << serve.err();
-  auto stub = pb::Generation::NewStub(
-      grpc::CreateChannel("127.0.0.1:" + std::to_string(serve.port()), grpc::InsecureChannelCredentials()));
+  auto stub = Connect(serve.port());
   pb::GenerateRequest big;
   for (int i = 0; i < 1000; ++i) big.add_token_ids(300 + i % 200);  // two bytes each: about 2 KB
   grpc::ClientContext ctx;
