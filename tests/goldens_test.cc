@@ -38,7 +38,7 @@ std::vector<std::vector<float>> FullForward(Model& model, const std::vector<int3
   std::iota(table.begin(), table.end(), 0);
   ForwardBatch batch;
   batch.token_ids = ids;
-  batch.sequences = {SequenceChunk{0, static_cast<int32_t>(ids.size()), table.data(), blocks}};
+  batch.sequences = {SequenceChunk{0, static_cast<int32_t>(ids.size()), table}};
   batch.logit_rows.resize(ids.size());
   std::iota(batch.logit_rows.begin(), batch.logit_rows.end(), 0);
   std::vector<float> logits;
@@ -131,8 +131,8 @@ TEST_P(GoldensTest, BatchingSequencesChangesNothing) {
   ForwardBatch batch;
   batch.token_ids = a;
   batch.token_ids.insert(batch.token_ids.end(), b.begin(), b.end());
-  batch.sequences = {SequenceChunk{0, static_cast<int32_t>(a.size()), table_a.data(), blocks_a},
-                     SequenceChunk{0, static_cast<int32_t>(b.size()), table_b.data(), blocks_b}};
+  batch.sequences = {SequenceChunk{0, static_cast<int32_t>(a.size()), table_a},
+                     SequenceChunk{0, static_cast<int32_t>(b.size()), table_b}};
   batch.logit_rows = {static_cast<int32_t>(a.size() - 1), static_cast<int32_t>(a.size() + b.size() - 1)};
   std::vector<float> logits;
   ASSERT_TRUE(model->Forward(batch, **cache, &logits).ok());
@@ -244,18 +244,18 @@ TEST(ForwardTest, MalformedBatchesAreRejectedWithoutTouchingTheCache) {
   std::vector<float> logits;
   ForwardBatch batch;
   batch.token_ids = {1, 2, 9999};
-  batch.sequences = {SequenceChunk{0, 3, table.data(), 2}};
+  batch.sequences = {SequenceChunk{0, 3, table}};
   batch.logit_rows = {2};
   absl::Status s = model->Forward(batch, **cache, &logits);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("token id 9999 at batch row 2"), std::string::npos) << s;
 
   batch.token_ids = {1, 2, 3};
-  batch.sequences = {SequenceChunk{6, 3, table.data(), 2}};  // positions up to 9 need 3 blocks of 4
+  batch.sequences = {SequenceChunk{6, 3, table}};  // positions up to 9 need 3 blocks of 4
   s = model->Forward(batch, **cache, &logits);
   EXPECT_NE(s.message().find("need 3 KV blocks, its block table has 2"), std::string::npos) << s;
 
-  batch.sequences = {SequenceChunk{0, 3, table.data(), 2}};
+  batch.sequences = {SequenceChunk{0, 3, table}};
   batch.logit_rows = {3};
   s = model->Forward(batch, **cache, &logits);
   EXPECT_NE(s.message().find("logit row 3 outside [0, 3)"), std::string::npos) << s;

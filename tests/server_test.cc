@@ -324,8 +324,7 @@ TEST_F(ServerTest, PenaltiesAndLogprobs) {
     std::iota(table.begin(), table.end(), 0);
     runtime::ForwardBatch batch;
     batch.token_ids = ids;
-    batch.sequences = {runtime::SequenceChunk{0, static_cast<int32_t>(ids.size()), table.data(),
-                                              static_cast<int32_t>(table.size())}};
+    batch.sequences = {runtime::SequenceChunk{0, static_cast<int32_t>(ids.size()), table}};
     batch.logit_rows = {static_cast<int32_t>(ids.size() - 1)};
     std::vector<float> logits;
     ASSERT_TRUE(reference_->Forward(batch, **cache, &logits).ok());

@@ -50,7 +50,7 @@ absl::StatusOr<GenerateResult> Generate(Model& model, const std::vector<int32_t>
   // Prefill: the whole prompt in one step.
   ForwardBatch batch;
   batch.token_ids = prompt;
-  batch.sequences = {SequenceChunk{0, static_cast<int32_t>(prompt.size()), table.data(), blocks}};
+  batch.sequences = {SequenceChunk{0, static_cast<int32_t>(prompt.size()), table}};
   if (options.prompt_logits) {
     batch.logit_rows.resize(prompt.size());
     std::iota(batch.logit_rows.begin(), batch.logit_rows.end(), 0);
@@ -81,7 +81,7 @@ absl::StatusOr<GenerateResult> Generate(Model& model, const std::vector<int32_t>
     }
     if (step + 1 == options.max_new_tokens) break;
     batch.token_ids = {token};
-    batch.sequences = {SequenceChunk{position, 1, table.data(), blocks}};
+    batch.sequences = {SequenceChunk{position, 1, table}};
     batch.logit_rows = {0};
     MOE_RETURN_IF_ERROR(model.Forward(batch, *cache, &logits));
     MOE_RETURN_IF_ERROR(CheckLogitsFinite(logits.data(), 1, vocab));

@@ -227,10 +227,10 @@ absl::Status Model::CheckBatch(const ForwardBatch& batch, const KvCache& cache) 
                                                      " tokens at position ", c.first_position));
     }
     const int need = BlocksFor(c.first_position + c.num_tokens, bs);
-    if (c.num_blocks < need || c.block_table == nullptr) {
+    if (static_cast<int>(c.block_table.size()) < need) {
       return absl::InvalidArgumentError(absl::StrCat("sequence ", s, ": positions up to ",
                                                      c.first_position + c.num_tokens, " need ", need,
-                                                     " KV blocks, its block table has ", c.num_blocks));
+                                                     " KV blocks, its block table has ", c.block_table.size()));
     }
     for (int i = 0; i < need; ++i) {
       if (c.block_table[i] < 0 || c.block_table[i] >= cache.shape().num_blocks) {

@@ -230,13 +230,11 @@ std::vector<Output> Scheduler::Step(Executor& executor, Clock::time_point now) {
 
   StepPlan plan;
   plan.released_seq_ids.swap(released_);
-  plan.block_tables.reserve(scheduled.size());
   for (const Scheduled& s : scheduled) {
-    plan.block_tables.push_back(s.seq->blocks);
     const int32_t row0 = static_cast<int32_t>(plan.batch.token_ids.size());
     plan.batch.token_ids.insert(plan.batch.token_ids.end(), s.seq->tokens.begin() + s.first,
                                 s.seq->tokens.begin() + s.first + s.count);
-    plan.batch.sequences.push_back(runtime::SequenceChunk{s.first, s.count, nullptr, 0});
+    plan.batch.sequences.push_back(runtime::SequenceChunk{s.first, s.count, s.seq->blocks});
     // The chunk that reaches the last token samples the next one.
     if (s.first + s.count == static_cast<int64_t>(s.seq->tokens.size())) {
       plan.batch.logit_rows.push_back(row0 + s.count - 1);
@@ -249,10 +247,6 @@ std::vector<Output> Scheduler::Step(Executor& executor, Clock::time_point now) {
       row.logprobs = s.seq->request.logprobs;
       plan.samples.push_back(row);
     }
-  }
-  for (size_t i = 0; i < scheduled.size(); ++i) {
-    plan.batch.sequences[i].block_table = plan.block_tables[i].data();
-    plan.batch.sequences[i].num_blocks = static_cast<int32_t>(plan.block_tables[i].size());
   }
 
   absl::StatusOr<std::vector<SampledToken>> sampled = executor.Execute(plan);

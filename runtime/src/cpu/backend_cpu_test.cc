@@ -152,9 +152,9 @@ TEST_F(CpuBackendTest, PagedAttentionMatchesFullAttention) {
   q1.insert(q1.end(), qb.begin(), qb.end());
   k1.insert(k1.end(), kb.begin(), kb.end());
   v1.insert(v1.end(), vb.begin(), vb.end());
-  std::vector<float> out1 = run({{0, 5, table_a.data(), 2}, {0, 3, table_b.data(), 3}}, q1, k1, v1, 8);
+  std::vector<float> out1 = run({{0, 5, table_a}, {0, 3, table_b}}, q1, k1, v1, 8);
   // Step 2: a's last 2 tokens, reading 5 cached positions.
-  std::vector<float> out2 = run({{5, 2, table_a.data(), 2}}, slice(qa, 5, 7, heads * d), slice(ka, 5, 7, kv_heads * d),
+  std::vector<float> out2 = run({{5, 2, table_a}}, slice(qa, 5, 7, heads * d), slice(ka, 5, 7, kv_heads * d),
                                 slice(va, 5, 7, kv_heads * d), 2);
 
   auto reference = [&](const std::vector<float>& q, const std::vector<float>& k, const std::vector<float>& v, int t,

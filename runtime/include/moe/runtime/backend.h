@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "moe/core/tensor.h"
@@ -44,8 +45,7 @@ class KvCache;
 struct SequenceChunk {
   int64_t first_position = 0;  // position of the chunk's first token in its sequence
   int32_t num_tokens = 0;
-  const int32_t* block_table = nullptr;  // KV blocks holding positions [0, first_position+num_tokens)
-  int32_t num_blocks = 0;
+  std::vector<int32_t> block_table;  // KV blocks holding positions [0, first_position+num_tokens)
 };
 
 struct AttentionArgs {

@@ -35,8 +35,7 @@ struct SampledToken {
 };
 
 struct StepPlan {
-  runtime::ForwardBatch batch;                      // sequences' block_table pointers point into block_tables
-  std::vector<std::vector<int32_t>> block_tables;   // one per batch.sequences entry
+  runtime::ForwardBatch batch;
   std::vector<SampleRow> samples;                   // one per batch.logit_rows entry, same order
   std::vector<int64_t> released_seq_ids;            // sequences that ended: drop their sampler state
 };
