@@ -119,9 +119,9 @@ absl::Status Linear::Impl::Describe(const PlanKey& key, const float* bias, Plan*
   cublasLtMatmulDesc_t desc = nullptr;
   MOE_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   plan->desc.reset(desc);
-  // Row-major out [M x N] = x [M x K] . w^T is column-major out^T [N x M] = w^T' . x^T where w,
-  // row-major [N x K], reads as column-major [K x N] (so A = w with TRANSA = T) and x reads as
-  // column-major [K x M] (B = x, not transposed).
+  // cuBLASLt is column-major: row-major out [M x N] is column-major out^T [N x M] = op(A) . op(B)
+  // with A = w (row-major [N x K] is column-major [K x N], so TRANSA = T makes it [N x K]) and
+  // B = x (row-major [M x K] is column-major [K x M], used as is).
   const cublasOperation_t trans_a = CUBLAS_OP_T, trans_b = CUBLAS_OP_N;
   MOE_CUBLAS_RETURN_IF_ERROR(
       cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof(trans_a)));
@@ -245,7 +245,8 @@ Linear::~Linear() = default;
 absl::Status Linear::Run(const uint16_t* x, int m, const uint16_t* w, int n, int k, const float* bias, void* out,
                          bool out_f32, cudaStream_t stream) {
   if (m <= 0 || n <= 0 || k <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat("Linear::Run: shape m=", m, " n=", n, " k=", k, " is empty"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("Linear::Run: shape m=", m, " n=", n, " k=", k, " must be positive"));
   }
   if (n % 8 != 0 || k % 8 != 0) {
     return absl::InvalidArgumentError(absl::StrCat("Linear::Run: n=", n, " and k=", k,

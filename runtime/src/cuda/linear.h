@@ -44,7 +44,9 @@ class Linear {
 
   // `workspace` (device memory of workspace_bytes, owned by the caller, 256-byte aligned as
   // cudaMalloc returns it; 32 MiB is typical) is cuBLASLt's scratch. Creates the cuBLASLt handle
-  // on the current device. kInternal/kUnavailable when cuBLASLt or the device cannot be set up.
+  // on the current device, which must be current for every Run. *out is owned by the caller
+  // (delete it). kInvalidArgument for a null workspace of non-zero size; kUnavailable,
+  // kResourceExhausted or kInternal when the device or cuBLASLt cannot be set up.
   static absl::Status Create(void* workspace, int64_t workspace_bytes, Linear** out);
   static absl::Status Create(void* workspace, int64_t workspace_bytes, const Options& options, Linear** out);
   ~Linear();
