@@ -8,7 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <numeric>
+#include <ostream>
 #include <random>
 #include <set>
 #include <string>
@@ -59,6 +59,9 @@ const RouterCase kCases[] = {
     {"sigmoid_16e_16g8_top4", true, 16, 4, true, 16, 8, 1.0f, true, 0.0f},
     {"sigmoid_500e_4g2_top16", true, 500, 16, false, 4, 2, 1.0f, true, 0.1f},
 };
+
+// gtest prints parameters (and CTest names tests) with this rather than the struct's bytes.
+void PrintTo(const RouterCase& c, std::ostream* os) { *os << c.name; }
 
 RoutingSpec SpecOf(const RouterCase& c) {
   RoutingSpec spec;
