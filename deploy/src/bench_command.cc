@@ -421,11 +421,12 @@ void AddBenchServe(CLI::App& bench, CommandRun* selected) {
 }  // namespace
 
 void AddBenchCommand(CLI::App& root, CommandRun* selected) {
-  CLI::App* bench = root.add_subcommand("bench", "benchmarks: bench experts, bench load, bench serve");
+  CLI::App* bench = root.add_subcommand("bench", "benchmarks: bench experts, bench load, bench serve, bench model");
   bench->require_subcommand(1);
   AddBenchExperts(*bench, selected);
   AddBenchLoad(*bench, selected);
   AddBenchServe(*bench, selected);
+  AddBenchModel(*bench, selected);
 }
 
 }  // namespace moe::deploy
