@@ -1,7 +1,5 @@
 #include "moe/runtime/kv_cache.h"
 
-#include <numeric>
-
 #include "absl/strings/str_cat.h"
 #include "moe/core/status.h"
 
@@ -21,28 +19,6 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(Backend& backend, const
                                                      " positions) on ", backend.name()));
   }
   return std::unique_ptr<KvCache>(new KvCache(shape, std::move(*k), std::move(*v)));
-}
-
-KvBlockAllocator::KvBlockAllocator(int num_blocks) : num_blocks_(num_blocks), free_(num_blocks) {
-  // Hand out low block ids first: pop from the back of a descending list.
-  std::iota(free_.rbegin(), free_.rend(), 0);
-}
-
-absl::Status KvBlockAllocator::Allocate(int n, std::vector<int32_t>* table) {
-  if (n > num_free()) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("KV cache full: ", n, " blocks wanted, ", num_free(), " of ", num_blocks_, " free"));
-  }
-  for (int i = 0; i < n; ++i) {
-    table->push_back(free_.back());
-    free_.pop_back();
-  }
-  return absl::OkStatus();
-}
-
-void KvBlockAllocator::Free(std::vector<int32_t>* table) {
-  free_.insert(free_.end(), table->rbegin(), table->rend());
-  table->clear();
 }
 
 }  // namespace moe::runtime

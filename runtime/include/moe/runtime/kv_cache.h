@@ -53,23 +53,6 @@ class KvCache {
   std::unique_ptr<DeviceBuffer> v_;
 };
 
-// Hands out block ids of one KvCache. Not thread-safe: the scheduler owns it.
-class KvBlockAllocator {
- public:
-  explicit KvBlockAllocator(int num_blocks);
-
-  int num_free() const { return static_cast<int>(free_.size()); }
-  int num_blocks() const { return num_blocks_; }
-  // Appends `n` blocks to `table`; kResourceExhausted (and nothing taken) if fewer are free.
-  absl::Status Allocate(int n, std::vector<int32_t>* table);
-  // Returns every block of `table` and clears it.
-  void Free(std::vector<int32_t>* table);
-
- private:
-  int num_blocks_;
-  std::vector<int32_t> free_;
-};
-
 // Blocks needed to hold `positions` positions.
 inline int BlocksFor(int64_t positions, int block_size) {
   return static_cast<int>((positions + block_size - 1) / block_size);
