@@ -155,7 +155,7 @@ void ExpertFlags::Add(CLI::App* app) {
 }
 
 absl::Status ExpertFlags::Apply(runtime::ModelOptions* options, const std::string& command) const {
-  options->experts = mode == "reference" ? runtime::RoutedExpertsMode::kReference : runtime::RoutedExpertsMode::kPool;
+  options->experts = mode == "reference" ? runtime::RoutedExpertsMode::kBackend : runtime::RoutedExpertsMode::kPool;
   experts::ExpertPoolOptions& pool = options->pool;
   MOE_ASSIGN_OR_RETURN(pool.format, experts::ParseFormat(format));
   pool.group = group;
