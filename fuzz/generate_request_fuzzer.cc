@@ -55,9 +55,8 @@ class Server {
     options.scheduler.max_queue = kMaxQueue;
     options.scheduler.max_batch_tokens = 64;
     options.placement = "fuzz";
-    auto executor =
-        moe::runtime::ModelExecutor::Create(*model_, kMaxSeqs * kContext / options.scheduler.block_size,
-                                            options.scheduler.block_size);
+    auto executor = moe::runtime::ModelExecutor::Create(*model_, kMaxSeqs * kContext / options.scheduler.block_size,
+                                                        options.scheduler.block_size);
     MOE_FUZZ_CHECK(executor.ok(), "cannot create the KV cache: %s", std::string(executor.status().message()).c_str());
     auto frontend = moe::scheduler::Frontend::Start(*std::move(executor), options);
     MOE_FUZZ_CHECK(frontend.ok(), "cannot start the server: %s", std::string(frontend.status().message()).c_str());

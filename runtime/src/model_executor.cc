@@ -39,9 +39,8 @@ absl::Status CheckSampleRows(const StepPlan& plan) {
     if (row.logprobs < 0) {
       return absl::InvalidArgumentError(absl::StrCat("step plan: sample row ", i, ": logprobs ", row.logprobs));
     }
-    if (row.sampling.penalized() &&
-        (row.history.size() != row.position || row.prompt_len < 0 ||
-         static_cast<size_t>(row.prompt_len) > row.history.size())) {
+    if (row.sampling.penalized() && (row.history.size() != row.position || row.prompt_len < 0 ||
+                                     static_cast<size_t>(row.prompt_len) > row.history.size())) {
       return absl::InvalidArgumentError(absl::StrCat("step plan: sample row ", i, " is penalized but its history has ",
                                                      row.history.size(), " tokens for position ", row.position,
                                                      " (prompt_len ", row.prompt_len, ")"));
@@ -73,11 +72,10 @@ ModelExecutor::ModelExecutor(Model& model, std::unique_ptr<KvCache> cache)
       cache_(std::move(cache)),
       info_(ModelInfoFor(model.spec())),
       // Built once: Describe may be called while another thread runs a step on the model.
-      description_(absl::StrCat(model.spec().model_type, " in this process on ", model.backend().name(), "; ",
-                                model.expert_pool() != nullptr ? model.expert_pool()->Describe()
-                                                               : "routed experts on the reference path",
-                                "; KV cache ", cache_->shape().num_blocks, " blocks of ", cache_->shape().block_size,
-                                " positions")) {}
+      description_(absl::StrCat(
+          model.spec().model_type, " in this process on ", model.backend().name(), "; ",
+          model.expert_pool() != nullptr ? model.expert_pool()->Describe() : "routed experts on the reference path",
+          "; KV cache ", cache_->shape().num_blocks, " blocks of ", cache_->shape().block_size, " positions")) {}
 
 KvCapacity ModelExecutor::kv_capacity() const {
   return KvCapacity{cache_->shape().num_blocks, cache_->shape().block_size};

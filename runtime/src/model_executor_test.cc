@@ -36,8 +36,7 @@ std::vector<int32_t> BlockTable(int first, int64_t positions) {
 
 // A prefill step for each prompt, every one sampling its first token with `sampling`; sequence
 // i's blocks start at block 16 * i.
-StepPlan PrefillPlan(const std::vector<std::vector<int32_t>>& prompts, const SamplingParams& sampling,
-                     uint64_t seed) {
+StepPlan PrefillPlan(const std::vector<std::vector<int32_t>>& prompts, const SamplingParams& sampling, uint64_t seed) {
   StepPlan plan;
   for (size_t i = 0; i < prompts.size(); ++i) {
     const std::vector<int32_t>& prompt = prompts[i];
@@ -58,8 +57,7 @@ StepPlan PrefillPlan(const std::vector<std::vector<int32_t>>& prompts, const Sam
 }
 
 // One decode step of one sequence (blocks from 0) that holds `tokens`, the last one new.
-StepPlan DecodePlan(const std::vector<int32_t>& tokens, int prompt_len, const SamplingParams& sampling,
-                    uint64_t seed) {
+StepPlan DecodePlan(const std::vector<int32_t>& tokens, int prompt_len, const SamplingParams& sampling, uint64_t seed) {
   StepPlan plan;
   const int64_t last = static_cast<int64_t>(tokens.size()) - 1;
   plan.batch.token_ids = {tokens.back()};

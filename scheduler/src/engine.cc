@@ -62,7 +62,7 @@ std::optional<Clock::time_point> Stream::first_token() const {
 }
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Start(std::unique_ptr<runtime::Executor> executor,
-                                                     SchedulerConfig config) {
+                                                      SchedulerConfig config) {
   if (executor == nullptr) return absl::InvalidArgumentError("the engine needs an executor, got none");
   const runtime::KvCapacity kv = executor->kv_capacity();
   if (kv.num_blocks <= 0 || kv.block_size <= 0) {

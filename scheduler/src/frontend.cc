@@ -304,7 +304,7 @@ absl::StatusOr<std::unique_ptr<Frontend>> Frontend::Create(const FrontendOptions
 }
 
 absl::StatusOr<std::unique_ptr<Frontend>> Frontend::Start(std::unique_ptr<runtime::Executor> executor,
-                                                         const FrontendOptions& options) {
+                                                          const FrontendOptions& options) {
   auto frontend = Create(options);
   if (!frontend.ok()) return frontend.status();
   if (absl::Status s = (*frontend)->Serve(std::move(executor)); !s.ok()) return s;
@@ -324,8 +324,8 @@ absl::Status Frontend::Serve(std::unique_ptr<runtime::Executor> executor) {
   auto engine = Engine::Start(std::move(executor), options.scheduler);
   if (!engine.ok()) return engine.status();
   impl.engine = std::move(*engine);
-  impl.service = std::make_unique<GenerationService>(*impl.engine, options.placement, *impl.log,
-                                                     options.api_keys.get());
+  impl.service =
+      std::make_unique<GenerationService>(*impl.engine, options.placement, *impl.log, options.api_keys.get());
   impl.reflection_v1 = std::make_unique<internal::ReflectionV1Service>(
       std::vector<std::string>{kGenerationService, "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
                                "grpc.reflection.v1alpha.ServerReflection"});

@@ -22,7 +22,7 @@ const char* FinishReasonName(FinishReason reason) {
 }
 
 struct Scheduler::Sequence {
-  Request request;  // its sampling seed is always set
+  Request request;              // its sampling seed is always set
   std::vector<int32_t> tokens;  // prompt, then generated tokens
   int64_t computed = 0;         // tokens whose keys and values are in the cache
   std::vector<int32_t> blocks;

@@ -299,8 +299,12 @@ TEST_F(SchedulerTest, TheSameSeedsGiveTheSameTokensOnAnotherExecutor) {
   }
   std::map<std::string, std::vector<int32_t>> got_a, got_b;
   for (int step = 0; step < 100 && !(a.idle() && b.idle()); ++step) {
-    for (const Output& o : a.Step(*executor_a)) got_a[o.id].insert(got_a[o.id].end(), o.new_tokens.begin(), o.new_tokens.end());
-    for (const Output& o : b.Step(*executor_b)) got_b[o.id].insert(got_b[o.id].end(), o.new_tokens.begin(), o.new_tokens.end());
+    for (const Output& o : a.Step(*executor_a)) {
+      got_a[o.id].insert(got_a[o.id].end(), o.new_tokens.begin(), o.new_tokens.end());
+    }
+    for (const Output& o : b.Step(*executor_b)) {
+      got_b[o.id].insert(got_b[o.id].end(), o.new_tokens.begin(), o.new_tokens.end());
+    }
   }
   ASSERT_TRUE(a.idle() && b.idle());
   EXPECT_EQ(got_a, got_b);

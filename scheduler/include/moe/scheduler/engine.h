@@ -92,7 +92,7 @@ class Engine {
   bool HasWork() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool Idle() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  const std::unique_ptr<runtime::Executor> executor_;       // Execute on the loop thread only
+  const std::unique_ptr<runtime::Executor> executor_;  // Execute on the loop thread only
   const SchedulerConfig config_;
   Scheduler scheduler_;                                     // loop thread only
   std::map<std::string, std::shared_ptr<Stream>> streams_;  // loop thread only (and Stop, after it)

@@ -20,7 +20,7 @@ namespace moe::scheduler {
 
 struct FrontendOptions {
   std::string listen = "127.0.0.1:50051";  // port 0 picks a free one (see port())
-  SchedulerConfig scheduler;  // its KV blocks and vocabulary come from the executor
+  SchedulerConfig scheduler;               // its KV blocks and vocabulary come from the executor
   std::string placement;  // reported by GetModelInfo: where routed experts run
   std::string http_listen;  // HOST:PORT of the HTTP listener (/metrics, /health, /ready); "" for none
   int64_t max_request_bytes = 4 << 20;  // larger gRPC messages and HTTP bodies are refused

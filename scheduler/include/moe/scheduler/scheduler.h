@@ -81,7 +81,7 @@ class Scheduler {
 
   SchedulerConfig config_;
   KvBlockAllocator blocks_;
-  std::mt19937_64 seeds_;  // for requests that bring no seed
+  std::mt19937_64 seeds_;                                       // for requests that bring no seed
   std::map<std::string, std::unique_ptr<Sequence>> sequences_;  // every live request by id
   std::deque<Sequence*> waiting_;                               // FCFS; preempted ones go first
   std::vector<Sequence*> running_;                              // in admission order
