@@ -11,6 +11,7 @@
 #include "moe/core/status.h"
 #include "moe/experts/arena.h"
 #include "moe/runtime/model.h"
+#include "moe/runtime/model_executor.h"
 #include "moe/scheduler/frontend.h"
 #include "nlohmann/json.hpp"
 #include "serving_bench.h"
@@ -350,8 +351,9 @@ int BenchServe(const ServeBenchFlags& flags) {
     fo.scheduler.max_batch_tokens = flags.max_batch_tokens;
     fo.scheduler.max_seqs = 64;
     fo.scheduler.context = model->spec().max_position_embeddings;
-    fo.scheduler.num_blocks = 4096;
-    auto started = scheduler::Frontend::Start(*model, fo);
+    auto executor = runtime::ModelExecutor::Create(*model, /*num_blocks=*/4096, fo.scheduler.block_size);
+    if (!executor.ok()) return Fail(executor.status(), 1);
+    auto started = scheduler::Frontend::Start(*std::move(executor), fo);
     if (!started.ok()) return Fail(started.status(), 1);
     frontend = std::move(*started);
     o.target = absl::StrCat("127.0.0.1:", frontend->port());

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_format.h"
 #include "commands.h"
+#include "moe/runtime/model_executor.h"
 #include "moe/scheduler/frontend.h"
 
 namespace moe::deploy {
@@ -138,11 +139,16 @@ int RunServe(const ServeFlags& flags) {
   if (absl::Status s = PlanKvCache(flags, spec, core::DTypeSize((*model)->backend().activation_dtype()), &sc); !s.ok()) return Fail(s, 2);
   options.placement = (*model)->expert_pool() != nullptr ? (*model)->expert_pool()->Describe() : "reference path";
 
+  // The executor holds the KV cache just planned and runs the model in this process. The model
+  // outlives it: Drain below ends the engine, and the executor with it.
+  auto executor = runtime::ModelExecutor::Create(**model, sc.num_blocks, sc.block_size);
+  if (!executor.ok()) return Fail(executor.status(), 1);
+  const runtime::KvCapacity kv = (*executor)->kv_capacity();
   (*frontend)->set_scheduler(sc, options.placement);
-  if (absl::Status s = (*frontend)->Serve(**model); !s.ok()) return Fail(s, 1);
+  if (absl::Status s = (*frontend)->Serve(*std::move(executor)); !s.ok()) return Fail(s, 1);
   std::cerr << absl::StrFormat(
       "moeserve serve: %s\nmoeserve serve: %s; KV cache %d blocks of %d positions; context %d\n", spec.Summary(),
-      options.placement, sc.num_blocks, sc.block_size, sc.context);
+      options.placement, kv.num_blocks, kv.block_size, sc.context);
   std::cout << "serving on port " << (*frontend)->port() << std::endl;
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
