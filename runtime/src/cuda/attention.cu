@@ -200,8 +200,8 @@ struct AttentionParams {
   // Decode only: keys [split * split_keys, ...) per split; partials when num_splits > 1.
   int num_splits;
   int split_keys;
-  float* partial_acc;  // [T][H][num_splits][kD]: unnormalized O of each split
-  float* partial_ml;   // [T][H][num_splits][2]: its max (log2 domain) and sum of exponentials
+  float* partial_acc;  // [S][H][num_splits][kD]: unnormalized O of each split
+  float* partial_ml;   // [S][H][num_splits][2]: its max (log2 domain) and sum of exponentials
 };
 
 __device__ __forceinline__ uint32_t LoadBf16Pair(const __nv_bfloat16* row, int col) {
@@ -496,11 +496,10 @@ __global__ void __launch_bounds__(kThreads) DecodeAttentionKernel(const Attentio
     float acc = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) acc += red_o[(w * kMmaRows + r) * kOStride + d] * factor[w * kMmaRows + r];
-    const int64_t out_index = static_cast<int64_t>(row) * p.num_heads + head0 + r;
     if (p.num_splits == 1) {
-      p.out[out_index * kD + d] = __float2bfloat16(acc / row_l[r]);
+      p.out[(static_cast<int64_t>(row) * p.num_heads + head0 + r) * kD + d] = __float2bfloat16(acc / row_l[r]);
     } else {
-      const int64_t part = out_index * p.num_splits + split;
+      const int64_t part = (static_cast<int64_t>(seq) * p.num_heads + head0 + r) * p.num_splits + split;
       p.partial_acc[part * kD + d] = acc;
       if (d == 0) {
         p.partial_ml[2 * part] = row_m[r];
@@ -510,14 +509,16 @@ __global__ void __launch_bounds__(kThreads) DecodeAttentionKernel(const Attentio
   }
 }
 
-// grid (num_heads, T), kD threads: merges the splits' partial softmax states of one (row, head).
+// grid (num_heads, num_seqs), kD threads: merges the splits' partial softmax states of one
+// sequence's query, one head.
 template <int kD>
 __global__ void __launch_bounds__(kD) CombineSplitsKernel(const AttentionParams p) {
   const int head = blockIdx.x;
-  const int row = blockIdx.y;
+  const int seq = blockIdx.y;
   const int d = threadIdx.x;
-  const int64_t out_index = static_cast<int64_t>(row) * p.num_heads + head;
-  const int64_t part0 = out_index * p.num_splits;
+  const int row = p.seq_start[seq];
+  if (p.seq_start[seq + 1] == row) return;
+  const int64_t part0 = (static_cast<int64_t>(seq) * p.num_heads + head) * p.num_splits;
   float row_max = -INFINITY;
   for (int j = 0; j < p.num_splits; ++j) row_max = fmaxf(row_max, p.partial_ml[2 * (part0 + j)]);
   float acc = 0.f;
@@ -529,7 +530,7 @@ __global__ void __launch_bounds__(kD) CombineSplitsKernel(const AttentionParams 
     sum += p.partial_ml[2 * (part0 + j) + 1] * f;
     acc += p.partial_acc[(part0 + j) * kD + d] * f;
   }
-  p.out[out_index * kD + d] = __float2bfloat16(acc / sum);
+  p.out[(static_cast<int64_t>(row) * p.num_heads + head) * kD + d] = __float2bfloat16(acc / sum);
 }
 
 // grid (ceil(max_q_len * group / 64), kv_heads, num_seqs), kThreads threads,
@@ -668,7 +669,7 @@ struct DecodeSplit {
 
 // Enough splits that num_seqs * kv_heads * splits CTAs reach kCtasPerSm per SM, no split shorter
 // than one tile. From host values only (a captured graph keeps it), so a replay's shorter
-// sequences leave some splits empty. With more than one split, T * splits < 2 * kMaxTargetCtas
+// sequences leave some splits empty. With more than one split, S * splits < 2 * kMaxTargetCtas
 // (splits <= ceil(target / (S * KV)) and S * KV < target), which bounds the workspace.
 DecodeSplit ChooseDecodeSplit(int num_seqs, int kv_heads, int max_kv_len, int sm_count) {
   const int tiles = std::max(1, (max_kv_len + kDecodeTileKeys - 1) / kDecodeTileKeys);
@@ -688,14 +689,14 @@ void LaunchAttention(AttentionParams p, const StepMeta& meta, float* workspace, 
     p.split_keys = split.split_keys;
     if (p.num_splits > 1) {
       p.partial_acc = workspace;
-      p.partial_ml = workspace + static_cast<int64_t>(meta.num_tokens) * p.num_heads * p.num_splits * kD;
+      p.partial_ml = workspace + static_cast<int64_t>(meta.num_seqs) * p.num_heads * p.num_splits * kD;
     }
     constexpr int kSmem = kDecodeSmemBytes<kD>;
     AllowDynamicSmem<DecodeAttentionKernel<kD>>(kSmem);
     const dim3 grid(p.num_splits, p.kv_heads, meta.num_seqs);
     DecodeAttentionKernel<kD><<<grid, kThreads, kSmem, stream>>>(p);
     if (p.num_splits > 1) {
-      const dim3 combine_grid(p.num_heads, meta.num_tokens);
+      const dim3 combine_grid(p.num_heads, meta.num_seqs);
       CombineSplitsKernel<kD><<<combine_grid, kD, 0, stream>>>(p);
     }
     return;
@@ -790,8 +791,8 @@ void PagedAttention(const uint16_t* q, const StepMeta& meta, int num_heads, cons
 }
 
 int64_t AttentionWorkspaceFloats(int max_tokens, int max_kv_len, int num_heads, int head_dim) {
-  // Only decode with more than one split uses it: T * H * splits partials of head_dim + 2 floats,
-  // with T * splits bounded as ChooseDecodeSplit says.
+  // Only decode with more than one split uses it: S * H * splits partials of head_dim + 2 floats,
+  // with S * splits bounded as ChooseDecodeSplit says (and S <= max_tokens).
   const int64_t tiles = std::max(1, (max_kv_len + kDecodeTileKeys - 1) / kDecodeTileKeys);
   const int64_t partials = std::min<int64_t>(static_cast<int64_t>(std::max(max_tokens, 0)) * tiles, 2 * kMaxTargetCtas);
   return partials * num_heads * (head_dim + 2);
