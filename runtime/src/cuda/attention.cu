@@ -31,11 +31,12 @@ using internal::PackBf16;
 
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
-constexpr int kMmaRows = 16;                       // M of one MMA: the rows a warp owns
-constexpr int kPrefillRows = kWarps * kMmaRows;    // (token, head) rows of a prefill CTA
-constexpr int kWarpKeys = 16;                      // decode: keys of a tile each warp takes
+constexpr int kMmaRows = 16;                     // M of one MMA: the rows a warp owns
+constexpr int kPrefillRows = kWarps * kMmaRows;  // (token, head) rows of a prefill CTA
+constexpr int kWarpKeys = 16;                    // decode: keys of a tile each warp takes
 constexpr int kDecodeTileKeys = kWarps * kWarpKeys;
-constexpr int kMaxDecodeGroup = kMmaRows;          // larger groups go to the prefill kernel
+constexpr int kDecodeWarpRows = kWarps * kMmaRows;  // the decode combine's (warp, row) pairs
+constexpr int kMaxDecodeGroup = kMmaRows;           // larger groups go to the prefill kernel
 // Shared-memory rows of K and V are padded by 16 bytes, so the 8 row addresses of one ldmatrix
 // phase fall in distinct bank groups.
 constexpr int kSmemPad = 8;
@@ -54,18 +55,16 @@ template <int kD>
 constexpr int kPrefillTileKeys = kD <= 128 ? 64 : 32;
 // One pipeline stage: a K tile and a V tile of kKeys rows.
 template <int kD, int kKeys>
-constexpr int kKvStageElems = 2 * kKeys * kSmemStride<kD>;
+constexpr int kKvStageElems = (kD + kSmemPad) * kKeys * 2;
 // Per warp: O [16][kD + 4] (the +4 spreads the rows over banks), m [16], l [16]; then the
 // per-warp factors [kWarps][16] and the merged max and sum [16] each.
 template <int kD>
-constexpr int kDecodeCombineFloats = kWarps * kMmaRows * (kD + 4) + 3 * kWarps * kMmaRows + 2 * kMmaRows;
+constexpr int kDecodeCombineFloats = (kD + 4 + 3) * kDecodeWarpRows + 2 * kMmaRows;
 template <int kD>
-constexpr int kDecodeSmemBytes =
-    std::max(2 * kKvStageElems<kD, kDecodeTileKeys> * static_cast<int>(sizeof(__nv_bfloat16)),
-             kDecodeCombineFloats<kD> * static_cast<int>(sizeof(float)));
+constexpr int kDecodeSmemBytes = std::max(kKvStageElems<kD, kDecodeTileKeys> * 2 * 2,  // 2 stages of bf16
+                                          kDecodeCombineFloats<kD> * 4);
 template <int kD>
-constexpr int kPrefillSmemBytes =
-    2 * kKvStageElems<kD, kPrefillTileKeys<kD>> * static_cast<int>(sizeof(__nv_bfloat16));
+constexpr int kPrefillSmemBytes = kKvStageElems<kD, kPrefillTileKeys<kD>> * 2 * 2;  // 2 stages of bf16
 
 // ---- QkNormRopeStoreKv ----
 
@@ -256,8 +255,7 @@ struct QueryFragments<kD, false> {
 // part, 16 bytes per copy; consecutive threads copy consecutive chunks of a key's row.
 template <int kD, int kKeys>
 __device__ __forceinline__ void LoadKvTile(const AttentionParams& p, const int32_t* block_row, int kv_head,
-                                           int first_key, int key_end, __nv_bfloat16* tile_k,
-                                           __nv_bfloat16* tile_v) {
+                                           int first_key, int key_end, __nv_bfloat16* tile_k, __nv_bfloat16* tile_v) {
   constexpr int kChunks = kD / 8;
   constexpr int kStride = kSmemStride<kD>;
   static_assert((kKeys * kChunks) % kThreads == 0, "tile copies must split evenly over the CTA");
@@ -463,7 +461,8 @@ __global__ void __launch_bounds__(kThreads) DecodeAttentionKernel(const Attentio
   for (int n = 0; n < kD / 8; ++n) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      *reinterpret_cast<float2*>(my_o + (g + 8 * h) * kOStride + n * 8 + t2) = make_float2(o[n][2 * h], o[n][2 * h + 1]);
+      *reinterpret_cast<float2*>(my_o + (g + 8 * h) * kOStride + n * 8 + t2) =
+          make_float2(o[n][2 * h], o[n][2 * h + 1]);
     }
   }
   if ((lane & 3) == 0) {
@@ -709,9 +708,9 @@ void LaunchAttention(AttentionParams p, const StepMeta& meta, float* workspace, 
 
 }  // namespace
 
-void QkNormRopeStoreKv(const uint16_t* qkv, const StepMeta& meta, int num_heads, const KvLayer& kv,
-                       const float* q_norm, const float* k_norm, float eps, int rotary_dim, const float* inv_freq,
-                       uint16_t* q_out, cudaStream_t stream) {
+void QkNormRopeStoreKv(const uint16_t* qkv, const StepMeta& meta, int num_heads, const KvLayer& kv, const float* q_norm,
+                       const float* k_norm, float eps, int rotary_dim, const float* inv_freq, uint16_t* q_out,
+                       cudaStream_t stream) {
   if (meta.num_tokens <= 0) return;
   if (rotary_dim < 0 || rotary_dim > kv.head_dim || rotary_dim % 2 != 0 || (rotary_dim > 0 && inv_freq == nullptr) ||
       num_heads <= 0 || kv.kv_heads <= 0) {

@@ -71,8 +71,7 @@ void FillCache(const HostStep& h, const Shape& shape, bool include_step_rows, st
 
 // Causal attention in double: out [T][H][D].
 std::vector<double> ReferenceAttention(const std::vector<uint16_t>& q, const HostStep& h, const Shape& shape,
-                                       const std::vector<uint16_t>& k, const std::vector<uint16_t>& v,
-                                       double scale) {
+                                       const std::vector<uint16_t>& k, const std::vector<uint16_t>& v, double scale) {
   const int d = shape.head_dim;
   std::vector<double> out(static_cast<size_t>(h.num_tokens) * shape.num_heads * d, 0.0);
   std::vector<double> scores;
@@ -303,8 +302,8 @@ TEST_P(QkNormRopeStoreKvTest, MatchesThePlainReference) {
   for (int r = 0; r < h.num_tokens; ++r) {
     for (int head = 0; head < shape.num_heads; ++head) {
       const size_t at = (static_cast<size_t>(r) * shape.num_heads + head) * d;
-      ExpectElementsClose(&q_got[at], &ref.q[at], d,
-                          "q row " + std::to_string(r) + " head " + std::to_string(head), &failures);
+      ExpectElementsClose(&q_got[at], &ref.q[at], d, "q row " + std::to_string(r) + " head " + std::to_string(head),
+                          &failures);
     }
     for (int kvh = 0; kvh < shape.kv_heads; ++kvh) {
       const int64_t slot = SlotOffset(h, shape, h.row_seq[r], h.positions[r], kvh);
@@ -342,6 +341,15 @@ struct AttentionCase {
 
 void PrintTo(const AttentionCase& c, std::ostream* os) { *os << c.name; }
 
+// n lengths spread over [1, max_len], fixed by n.
+std::vector<int> ManyLengths(int n, int max_len) {
+  std::mt19937 rng(n);
+  std::uniform_int_distribution<int> dist(1, max_len);
+  std::vector<int> lengths(n);
+  for (int& len : lengths) len = dist(rng);
+  return lengths;
+}
+
 std::vector<AttentionCase> AttentionCases() {
   return {
       // Decode: one query per sequence, lengths from 1 to across many blocks and splits.
@@ -353,6 +361,10 @@ std::vector<AttentionCase> AttentionCases() {
       {"DecodeG4D256Bs16", {8, 2, 256, 16}, DecodeRows({1, 100, 333})},
       {"DecodeG8D128Bs64", {16, 2, 128, 64}, DecodeRows({64, 65, 1000})},
       {"DecodeBatch1Long", {32, 4, 128, 16}, DecodeRows({4000})},
+      // One split (the kernel writes the output itself): every sequence within one tile, or
+      // enough sequences times kv heads to fill the device without splitting.
+      {"DecodeOneSplitShort", {8, 4, 32, 4}, DecodeRows({1, 2, 30, 64})},
+      {"DecodeOneSplitLargeBatch", {8, 4, 64, 16}, DecodeRows(ManyLengths(70, 400))},
       // A graph-sized bound far above the lengths: most splits are empty.
       {"DecodeMostSplitsEmpty", {8, 2, 128, 16}, DecodeRows({1, 70, 200}), 4096},
       // A group above 16 takes the prefill kernel even at decode.
@@ -429,7 +441,8 @@ TEST(AttentionTest, StoreThenAttendMixedStep) {
 
   DeviceStep step(h);
   DeviceArray<uint16_t> qkv_d(qkv.size()), k_d(k.size()), v_d(v.size());
-  DeviceArray<uint16_t> q_out(static_cast<size_t>(h.num_tokens) * shape.num_heads * d), out(static_cast<size_t>(h.num_tokens) * shape.num_heads * d);
+  DeviceArray<uint16_t> q_out(static_cast<size_t>(h.num_tokens) * shape.num_heads * d),
+      out(static_cast<size_t>(h.num_tokens) * shape.num_heads * d);
   DeviceArray<float> q_norm_d(d), k_norm_d(d), inv_freq_d(inv_freq.size());
   DeviceArray<float> workspace(AttentionWorkspaceFloats(h.num_tokens, h.max_kv_len, shape.num_heads, d));
   qkv_d.Upload(qkv);
@@ -513,8 +526,8 @@ TEST(AttentionTest, GraphReplayWithNewLengthsMatchesEagerLaunch) {
   ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
   ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
 
-  for (const std::vector<int>& lengths : std::vector<std::vector<int>>{{10, 600, 1}, {1500, 33, 2048}, {1, 1, 1},
-                                                                       {2047, 64, 65}}) {
+  for (const std::vector<int>& lengths :
+       std::vector<std::vector<int>>{{10, 600, 1}, {1500, 33, 2048}, {1, 1, 1}, {2047, 64, 65}}) {
     std::ostringstream what;
     what << "lengths " << lengths[0] << "," << lengths[1] << "," << lengths[2];
     set_lengths(lengths);
@@ -528,8 +541,7 @@ TEST(AttentionTest, GraphReplayWithNewLengthsMatchesEagerLaunch) {
     PagedAttention(q_d.get(), step.meta, shape.num_heads, kv, scale, workspace.get(), eager_out.get(), stream);
     ExpectNoCudaError(what.str());
     EXPECT_TRUE(from_graph == eager_out.Download()) << what.str() << ": graph replay differs from an eager launch";
-    ExpectClose(from_graph, ReferenceAttention(q, h, shape, k, v, scale), d, shape.num_heads, 1e-2, 2e-2,
-                what.str());
+    ExpectClose(from_graph, ReferenceAttention(q, h, shape, k, v, scale), d, shape.num_heads, 1e-2, 2e-2, what.str());
   }
   EXPECT_TRUE(workspace.GuardIntact());
   cudaGraphExecDestroy(exec);

@@ -53,9 +53,9 @@ class DeviceArray {
   void Poison() { EXPECT_EQ(cudaMemset(p_, kPoisonByte, bytes()), cudaSuccess); }
   bool GuardIntact() const {
     std::vector<unsigned char> guard(kGuardBytes);
-    EXPECT_EQ(cudaMemcpy(guard.data(), reinterpret_cast<const char*>(p_) + bytes(), kGuardBytes,
-                         cudaMemcpyDeviceToHost),
-              cudaSuccess);
+    EXPECT_EQ(
+        cudaMemcpy(guard.data(), reinterpret_cast<const char*>(p_) + bytes(), kGuardBytes, cudaMemcpyDeviceToHost),
+        cudaSuccess);
     return std::all_of(guard.begin(), guard.end(), [](unsigned char b) { return b == kGuardByte; });
   }
 
@@ -115,7 +115,7 @@ struct HostStep {
 // what a test cache can hold; only the store kernel may run on such a step). max_kv_len: 0 for
 // the longest sequence, else an upper bound as a captured graph would see it.
 inline HostStep MakeStep(const std::vector<SeqChunk>& seqs, int block_size, bool sparse, std::mt19937& rng,
-                  int max_kv_len = 0) {
+                         int max_kv_len = 0) {
   HostStep h;
   h.seqs = seqs;
   const int num_seqs = static_cast<int>(seqs.size());
@@ -184,7 +184,6 @@ struct DeviceStep {
   DeviceArray<int32_t> positions, row_seq, seq_start, seq_len, block_table;
   StepMeta meta;
 };
-
 
 inline std::vector<SeqChunk> DecodeRows(const std::vector<int>& lengths) {
   std::vector<SeqChunk> seqs;

@@ -147,8 +147,8 @@ TEST(AttentionTimingTest, PrintsDecodeAndPrefillTimes) {
     FillForTiming(qkv.get(), qkv.bytes());
     const KvLayer kv{k.get(), v.get(), kShape.block_size, kShape.kv_heads, d};
     auto store = [&] {
-      QkNormRopeStoreKv(qkv.get(), step.meta, kShape.num_heads, kv, norm.get(), norm.get(), 1e-6f, d,
-                        inv_freq.get(), q.get(), stream);
+      QkNormRopeStoreKv(qkv.get(), step.meta, kShape.num_heads, kv, norm.get(), norm.get(), 1e-6f, d, inv_freq.get(),
+                        q.get(), stream);
     };
     auto attend = [&] {
       PagedAttention(q.get(), step.meta, kShape.num_heads, kv, scale, workspace.get(), out.get(), stream);
@@ -166,9 +166,10 @@ TEST(AttentionTimingTest, PrintsDecodeAndPrefillTimes) {
     ExpectNoCudaError("prefill timing");
     // Causal: row i attends to i + 1 keys; QK^T and PV are 2 * d flops a key each.
     const double flops = 4.0 * d * kShape.num_heads * (static_cast<double>(tokens) * (tokens + 1) / 2);
-    std::printf("prefill %d tokens: attention %.3f ms a layer (%.0f TFLOP/s), %.2f ms for %d layers; "
-                "qk-norm+rope+store %.1f us a layer\n",
-                tokens, attend_ms, flops / (attend_ms * 1e-3) / 1e12, attend_ms * kLayers, kLayers, store_ms * 1e3);
+    std::printf(
+        "prefill %d tokens: attention %.3f ms a layer (%.0f TFLOP/s), %.2f ms for %d layers; "
+        "qk-norm+rope+store %.1f us a layer\n",
+        tokens, attend_ms, flops / (attend_ms * 1e-3) / 1e12, attend_ms * kLayers, kLayers, store_ms * 1e3);
   }
 
   {
@@ -185,8 +186,8 @@ TEST(AttentionTimingTest, PrintsDecodeAndPrefillTimes) {
     FillForTiming(inv_freq.get(), inv_freq.bytes());
     const KvLayer kv{k.get(), v.get(), kShape.block_size, kShape.kv_heads, d};
     const float ms = GraphTimePerLaunchMs(stream, timer, [&] {
-      QkNormRopeStoreKv(qkv.get(), step.meta, kShape.num_heads, kv, norm.get(), norm.get(), 1e-6f, d,
-                        inv_freq.get(), q.get(), stream);
+      QkNormRopeStoreKv(qkv.get(), step.meta, kShape.num_heads, kv, norm.get(), norm.get(), 1e-6f, d, inv_freq.get(),
+                        q.get(), stream);
     });
     ExpectNoCudaError("store timing");
     std::printf("qk-norm+rope+store, 1 row: %.2f us a layer\n", ms * 1e3);

@@ -32,8 +32,7 @@ __device__ __forceinline__ T* DynamicSmem() {
 // holds zeros, never stale values that could be NaN). Cached in L2 only: K and V are streamed.
 __device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool valid) {
   const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SharedAddress(smem)), "l"(gmem),
-               "r"(src_bytes)
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SharedAddress(smem)), "l"(gmem), "r"(src_bytes)
                : "memory");
 }
 
