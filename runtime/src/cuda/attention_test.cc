@@ -367,6 +367,8 @@ std::vector<AttentionCase> AttentionCases() {
       {"DecodeOneSplitLargeBatch", {8, 4, 64, 16}, DecodeRows(ManyLengths(70, 400))},
       // A graph-sized bound far above the lengths: most splits are empty.
       {"DecodeMostSplitsEmpty", {8, 2, 128, 16}, DecodeRows({1, 70, 200}), 4096},
+      // Lengths past max_kv_len (a graph bucket outgrown): the last split takes the rest.
+      {"DecodeLengthsPastMaxKvLen", {8, 2, 64, 16}, DecodeRows({100, 900, 20}), 256},
       // A group above 16 takes the prefill kernel even at decode.
       {"DecodeG32UsesPrefillKernel", {32, 1, 32, 16}, DecodeRows({5, 300})},
       // Prefill chunks from position 0 and after cached positions.
