@@ -133,6 +133,7 @@ absl::Status Model::ReserveStep() {
   limits.num_heads = s.num_heads;
   limits.head_dim = s.head_dim;
   limits.vocab = s.vocab_size;
+  limits.hidden = s.hidden_size;
   limits.num_experts = s.routing.num_experts;
   limits.top_k = s.routing.top_k;
   limits.moe_intermediate = s.moe_intermediate_size;

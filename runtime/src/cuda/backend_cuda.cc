@@ -223,7 +223,7 @@ class CudaBackend : public Backend {
     const int64_t attention = cuda::AttentionWorkspaceFloats(l.max_tokens, l.max_context, l.num_heads, l.head_dim);
     MOE_ASSIGN_OR_RETURN(attention_ws_, Allocate(DType::kF32, 1, std::max<int64_t>(attention, 1)));
     if (l.num_experts > 0) {
-      const int64_t moe = cuda::MoeWorkspaceBytes(l.max_tokens, l.top_k, l.num_experts, l.moe_intermediate);
+      const int64_t moe = cuda::MoeWorkspaceBytes(l.max_tokens, l.top_k, l.num_experts, l.hidden, l.moe_intermediate);
       MOE_ASSIGN_OR_RETURN(moe_ws_, Allocate(DType::kI8, 1, std::max<int64_t>(moe, 1)));
     }
     max_logit_rows_ = l.max_logit_rows;

@@ -260,6 +260,7 @@ class Backend {
     int num_heads = 0;
     int head_dim = 0;
     int vocab = 0;
+    int hidden = 0;
     int num_experts = 0;
     int top_k = 0;
     int moe_intermediate = 0;
