@@ -12,6 +12,7 @@
 #include "cuda/cuda_status.h"
 #include "cuda/gather.h"
 #include "cuda/ops.h"
+#include "cuda/routing.h"
 #include "moe/core/dtype.h"
 #include "moe/core/logging.h"
 #include "moe/core/status.h"
@@ -230,8 +231,6 @@ class CudaBackend : public Backend {
     if (l.max_bias_width > 0) {
       MOE_ASSIGN_OR_RETURN(bias_out_, Allocate(DType::kF32, l.max_tokens, l.max_bias_width));
     }
-    const int64_t sampling = cuda::SamplingWorkspaceBytes(l.max_logit_rows, l.vocab);
-    MOE_ASSIGN_OR_RETURN(sampling_ws_, Allocate(DType::kI8, 1, std::max<int64_t>(sampling, 1)));
     return absl::OkStatus();
   }
 
@@ -393,6 +392,7 @@ class CudaBackend : public Backend {
     p.topk_group = spec.topk_group;
     p.routed_scaling_factor = spec.routed_scaling_factor;
     p.correction_bias = correction_bias != nullptr ? AsCuda(*correction_bias).as<float>() : nullptr;
+    if (absl::Status s = cuda::CheckRouterParams(p); !s.ok() && pending_.ok()) pending_ = core::Annotate(s, "RouteTopK");
     cuda::RouteTopK(logits.as<float>(), static_cast<int>(logits.rows), p, ids.as<int32_t>(), weights.as<float>(),
                     stream_);
     Launched("RouteTopK");
