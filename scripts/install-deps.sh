@@ -13,7 +13,11 @@ packages=(
   libcli11-dev libcpp-httplib-dev libssl-dev openssl curl
   clang
   python3 python3-numpy python3-grpcio python3-protobuf
+  libpcre2-dev libutf8proc-dev libpython3-dev python3-jinja2
 )
+# Node.js with npm runs the OpenAI client tests; a machine with its own Node.js (which ships npm)
+# keeps it.
+if ! command -v npm >/dev/null 2>&1; then packages+=(nodejs npm); fi
 
 missing=()
 for p in "${packages[@]}"; do

@@ -469,8 +469,15 @@ TEST_P(BackendTest, AttentionMatchesFullAttentionOverMixedSteps) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, BackendTest, ::testing::ValuesIn(testing_util::AllBackendKinds()),
+// One source, two binaries: runtime_test runs the CPU backend, backend_cuda_test (CTest label
+// gpu) the CUDA one.
+#if MOE_BACKEND_TEST_CUDA
+INSTANTIATE_TEST_SUITE_P(Backends, BackendTest, ::testing::Values(BackendKind::kCuda),
                          [](const auto& info) { return testing_util::BackendKindName(info.param); });
+#else
+INSTANTIATE_TEST_SUITE_P(Backends, BackendTest, ::testing::Values(BackendKind::kCpu),
+                         [](const auto& info) { return testing_util::BackendKindName(info.param); });
+#endif
 
 }  // namespace
 }  // namespace moe::runtime

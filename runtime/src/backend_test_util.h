@@ -18,7 +18,6 @@ namespace moe::runtime::testing_util {
 
 enum class BackendKind { kCpu, kCuda };
 
-inline std::vector<BackendKind> AllBackendKinds() { return {BackendKind::kCpu, BackendKind::kCuda}; }
 inline std::string BackendKindName(BackendKind k) { return k == BackendKind::kCpu ? "cpu" : "cuda"; }
 
 // The backend, or a status saying why it is absent (no GPU: the test skips).

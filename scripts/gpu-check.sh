@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# On the GPU machine: the gpu tests, then the model benchmark at the issue's shape, from a bundle
+# made here with scripts/gpu-bundle.sh. Logs go to $OUT (or ./gpu-logs).
+#   scripts/gpu-check.sh BUNDLE_DIR [tests|bench|all]
+set -uo pipefail
+bundle=$(cd "$1" && pwd); what=${2:-all}
+repo=$(cd "$(dirname "$0")/.." && pwd)
+out=${OUT:-$repo/gpu-logs}; mkdir -p "$out"
+source "$bundle/env.sh"
+nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.mem --format=csv,noheader
+if [[ $what == tests || $what == all ]]; then
+  "$repo/scripts/device-ctest.sh" "$bundle" -L gpu 2>&1 | tee "$out/ctest-gpu.log" | grep -E "tests passed|Failed|Skipped|Total Test" 
+  # The per-test details of every gpu binary, for the figures they print.
+  for t in "$bundle"/bin/*cuda*_test; do "$t" --gtest_brief=1 > "$out/$(basename "$t").log" 2>&1; done
+  grep -h -E "^\[ cuda goldens|GB/s|TFLOP/s|us a layer" "$out"/*_test.log | head -60
+fi
+if [[ $what == bench || $what == all ]]; then
+  model=/tmp/qwen3-30b-a3b-16l
+  [[ -d $model ]] || /usr/bin/time -f "make-model: %e s" "$bundle/bin/moeserve" make-model --preset qwen3-30b-a3b \
+    --layers 16 --vocab 32768 --out "$model" > "$out/make-model.log" 2>&1
+  tail -2 "$out/make-model.log"
+  "$bundle/bin/moeserve" bench model --model "$model" --device cuda --batches 1,8,32 --prompts 512,2048 \
+    2>&1 | tee "$out/bench-model.log"
+  "$bundle/bin/moeserve" bench model --model "$model" --device cuda --eager --batches 1,32 --prompts 512 \
+    2>&1 | tee "$out/bench-model-eager.log" | grep -E "decode|prefill"
+fi
