@@ -283,7 +283,6 @@ std::vector<Output> Scheduler::Step(Executor& executor, Clock::time_point now) {
 }
 
 absl::StatusOr<std::vector<SampledToken>> ModelExecutor::Execute(const StepPlan& plan) {
-  for (int64_t id : plan.released_seq_ids) samplers_.erase(id);
   if (absl::Status s = model_.Forward(plan.batch, cache_, &logits_); !s.ok()) return s;
   const int vocab = model_.spec().vocab_size;
   std::vector<SampledToken> tokens(plan.samples.size());
@@ -295,15 +294,15 @@ absl::StatusOr<std::vector<SampledToken>> ModelExecutor::Execute(const StepPlan&
       tokens[i].error = std::move(finite);
       continue;
     }
-    auto& sampler = samplers_[row.seq_id];
-    if (sampler == nullptr) sampler = std::make_unique<runtime::Sampler>(row.sampling);
+    const runtime::SampleKey key{row.sampling.seed.value_or(static_cast<uint64_t>(row.seq_id)), 0,
+                                 static_cast<uint32_t>(row.total_len)};
     if (row.sampling.penalized()) {
       penalized.assign(logits, logits + vocab);
       runtime::ApplyPenalties(row.sampling, row.tokens, row.prompt_len, row.tokens + row.prompt_len,
                               row.total_len - row.prompt_len, penalized.data(), vocab);
-      tokens[i].token = sampler->Sample(penalized.data(), vocab);
+      tokens[i].token = runtime::SampleToken(penalized.data(), vocab, row.sampling, key);
     } else {
-      tokens[i].token = sampler->Sample(logits, vocab);
+      tokens[i].token = runtime::SampleToken(logits, vocab, row.sampling, key);
     }
     // Log-probabilities of the model's own distribution, before penalties and sampling filters.
     if (row.logprobs > 0) tokens[i].logprobs = runtime::ComputeLogprobs(logits, vocab, tokens[i].token, row.logprobs);

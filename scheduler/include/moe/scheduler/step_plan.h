@@ -17,7 +17,7 @@
 namespace moe::scheduler {
 
 struct SampleRow {
-  int64_t seq_id = 0;  // whose sampler draws the token (a seeded sampler lives per sequence)
+  int64_t seq_id = 0;  // the sequence; its id seeds the draw when the request has no seed
   runtime::SamplingParams sampling;
   // The sequence's tokens so far (prompt, then output), for the penalties; valid during Execute.
   const int32_t* tokens = nullptr;
@@ -57,7 +57,6 @@ class ModelExecutor : public Executor {
  private:
   runtime::Model& model_;
   runtime::KvCache& cache_;
-  std::unordered_map<int64_t, std::unique_ptr<runtime::Sampler>> samplers_;
   std::vector<float> logits_;
 };
 
