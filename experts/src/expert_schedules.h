@@ -31,6 +31,8 @@ inline constexpr int64_t kDownItemBlocks = 16;
 
 // What the calls work in, kept across calls and grown as needed. The buffers are never
 // zero-filled: every row a call reads was written by it first.
+//
+// Thread-safety: one call at a time, whose threads share it as ExpertCall says.
 struct CallScratch {
   explicit CallScratch(int num_experts) : act_in(num_experts), act_mid(num_experts) {}
 

@@ -16,6 +16,9 @@ namespace moe::experts::internal {
 
 // A call's slots (token, choice) ordered by expert: "positions". Kept across calls; the arrays
 // grow as needed and are overwritten by each call.
+//
+// Thread-safety: one call at a time; written by its TokenGrouping, read by any of the call's
+// threads once Run has returned there.
 struct TokenGroups {
   std::vector<int32_t> count;   // slots per expert
   std::vector<int32_t> offset;  // each expert's first position; offset[num_experts]: the slots

@@ -95,6 +95,9 @@ void Crew::Resident() {
 
 // Pins each thread that enters the arena to one CPU, by arena slot. A thread that joins from
 // outside (the caller in Wait) gets its own affinity back when it leaves.
+//
+// Thread-safety: oneTBB calls the callbacks on the entering and leaving threads, any number at
+// once; each keeps what it saved in thread-local storage, and cpus_ is read-only.
 class PinningObserver : public tbb::task_scheduler_observer {
  public:
   PinningObserver(tbb::task_arena& arena, std::vector<int> cpus)
