@@ -19,10 +19,7 @@ using runtime::ForwardBatch;
 using runtime::Model;
 using runtime::SequenceChunk;
 
-std::unique_ptr<Model> LoadFixture(const std::string& arch,
-                                   runtime::RopeFrequencies freqs = runtime::RopeFrequencies::kFloat32,
-                                   runtime::ModelOptions options = {}) {
-  options.rope_frequencies = freqs;  // fp32, as transformers' from_pretrained computes the goldens
+std::unique_ptr<Model> LoadFixture(const std::string& arch, runtime::ModelOptions options = {}) {
   options.pool.progress = false;
   auto model = Model::Load(testing::FixtureDir(arch), options);
   EXPECT_TRUE(model.ok()) << model.status();
@@ -116,7 +113,7 @@ TEST_P(GoldensTest, BatchingSequencesChangesNothing) {
   const bool avx512 =
       experts::KernelUnsupportedReason(experts::KernelKind::kAvx512, options.pool.format, core::GetCpuFeatures()).empty();
   options.pool.kernel = avx512 ? experts::KernelKind::kAvx512 : experts::KernelKind::kPortable;
-  auto model = LoadFixture(GetParam(), runtime::RopeFrequencies::kFloat32, options);
+  auto model = LoadFixture(GetParam(), options);
   ASSERT_NE(model, nullptr);
   const nlohmann::json golden = testing::LoadGolden(GetParam());
   const std::vector<int32_t> a = golden["cases"][0]["prompt_ids"], b = golden["cases"][2]["prompt_ids"];
@@ -144,8 +141,8 @@ TEST_P(GoldensTest, BatchingSequencesChangesNothing) {
 // The plain reference path for routed experts matches as well as the pool does.
 TEST_P(GoldensTest, ReferenceExpertsMatchToo) {
   runtime::ModelOptions options;
-  options.experts = runtime::RoutedExpertsMode::kReference;
-  auto model = LoadFixture(GetParam(), runtime::RopeFrequencies::kFloat32, options);
+  options.experts = runtime::RoutedExpertsMode::kBackend;
+  auto model = LoadFixture(GetParam(), options);
   ASSERT_NE(model, nullptr);
   ASSERT_EQ(model->expert_pool(), nullptr);
   const nlohmann::json golden = testing::LoadGolden(GetParam());
@@ -164,7 +161,7 @@ TEST_P(GoldensTest, PoolThreadsLingerOnlyWhenAskedOnTheCpuBackend) {
   auto plain = LoadFixture(GetParam());
   runtime::ModelOptions options;
   options.expert_linger_us = 1500;
-  auto lingering = LoadFixture(GetParam(), runtime::RopeFrequencies::kFloat32, options);
+  auto lingering = LoadFixture(GetParam(), options);
   ASSERT_NE(plain, nullptr);
   ASSERT_NE(lingering, nullptr);
   EXPECT_EQ(plain->expert_pool()->options().linger_us, 0);
@@ -186,7 +183,7 @@ TEST_P(QuantizedGoldensTest, StayCloseToTransformers) {
   const auto [arch, format_name] = GetParam();
   runtime::ModelOptions options;
   options.pool.format = *experts::ParseFormat(format_name);
-  auto model = LoadFixture(arch, runtime::RopeFrequencies::kFloat32, options);
+  auto model = LoadFixture(arch, options);
   ASSERT_NE(model, nullptr);
   const nlohmann::json golden = testing::LoadGolden(arch);
   float worst = 0;
@@ -222,18 +219,6 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, QuantizedGoldensTest,
                          ::testing::Combine(::testing::Values("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"),
                                             ::testing::Values("int8", "int4")),
                          [](const auto& info) { return std::get<0>(info.param) + "_" + std::get<1>(info.param); });
-
-// bf16-rounded RoPE frequencies (a model cast whole to bf16) agree with the fp32 default where the
-// rotation is the identity (position 0) and differ measurably later: the goldens tell them apart.
-TEST(RopeFrequenciesTest, Bf16FrequenciesDifferFromTheFp32DefaultOnlyAfterPositionZero) {
-  auto f32 = LoadFixture("qwen3_moe", runtime::RopeFrequencies::kFloat32);
-  auto bf16 = LoadFixture("qwen3_moe", runtime::RopeFrequencies::kBFloat16);
-  ASSERT_TRUE(f32 && bf16);
-  const std::vector<int32_t> prompt = testing::LoadGolden("qwen3_moe")["cases"][1]["prompt_ids"];
-  const auto a = FullForward(*f32, prompt), b = FullForward(*bf16, prompt);
-  EXPECT_LT(MaxAbsDiff(a[0], b[0]), 1e-6f);
-  EXPECT_GT(MaxAbsDiff(a.back(), b.back()), 1e-4f);
-}
 
 TEST(ForwardTest, MalformedBatchesAreRejectedWithoutTouchingTheCache) {
   auto model = LoadFixture("qwen3_moe");

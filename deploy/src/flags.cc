@@ -132,8 +132,10 @@ void WarnIfMoreThreadsThanCores(int threads, const std::string& flag, const std:
 }
 
 void ExpertFlags::Add(CLI::App* app) {
-  app->add_option("--experts", mode, "where routed experts run: the CPU expert pool, or the plain reference path")
-      ->check(CLI::IsMember({"pool", "reference"}))
+  app->add_option("--experts", mode,
+                  "where routed experts run: auto (the CPU expert pool on the CPU, the GPU on a GPU), pool, gpu, or "
+                  "reference (the CPU backend's plain path)")
+      ->check(CLI::IsMember({"auto", "pool", "gpu", "reference"}))
       ->capture_default_str();
   app->add_option("--expert-format", format, "packed format of the expert pool's weights: bf16, int8 or int4")
       ->capture_default_str();
@@ -155,7 +157,8 @@ void ExpertFlags::Add(CLI::App* app) {
 }
 
 absl::Status ExpertFlags::Apply(runtime::ModelOptions* options, const std::string& command) const {
-  options->experts = mode == "reference" ? runtime::RoutedExpertsMode::kReference : runtime::RoutedExpertsMode::kPool;
+  options->experts = mode == "reference" || mode == "gpu" ? runtime::RoutedExpertsMode::kBackend
+                                                           : runtime::RoutedExpertsMode::kPool;
   experts::ExpertPoolOptions& pool = options->pool;
   MOE_ASSIGN_OR_RETURN(pool.format, experts::ParseFormat(format));
   pool.group = group;

@@ -49,7 +49,7 @@ void WarnIfMoreThreadsThanCores(int threads, const std::string& flag, const std:
 // The expert-pool flags shared by the commands that load a model: --experts, --expert-format,
 // --expert-group, --expert-kernel, --expert-threads, --expert-linger-us, --expert-shm.
 struct ExpertFlags {
-  std::string mode = "pool";
+  std::string mode = "auto";
   std::string format = "bf16";
   int group = 32;
   std::string kernel;

@@ -8,6 +8,7 @@
 #include "absl/strings/str_join.h"
 #include "commands.h"
 #include "flags.h"
+#include "model_loading.h"
 #include "moe/core/logging.h"
 #include "moe/core/status.h"
 #include "moe/runtime/generate.h"
@@ -48,6 +49,7 @@ struct GenerateFlags {
   int threads = 0;
   bool ignore_eos = false, json = false;
   ExpertFlags experts;
+  DeviceFlags device;
 };
 
 int RunGenerate(const GenerateFlags& flags);
@@ -85,6 +87,7 @@ void AddGenerateCommand(CLI::App& root, CommandRun* selected) {
       ->check(IntIn(0, 4096))
       ->capture_default_str();
   flags->experts.Add(app);
+  flags->device.Add(app);
   app->add_flag("--ignore-eos", flags->ignore_eos, "keep generating after an end-of-sequence token");
   app->add_flag("--json", flags->json, "print one JSON object: generated_ids, token counts, timings");
   app->add_option("--dump-logits", flags->dump_logits,
@@ -112,8 +115,8 @@ int RunGenerate(const GenerateFlags& flags) {
   const auto load_start = std::chrono::steady_clock::now();
   runtime::ModelOptions model_options;
   model_options.threads = flags.threads;
-  if (absl::Status s = flags.experts.Apply(&model_options, "generate"); !s.ok()) return Fail(s, 2);
-  auto model = runtime::Model::Load(flags.model, model_options);
+  if (absl::Status s = CheckModelFlags(flags.device, flags.experts, "generate"); !s.ok()) return Fail(s, 2);
+  auto model = LoadModelForCommand(flags.model, flags.device, flags.experts, model_options, 0, "generate");
   if (!model.ok()) return Fail(model.status());
   const double load_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count();
 

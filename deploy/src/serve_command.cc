@@ -43,7 +43,8 @@ int64_t PhysicalMemoryBytes() {
 
 // The scheduler's KV blocks and context from the flags and the model: the context is the
 // model's (or --ctx), and never more than the KV cache holds.
-absl::Status PlanKvCache(const ServeFlags& flags, const runtime::ModelSpec& spec, scheduler::SchedulerConfig* sc) {
+absl::Status PlanKvCache(const ServeFlags& flags, const runtime::ModelSpec& spec, int64_t kv_element_bytes,
+                         scheduler::SchedulerConfig* sc) {
   const int64_t kv_bytes = flags.kv_cache_mb << 20;
   if (kv_bytes > PhysicalMemoryBytes()) {
     return absl::InvalidArgumentError(absl::StrFormat("--kv-cache-mb %d is more than this machine's %d MiB of memory",
@@ -51,15 +52,14 @@ absl::Status PlanKvCache(const ServeFlags& flags, const runtime::ModelSpec& spec
   }
   runtime::KvCacheShape kv;
   kv.num_layers = spec.num_layers;
-  kv.num_blocks = 1;
   kv.block_size = sc->block_size;
   kv.num_kv_heads = spec.num_kv_heads;
   kv.head_dim = spec.head_dim;
-  const int64_t blocks = kv_bytes / static_cast<int64_t>(kv.bytes());
+  const int64_t blocks = kv_bytes / static_cast<int64_t>(kv.block_bytes(kv_element_bytes));
   if (blocks < 1) {
     return absl::InvalidArgumentError(
         absl::StrFormat("--kv-cache-mb %d holds no KV block: one block of %d positions takes %d bytes for this model",
-                        flags.kv_cache_mb, sc->block_size, kv.bytes()));
+                        flags.kv_cache_mb, sc->block_size, kv.block_bytes(kv_element_bytes)));
   }
   sc->num_blocks = static_cast<int>(std::min<int64_t>(blocks, kMaxContext / sc->block_size));
   const int64_t positions = static_cast<int64_t>(sc->num_blocks) * sc->block_size;
@@ -74,7 +74,7 @@ absl::Status PlanKvCache(const ServeFlags& flags, const runtime::ModelSpec& spec
       return absl::InvalidArgumentError(absl::StrFormat(
           "--ctx %d needs a KV cache of %d positions; --kv-cache-mb %d holds %d (raise --kv-cache-mb to %d)",
           *flags.ctx, *flags.ctx, flags.kv_cache_mb, positions,
-          (runtime::BlocksFor(*flags.ctx, sc->block_size) * static_cast<int64_t>(kv.bytes()) + (1 << 20) - 1) >> 20));
+          (runtime::BlocksFor(*flags.ctx, sc->block_size) * static_cast<int64_t>(kv.block_bytes(kv_element_bytes)) + (1 << 20) - 1) >> 20));
     }
     sc->context = *flags.ctx;
   } else {
@@ -135,7 +135,7 @@ int RunServe(const ServeFlags& flags) {
   sc.max_seqs = flags.max_seqs;
   sc.max_queue = flags.max_queue;
   sc.max_batch_tokens = flags.max_batch_tokens;
-  if (absl::Status s = PlanKvCache(flags, spec, &sc); !s.ok()) return Fail(s, 2);
+  if (absl::Status s = PlanKvCache(flags, spec, core::DTypeSize((*model)->backend().activation_dtype()), &sc); !s.ok()) return Fail(s, 2);
   options.placement = (*model)->expert_pool() != nullptr ? (*model)->expert_pool()->Describe() : "reference path";
 
   (*frontend)->set_scheduler(sc, options.placement);

@@ -24,16 +24,17 @@ TEST(KvBlockAllocatorTest, AllocatesFreesAndRefusesWhenFull) {
   EXPECT_EQ(alloc.num_free(), 0);
 }
 
-TEST(KvCacheTest, BlocksDoNotOverlap) {
+TEST(KvCacheTest, LayersDoNotOverlapAndHoldAScratchBlock) {
   auto backend = CreateCpuBackend(1);
   KvCacheShape shape{2, 3, 4, 2, 8};
-  auto cache = KvCache::Create(*backend, shape);
+  auto cache = backend->CreateKvCache(shape);
   ASSERT_TRUE(cache.ok());
-  EXPECT_EQ((*cache)->k(0, 1) - (*cache)->k(0, 0), 4 * 2 * 8);
-  EXPECT_EQ((*cache)->k(1, 0) - (*cache)->k(0, 2), 4 * 2 * 8);
+  EXPECT_EQ((*cache)->scratch_block(), 3);
+  // Each layer holds num_blocks + 1 blocks of 4 x 2 x 8 floats.
+  EXPECT_EQ(static_cast<float*>((*cache)->k(1)) - static_cast<float*>((*cache)->k(0)), 4 * 4 * 2 * 8);
   EXPECT_EQ(BlocksFor(17, 16), 2);
   EXPECT_EQ(BlocksFor(16, 16), 1);
-  auto bad = KvCache::Create(*backend, KvCacheShape{2, 0, 4, 2, 8});
+  auto bad = backend->CreateKvCache(KvCacheShape{2, 0, 4, 2, 8});
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
 }
 

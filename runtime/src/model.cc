@@ -2,200 +2,143 @@
 
 #include <algorithm>
 #include <cmath>
-#include <filesystem>
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "model_weights.h"
-#include "moe/core/dtype.h"
 #include "moe/core/logging.h"
 #include "moe/core/status.h"
 #include "moe/runtime/backend_cpu.h"
-#include "moe/runtime/routing.h"
+#include "moe_block.h"
 
 namespace moe::runtime {
 namespace {
 
-using internal::FfnWeights;
+using core::DType;
+using internal::FfnBuffers;
 using internal::LayerWeights;
 
-// Backend memory for one step's activations, released when the step ends.
-class Workspace {
- public:
-  explicit Workspace(Backend& backend) : backend_(backend) {}
-  absl::StatusOr<float*> Get(int64_t floats) {
-    MOE_ASSIGN_OR_RETURN(auto buffer, backend_.Allocate(floats));
-    buffers_.push_back(std::move(buffer));
-    return buffers_.back()->data();
+// Decode steps are padded to one of these batch sizes, so that each has one CUDA graph.
+constexpr int kGraphBatchBuckets[] = {1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256};
+// ...and their KV lengths rounded up to a power of two from this one.
+constexpr int kMinKvBucket = 256;
+// The step's input staging is sized for this many sequences at the full context in blocks of
+// this size; a larger step is refused at BeginStep.
+constexpr int kMaxStagedSequences = 1024;
+constexpr int kStagedBlockSize = 16;
+
+int GraphBatchBucket(int rows, int most) {
+  for (int b : kGraphBatchBuckets) {
+    if (b >= rows && b <= most) return b;
   }
-
- private:
-  Backend& backend_;
-  std::vector<std::unique_ptr<DeviceBuffer>> buffers_;
-};
-
-// out[rows x hidden] = down(silu(gate(x)) * up(x)).
-absl::Status RunFfn(Backend& b, const FfnWeights& w, const float* x, int64_t rows, float* out) {
-  Workspace ws(b);
-  const int64_t width = w.width();
-  MOE_ASSIGN_OR_RETURN(float* gate, ws.Get(rows * width));
-  MOE_ASSIGN_OR_RETURN(float* up, ws.Get(rows * width));
-  b.Linear(x, rows, *w.gate, nullptr, gate);
-  b.Linear(x, rows, *w.up, nullptr, up);
-  b.SiluMul(gate, up, rows * width, gate);
-  b.Linear(gate, rows, *w.down, nullptr, out);
-  return absl::OkStatus();
-}
-
-// out = shared expert FFN of x, scaled per row by sigmoid(x . gate) where the model has the gate.
-absl::Status RunSharedExpert(Backend& b, const LayerWeights& lw, const float* x, int64_t rows, float* out) {
-  MOE_RETURN_IF_ERROR(RunFfn(b, lw.shared, x, rows, out));
-  if (lw.shared_gate == nullptr) return absl::OkStatus();
-  Workspace ws(b);
-  MOE_ASSIGN_OR_RETURN(float* gate, ws.Get(rows));
-  b.Linear(x, rows, *lw.shared_gate, nullptr, gate);
-  b.ScaleRowsBySigmoid(out, rows, lw.shared.down->rows(), gate);
-  return absl::OkStatus();
-}
-
-// The plain routed-expert path: tokens grouped by expert, each expert's FFN run on its rows
-// through the backend, outputs scattered back with their routing weights.
-class ReferenceRoutedExperts : public RoutedExperts {
- public:
-  ReferenceRoutedExperts(const ModelSpec& spec, const Model::Weights& weights, Backend& backend)
-      : spec_(spec), weights_(weights), backend_(backend) {}
-
-  absl::Status Finish() override { return absl::OkStatus(); }
-
-  absl::Status Start(int layer, const float* hidden, int64_t num_tokens, const int32_t* topk_ids,
-                     const float* topk_weights, float* out) override {
-    const int k = spec_.routing.top_k;
-    const int64_t h = spec_.hidden_size;
-    std::vector<std::vector<int32_t>> rows(spec_.routing.num_experts);
-    std::vector<std::vector<float>> scales(spec_.routing.num_experts);
-    for (int64_t t = 0; t < num_tokens; ++t) {
-      for (int j = 0; j < k; ++j) {
-        rows[topk_ids[t * k + j]].push_back(static_cast<int32_t>(t));
-        scales[topk_ids[t * k + j]].push_back(topk_weights[t * k + j]);
-      }
-    }
-    size_t most = 0;
-    for (const auto& r : rows) most = std::max(most, r.size());
-    Workspace ws(backend_);
-    MOE_ASSIGN_OR_RETURN(float* x, ws.Get(most * h));
-    MOE_ASSIGN_OR_RETURN(float* y, ws.Get(most * h));
-    const std::vector<float> zeros(num_tokens * h, 0.0f);
-    backend_.CopyFromHost(zeros.data(), out, num_tokens * h);
-    const LayerWeights& lw = weights_.layers[layer];
-    for (int e = 0; e < spec_.routing.num_experts; ++e) {
-      const int64_t n = static_cast<int64_t>(rows[e].size());
-      if (n == 0) continue;
-      backend_.GatherRows(hidden, h, rows[e].data(), n, x);
-      MOE_RETURN_IF_ERROR(RunFfn(backend_, lw.experts[e], x, n, y));
-      backend_.ScatterAddRows(y, h, rows[e].data(), scales[e].data(), n, out);
-    }
-    return absl::OkStatus();
-  }
-
- private:
-  const ModelSpec& spec_;
-  const Model::Weights& weights_;
-  Backend& backend_;
-};
-
-// Routed experts through the CPU expert pool, which numbers MoE layers consecutively.
-class PoolRoutedExperts : public RoutedExperts {
- public:
-  PoolRoutedExperts(experts::ExpertPool& pool, const ModelSpec& spec) : pool_(pool) {
-    for (int l = 0, moe = 0; l < spec.num_layers; ++l) moe_index_.push_back(spec.IsMoeLayer(l) ? moe++ : -1);
-  }
-  absl::Status Start(int layer, const float* hidden, int64_t num_tokens, const int32_t* topk_ids,
-                     const float* topk_weights, float* out) override {
-    MOE_ASSIGN_OR_RETURN(ticket_, pool_.Submit(moe_index_[layer], hidden, num_tokens, topk_ids, topk_weights, out));
-    return absl::OkStatus();
-  }
-  absl::Status Finish() override { return pool_.Wait(ticket_); }
-
- private:
-  experts::ExpertPool& pool_;
-  std::vector<int> moe_index_;
-  experts::ExpertPool::Ticket ticket_;
-};
-
-// Names of one routed expert's tensors in the checkpoint.
-struct ExpertTensorNames {
-  std::string gate, up, down;
-};
-ExpertTensorNames ExpertNames(const ModelSpec& spec, int layer, int expert) {
-  const bool mixtral = spec.arch == Architecture::kMixtral;
-  const std::string p = absl::StrCat("model.layers.", layer, mixtral ? ".block_sparse_moe" : ".mlp", ".experts.",
-                                     expert, ".");
-  if (mixtral) return {p + "w1.weight", p + "w3.weight", p + "w2.weight"};
-  return {p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"};
-}
-
-absl::StatusOr<std::unique_ptr<experts::ExpertPool>> CreatePool(const ModelSpec& spec, const WeightSource& source,
-                                                                experts::ExpertPoolOptions options,
-                                                                const std::string& model_dir) {
-  std::vector<int> moe_layers;
-  for (int l = 0; l < spec.num_layers; ++l) {
-    if (spec.IsMoeLayer(l)) moe_layers.push_back(l);
-  }
-  experts::ExpertShape shape;
-  shape.num_layers = static_cast<int>(moe_layers.size());
-  shape.num_experts = spec.routing.num_experts;
-  shape.top_k = spec.routing.top_k;
-  shape.hidden = spec.hidden_size;
-  shape.intermediate = spec.moe_intermediate_size;
-  std::error_code ec;
-  const auto canonical = std::filesystem::weakly_canonical(model_dir, ec);
-  options.model_id = ec ? model_dir : canonical.string();
-  return experts::ExpertPool::Create(
-      shape, options, [&](int moe_layer, int expert) -> absl::StatusOr<experts::ExpertWeights> {
-        const ExpertTensorNames names = ExpertNames(spec, moe_layers[moe_layer], expert);
-        MOE_ASSIGN_OR_RETURN(core::TensorView gate, source.Get(names.gate));
-        MOE_ASSIGN_OR_RETURN(core::TensorView up, source.Get(names.up));
-        MOE_ASSIGN_OR_RETURN(core::TensorView down, source.Get(names.down));
-        return experts::ExpertWeights{gate, up, down};
-      });
+  return 0;
 }
 
 }  // namespace
 
+// Every activation of a step, carved from the arena before the first operation is queued: the
+// same step shape gets the same addresses, which a replayed CUDA graph relies on.
+struct Model::StepBuffers {
+  Tensor x;       // [T x hidden] fp32: the residual stream
+  Tensor h;       // [T x hidden] activation dtype: the normed input of a block
+  Tensor qkv;     // [T x (H + 2 KV) d]
+  Tensor q;       // [T x H d]
+  Tensor attn;    // [T x H d]
+  Tensor delta;   // [T x hidden] fp32: a block's output, added to x by the next norm
+  FfnBuffers ffn;
+  Tensor last_h;  // [L x hidden] activation dtype
+  Tensor logits;  // [L x vocab] fp32
+};
+
 Model::~Model() = default;
 
-std::vector<float> RopeInverseFrequencies(const ModelSpec& spec, RopeFrequencies precision) {
+std::vector<float> RopeInverseFrequencies(const ModelSpec& spec) {
   const int half = spec.rotary_dim / 2;
   std::vector<float> inv_freq(half);
   for (int i = 0; i < half; ++i) {
     const float exponent = static_cast<float>(2 * i) / static_cast<float>(spec.rotary_dim);
     inv_freq[i] = 1.0f / std::pow(spec.rope_theta, exponent);
-    if (precision == RopeFrequencies::kBFloat16) inv_freq[i] = core::Bf16ToFloat(core::FloatToBf16(inv_freq[i]));
   }
   return inv_freq;
 }
 
+int64_t Model::weight_bytes() const { return weights_->bytes; }
+
 absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& model_dir, const ModelOptions& options,
                                                    std::shared_ptr<Backend> backend) {
   std::unique_ptr<Model> model(new Model());
+  model->options_ = options;
   MOE_ASSIGN_OR_RETURN(model->spec_, LoadModelSpec(model_dir));
-  model->rope_inv_freq_ = RopeInverseFrequencies(model->spec_, options.rope_frequencies);
-  model->backend_ = backend != nullptr ? std::move(backend) : std::shared_ptr<Backend>(CreateCpuBackend(options.threads));
-  MOE_ASSIGN_OR_RETURN(model->source_, OpenSafetensors(model_dir));
-  const bool pool = options.experts == RoutedExpertsMode::kPool;
-  MOE_ASSIGN_OR_RETURN(model->weights_, internal::LoadWeights(model->spec_, *model->source_, *model->backend_,
-                                                              /*prepare_routed_experts=*/!pool));
-  if (pool && model->spec_.num_moe_layers() > 0) {
-    experts::ExpertPoolOptions pool_options = options.pool;
-    pool_options.linger_us =
-        options.expert_linger_us.value_or(model->backend_->ComputesOnHostCores() ? 0 : pool_options.linger_us);
-    MOE_ASSIGN_OR_RETURN(model->pool_, CreatePool(model->spec_, *model->source_, pool_options, model_dir));
-    model->routed_experts_ = std::make_unique<PoolRoutedExperts>(*model->pool_, model->spec_);
-  } else {
-    model->routed_experts_ =
-        std::make_unique<ReferenceRoutedExperts>(model->spec_, *model->weights_, *model->backend_);
+  const ModelSpec& spec = model->spec_;
+  if (options.max_step_tokens <= 0 || options.max_logit_rows <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("max_step_tokens (", options.max_step_tokens,
+                                                   ") and max_logit_rows (", options.max_logit_rows,
+                                                   ") must be positive"));
   }
-  MOE_LOG(kDebug) << "loaded " << model->spec_.Summary() << " on " << model->backend_->name();
+  model->options_.max_logit_rows = std::min(options.max_logit_rows, options.max_step_tokens);
+  if (model->options_.max_context <= 0 || model->options_.max_context > spec.max_position_embeddings) {
+    model->options_.max_context = spec.max_position_embeddings;
+  }
+  model->backend_ = backend != nullptr ? std::move(backend) : std::shared_ptr<Backend>(CreateCpuBackend(options.threads));
+  Backend& b = *model->backend_;
+  MOE_ASSIGN_OR_RETURN(model->source_, OpenSafetensors(model_dir));
+  const bool pool = options.experts == RoutedExpertsMode::kPool && spec.num_moe_layers() > 0;
+  if (pool && (!b.HostAddressable() || b.activation_dtype() != DType::kF32)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "routed experts in the CPU expert pool need the CPU backend; on ", b.name(),
+        " the backend runs them (--experts backend)"));
+  }
+  MOE_ASSIGN_OR_RETURN(model->weights_, internal::LoadWeights(spec, *model->source_, b,
+                                                              /*prepare_routed_experts=*/!pool, options.progress));
+  if (pool) {
+    experts::ExpertPoolOptions pool_options = options.pool;
+    pool_options.linger_us = options.expert_linger_us.value_or(b.ComputesOnHostCores() ? 0 : pool_options.linger_us);
+    MOE_ASSIGN_OR_RETURN(model->pool_, internal::CreatePool(spec, *model->source_, pool_options, model_dir));
+    model->routed_experts_ = internal::PoolRoutedExperts(*model->pool_, spec);
+  } else {
+    model->routed_experts_ = internal::BackendRoutedExperts(b, *model->weights_);
+  }
+  MOE_RETURN_IF_ERROR(model->ReserveStep());
+  MOE_LOG(kDebug) << "loaded " << spec.Summary() << " on " << b.name();
   return model;
+}
+
+absl::Status Model::ReserveStep() {
+  Backend& b = *backend_;
+  const ModelSpec& s = spec_;
+  const std::vector<float> inv_freq = RopeInverseFrequencies(s);
+  MOE_ASSIGN_OR_RETURN(rope_inv_freq_, b.Allocate(DType::kF32, 1, static_cast<int64_t>(inv_freq.size())));
+  b.CopyFromHost(inv_freq.data(), rope_inv_freq_->tensor());
+
+  const int64_t t = options_.max_step_tokens, l = options_.max_logit_rows;
+  const int64_t act = core::DTypeSize(b.activation_dtype());
+  const int64_t hidden = s.hidden_size, q_width = int64_t{s.num_heads} * s.head_dim;
+  const int64_t qkv_width = q_width + 2 * int64_t{s.num_kv_heads} * s.head_dim;
+  const int64_t width = std::max<int64_t>({s.intermediate_size, s.shared_expert_intermediate_size, 1});
+  const int64_t experts = std::max(s.routing.num_experts, 1), top_k = std::max(s.routing.top_k, 1);
+  auto aligned = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
+  const int64_t per_step = aligned(t * hidden * 4) * 3 + aligned(t * hidden * act) + aligned(t * qkv_width * act) +
+                           2 * aligned(t * q_width * act) + aligned(t * 2 * width * act) + aligned(t * width * act) +
+                           aligned(t * experts * 4) + 2 * aligned(t * top_k * 4) + aligned(t * 4) +
+                           aligned(l * hidden * act) + aligned(l * s.vocab_size * 4);
+  // Inputs: ids, positions, row_seq, seq_start, seq_len, logit rows, and the block tables of as
+  // many sequences as tokens, each long enough for the whole context.
+  const int64_t max_blocks = BlocksFor(options_.max_context, kStagedBlockSize) + 1;
+  const int64_t inputs = 7 * 256 + 4 * (5 * t + 1 + l) + 4 * std::min<int64_t>(t, kMaxStagedSequences) * max_blocks;
+  MOE_RETURN_IF_ERROR(b.ReserveArena(per_step + aligned(inputs), inputs));
+  Backend::StepLimits limits;
+  limits.max_tokens = static_cast<int>(t);
+  limits.max_logit_rows = static_cast<int>(l);
+  limits.max_context = options_.max_context;
+  limits.num_heads = s.num_heads;
+  limits.head_dim = s.head_dim;
+  limits.vocab = s.vocab_size;
+  limits.num_experts = s.routing.num_experts;
+  limits.top_k = s.routing.top_k;
+  limits.moe_intermediate = s.moe_intermediate_size;
+  MOE_RETURN_IF_ERROR(b.ReserveScratch(limits));
+  MOE_ASSIGN_OR_RETURN(host_logits_, b.AllocateHost(l * s.vocab_size * 4));
+  return b.Synchronize();
 }
 
 absl::StatusOr<std::unique_ptr<KvCache>> Model::NewKvCache(int num_blocks, int block_size) {
@@ -205,12 +148,21 @@ absl::StatusOr<std::unique_ptr<KvCache>> Model::NewKvCache(int num_blocks, int b
   shape.block_size = block_size;
   shape.num_kv_heads = spec_.num_kv_heads;
   shape.head_dim = spec_.head_dim;
-  return KvCache::Create(*backend_, shape);
+  return backend_->CreateKvCache(shape);
 }
 
 absl::Status Model::CheckBatch(const ForwardBatch& batch, const KvCache& cache) const {
   const int64_t rows = static_cast<int64_t>(batch.token_ids.size());
   if (rows == 0) return absl::InvalidArgumentError("empty batch: no tokens");
+  if (rows > options_.max_step_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat("a step of ", rows, " tokens exceeds the ",
+                                                   options_.max_step_tokens, " the model was loaded for"));
+  }
+  if (static_cast<int64_t>(batch.logit_rows.size()) > options_.max_logit_rows) {
+    return absl::InvalidArgumentError(absl::StrCat("a step asking for ", batch.logit_rows.size(),
+                                                   " rows of logits exceeds the ", options_.max_logit_rows,
+                                                   " the model was loaded for"));
+  }
   for (int64_t i = 0; i < rows; ++i) {
     const int32_t id = batch.token_ids[i];
     if (id < 0 || id >= spec_.vocab_size) {
@@ -225,6 +177,11 @@ absl::Status Model::CheckBatch(const ForwardBatch& batch, const KvCache& cache) 
     if (c.num_tokens <= 0 || c.first_position < 0) {
       return absl::InvalidArgumentError(absl::StrCat("sequence ", s, ": chunk of ", c.num_tokens,
                                                      " tokens at position ", c.first_position));
+    }
+    if (c.first_position + c.num_tokens > options_.max_context) {
+      return absl::InvalidArgumentError(absl::StrCat("sequence ", s, ": positions up to ",
+                                                     c.first_position + c.num_tokens, " exceed the context of ",
+                                                     options_.max_context));
     }
     const int need = BlocksFor(c.first_position + c.num_tokens, bs);
     if (static_cast<int>(c.block_table.size()) < need) {
@@ -250,109 +207,155 @@ absl::Status Model::CheckBatch(const ForwardBatch& batch, const KvCache& cache) 
   return absl::OkStatus();
 }
 
-absl::Status Model::RunMoe(int layer, const float* h, int64_t rows, float* out) {
-  Backend& b = *backend_;
-  const LayerWeights& lw = weights_->layers[layer];
-  const RoutingSpec& r = spec_.routing;
-  Workspace ws(b);
-  // Router (small, replicated): logits to the host, top-k there.
-  MOE_ASSIGN_OR_RETURN(float* router_logits, ws.Get(rows * r.num_experts));
-  b.Linear(h, rows, *lw.router, nullptr, router_logits);
-  std::vector<float> host_logits(rows * r.num_experts);
-  b.CopyToHost(router_logits, host_logits.data(), host_logits.size());
-  std::vector<int32_t> topk_ids(rows * r.top_k);
-  std::vector<float> topk_weights(rows * r.top_k);
-  RouteTokens(r, host_logits.data(), rows, lw.correction_bias.empty() ? nullptr : lw.correction_bias.data(),
-              topk_ids.data(), topk_weights.data());
-  // The routed experts start; the shared expert runs meanwhile, into its own buffer.
-  const int64_t hidden = spec_.hidden_size;
-  float* shared = nullptr;
-  if (spec_.shared_expert_intermediate_size > 0) {
-    MOE_ASSIGN_OR_RETURN(shared, ws.Get(rows * hidden));
+StepInputs Model::BuildInputs(const ForwardBatch& batch, const KvCache& cache, int pad_to, int kv_bucket) const {
+  const int bs = cache.shape().block_size;
+  StepInputs in;
+  in.token_ids = batch.token_ids;
+  in.logit_rows = batch.logit_rows;
+  int max_kv = 0;
+  for (const SequenceChunk& c : batch.sequences) {
+    in.max_q_len = std::max(in.max_q_len, c.num_tokens);
+    max_kv = std::max<int>(max_kv, static_cast<int>(c.first_position + c.num_tokens));
   }
-  MOE_RETURN_IF_ERROR(routed_experts_->Start(layer, h, rows, topk_ids.data(), topk_weights.data(), out));
-  const absl::Status shared_status = shared != nullptr ? RunSharedExpert(b, lw, h, rows, shared) : absl::OkStatus();
-  MOE_RETURN_IF_ERROR(routed_experts_->Finish());
-  MOE_RETURN_IF_ERROR(shared_status);
-  if (shared != nullptr) b.Add(out, shared, rows * hidden);
-  return absl::OkStatus();
+  in.max_kv_len = kv_bucket > 0 ? kv_bucket : max_kv;
+  in.max_blocks = BlocksFor(in.max_kv_len, bs);
+  const int seqs = static_cast<int>(batch.sequences.size());
+  const int padded_seqs = std::max(seqs, pad_to);
+  in.seq_start.reserve(padded_seqs + 1);
+  in.block_table.assign(static_cast<size_t>(padded_seqs) * in.max_blocks, cache.scratch_block());
+  for (int s = 0; s < seqs; ++s) {
+    const SequenceChunk& c = batch.sequences[s];
+    in.seq_start.push_back(static_cast<int32_t>(in.positions.size()));
+    in.seq_len.push_back(static_cast<int32_t>(c.first_position + c.num_tokens));
+    for (int i = 0; i < c.num_tokens; ++i) {
+      in.positions.push_back(static_cast<int32_t>(c.first_position + i));
+      in.row_seq.push_back(s);
+    }
+    const int need = BlocksFor(c.first_position + c.num_tokens, bs);
+    std::copy(c.block_table.begin(), c.block_table.begin() + need, in.block_table.begin() + int64_t{s} * in.max_blocks);
+  }
+  // Padding rows: one token at position 0 in a sequence of its own, writing the scratch block.
+  for (int s = seqs; s < padded_seqs; ++s) {
+    in.seq_start.push_back(static_cast<int32_t>(in.positions.size()));
+    in.seq_len.push_back(1);
+    in.positions.push_back(0);
+    in.row_seq.push_back(s);
+    in.token_ids.push_back(0);
+    in.logit_rows.push_back(s);
+  }
+  in.seq_start.push_back(static_cast<int32_t>(in.positions.size()));
+  return in;
 }
 
-absl::Status Model::Forward(const ForwardBatch& batch, KvCache& cache, std::vector<float>* logits) {
-  MOE_RETURN_IF_ERROR(CheckBatch(batch, cache));
+absl::StatusOr<Model::StepBuffers> Model::TakeBuffers(int64_t t, int64_t l) {
+  Backend& b = *backend_;
+  const ModelSpec& s = spec_;
+  const DType act = b.activation_dtype();
+  const int64_t hidden = s.hidden_size, q_width = int64_t{s.num_heads} * s.head_dim;
+  const int64_t qkv_width = q_width + 2 * int64_t{s.num_kv_heads} * s.head_dim;
+  const int64_t width = std::max<int64_t>({s.intermediate_size, s.shared_expert_intermediate_size, 1});
+  const int64_t experts = std::max(s.routing.num_experts, 1), top_k = std::max(s.routing.top_k, 1);
+  StepBuffers buf;
+  MOE_ASSIGN_OR_RETURN(buf.x, b.Take(DType::kF32, t, hidden));
+  MOE_ASSIGN_OR_RETURN(buf.h, b.Take(act, t, hidden));
+  MOE_ASSIGN_OR_RETURN(buf.qkv, b.Take(act, t, qkv_width));
+  MOE_ASSIGN_OR_RETURN(buf.q, b.Take(act, t, q_width));
+  MOE_ASSIGN_OR_RETURN(buf.attn, b.Take(act, t, q_width));
+  MOE_ASSIGN_OR_RETURN(buf.delta, b.Take(DType::kF32, t, hidden));
+  MOE_ASSIGN_OR_RETURN(buf.ffn.gate_up, b.Take(act, t, 2 * width));
+  MOE_ASSIGN_OR_RETURN(buf.ffn.act, b.Take(act, t, width));
+  MOE_ASSIGN_OR_RETURN(buf.ffn.router_logits, b.Take(DType::kF32, t, experts));
+  MOE_ASSIGN_OR_RETURN(buf.ffn.ids, b.Take(DType::kI32, t, top_k));
+  MOE_ASSIGN_OR_RETURN(buf.ffn.weights, b.Take(DType::kF32, t, top_k));
+  MOE_ASSIGN_OR_RETURN(buf.ffn.shared, b.Take(DType::kF32, t, hidden));
+  MOE_ASSIGN_OR_RETURN(buf.ffn.shared_gate, b.Take(DType::kF32, t, 1));
+  MOE_ASSIGN_OR_RETURN(buf.last_h, b.Take(act, l, hidden));
+  MOE_ASSIGN_OR_RETURN(buf.logits, b.Take(DType::kF32, l, s.vocab_size));
+  return buf;
+}
+
+absl::Status Model::RunLayers(const StepTensors& step, const StepBuffers& buf, KvCache& cache) {
   const ModelSpec& s = spec_;
   Backend& b = *backend_;
-  const int64_t rows = static_cast<int64_t>(batch.token_ids.size());
-  const int64_t hidden = s.hidden_size;
-  const int64_t q_width = int64_t{s.num_heads} * s.head_dim;
-  const int64_t kv_width = int64_t{s.num_kv_heads} * s.head_dim;
-
-  std::vector<int32_t> positions;
-  positions.reserve(rows);
-  for (const SequenceChunk& c : batch.sequences) {
-    for (int i = 0; i < c.num_tokens; ++i) positions.push_back(static_cast<int32_t>(c.first_position + i));
-  }
-
-  Workspace ws(b);
-  MOE_ASSIGN_OR_RETURN(float* x, ws.Get(rows * hidden));  // the residual stream
-  MOE_ASSIGN_OR_RETURN(float* h, ws.Get(rows * hidden));
-  MOE_ASSIGN_OR_RETURN(float* q, ws.Get(rows * q_width));
-  MOE_ASSIGN_OR_RETURN(float* k, ws.Get(rows * kv_width));
-  MOE_ASSIGN_OR_RETURN(float* v, ws.Get(rows * kv_width));
-  MOE_ASSIGN_OR_RETURN(float* attn, ws.Get(rows * q_width));
-  MOE_ASSIGN_OR_RETURN(float* block_out, ws.Get(rows * hidden));
-
-  b.Embed(*weights_->embed, batch.token_ids.data(), rows, x);
+  const Weights& w = *weights_;
+  const Tensor inv_freq = rope_inv_freq_->tensor();
+  b.Embed(*w.embed, step, buf.x);
+  const Tensor* pending = nullptr;  // the last block's output, not yet added to the residual
   for (int layer = 0; layer < s.num_layers; ++layer) {
-    const LayerWeights& lw = weights_->layers[layer];
+    const LayerWeights& lw = w.layers[layer];
     // Attention block.
-    b.RmsNorm(x, *lw.input_norm, s.rms_norm_eps, rows, hidden, h);
-    b.Linear(h, rows, *lw.q, lw.q_bias.get(), q);
-    b.Linear(h, rows, *lw.k, lw.k_bias.get(), k);
-    b.Linear(h, rows, *lw.v, lw.v_bias.get(), v);
-    if (s.qk_norm) {
-      b.RmsNorm(q, *lw.q_norm, s.rms_norm_eps, rows * s.num_heads, s.head_dim, q);
-      b.RmsNorm(k, *lw.k_norm, s.rms_norm_eps, rows * s.num_kv_heads, s.head_dim, k);
-    }
-    b.Rope(q, rows, s.num_heads, s.head_dim, s.rotary_dim, rope_inv_freq_.data(), positions.data());
-    b.Rope(k, rows, s.num_kv_heads, s.head_dim, s.rotary_dim, rope_inv_freq_.data(), positions.data());
+    b.AddRmsNorm(buf.x, pending, *lw.input_norm, s.rms_norm_eps, buf.h);
+    b.Linear(buf.h, *lw.qkv, lw.qkv_bias.get(), buf.qkv);
     AttentionArgs args;
-    args.q = q;
-    args.k = k;
-    args.v = v;
-    args.out = attn;
-    args.num_tokens = rows;
+    args.qkv = buf.qkv;
+    args.q = buf.q;
+    args.out = buf.attn;
     args.num_heads = s.num_heads;
     args.num_kv_heads = s.num_kv_heads;
     args.head_dim = s.head_dim;
+    args.rotary_dim = s.rotary_dim;
     args.scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim));
-    args.seqs = batch.sequences.data();
-    args.num_seqs = static_cast<int>(batch.sequences.size());
+    args.eps = s.rms_norm_eps;
+    args.q_norm = lw.q_norm.get();
+    args.k_norm = lw.k_norm.get();
+    args.inv_freq = &inv_freq;
     args.cache = &cache;
     args.layer = layer;
-    b.Attention(args);
-    b.Linear(attn, rows, *lw.o, nullptr, block_out);
-    b.Add(x, block_out, rows * hidden);
+    b.Attention(args, step);
+    b.Linear(buf.attn, *lw.o, nullptr, buf.delta);
     // FFN block: routed experts (plus shared ones) or a dense SwiGLU.
-    b.RmsNorm(x, *lw.post_attention_norm, s.rms_norm_eps, rows, hidden, h);
+    b.AddRmsNorm(buf.x, &buf.delta, *lw.post_attention_norm, s.rms_norm_eps, buf.h);
     if (s.IsMoeLayer(layer)) {
-      MOE_RETURN_IF_ERROR(core::Annotate(RunMoe(layer, h, rows, block_out), absl::StrCat("layer ", layer)));
+      MOE_RETURN_IF_ERROR(core::Annotate(
+          internal::RunMoe(b, s, lw, *routed_experts_, layer, buf.h, buf.ffn, buf.delta), absl::StrCat("layer ", layer)));
     } else {
-      MOE_RETURN_IF_ERROR(RunFfn(b, lw.dense, h, rows, block_out));
+      internal::RunFfn(b, lw.dense, buf.h, buf.ffn, buf.delta);
     }
-    b.Add(x, block_out, rows * hidden);
+    pending = &buf.delta;
   }
-
   // Only the rows that want logits go through the final norm and the LM head.
-  const int64_t out_rows = static_cast<int64_t>(batch.logit_rows.size());
-  logits->assign(out_rows * s.vocab_size, 0.0f);
-  if (out_rows == 0) return absl::OkStatus();
-  MOE_ASSIGN_OR_RETURN(float* last, ws.Get(out_rows * hidden));
-  MOE_ASSIGN_OR_RETURN(float* out, ws.Get(out_rows * s.vocab_size));
-  b.GatherRows(x, hidden, batch.logit_rows.data(), out_rows, last);
-  b.RmsNorm(last, *weights_->final_norm, s.rms_norm_eps, out_rows, hidden, last);
-  b.Linear(last, out_rows, *weights_->lm_head, nullptr, out);
-  b.CopyToHost(out, logits->data(), logits->size());
+  if (buf.logits.rows == 0) return absl::OkStatus();
+  b.AddRmsNorm(buf.x, pending, *w.final_norm, s.rms_norm_eps, buf.h);
+  b.GatherRows(buf.h, step.logit_rows, buf.last_h);
+  b.Linear(buf.last_h, *w.lm_head, nullptr, buf.logits);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Tensor> Model::ForwardOnDevice(const ForwardBatch& batch, KvCache& cache) {
+  MOE_RETURN_IF_ERROR(CheckBatch(batch, cache));
+  Backend& b = *backend_;
+  const int rows = static_cast<int>(batch.token_ids.size());
+  // A decode step (one token per sequence, each wanting logits) is replayed from a graph.
+  bool decode = options_.graphs && b.SupportsGraphs() && batch.logit_rows.size() == batch.token_ids.size();
+  for (size_t i = 0; decode && i < batch.sequences.size(); ++i) {
+    decode = batch.sequences[i].num_tokens == 1 && batch.logit_rows[i] == static_cast<int32_t>(i);
+  }
+  const int bucket = decode ? GraphBatchBucket(rows, options_.max_logit_rows) : 0;
+  int kv_bucket = 0;
+  if (bucket > 0) {
+    int max_kv = 0;
+    for (const SequenceChunk& c : batch.sequences) max_kv = std::max<int>(max_kv, c.first_position + 1);
+    kv_bucket = kMinKvBucket;
+    while (kv_bucket < max_kv) kv_bucket *= 2;
+    kv_bucket = std::min(kv_bucket, std::max(options_.max_context, max_kv));
+  }
+  inputs_ = BuildInputs(batch, cache, bucket, kv_bucket);
+  MOE_ASSIGN_OR_RETURN(StepTensors step, b.BeginStep(inputs_));
+  MOE_ASSIGN_OR_RETURN(StepBuffers buf, TakeBuffers(step.num_tokens, static_cast<int64_t>(inputs_.logit_rows.size())));
+  if (bucket > 0) {
+    const uint64_t key = (static_cast<uint64_t>(bucket) << 32) | static_cast<uint64_t>(kv_bucket);
+    MOE_RETURN_IF_ERROR(b.RunGraph(key, [&] { return RunLayers(step, buf, cache); }));
+  } else {
+    MOE_RETURN_IF_ERROR(RunLayers(step, buf, cache));
+  }
+  return buf.logits.Rows(0, static_cast<int64_t>(batch.logit_rows.size()));
+}
+
+absl::Status Model::Forward(const ForwardBatch& batch, KvCache& cache, std::vector<float>* logits) {
+  MOE_ASSIGN_OR_RETURN(Tensor out, ForwardOnDevice(batch, cache));
+  if (out.rows > 0) backend_->CopyToHost(out, host_logits_->data());
+  MOE_RETURN_IF_ERROR(backend_->Synchronize());
+  logits->assign(host_logits_->as<float>(), host_logits_->as<float>() + out.numel());
   return absl::OkStatus();
 }
 

@@ -1,10 +1,12 @@
 #include "model_weights.h"
 
+#include <optional>
 #include <set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "moe/core/logging.h"
+#include "moe/core/progress.h"
 #include "moe/core/status.h"
 
 namespace moe::runtime::internal {
@@ -12,29 +14,41 @@ namespace {
 
 using core::Shape;
 
-// Fetches tensors by name, checks them and hands them to the backend; remembers what it used.
+// Fetches tensors by name, checks them and hands them to the backend; remembers what it used
+// and counts the bytes it handed over.
 class WeightLoader {
  public:
-  WeightLoader(const WeightSource& source, Backend& backend) : source_(source), backend_(backend) {}
+  WeightLoader(const WeightSource& source, Backend& backend, core::ProgressReporter* progress)
+      : source_(source), backend_(backend), progress_(progress) {}
 
   // `why` names the config keys behind the expected shape, for the error message.
   absl::StatusOr<std::unique_ptr<DeviceWeight>> Load(const std::string& name, const Shape& want,
-                                                     const std::string& why) {
+                                                     const std::string& why, WeightUse use = WeightUse::kMatrix) {
     MOE_ASSIGN_OR_RETURN(core::TensorView view, Check(name, want, why));
-    auto weight = backend_.PrepareWeight(view);
+    auto weight = backend_.PrepareWeight(view, use);
     if (!weight.ok()) return core::Annotate(weight.status(), name);
+    Count(view.bytes(), **weight);
     return weight;
   }
 
-  // A small vector kept on the host as floats (routing parameters).
-  absl::Status LoadHost(const std::string& name, int64_t n, const std::string& why, std::vector<float>* out) {
-    MOE_ASSIGN_OR_RETURN(core::TensorView view, Check(name, {n}, why));
-    out->resize(n);
-    core::ConvertToFloat(view.data, view.dtype, out->data(), n);
-    return absl::OkStatus();
+  // Several tensors stacked by rows into one weight (the fused QKV and gate+up projections).
+  absl::StatusOr<std::unique_ptr<DeviceWeight>> LoadFused(const std::vector<std::string>& names,
+                                                          const std::vector<Shape>& shapes, const std::string& why,
+                                                          WeightUse use = WeightUse::kMatrix) {
+    std::vector<core::TensorView> views;
+    int64_t bytes = 0;
+    for (size_t i = 0; i < names.size(); ++i) {
+      MOE_ASSIGN_OR_RETURN(core::TensorView view, Check(names[i], shapes[i], why));
+      bytes += view.bytes();
+      views.push_back(view);
+    }
+    auto weight = backend_.PrepareFusedWeight(views, use);
+    if (!weight.ok()) return core::Annotate(weight.status(), names[0]);
+    Count(bytes, **weight);
+    return weight;
   }
 
-  // Loads an FFN's three matrices; with out == null only checks them.
+  // Loads an FFN's three matrices, gate and up fused; with out == null only checks them.
   absl::Status LoadFfn(const std::string& prefix, const char* gate, const char* up, const char* down, int64_t hidden,
                        int64_t width, const std::string& why, FfnWeights* out) {
     const std::string names[3] = {prefix + gate + ".weight", prefix + up + ".weight", prefix + down + ".weight"};
@@ -43,10 +57,37 @@ class WeightLoader {
       for (int i = 0; i < 3; ++i) MOE_RETURN_IF_ERROR(Check(names[i], shapes[i], why).status());
       return absl::OkStatus();
     }
-    MOE_ASSIGN_OR_RETURN(out->gate, Load(names[0], shapes[0], why));
-    MOE_ASSIGN_OR_RETURN(out->up, Load(names[1], shapes[1], why));
+    MOE_ASSIGN_OR_RETURN(out->gate_up, LoadFused({names[0], names[1]}, {shapes[0], shapes[1]}, why));
     MOE_ASSIGN_OR_RETURN(out->down, Load(names[2], shapes[2], why));
     return absl::OkStatus();
+  }
+
+  // One layer's routed experts, handed to the backend together.
+  absl::StatusOr<std::unique_ptr<DeviceExperts>> LoadExperts(const std::vector<std::string>& gate,
+                                                             const std::vector<std::string>& up,
+                                                             const std::vector<std::string>& down, int64_t hidden,
+                                                             int64_t width, const std::string& why) {
+    std::vector<core::TensorView> g, u, d;
+    int64_t bytes = 0;
+    for (size_t e = 0; e < gate.size(); ++e) {
+      MOE_ASSIGN_OR_RETURN(core::TensorView gv, Check(gate[e], {width, hidden}, why));
+      MOE_ASSIGN_OR_RETURN(core::TensorView uv, Check(up[e], {width, hidden}, why));
+      MOE_ASSIGN_OR_RETURN(core::TensorView dv, Check(down[e], {hidden, width}, why));
+      bytes += gv.bytes() + uv.bytes() + dv.bytes();
+      g.push_back(gv);
+      u.push_back(uv);
+      d.push_back(dv);
+    }
+    auto experts = backend_.PrepareExperts(g, u, d);
+    if (!experts.ok()) return core::Annotate(experts.status(), gate[0]);
+    if (progress_ != nullptr) progress_->Add(bytes);
+    device_bytes_ += (*experts)->bytes();
+    return experts;
+  }
+
+  int64_t device_bytes() const { return device_bytes_; }
+  absl::Status CheckOnly(const std::string& name, const Shape& want, const std::string& why) {
+    return Check(name, want, why).status();
   }
 
   void WarnUnused() const {
@@ -81,32 +122,40 @@ class WeightLoader {
     return *view;
   }
 
+  void Count(int64_t source_bytes, const DeviceWeight& weight) {
+    if (progress_ != nullptr) progress_->Add(source_bytes);
+    device_bytes_ += weight.bytes();
+  }
+
   const WeightSource& source_;
   Backend& backend_;
+  core::ProgressReporter* progress_;
   std::set<std::string> used_;
+  int64_t device_bytes_ = 0;
 };
 
 absl::Status LoadAttention(const ModelSpec& s, const std::string& p, WeightLoader& w, LayerWeights& l) {
   const int64_t h = s.hidden_size, qw = int64_t{s.num_heads} * s.head_dim, kvw = int64_t{s.num_kv_heads} * s.head_dim;
   const std::string heads = absl::StrCat("num_attention_heads=", s.num_heads, " x head_dim=", s.head_dim);
   const std::string kv_heads = absl::StrCat("num_key_value_heads=", s.num_kv_heads, " x head_dim=", s.head_dim);
-  MOE_ASSIGN_OR_RETURN(l.q, w.Load(p + "self_attn.q_proj.weight", {qw, h}, heads));
-  MOE_ASSIGN_OR_RETURN(l.k, w.Load(p + "self_attn.k_proj.weight", {kvw, h}, kv_heads));
-  MOE_ASSIGN_OR_RETURN(l.v, w.Load(p + "self_attn.v_proj.weight", {kvw, h}, kv_heads));
-  MOE_ASSIGN_OR_RETURN(l.o, w.Load(p + "self_attn.o_proj.weight", {h, qw}, heads));
+  const std::string a = p + "self_attn.";
+  const std::string qkv_why = heads + ", " + kv_heads;
+  MOE_ASSIGN_OR_RETURN(l.qkv, w.LoadFused({a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"},
+                                          {{qw, h}, {kvw, h}, {kvw, h}}, qkv_why));
+  MOE_ASSIGN_OR_RETURN(l.o, w.Load(a + "o_proj.weight", {h, qw}, heads));
   if (s.qkv_bias) {
-    MOE_ASSIGN_OR_RETURN(l.q_bias, w.Load(p + "self_attn.q_proj.bias", {qw}, heads));
-    MOE_ASSIGN_OR_RETURN(l.k_bias, w.Load(p + "self_attn.k_proj.bias", {kvw}, kv_heads));
-    MOE_ASSIGN_OR_RETURN(l.v_bias, w.Load(p + "self_attn.v_proj.bias", {kvw}, kv_heads));
+    MOE_ASSIGN_OR_RETURN(l.qkv_bias, w.LoadFused({a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"},
+                                                 {{qw}, {kvw}, {kvw}}, qkv_why, WeightUse::kVector));
   }
   if (s.qk_norm) {
     const std::string d = absl::StrCat("head_dim=", s.head_dim);
-    MOE_ASSIGN_OR_RETURN(l.q_norm, w.Load(p + "self_attn.q_norm.weight", {s.head_dim}, d));
-    MOE_ASSIGN_OR_RETURN(l.k_norm, w.Load(p + "self_attn.k_norm.weight", {s.head_dim}, d));
+    MOE_ASSIGN_OR_RETURN(l.q_norm, w.Load(a + "q_norm.weight", {s.head_dim}, d, WeightUse::kVector));
+    MOE_ASSIGN_OR_RETURN(l.k_norm, w.Load(a + "k_norm.weight", {s.head_dim}, d, WeightUse::kVector));
   }
   const std::string hs = absl::StrCat("hidden_size=", h);
-  MOE_ASSIGN_OR_RETURN(l.input_norm, w.Load(p + "input_layernorm.weight", {h}, hs));
-  MOE_ASSIGN_OR_RETURN(l.post_attention_norm, w.Load(p + "post_attention_layernorm.weight", {h}, hs));
+  MOE_ASSIGN_OR_RETURN(l.input_norm, w.Load(p + "input_layernorm.weight", {h}, hs, WeightUse::kVector));
+  MOE_ASSIGN_OR_RETURN(l.post_attention_norm,
+                       w.Load(p + "post_attention_layernorm.weight", {h}, hs, WeightUse::kVector));
   return absl::OkStatus();
 }
 
@@ -118,18 +167,25 @@ absl::Status LoadMoe(const ModelSpec& s, const std::string& p, WeightLoader& w, 
   const std::string experts_key = absl::StrCat("num_experts=", e);
   MOE_ASSIGN_OR_RETURN(l.router, w.Load(block + "gate.weight", {e, h}, experts_key));
   if (s.routing.has_correction_bias) {
-    MOE_RETURN_IF_ERROR(w.LoadHost(block + "gate.e_score_correction_bias", e, experts_key, &l.correction_bias));
+    MOE_ASSIGN_OR_RETURN(l.correction_bias,
+                         w.Load(block + "gate.e_score_correction_bias", {e}, experts_key, WeightUse::kVector));
   }
   const std::string width = mixtral ? absl::StrCat("intermediate_size=", s.moe_intermediate_size)
                                     : absl::StrCat("moe_intermediate_size=", s.moe_intermediate_size);
-  if (prepare_experts) l.experts.resize(e);
+  std::vector<std::string> gate, up, down;
   for (int i = 0; i < e; ++i) {
     const std::string ep = absl::StrCat(block, "experts.", i, ".");
-    FfnWeights* out = prepare_experts ? &l.experts[i] : nullptr;
-    if (mixtral) {
-      MOE_RETURN_IF_ERROR(w.LoadFfn(ep, "w1", "w3", "w2", h, s.moe_intermediate_size, width, out));
-    } else {
-      MOE_RETURN_IF_ERROR(w.LoadFfn(ep, "gate_proj", "up_proj", "down_proj", h, s.moe_intermediate_size, width, out));
+    gate.push_back(ep + (mixtral ? "w1.weight" : "gate_proj.weight"));
+    up.push_back(ep + (mixtral ? "w3.weight" : "up_proj.weight"));
+    down.push_back(ep + (mixtral ? "w2.weight" : "down_proj.weight"));
+  }
+  if (prepare_experts) {
+    MOE_ASSIGN_OR_RETURN(l.experts, w.LoadExperts(gate, up, down, h, s.moe_intermediate_size, width));
+  } else {
+    for (int i = 0; i < e; ++i) {
+      MOE_RETURN_IF_ERROR(w.CheckOnly(gate[i], {s.moe_intermediate_size, h}, width));
+      MOE_RETURN_IF_ERROR(w.CheckOnly(up[i], {s.moe_intermediate_size, h}, width));
+      MOE_RETURN_IF_ERROR(w.CheckOnly(down[i], {h, s.moe_intermediate_size}, width));
     }
   }
   if (s.shared_expert_intermediate_size > 0) {
@@ -150,17 +206,29 @@ absl::Status LoadMoe(const ModelSpec& s, const std::string& p, WeightLoader& w, 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Model::Weights>> LoadWeights(const ModelSpec& s, const WeightSource& source,
-                                                            Backend& backend, bool prepare_routed_experts) {
-  WeightLoader w(source, backend);
+                                                            Backend& backend, bool prepare_routed_experts,
+                                                            bool progress) {
+  // What goes to the backend: every tensor but the routed experts when the pool holds them.
+  int64_t total = 0;
+  for (const std::string& name : source.Names()) {
+    if (!prepare_routed_experts && name.find(".experts.") != std::string::npos) continue;
+    auto view = source.Get(name);
+    if (view.ok()) total += view->bytes();
+  }
+  std::optional<core::ProgressReporter> reporter;
+  if (progress) reporter.emplace(absl::StrCat("loading weights onto ", backend.name()), total);
+  WeightLoader w(source, backend, reporter ? &*reporter : nullptr);
   auto weights = std::make_unique<Model::Weights>();
   const int64_t h = s.hidden_size, vocab = s.vocab_size;
   const std::string vh = absl::StrCat("vocab_size=", vocab, ", hidden_size=", h);
-  MOE_ASSIGN_OR_RETURN(weights->embed, w.Load("model.embed_tokens.weight", {vocab, h}, vh));
-  MOE_ASSIGN_OR_RETURN(weights->final_norm, w.Load("model.norm.weight", {h}, absl::StrCat("hidden_size=", h)));
+  MOE_ASSIGN_OR_RETURN(weights->embed, w.Load("model.embed_tokens.weight", {vocab, h}, vh, WeightUse::kEmbedding));
+  MOE_ASSIGN_OR_RETURN(weights->final_norm,
+                       w.Load("model.norm.weight", {h}, absl::StrCat("hidden_size=", h), WeightUse::kVector));
   if (s.tie_word_embeddings && !source.Has("lm_head.weight")) {
-    MOE_ASSIGN_OR_RETURN(weights->lm_head, w.Load("model.embed_tokens.weight", {vocab, h}, vh));
+    weights->lm_head = weights->embed.get();
   } else {
-    MOE_ASSIGN_OR_RETURN(weights->lm_head, w.Load("lm_head.weight", {vocab, h}, vh));
+    MOE_ASSIGN_OR_RETURN(weights->lm_head_owned, w.Load("lm_head.weight", {vocab, h}, vh));
+    weights->lm_head = weights->lm_head_owned.get();
   }
   weights->layers.resize(s.num_layers);
   for (int layer = 0; layer < s.num_layers; ++layer) {
@@ -175,6 +243,9 @@ absl::StatusOr<std::unique_ptr<Model::Weights>> LoadWeights(const ModelSpec& s, 
                                     &l.dense));
     }
   }
+  MOE_RETURN_IF_ERROR(backend.Synchronize());
+  if (reporter) reporter->Finish();
+  weights->bytes = w.device_bytes();
   w.WarnUnused();
   return weights;
 }

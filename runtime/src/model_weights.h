@@ -16,35 +16,39 @@ namespace moe::runtime {
 
 namespace internal {
 
-struct FfnWeights {  // SwiGLU: down(silu(gate(x)) * up(x))
-  std::unique_ptr<DeviceWeight> gate, up, down;
-  int64_t width() const { return gate->rows(); }
+struct FfnWeights {  // SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused by rows
+  std::unique_ptr<DeviceWeight> gate_up, down;
+  int64_t width() const { return down->cols(); }
 };
 
 struct LayerWeights {
   std::unique_ptr<DeviceWeight> input_norm, post_attention_norm;
-  std::unique_ptr<DeviceWeight> q, k, v, o;
-  std::unique_ptr<DeviceWeight> q_bias, k_bias, v_bias;  // when spec.qkv_bias
-  std::unique_ptr<DeviceWeight> q_norm, k_norm;          // when spec.qk_norm
-  FfnWeights dense;                                      // dense layers
-  std::unique_ptr<DeviceWeight> router;                  // [experts x hidden]
-  std::vector<float> correction_bias;                    // host copy, sigmoid routers
-  std::vector<FfnWeights> experts;
-  FfnWeights shared;                                     // when spec has a shared expert
-  std::unique_ptr<DeviceWeight> shared_gate;             // [1 x hidden]
+  std::unique_ptr<DeviceWeight> qkv, o;        // q, k and v projections fused by rows
+  std::unique_ptr<DeviceWeight> qkv_bias;      // when spec.qkv_bias
+  std::unique_ptr<DeviceWeight> q_norm, k_norm;  // when spec.qk_norm
+  FfnWeights dense;                            // dense layers
+  std::unique_ptr<DeviceWeight> router;        // [experts x hidden]
+  std::unique_ptr<DeviceWeight> correction_bias;  // [experts], sigmoid routers
+  std::unique_ptr<DeviceExperts> experts;      // when the backend runs the routed experts
+  FfnWeights shared;                           // when spec has a shared expert
+  std::unique_ptr<DeviceWeight> shared_gate;   // [1 x hidden]
 };
 
 // Loads every tensor the spec needs. Errors name the tensor, its file, the expected and the
 // found shape or dtype, and the config key the expectation comes from. Routed experts are always
 // checked, but handed to the backend only when `prepare_routed_experts` (the expert pool holds
-// them otherwise).
+// them otherwise). Progress (bytes and GB/s) goes to stderr when `progress`.
 absl::StatusOr<std::unique_ptr<Model::Weights>> LoadWeights(const ModelSpec& spec, const WeightSource& source,
-                                                            Backend& backend, bool prepare_routed_experts);
+                                                            Backend& backend, bool prepare_routed_experts,
+                                                            bool progress);
 
 }  // namespace internal
 
 struct Model::Weights {
-  std::unique_ptr<DeviceWeight> embed, final_norm, lm_head;
+  std::unique_ptr<DeviceWeight> embed, final_norm;
+  std::unique_ptr<DeviceWeight> lm_head_owned;  // null when tied to the embedding
+  const DeviceWeight* lm_head = nullptr;
+  int64_t bytes = 0;  // on the backend
   std::vector<internal::LayerWeights> layers;
 };
 

@@ -1,5 +1,7 @@
 #include "moe/runtime/backend_cpu.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -9,7 +11,7 @@
 #include "cpu/kernels.h"
 #include "moe/core/memory.h"
 #include "moe/core/status.h"
-#include "moe/runtime/kv_cache.h"
+#include "moe/runtime/routing.h"
 #include "oneapi/tbb/blocked_range.h"
 #include "oneapi/tbb/blocked_range2d.h"
 #include "oneapi/tbb/info.h"
@@ -23,28 +25,42 @@ using core::DType;
 
 class CpuBuffer : public DeviceBuffer {
  public:
-  CpuBuffer(core::AlignedBuffer buffer, int64_t n) : buffer_(std::move(buffer)), n_(n) {}
-  float* data() override { return buffer_.as<float>(); }
-  int64_t size() const override { return n_; }
+  CpuBuffer(core::AlignedBuffer buffer, DType dtype, int64_t rows, int64_t cols)
+      : buffer_(std::move(buffer)), dtype_(dtype), rows_(rows), cols_(cols) {}
+  Tensor tensor() const override { return Tensor{buffer_.data(), dtype_, rows_, cols_}; }
 
  private:
   core::AlignedBuffer buffer_;
-  int64_t n_;
+  DType dtype_;
+  int64_t rows_, cols_;
 };
 
-// bf16 or f32, in place in the mapped checkpoint, or an owned f32 copy.
+class CpuHostBuffer : public HostBuffer {
+ public:
+  explicit CpuHostBuffer(core::AlignedBuffer buffer) : buffer_(std::move(buffer)) {}
+  void* data() const override { return buffer_.data(); }
+  int64_t bytes() const override { return static_cast<int64_t>(buffer_.size()); }
+
+ private:
+  core::AlignedBuffer buffer_;
+};
+
+// The CPU runs every operation when it is queued: an event is always reached.
+class CpuEvent : public Event {
+ public:
+  void Record() override {}
+  absl::Status Wait() override { return absl::OkStatus(); }
+};
+
+// bf16 or f32, in place in the mapped checkpoint, or an owned copy (f16 converted to f32, fused
+// weights, vectors).
 class CpuWeight : public DeviceWeight {
  public:
-  CpuWeight(const core::TensorView& view, core::AlignedBuffer owned) : owned_(std::move(owned)) {
-    shape_ = view.shape;
-    if (owned_.data() != nullptr) {
-      dtype_ = DType::kF32;
-      data_ = owned_.data();
-    } else {
-      dtype_ = view.dtype;
-      data_ = view.data;
-    }
+  CpuWeight(core::Shape shape, DType dtype, const void* data, core::AlignedBuffer owned)
+      : owned_(std::move(owned)), dtype_(dtype), data_(owned_.data() != nullptr ? owned_.data() : data) {
+    shape_ = std::move(shape);
   }
+  int64_t bytes() const override { return core::NumElements(shape_) * core::DTypeSize(dtype_); }
   DType dtype() const { return dtype_; }
   const float* f32() const { return static_cast<const float*>(data_); }
   const uint16_t* bf16() const { return static_cast<const uint16_t*>(data_); }
@@ -55,14 +71,6 @@ class CpuWeight : public DeviceWeight {
     internal::Bf16RowToF32(bf16() + r * k, k, scratch);
     return scratch;
   }
-  // Every element as floats: the weight itself (f32) or a converted copy in `storage`.
-  const float* AllF32(std::vector<float>* storage) const {
-    if (dtype_ == DType::kF32) return f32();
-    const int64_t n = core::NumElements(shape_);
-    storage->resize(n);
-    internal::Bf16RowToF32(bf16(), n, storage->data());
-    return storage->data();
-  }
   float Dot(const float* x, int64_t r) const {
     const int64_t k = cols();
     return dtype_ == DType::kF32 ? internal::DotF32(x, f32() + r * k, k) : internal::DotBf16(x, bf16() + r * k, k);
@@ -70,11 +78,29 @@ class CpuWeight : public DeviceWeight {
 
  private:
   core::AlignedBuffer owned_;
-  DType dtype_ = DType::kF32;
-  const void* data_ = nullptr;
+  DType dtype_;
+  const void* data_;
 };
 
 const CpuWeight& AsCpu(const DeviceWeight& w) { return static_cast<const CpuWeight&>(w); }
+
+// One layer's routed experts for the reference path: each expert's gate and up fused.
+class CpuExperts : public DeviceExperts {
+ public:
+  int64_t bytes() const override {
+    int64_t n = 0;
+    for (const auto& e : gate_up) n += e->bytes();
+    for (const auto& e : down) n += e->bytes();
+    return n;
+  }
+  std::vector<std::unique_ptr<DeviceWeight>> gate_up, down;
+};
+
+absl::Status CheckWeightDType(const core::TensorView& t) {
+  if (t.dtype == DType::kBF16 || t.dtype == DType::kF16 || t.dtype == DType::kF32) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("dtype ", core::DTypeName(t.dtype), " is not a weight type (BF16, F16, F32)"));
+}
 
 class CpuBackend : public Backend {
  public:
@@ -82,65 +108,92 @@ class CpuBackend : public Backend {
 
   std::string name() const override { return absl::StrCat("cpu (", arena_.max_concurrency(), " threads)"); }
   bool ComputesOnHostCores() const override { return true; }
+  bool HostAddressable() const override { return true; }
+  DType activation_dtype() const override { return DType::kF32; }
 
-  absl::StatusOr<std::unique_ptr<DeviceWeight>> PrepareWeight(const core::TensorView& host) override {
+  absl::StatusOr<std::unique_ptr<DeviceWeight>> PrepareWeight(const core::TensorView& host, WeightUse use) override {
     if (host.rank() < 1 || host.rank() > 2) {
       return absl::InvalidArgumentError(absl::StrCat("weights must be 1-D or 2-D, got ", core::ShapeString(host.shape)));
     }
-    core::AlignedBuffer owned;
-    switch (host.dtype) {
-      case DType::kBF16:
-      case DType::kF32:
-        break;
-      case DType::kF16: {
-        MOE_ASSIGN_OR_RETURN(owned, core::AlignedBuffer::Allocate(host.numel() * sizeof(float)));
-        core::ConvertToFloat(host.data, host.dtype, owned.as<float>(), host.numel());
-        break;
-      }
-      default:
-        return absl::InvalidArgumentError(
-            absl::StrCat("dtype ", core::DTypeName(host.dtype), " is not a weight type (BF16, F16, F32)"));
+    MOE_RETURN_IF_ERROR(CheckWeightDType(host));
+    // Matrices in bf16 or f32 are used where they lie; everything else becomes an f32 copy.
+    if (use != WeightUse::kVector && host.dtype != DType::kF16) {
+      return std::unique_ptr<DeviceWeight>(new CpuWeight(host.shape, host.dtype, host.data, {}));
     }
-    return std::unique_ptr<DeviceWeight>(new CpuWeight(host, std::move(owned)));
+    return Fused({host});
   }
 
-  absl::StatusOr<std::unique_ptr<DeviceBuffer>> Allocate(int64_t num_floats) override {
-    auto buffer = core::AlignedBuffer::Allocate(std::max<int64_t>(num_floats, 1) * sizeof(float));
-    if (!buffer.ok()) return buffer.status();
-    return std::unique_ptr<DeviceBuffer>(new CpuBuffer(std::move(*buffer), num_floats));
+  absl::StatusOr<std::unique_ptr<DeviceWeight>> PrepareFusedWeight(const std::vector<core::TensorView>& parts,
+                                                                  WeightUse use) override {
+    for (const auto& p : parts) MOE_RETURN_IF_ERROR(CheckWeightDType(p));
+    return Fused(parts);
   }
 
-  void CopyToHost(const float* src, float* dst, int64_t n) override { std::memcpy(dst, src, n * sizeof(float)); }
-  void CopyFromHost(const float* src, float* dst, int64_t n) override { std::memcpy(dst, src, n * sizeof(float)); }
+  absl::StatusOr<std::unique_ptr<DeviceExperts>> PrepareExperts(const std::vector<core::TensorView>& gate,
+                                                                const std::vector<core::TensorView>& up,
+                                                                const std::vector<core::TensorView>& down) override {
+    auto experts = std::make_unique<CpuExperts>();
+    for (size_t e = 0; e < gate.size(); ++e) {
+      MOE_ASSIGN_OR_RETURN(auto gate_up, PrepareFusedWeight({gate[e], up[e]}, WeightUse::kMatrix));
+      MOE_ASSIGN_OR_RETURN(auto d, PrepareWeight(down[e], WeightUse::kMatrix));
+      experts->gate_up.push_back(std::move(gate_up));
+      experts->down.push_back(std::move(d));
+    }
+    return std::unique_ptr<DeviceExperts>(std::move(experts));
+  }
 
-  void Embed(const DeviceWeight& table, const int32_t* ids, int64_t n, float* out) override {
+  absl::StatusOr<std::unique_ptr<DeviceBuffer>> Allocate(DType dtype, int64_t rows, int64_t cols) override {
+    const int64_t bytes = std::max<int64_t>(rows * cols * core::DTypeSize(dtype), 1);
+    MOE_ASSIGN_OR_RETURN(auto buffer, core::AlignedBuffer::Allocate(bytes));
+    return std::unique_ptr<DeviceBuffer>(new CpuBuffer(std::move(buffer), dtype, rows, cols));
+  }
+  absl::StatusOr<std::unique_ptr<HostBuffer>> AllocateHost(int64_t bytes) override {
+    MOE_ASSIGN_OR_RETURN(auto buffer, core::AlignedBuffer::Allocate(std::max<int64_t>(bytes, 1)));
+    return std::unique_ptr<HostBuffer>(new CpuHostBuffer(std::move(buffer)));
+  }
+  absl::StatusOr<std::unique_ptr<Event>> CreateEvent() override { return std::unique_ptr<Event>(new CpuEvent()); }
+  int64_t FreeMemoryBytes() const override {
+    return static_cast<int64_t>(sysconf(_SC_AVPHYS_PAGES)) * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
+  }
+
+  void CopyToHost(const Tensor& src, void* dst) override { std::memcpy(dst, src.data, src.bytes()); }
+  void CopyFromHost(const void* src, const Tensor& dst) override { std::memcpy(dst.data, src, dst.bytes()); }
+  absl::Status Synchronize() override { return absl::OkStatus(); }
+
+  void Embed(const DeviceWeight& table, const StepTensors& step, const Tensor& x) override {
     const CpuWeight& t = AsCpu(table);
     const int64_t h = t.cols();
-    for (int64_t i = 0; i < n; ++i) {
+    float* out = x.as<float>();
+    const int32_t* ids = step.token_ids.as<int32_t>();
+    for (int64_t i = 0; i < step.num_tokens; ++i) {
       const float* row = t.RowF32(ids[i], out + i * h);
       if (row != out + i * h) std::memcpy(out + i * h, row, h * sizeof(float));
     }
   }
 
-  void RmsNorm(const float* x, const DeviceWeight& w, float eps, int64_t rows, int64_t cols, float* out) override {
-    const CpuWeight& wt = AsCpu(w);
-    std::vector<float> weight;
-    const float* wr = wt.AllF32(&weight);
-    For(rows, [&](int64_t r) {
-      const float* xr = x + r * cols;
-      float ss = internal::DotF32(xr, xr, cols);
-      float inv = 1.0f / std::sqrt(ss / static_cast<float>(cols) + eps);
-      float* o = out + r * cols;
-      for (int64_t i = 0; i < cols; ++i) o[i] = wr[i] * (xr[i] * inv);
+  void AddRmsNorm(const Tensor& x, const Tensor* delta, const DeviceWeight& w, float eps, const Tensor& out) override {
+    const float* wr = AsCpu(w).f32();
+    const int64_t cols = x.cols;
+    float* xs = x.as<float>();
+    const float* ds = delta != nullptr ? delta->as<float>() : nullptr;
+    For(x.rows, [&](int64_t r) {
+      float* xr = xs + r * cols;
+      if (ds != nullptr) {
+        const float* dr = ds + r * cols;
+        for (int64_t i = 0; i < cols; ++i) xr[i] += dr[i];
+      }
+      NormRow(xr, wr, eps, cols, out.as<float>() + r * cols);
     });
   }
 
-  void Linear(const float* x, int64_t rows, const DeviceWeight& w, const DeviceWeight* bias, float* out) override {
+  void Linear(const Tensor& x, const DeviceWeight& w, const DeviceWeight* bias, const Tensor& out) override {
     const CpuWeight& wt = AsCpu(w);
     const int64_t n = wt.rows();
     const int64_t k = wt.cols();
-    std::vector<float> bias_storage;
-    const float* b = bias != nullptr ? AsCpu(*bias).AllF32(&bias_storage) : nullptr;
+    const int64_t rows = x.rows;
+    const float* xs = x.as<float>();
+    float* o = out.as<float>();
+    const float* b = bias != nullptr ? AsCpu(*bias).f32() : nullptr;
     // Each weight row is read once (converted once) and used for every token: bandwidth-bound
     // at one token, compute-bound (fp32 FMA) for long prefills.
     arena_.execute([&] {
@@ -149,82 +202,71 @@ class CpuBackend : public Backend {
         for (int64_t j = range.begin(); j < range.end(); ++j) {
           const float bj = b == nullptr ? 0.0f : b[j];
           if (rows == 1) {
-            out[j] = wt.Dot(x, j) + bj;
+            o[j] = wt.Dot(xs, j) + bj;
             continue;
           }
           const float* wj = wt.RowF32(j, scratch.data());
-          for (int64_t t = 0; t < rows; ++t) out[t * n + j] = internal::DotF32(x + t * k, wj, k) + bj;
+          for (int64_t t = 0; t < rows; ++t) o[t * n + j] = internal::DotF32(xs + t * k, wj, k) + bj;
         }
       });
     });
   }
 
-  void Rope(float* x, int64_t rows, int heads, int head_dim, int rotary_dim, const float* inv_freq,
-            const int32_t* positions) override {
-    const int half = rotary_dim / 2;
-    For(rows, [&](int64_t r) {
-      std::vector<float> cos_v(half), sin_v(half);
-      const float pos = static_cast<float>(positions[r]);
-      for (int i = 0; i < half; ++i) {
-        float angle = pos * inv_freq[i];
-        cos_v[i] = std::cos(angle);
-        sin_v[i] = std::sin(angle);
-      }
-      for (int h = 0; h < heads; ++h) {
-        float* v = x + (r * heads + h) * head_dim;
-        for (int i = 0; i < half; ++i) {
-          const float a = v[i], b = v[i + half];
-          v[i] = a * cos_v[i] - b * sin_v[i];
-          v[i + half] = b * cos_v[i] + a * sin_v[i];
-        }
-      }
-    });
-  }
-
-  void Attention(const AttentionArgs& a) override {
+  void Attention(const AttentionArgs& a, const StepTensors& step) override {
+    const StepInputs& in = *step.host;
     KvCache& cache = *a.cache;
     const int bs = cache.shape().block_size;
     const int d = a.head_dim;
-    const int kv_width = a.num_kv_heads * d;
-    // Where each row sits: its sequence and position.
-    std::vector<int> row_seq(a.num_tokens);
-    std::vector<int64_t> row_pos(a.num_tokens);
-    for (int s = 0, row = 0; s < a.num_seqs; ++s) {
-      for (int i = 0; i < a.seqs[s].num_tokens; ++i, ++row) {
-        row_seq[row] = s;
-        row_pos[row] = a.seqs[s].first_position + i;
-      }
-    }
-    // Store the new keys and values first: a chunk's later tokens attend to its earlier ones.
-    for (int64_t r = 0; r < a.num_tokens; ++r) {
-      const SequenceChunk& seq = a.seqs[row_seq[r]];
-      const int64_t p = row_pos[r];
-      const int block = seq.block_table[p / bs];
-      const int slot = static_cast<int>(p % bs);
-      for (int h = 0; h < a.num_kv_heads; ++h) {
-        std::memcpy(cache.k(a.layer, block) + (static_cast<int64_t>(h) * bs + slot) * d, a.k + r * kv_width + h * d,
-                    d * sizeof(float));
-        std::memcpy(cache.v(a.layer, block) + (static_cast<int64_t>(h) * bs + slot) * d, a.v + r * kv_width + h * d,
-                    d * sizeof(float));
-      }
-    }
-    const int group = a.num_heads / a.num_kv_heads;
     const int64_t q_width = static_cast<int64_t>(a.num_heads) * d;
+    const int64_t kv_width = static_cast<int64_t>(a.num_kv_heads) * d;
+    const int64_t qkv_width = q_width + 2 * kv_width;
+    const float* inv_freq = a.inv_freq->as<float>();
+    const float* q_norm = a.q_norm != nullptr ? AsCpu(*a.q_norm).f32() : nullptr;
+    const float* k_norm = a.k_norm != nullptr ? AsCpu(*a.k_norm).f32() : nullptr;
+    float* k_cache = static_cast<float*>(cache.k(a.layer));
+    float* v_cache = static_cast<float*>(cache.v(a.layer));
+    const int64_t per_block = cache.shape().elements_per_block_layer();
+    auto slot_of = [&](int64_t r, int h) {
+      const int p = in.positions[r];
+      const int block = in.block_table[static_cast<int64_t>(in.row_seq[r]) * in.max_blocks + p / bs];
+      return block * per_block + (static_cast<int64_t>(h) * bs + p % bs) * d;
+    };
+    // Per row: q and k get their per-head norm and RoPE; k and v go into the cache first, since a
+    // chunk's later tokens attend to its earlier ones.
+    For(step.num_tokens, [&](int64_t r) {
+      const float* src = a.qkv.as<float>() + r * qkv_width;
+      float* q = a.q.as<float>() + r * q_width;
+      std::memcpy(q, src, q_width * sizeof(float));
+      std::vector<float> k(src + q_width, src + q_width + kv_width);
+      if (q_norm != nullptr) {
+        for (int h = 0; h < a.num_heads; ++h) NormRow(q + h * d, q_norm, a.eps, d, q + h * d);
+        for (int h = 0; h < a.num_kv_heads; ++h) NormRow(k.data() + h * d, k_norm, a.eps, d, k.data() + h * d);
+      }
+      Rotate(q, a.num_heads, d, a.rotary_dim, inv_freq, in.positions[r]);
+      Rotate(k.data(), a.num_kv_heads, d, a.rotary_dim, inv_freq, in.positions[r]);
+      for (int h = 0; h < a.num_kv_heads; ++h) {
+        std::memcpy(k_cache + slot_of(r, h), k.data() + h * d, d * sizeof(float));
+        std::memcpy(v_cache + slot_of(r, h), src + q_width + kv_width + h * d, d * sizeof(float));
+      }
+    });
+    const int group = a.num_heads / a.num_kv_heads;
     arena_.execute([&] {
-      tbb::parallel_for(tbb::blocked_range2d<int64_t, int>(0, a.num_tokens, 0, a.num_heads),
+      tbb::parallel_for(tbb::blocked_range2d<int64_t, int>(0, step.num_tokens, 0, a.num_heads),
                         [&](const tbb::blocked_range2d<int64_t, int>& range) {
         std::vector<float> scores;
         for (int64_t r = range.rows().begin(); r < range.rows().end(); ++r) {
-          const SequenceChunk& seq = a.seqs[row_seq[r]];
-          const int64_t len = row_pos[r] + 1;  // causal: positions 0..p
+          const int32_t* table = in.block_table.data() + static_cast<int64_t>(in.row_seq[r]) * in.max_blocks;
+          const int64_t len = in.positions[r] + 1;  // causal: positions 0..p
           scores.resize(len);
           for (int h = range.cols().begin(); h < range.cols().end(); ++h) {
             const int kvh = h / group;
-            const float* q = a.q + r * q_width + static_cast<int64_t>(h) * d;
+            const float* q = a.q.as<float>() + r * q_width + static_cast<int64_t>(h) * d;
+            auto at = [&](const float* base, int64_t p) {
+              return base + table[p / bs] * per_block + (static_cast<int64_t>(kvh) * bs + p % bs) * d;
+            };
             float max_score = -INFINITY;
             for (int64_t p = 0; p < len; ++p) {
-              const float* k = cache.k(a.layer, seq.block_table[p / bs]) + (static_cast<int64_t>(kvh) * bs + p % bs) * d;
-              scores[p] = internal::DotF32(q, k, d) * a.scale;
+              scores[p] = internal::DotF32(q, at(k_cache, p), d) * a.scale;
               max_score = std::max(max_score, scores[p]);
             }
             float sum = 0;
@@ -232,65 +274,139 @@ class CpuBackend : public Backend {
               scores[p] = std::exp(scores[p] - max_score);
               sum += scores[p];
             }
-            float* o = a.out + r * q_width + static_cast<int64_t>(h) * d;
+            float* o = a.out.as<float>() + r * q_width + static_cast<int64_t>(h) * d;
             std::fill(o, o + d, 0.0f);
             const float inv = 1.0f / sum;
-            for (int64_t p = 0; p < len; ++p) {
-              const float* v = cache.v(a.layer, seq.block_table[p / bs]) + (static_cast<int64_t>(kvh) * bs + p % bs) * d;
-              internal::Axpy(scores[p] * inv, v, d, o);
-            }
+            for (int64_t p = 0; p < len; ++p) internal::Axpy(scores[p] * inv, at(v_cache, p), d, o);
           }
         }
       });
     });
   }
 
-  void SiluMul(const float* gate, const float* up, int64_t n, float* out) override {
-    ForChunks(n, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+  void SiluMul(const Tensor& gate_up, const Tensor& out) override {
+    const int64_t width = out.cols;
+    For(out.rows, [&](int64_t r) {
+      const float* g = gate_up.as<float>() + r * 2 * width;
+      const float* u = g + width;
+      float* o = out.as<float>() + r * width;
+      for (int64_t i = 0; i < width; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
     });
   }
 
-  void Add(float* acc, const float* x, int64_t n) override {
-    ForChunks(n, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) acc[i] += x[i];
-    });
+  void Route(const Tensor& logits, const RoutingSpec& spec, const DeviceWeight* correction_bias, const Tensor& ids,
+             const Tensor& weights) override {
+    RouteTokens(spec, logits.as<float>(), logits.rows,
+                correction_bias != nullptr ? AsCpu(*correction_bias).f32() : nullptr, ids.as<int32_t>(),
+                weights.as<float>());
   }
 
-  void GatherRows(const float* src, int64_t cols, const int32_t* rows, int64_t n, float* out) override {
-    for (int64_t i = 0; i < n; ++i) std::memcpy(out + i * cols, src + rows[i] * cols, cols * sizeof(float));
+  // The plain routed-expert path: tokens grouped by expert, each expert's FFN run on its rows,
+  // outputs added back with their routing weights.
+  void MoeExperts(const Tensor& x, const Tensor& ids, const Tensor& weights, const DeviceExperts& experts,
+                  const Tensor& out) override {
+    const auto& ex = static_cast<const CpuExperts&>(experts);
+    const int64_t tokens = x.rows, h = x.cols, k = ids.cols;
+    const int num_experts = static_cast<int>(ex.gate_up.size());
+    std::vector<std::vector<int32_t>> rows(num_experts);
+    std::vector<std::vector<float>> scales(num_experts);
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int64_t j = 0; j < k; ++j) {
+        const int32_t e = ids.as<int32_t>()[t * k + j];
+        rows[e].push_back(static_cast<int32_t>(t));
+        scales[e].push_back(weights.as<float>()[t * k + j]);
+      }
+    }
+    std::fill(out.as<float>(), out.as<float>() + out.numel(), 0.0f);
+    for (int e = 0; e < num_experts; ++e) {
+      const int64_t n = static_cast<int64_t>(rows[e].size());
+      if (n == 0) continue;
+      const int64_t width = ex.down[e]->cols();
+      std::vector<float> xe(n * h), gate_up(n * 2 * width), act(n * width), y(n * h);
+      for (int64_t i = 0; i < n; ++i) std::memcpy(&xe[i * h], x.as<float>() + rows[e][i] * h, h * sizeof(float));
+      Linear(Tensor{xe.data(), DType::kF32, n, h}, *ex.gate_up[e], nullptr, Tensor{gate_up.data(), DType::kF32, n, 2 * width});
+      SiluMul(Tensor{gate_up.data(), DType::kF32, n, 2 * width}, Tensor{act.data(), DType::kF32, n, width});
+      Linear(Tensor{act.data(), DType::kF32, n, width}, *ex.down[e], nullptr, Tensor{y.data(), DType::kF32, n, h});
+      for (int64_t i = 0; i < n; ++i) internal::Axpy(scales[e][i], &y[i * h], h, out.as<float>() + rows[e][i] * h);
+    }
   }
 
-  void ScatterAddRows(const float* src, int64_t cols, const int32_t* rows, const float* scales, int64_t n,
-                      float* out) override {
-    for (int64_t i = 0; i < n; ++i) internal::Axpy(scales[i], src + i * cols, cols, out + rows[i] * cols);
+  void AddSharedExpert(const Tensor& out, const Tensor& shared, const Tensor* gate) override {
+    const int64_t cols = out.cols;
+    for (int64_t r = 0; r < out.rows; ++r) {
+      const float s = gate == nullptr ? 1.0f : 1.0f / (1.0f + std::exp(-gate->as<float>()[r]));
+      float* o = out.as<float>() + r * cols;
+      const float* x = shared.as<float>() + r * cols;
+      for (int64_t i = 0; i < cols; ++i) o[i] += x[i] * s;
+    }
   }
 
-  void ScaleRowsBySigmoid(float* x, int64_t rows, int64_t cols, const float* gate) override {
-    for (int64_t r = 0; r < rows; ++r) {
-      const float s = 1.0f / (1.0f + std::exp(-gate[r]));
-      for (int64_t i = 0; i < cols; ++i) x[r * cols + i] *= s;
+  void GatherRows(const Tensor& src, const Tensor& rows, const Tensor& out) override {
+    const int64_t row_bytes = src.cols * core::DTypeSize(src.dtype);
+    for (int64_t i = 0; i < rows.rows; ++i) {
+      std::memcpy(static_cast<char*>(out.data) + i * row_bytes,
+                  static_cast<const char*>(src.data) + rows.as<int32_t>()[i] * row_bytes, row_bytes);
     }
   }
 
  private:
+  // out = x * rsqrt(mean(x^2) + eps) * w over n values; out may equal x.
+  static void NormRow(const float* x, const float* w, float eps, int64_t n, float* out) {
+    const float ss = internal::DotF32(x, x, n);
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+    for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * inv);
+  }
+  // RoPE (NeoX half-split) of the first rotary_dim dims of each head, by position * inv_freq[i].
+  static void Rotate(float* x, int heads, int head_dim, int rotary_dim, const float* inv_freq, int32_t position) {
+    const int half = rotary_dim / 2;
+    std::vector<float> cos_v(half), sin_v(half);
+    const float pos = static_cast<float>(position);
+    for (int i = 0; i < half; ++i) {
+      const float angle = pos * inv_freq[i];
+      cos_v[i] = std::cos(angle);
+      sin_v[i] = std::sin(angle);
+    }
+    for (int h = 0; h < heads; ++h) {
+      float* v = x + static_cast<int64_t>(h) * head_dim;
+      for (int i = 0; i < half; ++i) {
+        const float a = v[i], b = v[i + half];
+        v[i] = a * cos_v[i] - b * sin_v[i];
+        v[i + half] = b * cos_v[i] + a * sin_v[i];
+      }
+    }
+  }
+
+  // An owned copy of `parts` stacked by rows: bf16 when every part is bf16, else f32.
+  absl::StatusOr<std::unique_ptr<DeviceWeight>> Fused(const std::vector<core::TensorView>& parts) {
+    bool all_bf16 = true;
+    int64_t rows = 0, numel = 0;
+    for (const auto& p : parts) {
+      all_bf16 = all_bf16 && p.dtype == DType::kBF16;
+      rows += p.shape[0];
+      numel += p.numel();
+    }
+    const bool vector = parts[0].rank() == 1;
+    const DType dtype = all_bf16 && !vector ? DType::kBF16 : DType::kF32;
+    MOE_ASSIGN_OR_RETURN(auto owned, core::AlignedBuffer::Allocate(numel * core::DTypeSize(dtype)));
+    int64_t at = 0;
+    for (const auto& p : parts) {
+      if (dtype == DType::kBF16) {
+        std::memcpy(owned.as<uint16_t>() + at, p.data, p.bytes());
+      } else {
+        core::ConvertToFloat(p.data, p.dtype, owned.as<float>() + at, p.numel());
+      }
+      at += p.numel();
+    }
+    core::Shape shape = vector ? core::Shape{rows} : core::Shape{rows, parts[0].shape[1]};
+    return std::unique_ptr<DeviceWeight>(new CpuWeight(std::move(shape), dtype, nullptr, std::move(owned)));
+  }
+
   template <typename F>
   void For(int64_t n, F&& f) {
     arena_.execute([&] {
       tbb::parallel_for(tbb::blocked_range<int64_t>(0, n), [&](const tbb::blocked_range<int64_t>& r) {
         for (int64_t i = r.begin(); i < r.end(); ++i) f(i);
       });
-    });
-  }
-  template <typename F>
-  void ForChunks(int64_t n, F&& f) {
-    if (n < (1 << 15)) {
-      f(0, n);
-      return;
-    }
-    arena_.execute([&] {
-      tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, 1 << 14),
-                        [&](const tbb::blocked_range<int64_t>& r) { f(r.begin(), r.end()); });
     });
   }
 

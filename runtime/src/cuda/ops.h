@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "cuda/linear.h"
 
 typedef struct CUstream_st* cudaStream_t;
 
@@ -64,22 +65,9 @@ void AddSharedExpert(float* out, const float* shared, const float* gate, int row
 // out[i] = src[rows[i]] for i < n; rows of `cols` fp32.
 void GatherRows(const float* src, int cols, const int32_t* rows, int n, float* out, cudaStream_t stream);
 
-// Linear layers through cuBLASLt (linear.cc): out [M x N] = x [M x K] . w^T (+ bias), w [N x K]
-// bf16, fp32 accumulation, out bf16 or fp32. One per stream; the algorithm for each shape is
-// chosen once and cached, so Run may be captured into a graph after a first eager call.
-class Linear {
- public:
-  // `workspace` (device memory of workspace_bytes, owned by the caller) is cuBLASLt's scratch.
-  static absl::Status Create(void* workspace, int64_t workspace_bytes, Linear** out);
-  ~Linear();
-  absl::Status Run(const uint16_t* x, int m, const uint16_t* w, int n, int k, const float* bias, void* out,
-                   bool out_f32, cudaStream_t stream);
-
- private:
-  Linear() = default;
-  struct Impl;
-  Impl* impl_ = nullptr;
-};
+// Linear layers through cuBLASLt (linear.cc, linear.h): class Linear, out [M x N] = x [M x K] .
+// w^T (+ bias), w [N x K] bf16, fp32 accumulation, out bf16 or fp32. One per stream; the plan
+// for each shape is chosen once and cached, so Run may be captured into a graph.
 
 // ---- Attention (attention.cu) ----
 

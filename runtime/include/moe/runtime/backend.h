@@ -1,11 +1,25 @@
 // The Backend interface: the operations the model forward is written over. The forward in
-// model.cc calls only these, so it knows nothing of where they run; the CPU backend
-// (backend_cpu.h) is the reference, and a CUDA backend implements the same operations.
+// model.cc calls only these, so it knows nothing of where they run. The CPU backend
+// (backend_cpu.h) is the reference (fp32 activations, fp32 KV cache); the CUDA backend
+// (backend_cuda.h) computes in bf16 with fp32 accumulation and a bf16 KV cache.
 //
-// Conventions: activations are fp32, row-major, in memory the backend allocated ("device"
-// memory: host memory for the CPU backend). Arguments named host_* are host arrays. All
-// operations are queued in order on the backend's one stream and may run asynchronously; a
-// CopyToHost waits for everything before it. A Backend is used by one thread at a time.
+// The life of a step:
+// - at load, the model asks the backend for its weights (PrepareWeight), its KV cache
+//   (CreateKvCache) and one step arena (ReserveArena) sized for the largest step it will run;
+// - each step starts with BeginStep: the arena is reset and the step's inputs (token ids,
+//   positions, block tables, logit rows) are uploaded in one copy; every activation of the step
+//   is then carved from the arena (Take), so no operation allocates;
+// - operations are queued in order on the backend's one stream and may run asynchronously; they
+//   return nothing: an error (a CUDA fault, a lost context) is kept and surfaces at the next
+//   Synchronize(), which waits for everything queued. After a lost context the error is sticky:
+//   every later Synchronize returns it.
+// - results reach the host through CopyToHost into host memory from AllocateHost (pinned on a
+//   GPU), valid after Synchronize.
+//
+// Tensors are views of backend memory ("device" memory: host memory for the CPU backend). The
+// residual stream is fp32; activations that feed a Linear are activation_dtype().
+//
+// Thread-safety: a Backend is used by one thread at a time (the one running the model's step).
 #pragma once
 
 #include <cstdint>
@@ -13,53 +27,189 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "moe/core/dtype.h"
 #include "moe/core/tensor.h"
+#include "moe/runtime/model_spec.h"
 
 namespace moe::runtime {
 
-// fp32 memory owned by a backend; released when destroyed.
+// A typed [rows x cols] view of backend memory, row-major and dense. Does not own.
+struct Tensor {
+  void* data = nullptr;
+  core::DType dtype = core::DType::kF32;
+  int64_t rows = 0;
+  int64_t cols = 0;
+
+  int64_t numel() const { return rows * cols; }
+  int64_t bytes() const { return numel() * core::DTypeSize(dtype); }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(data);
+  }
+  // Rows [first, first + n) of this tensor.
+  Tensor Rows(int64_t first, int64_t n) const {
+    return Tensor{static_cast<char*>(data) + first * cols * core::DTypeSize(dtype), dtype, n, cols};
+  }
+  // The same bytes seen as [rows x cols] (the element count must match).
+  Tensor Reshaped(int64_t new_rows, int64_t new_cols) const { return Tensor{data, dtype, new_rows, new_cols}; }
+  explicit operator bool() const { return data != nullptr; }
+};
+
+// Backend memory; released when destroyed.
 class DeviceBuffer {
  public:
   virtual ~DeviceBuffer() = default;
-  virtual float* data() = 0;
-  virtual int64_t size() const = 0;  // in floats
+  virtual Tensor tensor() const = 0;
+};
+
+// Host memory the backend can copy to and from asynchronously (pinned on a GPU).
+class HostBuffer {
+ public:
+  virtual ~HostBuffer() = default;
+  virtual void* data() const = 0;
+  virtual int64_t bytes() const = 0;
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(data());
+  }
+};
+
+// A point in the backend's stream: Record marks it, Wait blocks the host until the work before
+// it is done. For overlapping host work (the CPU expert pool) with the stream.
+class Event {
+ public:
+  virtual ~Event() = default;
+  virtual void Record() = 0;
+  virtual absl::Status Wait() = 0;
+};
+
+// How a weight is used, which decides the form the backend keeps it in.
+enum class WeightUse {
+  kMatrix,     // a Linear's [out x in] weight (bf16 on the GPU; as stored on the CPU)
+  kEmbedding,  // [vocab x hidden], rows gathered by token id
+  kVector,     // norms, biases, gates' vectors: fp32
 };
 
 // A weight in the form the backend computes with (for the CPU backend, a view of the mapped
-// checkpoint when its dtype is bf16 or f32). The checkpoint must outlive it.
+// checkpoint when its dtype is bf16 or f32; the checkpoint must outlive it).
 class DeviceWeight {
  public:
   virtual ~DeviceWeight() = default;
   const core::Shape& shape() const { return shape_; }
   int64_t rows() const { return shape_[0]; }
   int64_t cols() const { return shape_.size() > 1 ? shape_[1] : 1; }
+  virtual int64_t bytes() const = 0;
 
  protected:
   core::Shape shape_;
 };
 
-class KvCache;
-
-// One sequence's slice of a batch: its new tokens are consecutive rows of the batch.
-struct SequenceChunk {
-  int64_t first_position = 0;  // position of the chunk's first token in its sequence
-  int32_t num_tokens = 0;
-  std::vector<int32_t> block_table;  // KV blocks holding positions [0, first_position+num_tokens)
+// One MoE layer's routed experts in the backend's memory, each expert's gate and up rows fused.
+class DeviceExperts {
+ public:
+  virtual ~DeviceExperts() = default;
+  virtual int64_t bytes() const = 0;
 };
 
+struct KvCacheShape {
+  int num_layers = 0;
+  int num_blocks = 0;  // blocks the scheduler may hand out; the cache holds one more (scratch)
+  int block_size = 16;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+
+  int64_t elements_per_block_layer() const { return static_cast<int64_t>(block_size) * num_kv_heads * head_dim; }
+  // Bytes of K and V of one block in every layer.
+  int64_t block_bytes(int64_t bytes_per_element) const {
+    return 2 * elements_per_block_layer() * num_layers * bytes_per_element;
+  }
+  // Bytes of K and V for every layer, scratch block included, at `bytes_per_element`.
+  int64_t bytes(int64_t bytes_per_element) const {
+    return 2 * elements_per_block_layer() * (num_blocks + 1) * num_layers * bytes_per_element;
+  }
+};
+
+// The paged KV cache: fixed-size blocks of positions, each holding the keys and values of every
+// layer for `block_size` consecutive positions of one sequence. A sequence's block table lists
+// its blocks in position order; position p lives in block table[p / block_size], slot
+// p % block_size. Layout, for K and V separately: [layer][block][kv_head][slot][head_dim], in the
+// backend's KV dtype, so that one head's keys in one block are contiguous. Block `num_blocks`
+// (one past the last the scheduler hands out) is scratch: padded rows of a step write there.
+class KvCache {
+ public:
+  KvCache(const KvCacheShape& shape, core::DType dtype, std::unique_ptr<DeviceBuffer> k,
+          std::unique_ptr<DeviceBuffer> v)
+      : shape_(shape), dtype_(dtype), k_(std::move(k)), v_(std::move(v)) {}
+
+  const KvCacheShape& shape() const { return shape_; }
+  core::DType dtype() const { return dtype_; }
+  int scratch_block() const { return shape_.num_blocks; }
+  // Layer `layer`'s K (or V) storage: [num_blocks + 1][kv_heads][block_size][head_dim].
+  void* k(int layer) const { return At(k_->tensor(), layer); }
+  void* v(int layer) const { return At(v_->tensor(), layer); }
+
+ private:
+  void* At(const Tensor& t, int layer) const {
+    return static_cast<char*>(t.data) +
+           static_cast<int64_t>(layer) * (shape_.num_blocks + 1) * shape_.elements_per_block_layer() *
+               core::DTypeSize(dtype_);
+  }
+  KvCacheShape shape_;
+  core::DType dtype_;
+  std::unique_ptr<DeviceBuffer> k_;
+  std::unique_ptr<DeviceBuffer> v_;
+};
+
+// Blocks needed to hold `positions` positions.
+inline int BlocksFor(int64_t positions, int block_size) {
+  return static_cast<int>((positions + block_size - 1) / block_size);
+}
+
+// One step's inputs as the host builds them (model.cc), uploaded once by BeginStep.
+struct StepInputs {
+  std::vector<int32_t> token_ids;    // [T]
+  std::vector<int32_t> positions;    // [T]
+  std::vector<int32_t> row_seq;      // [T] sequence index of each row
+  std::vector<int32_t> seq_start;    // [S+1]
+  std::vector<int32_t> seq_len;      // [S] KV length after the step
+  std::vector<int32_t> block_table;  // [S x max_blocks], padded with the scratch block
+  std::vector<int32_t> logit_rows;   // [L]
+  int max_blocks = 0;
+  int max_q_len = 0;
+  int max_kv_len = 0;
+  int num_tokens() const { return static_cast<int>(token_ids.size()); }
+  int num_seqs() const { return static_cast<int>(seq_len.size()); }
+};
+
+// The uploaded inputs: int32 tensors in the step arena, with the host-known sizes.
+struct StepTensors {
+  Tensor token_ids, positions, row_seq, seq_start, seq_len, block_table, logit_rows;
+  int num_tokens = 0;
+  int num_seqs = 0;
+  int max_blocks = 0;
+  int max_q_len = 0;
+  int max_kv_len = 0;
+  // The host copy, for backends that compute on the host (the CPU backend reads it directly).
+  const StepInputs* host = nullptr;
+};
+
+// Attention of one layer: the fused QKV projection's output in, attention's output out.
 struct AttentionArgs {
-  const float* q = nullptr;  // [tokens x num_heads*head_dim], RoPE applied
-  const float* k = nullptr;  // [tokens x num_kv_heads*head_dim], RoPE applied
-  const float* v = nullptr;  // [tokens x num_kv_heads*head_dim]
-  float* out = nullptr;      // [tokens x num_heads*head_dim]
-  int64_t num_tokens = 0;
+  Tensor qkv;   // [T x (H + 2 KV) * head_dim] activation dtype, bias added: q heads, k heads, v heads
+  Tensor q;     // [T x H * head_dim] scratch for the rotated queries
+  Tensor out;   // [T x H * head_dim] activation dtype
   int num_heads = 0;
   int num_kv_heads = 0;
   int head_dim = 0;
+  int rotary_dim = 0;
   float scale = 1.0f;
-  const SequenceChunk* seqs = nullptr;  // host array, in row order
-  int num_seqs = 0;
+  float eps = 1e-6f;
+  const DeviceWeight* q_norm = nullptr;  // per-head RMSNorm weights [head_dim], or null
+  const DeviceWeight* k_norm = nullptr;
+  const Tensor* inv_freq = nullptr;      // [1 x rotary_dim / 2] fp32 RoPE inverse frequencies
   KvCache* cache = nullptr;
   int layer = 0;
 };
@@ -71,42 +221,104 @@ class Backend {
   // True when the backend computes on the host's CPU cores (the CPU backend): then the expert
   // pool's threads must not stay awake between MoE layers, they would take the cores from it.
   virtual bool ComputesOnHostCores() const { return false; }
+  // True when Tensor::data is a host address the CPU may read (the CPU backend).
+  virtual bool HostAddressable() const { return false; }
+  // The dtype of activations that feed a Linear and of the KV cache.
+  virtual core::DType activation_dtype() const = 0;
 
-  // kInvalidArgument for a dtype the backend cannot compute with.
-  virtual absl::StatusOr<std::unique_ptr<DeviceWeight>> PrepareWeight(const core::TensorView& host) = 0;
-  // kResourceExhausted when the device is out of memory.
-  virtual absl::StatusOr<std::unique_ptr<DeviceBuffer>> Allocate(int64_t num_floats) = 0;
-  virtual void CopyToHost(const float* src, float* host_dst, int64_t n) = 0;
-  virtual void CopyFromHost(const float* host_src, float* dst, int64_t n) = 0;
+  // ---- Memory, at load ----
+  // kInvalidArgument for a dtype the backend cannot compute with; kResourceExhausted when out
+  // of memory (the message gives the bytes needed and free).
+  virtual absl::StatusOr<std::unique_ptr<DeviceWeight>> PrepareWeight(const core::TensorView& host,
+                                                                     WeightUse use) = 0;
+  // One weight made of `parts` stacked by rows (2-D parts with the same number of columns, or
+  // 1-D parts concatenated): the fused QKV and gate+up projections and their biases.
+  virtual absl::StatusOr<std::unique_ptr<DeviceWeight>> PrepareFusedWeight(const std::vector<core::TensorView>& parts,
+                                                                          WeightUse use) = 0;
+  // One MoE layer's routed experts (gate, up, down of each), for MoeExperts. Backends that do not
+  // run routed experts themselves return kUnimplemented.
+  virtual absl::StatusOr<std::unique_ptr<DeviceExperts>> PrepareExperts(
+      const std::vector<core::TensorView>& gate, const std::vector<core::TensorView>& up,
+      const std::vector<core::TensorView>& down) {
+    return absl::UnimplementedError(name() + " keeps no routed experts");
+  }
+  virtual absl::StatusOr<std::unique_ptr<DeviceBuffer>> Allocate(core::DType dtype, int64_t rows, int64_t cols) = 0;
+  virtual absl::StatusOr<std::unique_ptr<HostBuffer>> AllocateHost(int64_t bytes) = 0;
+  virtual absl::StatusOr<std::unique_ptr<Event>> CreateEvent() = 0;
+  // K and V in the activation dtype, scratch block included.
+  absl::StatusOr<std::unique_ptr<KvCache>> CreateKvCache(const KvCacheShape& shape);
+  // The step arena: `bytes` of backend memory, carved by Take during a step, and a host staging
+  // buffer of `input_bytes` for BeginStep's upload.
+  absl::Status ReserveArena(int64_t bytes, int64_t input_bytes);
+  int64_t arena_bytes() const { return arena_bytes_; }
+  // Scratch the backend's own kernels need for the largest step (attention splits, expert
+  // grouping, sampling), reserved once at load.
+  struct StepLimits {
+    int max_tokens = 0;
+    int max_logit_rows = 0;
+    int max_context = 0;
+    int num_heads = 0;
+    int head_dim = 0;
+    int vocab = 0;
+    int num_experts = 0;
+    int top_k = 0;
+    int moe_intermediate = 0;
+  };
+  virtual absl::Status ReserveScratch(const StepLimits& limits) { return absl::OkStatus(); }
+  // Bytes of device memory free now (the host's available memory for the CPU backend).
+  virtual int64_t FreeMemoryBytes() const = 0;
 
-  // out[i] = table[host_ids[i]] (table is [vocab x hidden]).
-  virtual void Embed(const DeviceWeight& table, const int32_t* host_ids, int64_t n, float* out) = 0;
-  // Per row of [rows x cols]: x * rsqrt(mean(x^2) + eps) * w. `out` may equal `x`.
-  virtual void RmsNorm(const float* x, const DeviceWeight& w, float eps, int64_t rows, int64_t cols,
-                       float* out) = 0;
-  // out[rows x N] = x[rows x K] . w^T (+ bias), with w [N x K]; fp32 accumulation.
-  virtual void Linear(const float* x, int64_t rows, const DeviceWeight& w, const DeviceWeight* bias,
-                      float* out) = 0;
-  // Rotates the first rotary_dim dims of every head (NeoX half-split layout), in place, by
-  // angle position * host_inv_freq[i] (fp32, as transformers computes it);
-  // x is [rows x heads*head_dim], host_inv_freq[rotary_dim / 2], host_positions[rows].
-  virtual void Rope(float* x, int64_t rows, int heads, int head_dim, int rotary_dim, const float* host_inv_freq,
-                    const int32_t* host_positions) = 0;
-  // Writes the new k/v rows into the cache, then causal attention of each query over its
-  // sequence's cached keys (GQA: query head h reads kv head h / (num_heads / num_kv_heads)).
-  virtual void Attention(const AttentionArgs& args) = 0;
-  // out = silu(gate) * up, elementwise over n values.
-  virtual void SiluMul(const float* gate, const float* up, int64_t n, float* out) = 0;
-  // acc += x over n values.
-  virtual void Add(float* acc, const float* x, int64_t n) = 0;
-  // out[i] = src[host_rows[i]] for i < n; rows of `cols` values.
-  virtual void GatherRows(const float* src, int64_t cols, const int32_t* host_rows, int64_t n,
-                          float* out) = 0;
-  // out[host_rows[i]] += host_scales[i] * src[i] for i < n (rows may repeat only across calls).
-  virtual void ScatterAddRows(const float* src, int64_t cols, const int32_t* host_rows,
-                              const float* host_scales, int64_t n, float* out) = 0;
-  // x[r] *= sigmoid(gate[r]) for each row r of [rows x cols].
-  virtual void ScaleRowsBySigmoid(float* x, int64_t rows, int64_t cols, const float* gate) = 0;
+  // ---- A step ----
+  // Resets the arena and uploads the step's inputs (one copy). `inputs` must stay valid until the
+  // step's Synchronize.
+  absl::StatusOr<StepTensors> BeginStep(const StepInputs& inputs);
+  // A [rows x cols] tensor from the arena; kResourceExhausted when the arena is too small (a
+  // step larger than the one it was sized for).
+  absl::StatusOr<Tensor> Take(core::DType dtype, int64_t rows, int64_t cols);
+  // Copies `src` into host memory (asynchronous: valid after Synchronize; `host_dst` must hold
+  // src.bytes() and, on a GPU, be an AllocateHost buffer for the copy to overlap).
+  virtual void CopyToHost(const Tensor& src, void* host_dst) = 0;
+  virtual void CopyFromHost(const void* host_src, const Tensor& dst) = 0;
+  // Waits for everything queued; the first error since the last Synchronize (sticky once the
+  // device is lost), naming the operation.
+  virtual absl::Status Synchronize() = 0;
+  // Runs `body`, which queues operations on this backend. A backend with graphs records it the
+  // first time under `key` and replays the recording later (the same key must queue the same
+  // operations on the same buffers: only their contents change). Others just run it.
+  virtual absl::Status RunGraph(uint64_t key, absl::FunctionRef<absl::Status()> body) { return body(); }
+  virtual bool SupportsGraphs() const { return false; }
+
+  // ---- Operations ----
+  // x[t] = table[token_ids[t]] as fp32; x [T x hidden].
+  virtual void Embed(const DeviceWeight& table, const StepTensors& step, const Tensor& x) = 0;
+  // Per row: x += delta (when given; fp32 in place); out = x * rsqrt(mean(x^2) + eps) * w, in
+  // out's dtype. Norm weights are kVector.
+  virtual void AddRmsNorm(const Tensor& x, const Tensor* delta, const DeviceWeight& w, float eps,
+                          const Tensor& out) = 0;
+  // out [rows x N] = x [rows x K] . w^T (+ bias), w [N x K]; fp32 accumulation; out fp32 or the
+  // activation dtype.
+  virtual void Linear(const Tensor& x, const DeviceWeight& w, const DeviceWeight* bias, const Tensor& out) = 0;
+  // q/k norm, RoPE, the new K and V into the cache, then causal paged attention (GQA).
+  virtual void Attention(const AttentionArgs& args, const StepTensors& step) = 0;
+  // out[r][i] = silu(gate_up[r][i]) * gate_up[r][W + i], W = out.cols.
+  virtual void SiluMul(const Tensor& gate_up, const Tensor& out) = 0;
+  // Router logits [T x E] fp32 to ids [T x top_k] int32 and weights [T x top_k] fp32, as
+  // routing.h defines it; correction_bias is a kVector weight or null.
+  virtual void Route(const Tensor& logits, const RoutingSpec& spec, const DeviceWeight* correction_bias,
+                     const Tensor& ids, const Tensor& weights) = 0;
+  // out [T x H] fp32 = sum_j weights[t][j] * expert_{ids[t][j]}(x[t]); x activation dtype.
+  virtual void MoeExperts(const Tensor& x, const Tensor& ids, const Tensor& weights, const DeviceExperts& experts,
+                          const Tensor& out) {}
+  // out += sigmoid(gate) * shared per row (gate null: out += shared); fp32.
+  virtual void AddSharedExpert(const Tensor& out, const Tensor& shared, const Tensor* gate) = 0;
+  // out[i] = src[rows[i]]; rows int32 [n x 1].
+  virtual void GatherRows(const Tensor& src, const Tensor& rows, const Tensor& out) = 0;
+
+ private:
+  std::unique_ptr<DeviceBuffer> arena_;
+  std::unique_ptr<HostBuffer> staging_;
+  int64_t arena_bytes_ = 0;
+  int64_t arena_used_ = 0;
 };
 
 }  // namespace moe::runtime

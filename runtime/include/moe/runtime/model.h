@@ -19,11 +19,17 @@
 #include "absl/status/statusor.h"
 #include "moe/experts/expert_pool.h"
 #include "moe/runtime/backend.h"
-#include "moe/runtime/kv_cache.h"
 #include "moe/runtime/model_spec.h"
 #include "moe/runtime/weight_source.h"
 
 namespace moe::runtime {
+
+// One sequence's slice of a batch: its new tokens are consecutive rows of the batch.
+struct SequenceChunk {
+  int64_t first_position = 0;  // position of the chunk's first token in its sequence
+  int32_t num_tokens = 0;
+  std::vector<int32_t> block_table;  // KV blocks holding positions [0, first_position+num_tokens)
+};
 
 // One step's input. Rows of token_ids are grouped by sequence, in the order of `sequences`.
 struct ForwardBatch {
@@ -33,42 +39,44 @@ struct ForwardBatch {
 };
 
 // Computes the weighted sum of each token's routed experts for one MoE layer, in two phases so
-// that the caller can run the shared experts in between.
+// that the caller can run the shared experts in between. Tensors are the backend's.
 class RoutedExperts {
  public:
   virtual ~RoutedExperts() = default;
-  // hidden: [tokens x hidden_size]; topk_ids/topk_weights: host [tokens x top_k]; out:
-  // [tokens x hidden_size], overwritten. All must stay valid until Finish().
-  virtual absl::Status Start(int layer, const float* hidden, int64_t num_tokens, const int32_t* topk_ids,
-                             const float* topk_weights, float* out) = 0;
+  // hidden: [tokens x hidden_size] activation dtype; ids/weights: [tokens x top_k] int32/fp32;
+  // out: [tokens x hidden_size] fp32, overwritten. All stay valid until Finish().
+  virtual absl::Status Start(int layer, const Tensor& hidden, const Tensor& ids, const Tensor& weights,
+                             const Tensor& out) = 0;
   // Waits for the call Start began.
   virtual absl::Status Finish() = 0;
 };
 
-// Precision of the RoPE inverse frequencies. transformers keeps them in fp32 when it loads a
-// checkpoint (from_pretrained), which is right for serving; a model cast whole with
-// `model.to(torch.bfloat16)` rounds them to bf16, as the test fixtures' goldens were made.
-// bf16 frequencies drift by whole radians at long context: use them only to reproduce such
-// references.
-enum class RopeFrequencies { kFloat32, kBFloat16 };
-
-// Where routed experts run: the plain path through the backend (a reference), or the CPU
-// expert pool (packed bf16/int8/int4 weights in a host arena, optimised kernels).
-enum class RoutedExpertsMode { kReference, kPool };
+// Where routed experts run: on the backend (the CPU backend's plain reference path, or the GPU),
+// or in the CPU expert pool (packed bf16/int8/int4 weights in a host arena, optimised kernels).
+enum class RoutedExpertsMode { kBackend, kPool };
 
 struct ModelOptions {
   int threads = 0;  // CPU backend threads; 0: all cores
-  RopeFrequencies rope_frequencies = RopeFrequencies::kFloat32;
   RoutedExpertsMode experts = RoutedExpertsMode::kPool;
   experts::ExpertPoolOptions pool;  // used with kPool; model_id is filled in by Load
   // The pool's ExpertPoolOptions::linger_us. Unset: 0 on a backend that computes on the host's
   // cores (between MoE layers they are its own), pool.linger_us otherwise.
   std::optional<int64_t> expert_linger_us;
+  // The largest step: tokens in one Forward, and rows that want logits. They size the step
+  // arena, reserved once at load.
+  int max_step_tokens = 2048;
+  int max_logit_rows = 256;
+  // Longest sequence the KV cache will serve (0: the model's max_position_embeddings).
+  int max_context = 0;
+  // Decode steps replayed as CUDA graphs on backends that have them (off: eager, for debugging).
+  bool graphs = true;
+  // Loading progress (bytes, GB/s) on stderr.
+  bool progress = false;
 };
 
-// 1 / theta^(2i / rotary_dim) for i < rotary_dim / 2, computed in fp32 as transformers does,
-// then rounded to bf16 if asked.
-std::vector<float> RopeInverseFrequencies(const ModelSpec& spec, RopeFrequencies precision);
+// 1 / theta^(2i / rotary_dim) for i < rotary_dim / 2, computed in fp32 as transformers does when
+// it loads a checkpoint.
+std::vector<float> RopeInverseFrequencies(const ModelSpec& spec);
 
 class Model {
  public:
@@ -81,33 +89,48 @@ class Model {
   ~Model();
 
   const ModelSpec& spec() const { return spec_; }
+  const ModelOptions& options() const { return options_; }
   Backend& backend() { return *backend_; }
+  // Bytes of weights on the backend (routed experts included when the backend runs them).
+  int64_t weight_bytes() const;
 
   // A KV cache for this model with `num_blocks` blocks of `block_size` positions.
   absl::StatusOr<std::unique_ptr<KvCache>> NewKvCache(int num_blocks, int block_size = 16);
 
   // Runs one step. `logits` gets [batch.logit_rows.size() x vocab_size] floats.
   // kInvalidArgument for a malformed batch (token id outside the vocabulary, a block table too
-  // short for its positions, a logit row out of range); the cache is then left unchanged.
+  // short for its positions, a logit row out of range, more tokens or logit rows than the model
+  // was loaded for); the cache is then left unchanged. kInternal for a failure of the backend
+  // (a CUDA error), naming the operation.
   absl::Status Forward(const ForwardBatch& batch, KvCache& cache, std::vector<float>* logits);
+  // The same step, leaving the logits [logit_rows x vocab] fp32 in the backend's step arena
+  // (valid until the next step) for sampling there. Nothing is synchronized.
+  absl::StatusOr<Tensor> ForwardOnDevice(const ForwardBatch& batch, KvCache& cache);
 
-  // The CPU expert pool, or null on the reference path.
+  // The CPU expert pool, or null when the backend runs the routed experts.
   experts::ExpertPool* expert_pool() { return pool_.get(); }
 
   struct Weights;
+  struct StepBuffers;
 
  private:
   Model() = default;
   absl::Status CheckBatch(const ForwardBatch& batch, const KvCache& cache) const;
-  absl::Status RunMoe(int layer, const float* h, int64_t rows, float* out);
+  absl::Status ReserveStep();
+  StepInputs BuildInputs(const ForwardBatch& batch, const KvCache& cache, int pad_to, int kv_bucket) const;
+  absl::StatusOr<StepBuffers> TakeBuffers(int64_t rows, int64_t logit_rows);
+  absl::Status RunLayers(const StepTensors& step, const StepBuffers& b, KvCache& cache);
 
   ModelSpec spec_;
+  ModelOptions options_;
   std::shared_ptr<Backend> backend_;
   std::unique_ptr<WeightSource> source_;
   std::unique_ptr<Weights> weights_;
-  std::vector<float> rope_inv_freq_;
+  std::unique_ptr<DeviceBuffer> rope_inv_freq_;  // [1 x rotary_dim / 2] fp32
+  std::unique_ptr<HostBuffer> host_logits_;      // [max_logit_rows x vocab] fp32
+  StepInputs inputs_;                            // the step in flight's inputs
   std::unique_ptr<experts::ExpertPool> pool_;
-  std::unique_ptr<RoutedExperts> routed_experts_;  // the reference path or the pool's adapter
+  std::unique_ptr<RoutedExperts> routed_experts_;  // the backend's or the pool's
 };
 
 }  // namespace moe::runtime

@@ -1,0 +1,48 @@
+// Loading a model for a command: `--device` resolved (auto: the GPU when one is visible and the
+// model fits, else the CPU), the choice printed, the backend made, the routed experts placed.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "CLI/CLI.hpp"
+#include "absl/status/statusor.h"
+#include "flags.h"
+#include "moe/runtime/device.h"
+#include "moe/runtime/model.h"
+
+namespace moe::deploy {
+
+// --device and --eager, shared by generate, serve and bench.
+struct DeviceFlags {
+  std::string device = "auto";
+  bool eager = false;
+  bool experts_pool = false;  // --experts pool: auto then means the CPU
+  void Add(CLI::App* app);
+};
+
+// Bytes a model's weights take on a GPU (bf16), from its checkpoint's headers.
+absl::StatusOr<int64_t> GpuWeightBytes(const std::string& model_dir);
+
+// The device for `flags.device`: auto picks cuda:0 when a GPU is visible and the weights plus
+// `extra_bytes` (KV cache, step buffers) fit in its free memory, else the CPU. `why` says why.
+absl::StatusOr<runtime::Device> ResolveDevice(const DeviceFlags& flags, const std::string& model_dir,
+                                              int64_t extra_bytes, std::string* why);
+
+// The flags' usage errors, before anything loads (exit 2): a malformed --device, --experts pool
+// with a GPU device (hybrid execution is not supported yet), --experts gpu on the CPU, and the
+// expert pool's own flags.
+absl::Status CheckModelFlags(const DeviceFlags& device, const ExpertFlags& experts, const std::string& command);
+
+// Resolves the device, prints "moeserve COMMAND: device ...: why" on stderr, and loads the model
+// there. `options` carries the command's other settings; the expert flags are applied here (on a
+// GPU the routed experts run on it). Call CheckModelFlags first: errors from here are runtime
+// errors (exit 1).
+absl::StatusOr<std::unique_ptr<runtime::Model>> LoadModelForCommand(const std::string& model_dir,
+                                                                    const DeviceFlags& device,
+                                                                    const ExpertFlags& experts,
+                                                                    runtime::ModelOptions options,
+                                                                    int64_t extra_bytes, const std::string& command);
+
+}  // namespace moe::deploy

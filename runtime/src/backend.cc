@@ -1,0 +1,100 @@
+#include "moe/runtime/backend.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "moe/core/status.h"
+
+namespace moe::runtime {
+namespace {
+
+constexpr int64_t kArenaAlignment = 256;  // cuBLASLt and vector loads want aligned operands
+
+int64_t AlignUp(int64_t n) { return (n + kArenaAlignment - 1) / kArenaAlignment * kArenaAlignment; }
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<KvCache>> Backend::CreateKvCache(const KvCacheShape& shape) {
+  if (shape.num_blocks <= 0 || shape.block_size <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("KV cache needs positive num_blocks and block_size, got ",
+                                                   shape.num_blocks, " and ", shape.block_size));
+  }
+  const core::DType dtype = activation_dtype();
+  const int64_t rows = static_cast<int64_t>(shape.num_layers) * (shape.num_blocks + 1);
+  auto k = Allocate(dtype, rows, shape.elements_per_block_layer());
+  auto v = k.ok() ? Allocate(dtype, rows, shape.elements_per_block_layer())
+                  : absl::StatusOr<std::unique_ptr<DeviceBuffer>>(k.status());
+  if (!k.ok() || !v.ok()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "cannot allocate a KV cache of ", shape.bytes(core::DTypeSize(dtype)) >> 20, " MiB (", shape.num_blocks,
+        " blocks of ", shape.block_size, " positions) on ", name(), ": ", (k.ok() ? v : k).status().message()));
+  }
+  return std::make_unique<KvCache>(shape, dtype, std::move(*k), std::move(*v));
+}
+
+absl::Status Backend::ReserveArena(int64_t bytes, int64_t input_bytes) {
+  arena_.reset();
+  staging_.reset();
+  arena_bytes_ = arena_used_ = 0;
+  bytes = AlignUp(bytes);
+  auto arena = Allocate(core::DType::kI8, 1, bytes);
+  if (!arena.ok()) {
+    return absl::ResourceExhaustedError(absl::StrCat("cannot reserve a step arena of ", bytes >> 20, " MiB on ",
+                                                     name(), ": ", arena.status().message()));
+  }
+  MOE_ASSIGN_OR_RETURN(staging_, AllocateHost(input_bytes));
+  arena_ = std::move(*arena);
+  arena_bytes_ = bytes;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Tensor> Backend::Take(core::DType dtype, int64_t rows, int64_t cols) {
+  const int64_t bytes = AlignUp(rows * cols * core::DTypeSize(dtype));
+  if (arena_ == nullptr || arena_used_ + bytes > arena_bytes_) {
+    return absl::ResourceExhaustedError(absl::StrCat("the step arena of ", arena_bytes_ >> 20,
+                                                     " MiB is too small for this step (", bytes, " bytes more at ",
+                                                     arena_used_, "); the model was loaded for smaller steps"));
+  }
+  Tensor t{static_cast<char*>(arena_->tensor().data) + arena_used_, dtype, rows, cols};
+  arena_used_ += bytes;
+  return t;
+}
+
+absl::StatusOr<StepTensors> Backend::BeginStep(const StepInputs& in) {
+  arena_used_ = 0;
+  const std::vector<int32_t>* parts[] = {&in.token_ids, &in.positions, &in.row_seq, &in.seq_start,
+                                         &in.seq_len,   &in.block_table, &in.logit_rows};
+  int64_t total = 0;
+  for (const auto* p : parts) total += AlignUp(static_cast<int64_t>(p->size()) * 4);
+  if (staging_ == nullptr || total > staging_->bytes()) {
+    return absl::ResourceExhaustedError(absl::StrCat("the step's inputs take ", total, " bytes, the staging buffer ",
+                                                     staging_ == nullptr ? 0 : staging_->bytes()));
+  }
+  MOE_ASSIGN_OR_RETURN(Tensor device, Take(core::DType::kI8, 1, total));
+  Tensor views[7];
+  int64_t offset = 0;
+  for (int i = 0; i < 7; ++i) {
+    const int64_t n = static_cast<int64_t>(parts[i]->size());
+    if (n > 0) std::memcpy(staging_->as<char>() + offset, parts[i]->data(), n * 4);
+    views[i] = Tensor{static_cast<char*>(device.data) + offset, core::DType::kI32, n, 1};
+    offset += AlignUp(n * 4);
+  }
+  CopyFromHost(staging_->data(), device);
+  StepTensors step;
+  step.token_ids = views[0];
+  step.positions = views[1];
+  step.row_seq = views[2];
+  step.seq_start = views[3];
+  step.seq_len = views[4];
+  step.block_table = views[5].Reshaped(in.num_seqs(), in.max_blocks);
+  step.logit_rows = views[6];
+  step.num_tokens = in.num_tokens();
+  step.num_seqs = in.num_seqs();
+  step.max_blocks = in.max_blocks;
+  step.max_q_len = in.max_q_len;
+  step.max_kv_len = in.max_kv_len;
+  step.host = &in;
+  return step;
+}
+
+}  // namespace moe::runtime

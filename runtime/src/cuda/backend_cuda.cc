@@ -1,0 +1,476 @@
+#include "moe/runtime/backend_cuda.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "cuda/cuda_status.h"
+#include "cuda/gather.h"
+#include "cuda/ops.h"
+#include "moe/core/dtype.h"
+#include "moe/core/logging.h"
+#include "moe/core/status.h"
+
+namespace moe::runtime {
+namespace {
+
+using core::DType;
+
+constexpr int64_t kLinearWorkspaceBytes = 32 << 20;
+constexpr int64_t kStagingBytes = 64 << 20;  // each of the two pinned load buffers
+
+std::string GiB(int64_t bytes) { return absl::StrFormat("%.2f GiB", static_cast<double>(bytes) / (1 << 30)); }
+
+// cudaMalloc'd memory, freed on destruction.
+class CudaBuffer : public DeviceBuffer {
+ public:
+  CudaBuffer(void* data, DType dtype, int64_t rows, int64_t cols) : data_(data), dtype_(dtype), rows_(rows), cols_(cols) {}
+  ~CudaBuffer() override { cudaFree(data_); }
+  Tensor tensor() const override { return Tensor{data_, dtype_, rows_, cols_}; }
+
+ private:
+  void* data_;
+  DType dtype_;
+  int64_t rows_, cols_;
+};
+
+class PinnedBuffer : public HostBuffer {
+ public:
+  PinnedBuffer(void* data, int64_t bytes) : data_(data), bytes_(bytes) {}
+  ~PinnedBuffer() override { cudaFreeHost(data_); }
+  void* data() const override { return data_; }
+  int64_t bytes() const override { return bytes_; }
+
+ private:
+  void* data_;
+  int64_t bytes_;
+};
+
+class CudaEvent : public Event {
+ public:
+  CudaEvent(cudaEvent_t event, cudaStream_t stream) : event_(event), stream_(stream) {}
+  ~CudaEvent() override { cudaEventDestroy(event_); }
+  void Record() override { cudaEventRecord(event_, stream_); }
+  absl::Status Wait() override {
+    MOE_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(event_));
+    return absl::OkStatus();
+  }
+
+ private:
+  cudaEvent_t event_;
+  cudaStream_t stream_;
+};
+
+// A weight in device memory: bf16 matrices, fp32 vectors.
+class CudaWeight : public DeviceWeight {
+ public:
+  CudaWeight(std::unique_ptr<DeviceBuffer> buffer, core::Shape shape) : buffer_(std::move(buffer)) {
+    shape_ = std::move(shape);
+  }
+  int64_t bytes() const override { return buffer_->tensor().bytes(); }
+  const void* data() const { return buffer_->tensor().data; }
+  template <typename T>
+  const T* as() const {
+    return static_cast<const T*>(data());
+  }
+
+ private:
+  std::unique_ptr<DeviceBuffer> buffer_;
+};
+
+const CudaWeight& AsCuda(const DeviceWeight& w) { return static_cast<const CudaWeight&>(w); }
+
+class CudaExperts : public DeviceExperts {
+ public:
+  int64_t bytes() const override { return gate_up->tensor().bytes() + down->tensor().bytes(); }
+  std::unique_ptr<DeviceBuffer> gate_up, down;
+  cuda::ExpertWeights weights;
+};
+
+// Calls whose errors must be kept for Synchronize: the first one is the step's error.
+#define MOE_CUDA_KEEP(call) Keep((call), #call)
+
+class CudaBackend : public Backend {
+ public:
+  explicit CudaBackend(int device) : device_(device) {}
+  ~CudaBackend() override {
+    cudaSetDevice(device_);
+    if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+    for (auto& [key, exec] : graphs_) cudaGraphExecDestroy(exec);
+    delete linear_;
+    if (linear_workspace_ != nullptr) cudaFree(linear_workspace_);
+    for (int i = 0; i < 2; ++i) {
+      if (staging_[i] != nullptr) cudaFreeHost(staging_[i]);
+      if (staging_done_[i] != nullptr) cudaEventDestroy(staging_done_[i]);
+    }
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+
+  absl::Status Init() {
+    MOE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    MOE_CUDA_RETURN_IF_ERROR(cudaFree(nullptr));  // starts the context now, not in the first step
+    MOE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    MOE_CUDA_RETURN_IF_ERROR(cudaMalloc(&linear_workspace_, kLinearWorkspaceBytes));
+    MOE_RETURN_IF_ERROR(cuda::Linear::Create(linear_workspace_, kLinearWorkspaceBytes, &linear_));
+    for (int i = 0; i < 2; ++i) {
+      MOE_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&staging_[i], kStagingBytes, cudaHostAllocDefault));
+      MOE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&staging_done_[i], cudaEventDisableTiming));
+    }
+    name_ = absl::StrCat("cuda:", device_, " (", CudaBackendDeviceName(device_), ")");
+    return absl::OkStatus();
+  }
+
+  std::string name() const override { return name_; }
+  DType activation_dtype() const override { return DType::kBF16; }
+  bool SupportsGraphs() const override { return true; }
+
+  // ---- Memory ----
+  absl::StatusOr<std::unique_ptr<DeviceBuffer>> Allocate(DType dtype, int64_t rows, int64_t cols) override {
+    const int64_t bytes = std::max<int64_t>(rows * cols * core::DTypeSize(dtype), 1);
+    void* p = nullptr;
+    const cudaError_t err = cudaMalloc(&p, bytes);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      size_t free = 0, total = 0;
+      cudaMemGetInfo(&free, &total);
+      return absl::ResourceExhaustedError(absl::StrCat("out of GPU memory on ", name_, ": ", GiB(bytes),
+                                                       " needed, ", GiB(free), " free of ", GiB(total)));
+    }
+    return std::unique_ptr<DeviceBuffer>(new CudaBuffer(p, dtype, rows, cols));
+  }
+
+  absl::StatusOr<std::unique_ptr<HostBuffer>> AllocateHost(int64_t bytes) override {
+    void* p = nullptr;
+    MOE_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&p, std::max<int64_t>(bytes, 1), cudaHostAllocDefault));
+    return std::unique_ptr<HostBuffer>(new PinnedBuffer(p, bytes));
+  }
+
+  absl::StatusOr<std::unique_ptr<Event>> CreateEvent() override {
+    cudaEvent_t e;
+    MOE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    return std::unique_ptr<Event>(new CudaEvent(e, stream_));
+  }
+
+  int64_t FreeMemoryBytes() const override {
+    size_t free = 0, total = 0;
+    if (cudaMemGetInfo(&free, &total) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return 0;
+    }
+    return static_cast<int64_t>(free);
+  }
+
+  absl::StatusOr<std::unique_ptr<DeviceWeight>> PrepareWeight(const core::TensorView& host, WeightUse use) override {
+    return PrepareFusedWeight({host}, use);
+  }
+
+  absl::StatusOr<std::unique_ptr<DeviceWeight>> PrepareFusedWeight(const std::vector<core::TensorView>& parts,
+                                                                  WeightUse use) override {
+    const DType dtype = use == WeightUse::kVector ? DType::kF32 : DType::kBF16;
+    int64_t rows = 0;
+    for (const auto& p : parts) {
+      if (p.rank() < 1 || p.rank() > 2) {
+        return absl::InvalidArgumentError(absl::StrCat("weights must be 1-D or 2-D, got ", core::ShapeString(p.shape)));
+      }
+      if (p.dtype != DType::kBF16 && p.dtype != DType::kF16 && p.dtype != DType::kF32) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("dtype ", core::DTypeName(p.dtype), " is not a weight type (BF16, F16, F32)"));
+      }
+      rows += p.shape[0];
+    }
+    const bool vector = parts[0].rank() == 1;
+    const int64_t cols = vector ? 1 : parts[0].shape[1];
+    MOE_ASSIGN_OR_RETURN(auto buffer, Allocate(dtype, rows, cols));
+    char* dst = static_cast<char*>(buffer->tensor().data);
+    for (const auto& p : parts) {
+      MOE_RETURN_IF_ERROR(Upload(p, dtype, dst));
+      dst += p.numel() * core::DTypeSize(dtype);
+    }
+    core::Shape shape = vector ? core::Shape{rows} : core::Shape{rows, cols};
+    return std::unique_ptr<DeviceWeight>(new CudaWeight(std::move(buffer), std::move(shape)));
+  }
+
+  absl::StatusOr<std::unique_ptr<DeviceExperts>> PrepareExperts(const std::vector<core::TensorView>& gate,
+                                                                const std::vector<core::TensorView>& up,
+                                                                const std::vector<core::TensorView>& down) override {
+    const int e = static_cast<int>(gate.size());
+    const int64_t width = gate[0].shape[0], hidden = gate[0].shape[1];
+    auto experts = std::make_unique<CudaExperts>();
+    MOE_ASSIGN_OR_RETURN(experts->gate_up, Allocate(DType::kBF16, e * 2 * width, hidden));
+    MOE_ASSIGN_OR_RETURN(experts->down, Allocate(DType::kBF16, e * hidden, width));
+    char* gu = static_cast<char*>(experts->gate_up->tensor().data);
+    char* dn = static_cast<char*>(experts->down->tensor().data);
+    const int64_t part = width * hidden * 2;
+    for (int i = 0; i < e; ++i) {
+      MOE_RETURN_IF_ERROR(Upload(gate[i], DType::kBF16, gu + (2 * i) * part));
+      MOE_RETURN_IF_ERROR(Upload(up[i], DType::kBF16, gu + (2 * i + 1) * part));
+      MOE_RETURN_IF_ERROR(Upload(down[i], DType::kBF16, dn + i * part));
+    }
+    experts->weights.gate_up = static_cast<const uint16_t*>(experts->gate_up->tensor().data);
+    experts->weights.down = static_cast<const uint16_t*>(experts->down->tensor().data);
+    experts->weights.num_experts = e;
+    experts->weights.hidden = static_cast<int>(hidden);
+    experts->weights.intermediate = static_cast<int>(width);
+    return std::unique_ptr<DeviceExperts>(std::move(experts));
+  }
+
+  absl::Status ReserveScratch(const StepLimits& l) override {
+    const int64_t attention = cuda::AttentionWorkspaceFloats(l.max_tokens, l.max_context, l.num_heads, l.head_dim);
+    MOE_ASSIGN_OR_RETURN(attention_ws_, Allocate(DType::kF32, 1, std::max<int64_t>(attention, 1)));
+    if (l.num_experts > 0) {
+      const int64_t moe = cuda::MoeWorkspaceBytes(l.max_tokens, l.top_k, l.num_experts, l.moe_intermediate);
+      MOE_ASSIGN_OR_RETURN(moe_ws_, Allocate(DType::kI8, 1, std::max<int64_t>(moe, 1)));
+    }
+    max_logit_rows_ = l.max_logit_rows;
+    const int64_t sampling = cuda::SamplingWorkspaceBytes(l.max_logit_rows, l.vocab);
+    MOE_ASSIGN_OR_RETURN(sampling_ws_, Allocate(DType::kI8, 1, std::max<int64_t>(sampling, 1)));
+    return absl::OkStatus();
+  }
+
+  // ---- A step ----
+  void CopyToHost(const Tensor& src, void* dst) override {
+    MOE_CUDA_KEEP(cudaMemcpyAsync(dst, src.data, src.bytes(), cudaMemcpyDeviceToHost, stream_));
+  }
+  void CopyFromHost(const void* src, const Tensor& dst) override {
+    MOE_CUDA_KEEP(cudaMemcpyAsync(dst.data, src, dst.bytes(), cudaMemcpyHostToDevice, stream_));
+  }
+
+  absl::Status Synchronize() override {
+    if (!lost_.ok()) return lost_;
+    Keep(cudaStreamSynchronize(stream_), "the step's kernels (cudaStreamSynchronize)");
+    absl::Status s = std::move(pending_);
+    pending_ = absl::OkStatus();
+    return s;
+  }
+
+  absl::Status RunGraph(uint64_t key, absl::FunctionRef<absl::Status()> body) override {
+    if (auto it = graphs_.find(key); it != graphs_.end()) {
+      MOE_CUDA_KEEP(cudaGraphLaunch(it->second, stream_));
+      return absl::OkStatus();
+    }
+    // The first step of a shape runs eagerly (cuBLASLt picks its algorithms, modules load), and
+    // is recorded for the next ones.
+    MOE_RETURN_IF_ERROR(body());
+    cudaGraph_t graph = nullptr;
+    MOE_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    capturing_ = true;
+    const absl::Status recorded = body();
+    capturing_ = false;
+    const cudaError_t end = cudaStreamEndCapture(stream_, &graph);
+    MOE_RETURN_IF_ERROR(recorded);
+    MOE_CUDA_RETURN_IF_ERROR(end);
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
+    cudaGraphDestroy(graph);
+    MOE_CUDA_RETURN_IF_ERROR(inst);
+    graphs_[key] = exec;
+    return absl::OkStatus();
+  }
+
+  // ---- Operations ----
+  void Embed(const DeviceWeight& table, const StepTensors& step, const Tensor& x) override {
+    cuda::Embed(AsCuda(table).as<uint16_t>(), step.token_ids.as<int32_t>(), step.num_tokens,
+                static_cast<int>(x.cols), x.as<float>(), stream_);
+    Launched("Embed");
+  }
+
+  void AddRmsNorm(const Tensor& x, const Tensor* delta, const DeviceWeight& w, float eps, const Tensor& out) override {
+    cuda::AddRmsNorm(x.as<float>(), delta != nullptr ? delta->as<float>() : nullptr, AsCuda(w).as<float>(), eps,
+                     static_cast<int>(x.rows), static_cast<int>(x.cols), out.as<uint16_t>(), stream_);
+    Launched("AddRmsNorm");
+  }
+
+  void Linear(const Tensor& x, const DeviceWeight& w, const DeviceWeight* bias, const Tensor& out) override {
+    const absl::Status s =
+        linear_->Run(x.as<uint16_t>(), static_cast<int>(x.rows), AsCuda(w).as<uint16_t>(), static_cast<int>(w.rows()),
+                     static_cast<int>(w.cols()), bias != nullptr ? AsCuda(*bias).as<float>() : nullptr, out.data,
+                     out.dtype == DType::kF32, stream_);
+    if (!s.ok() && pending_.ok()) pending_ = core::Annotate(s, "Linear");
+    Launched("Linear");
+  }
+
+  void Attention(const AttentionArgs& a, const StepTensors& step) override {
+    const cuda::StepMeta meta = Meta(step);
+    cuda::KvLayer kv;
+    kv.k = static_cast<uint16_t*>(a.cache->k(a.layer));
+    kv.v = static_cast<uint16_t*>(a.cache->v(a.layer));
+    kv.block_size = a.cache->shape().block_size;
+    kv.kv_heads = a.num_kv_heads;
+    kv.head_dim = a.head_dim;
+    cuda::QkNormRopeStoreKv(a.qkv.as<uint16_t>(), meta, a.num_heads, kv,
+                            a.q_norm != nullptr ? AsCuda(*a.q_norm).as<float>() : nullptr,
+                            a.k_norm != nullptr ? AsCuda(*a.k_norm).as<float>() : nullptr, a.eps, a.rotary_dim,
+                            a.inv_freq->as<float>(), a.q.as<uint16_t>(), stream_);
+    Launched("QkNormRopeStoreKv");
+    cuda::PagedAttention(a.q.as<uint16_t>(), meta, a.num_heads, kv, a.scale, attention_ws_->tensor().as<float>(),
+                         a.out.as<uint16_t>(), stream_);
+    Launched("PagedAttention");
+  }
+
+  void SiluMul(const Tensor& gate_up, const Tensor& out) override {
+    cuda::SiluMul(gate_up.as<uint16_t>(), static_cast<int>(out.rows), static_cast<int>(out.cols), out.as<uint16_t>(),
+                  stream_);
+    Launched("SiluMul");
+  }
+
+  void Route(const Tensor& logits, const RoutingSpec& spec, const DeviceWeight* correction_bias, const Tensor& ids,
+             const Tensor& weights) override {
+    cuda::RouterParams p;
+    p.sigmoid = spec.scoring == ScoringFunction::kSigmoid;
+    p.num_experts = spec.num_experts;
+    p.top_k = spec.top_k;
+    p.normalize_top_k = spec.normalize_top_k;
+    p.n_group = spec.n_group;
+    p.topk_group = spec.topk_group;
+    p.routed_scaling_factor = spec.routed_scaling_factor;
+    p.correction_bias = correction_bias != nullptr ? AsCuda(*correction_bias).as<float>() : nullptr;
+    cuda::RouteTopK(logits.as<float>(), static_cast<int>(logits.rows), p, ids.as<int32_t>(), weights.as<float>(),
+                    stream_);
+    Launched("RouteTopK");
+  }
+
+  void MoeExperts(const Tensor& x, const Tensor& ids, const Tensor& weights, const DeviceExperts& experts,
+                  const Tensor& out) override {
+    cuda::MoeExperts(x.as<uint16_t>(), static_cast<int>(x.rows), ids.as<int32_t>(), weights.as<float>(),
+                     static_cast<int>(ids.cols), static_cast<const CudaExperts&>(experts).weights,
+                     moe_ws_->tensor().data, out.as<float>(), stream_);
+    Launched("MoeExperts");
+  }
+
+  void AddSharedExpert(const Tensor& out, const Tensor& shared, const Tensor* gate) override {
+    cuda::AddSharedExpert(out.as<float>(), shared.as<float>(), gate != nullptr ? gate->as<float>() : nullptr,
+                          static_cast<int>(out.rows), static_cast<int>(out.cols), stream_);
+    Launched("AddSharedExpert");
+  }
+
+  void GatherRows(const Tensor& src, const Tensor& rows, const Tensor& out) override {
+    cuda::GatherRowsBytes(src.data, src.cols * core::DTypeSize(src.dtype), rows.as<int32_t>(),
+                          static_cast<int>(rows.rows), out.data, stream_);
+    Launched("GatherRows");
+  }
+
+ private:
+  static cuda::StepMeta Meta(const StepTensors& step) {
+    cuda::StepMeta m;
+    m.token_ids = step.token_ids.as<int32_t>();
+    m.positions = step.positions.as<int32_t>();
+    m.row_seq = step.row_seq.as<int32_t>();
+    m.seq_start = step.seq_start.as<int32_t>();
+    m.seq_len = step.seq_len.as<int32_t>();
+    m.block_table = step.block_table.as<int32_t>();
+    m.num_tokens = step.num_tokens;
+    m.num_seqs = step.num_seqs;
+    m.max_blocks = step.max_blocks;
+    m.max_q_len = step.max_q_len;
+    m.max_kv_len = step.max_kv_len;
+    return m;
+  }
+
+  // Copies `host` to `dst` as `dtype` through the pinned staging buffers, two in flight.
+  absl::Status Upload(const core::TensorView& host, DType dtype, char* dst) {
+    const int64_t n = host.numel(), out_size = core::DTypeSize(dtype);
+    const int64_t per_chunk = kStagingBytes / std::max<int64_t>(out_size, core::DTypeSize(host.dtype));
+    for (int64_t first = 0; first < n; first += per_chunk) {
+      const int64_t count = std::min(per_chunk, n - first);
+      const int slot = next_staging_;
+      next_staging_ ^= 1;
+      MOE_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(staging_done_[slot]));
+      const char* src = static_cast<const char*>(host.data) + first * core::DTypeSize(host.dtype);
+      ConvertInto(src, host.dtype, count, dtype, staging_[slot]);
+      MOE_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(dst + first * out_size, staging_[slot], count * out_size, cudaMemcpyHostToDevice, stream_));
+      MOE_CUDA_RETURN_IF_ERROR(cudaEventRecord(staging_done_[slot], stream_));
+    }
+    return absl::OkStatus();
+  }
+
+  // `count` elements of `src` (bf16, f16 or f32) as `to` (bf16 or f32).
+  static void ConvertInto(const char* src, DType from, int64_t count, DType to, void* dst) {
+    if (from == to) {
+      std::memcpy(dst, src, count * core::DTypeSize(to));
+      return;
+    }
+    if (to == DType::kF32) {
+      core::ConvertToFloat(src, from, static_cast<float*>(dst), count);
+      return;
+    }
+    uint16_t* out = static_cast<uint16_t*>(dst);
+    constexpr int64_t kBlock = 4096;
+    float tmp[kBlock];
+    for (int64_t i = 0; i < count; i += kBlock) {
+      const int64_t m = std::min(kBlock, count - i);
+      core::ConvertToFloat(src + i * core::DTypeSize(from), from, tmp, m);
+      for (int64_t j = 0; j < m; ++j) out[i + j] = core::FloatToBf16(tmp[j]);
+    }
+  }
+
+  void Launched(const char* op) {
+    if (capturing_) return;  // launch errors during capture show at cudaStreamEndCapture
+    Keep(cudaGetLastError(), op);
+  }
+
+  void Keep(cudaError_t err, const char* what) {
+    if (err == cudaSuccess) return;
+    absl::Status s = cuda::CudaStatus(err, what, __FILE__, __LINE__);
+    const bool sticky = err == cudaErrorIllegalAddress || err == cudaErrorLaunchFailure ||
+                        err == cudaErrorHardwareStackError || err == cudaErrorIllegalInstruction ||
+                        err == cudaErrorMisalignedAddress || err == cudaErrorInvalidPc || err == cudaErrorECCUncorrectable ||
+                        err == cudaErrorDevicesUnavailable || err == cudaErrorContextIsDestroyed;
+    s = absl::InternalError(absl::StrCat(sticky ? "the GPU context is lost: " : "", "CUDA error in ", what, " on ",
+                                         name_, ": ", cudaGetErrorName(err), ": ", cudaGetErrorString(err)));
+    if (sticky && lost_.ok()) lost_ = s;
+    if (pending_.ok()) pending_ = s;
+  }
+
+  const int device_;
+  std::string name_;
+  cudaStream_t stream_ = nullptr;
+  void* linear_workspace_ = nullptr;
+  cuda::Linear* linear_ = nullptr;
+  void* staging_[2] = {nullptr, nullptr};
+  cudaEvent_t staging_done_[2] = {nullptr, nullptr};
+  int next_staging_ = 0;
+  std::unique_ptr<DeviceBuffer> attention_ws_, moe_ws_, sampling_ws_;
+  int max_logit_rows_ = 0;
+  std::map<uint64_t, cudaGraphExec_t> graphs_;
+  bool capturing_ = false;
+  absl::Status pending_;  // the first error since the last Synchronize
+  absl::Status lost_;     // set once the context is lost: every later Synchronize fails
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(int device) {
+  auto backend = std::make_unique<CudaBackend>(device);
+  MOE_RETURN_IF_ERROR(backend->Init());
+  return std::unique_ptr<Backend>(std::move(backend));
+}
+
+int CudaBackendDeviceCount() { return cuda::VisibleDeviceCount(); }
+
+absl::StatusOr<std::pair<int64_t, int64_t>> CudaBackendMemoryInfo(int device) {
+  int previous = 0;
+  MOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&previous));
+  MOE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  size_t free = 0, total = 0;
+  const cudaError_t err = cudaMemGetInfo(&free, &total);
+  cudaSetDevice(previous);
+  MOE_CUDA_RETURN_IF_ERROR(err);
+  return std::make_pair(static_cast<int64_t>(free), static_cast<int64_t>(total));
+}
+
+std::string CudaBackendDeviceName(int device) {
+  cudaDeviceProp prop;
+  if (cudaGetDeviceProperties(&prop, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return absl::StrCat("GPU ", device);
+  }
+  return absl::StrFormat("%s, %.1f GiB", prop.name, static_cast<double>(prop.totalGlobalMem) / (1 << 30));
+}
+
+}  // namespace moe::runtime

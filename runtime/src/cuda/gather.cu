@@ -1,0 +1,48 @@
+#include <cuda_runtime.h>
+
+#include "cuda/gather.h"
+
+namespace moe::runtime::cuda {
+namespace {
+
+// One block per output row, 16-byte words where the row allows, else bytes.
+__global__ void GatherRowsKernel(const char* __restrict__ src, int64_t row_bytes, const int32_t* __restrict__ rows,
+                                 char* __restrict__ dst) {
+  const char* from = src + static_cast<int64_t>(rows[blockIdx.x]) * row_bytes;
+  char* to = dst + static_cast<int64_t>(blockIdx.x) * row_bytes;
+  if (row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
+    const int64_t words = row_bytes / 16;
+    for (int64_t i = threadIdx.x; i < words; i += blockDim.x) {
+      reinterpret_cast<int4*>(to)[i] = reinterpret_cast<const int4*>(from)[i];
+    }
+    return;
+  }
+  for (int64_t i = threadIdx.x; i < row_bytes; i += blockDim.x) to[i] = from[i];
+}
+
+// Non-finite values: each row's first bad index, or -1.
+__global__ void FirstNonFiniteKernel(const float* __restrict__ x, int64_t cols, int32_t* __restrict__ first) {
+  const float* row = x + blockIdx.x * cols;
+  __shared__ int found;
+  if (threadIdx.x == 0) found = 0x7fffffff;
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) {
+    if (!isfinite(row[i])) atomicMin(&found, static_cast<int>(i));
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) first[blockIdx.x] = found == 0x7fffffff ? -1 : found;
+}
+
+}  // namespace
+
+void GatherRowsBytes(const void* src, int64_t row_bytes, const int32_t* rows, int n, void* dst, cudaStream_t stream) {
+  if (n == 0) return;
+  GatherRowsKernel<<<n, 128, 0, stream>>>(static_cast<const char*>(src), row_bytes, rows, static_cast<char*>(dst));
+}
+
+void FirstNonFinite(const float* x, int rows, int64_t cols, int32_t* first, cudaStream_t stream) {
+  if (rows == 0) return;
+  FirstNonFiniteKernel<<<rows, 256, 0, stream>>>(x, cols, first);
+}
+
+}  // namespace moe::runtime::cuda

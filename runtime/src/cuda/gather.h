@@ -1,0 +1,17 @@
+// Small kernels of the CUDA backend's own: row gathers of any element type, and the non-finite
+// check of logits. Launchers only enqueue on `stream`, as in ops.h.
+#pragma once
+
+#include <cstdint>
+
+typedef struct CUstream_st* cudaStream_t;
+
+namespace moe::runtime::cuda {
+
+// dst[i] = src[rows[i]] for i < n, rows of `row_bytes` bytes.
+void GatherRowsBytes(const void* src, int64_t row_bytes, const int32_t* rows, int n, void* dst, cudaStream_t stream);
+
+// first[r] = index of the first NaN or infinity in row r of x [rows x cols], or -1.
+void FirstNonFinite(const float* x, int rows, int64_t cols, int32_t* first, cudaStream_t stream);
+
+}  // namespace moe::runtime::cuda

@@ -1,0 +1,22 @@
+// What the GPU router (RouteTopK in ops.h, routing.cu) supports. The limits are checked when a
+// model is loaded, since they come from its config.json; RouteTopK itself returns nothing.
+#pragma once
+
+#include "absl/status/status.h"
+#include "cuda/ops.h"
+
+namespace moe::runtime::cuda {
+
+inline constexpr int kRouterMaxExperts = 512;
+inline constexpr int kRouterMaxTopK = 16;
+inline constexpr int kRouterMaxGroups = 16;
+
+// OK when RouteTopK can route with `params`: 1 <= num_experts <= 512, 1 <= top_k <=
+// min(16, num_experts), and for sigmoid routing 1 <= n_group <= 16 dividing num_experts and,
+// when n_group > 1, 1 <= topk_group <= n_group (softmax routing is not grouped, as on the CPU).
+// kFailedPrecondition otherwise, naming the limit. A
+// RouteTopK call with parameters this refuses writes expert 0 with NaN weights for every token
+// (memory-safe for the expert kernels, and loud in the logits) instead of routing.
+absl::Status CheckRouterParams(const RouterParams& params);
+
+}  // namespace moe::runtime::cuda

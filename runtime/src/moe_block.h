@@ -1,0 +1,47 @@
+// The MoE block of a layer: router, routed experts (on the backend or in the CPU expert pool)
+// and shared experts, which run while the routed ones are computed.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "model_weights.h"
+#include "moe/experts/expert_pool.h"
+#include "moe/runtime/backend.h"
+#include "moe/runtime/model.h"
+#include "moe/runtime/weight_source.h"
+
+namespace moe::runtime::internal {
+
+// The step's buffers a MoE block or dense FFN works in, carved from the arena once per step.
+struct FfnBuffers {
+  Tensor gate_up;        // [T x 2 W] activation dtype, W the widest FFN (dense or shared)
+  Tensor act;            // [T x W] activation dtype
+  Tensor router_logits;  // [T x E] fp32
+  Tensor ids;            // [T x top_k] int32
+  Tensor weights;        // [T x top_k] fp32
+  Tensor shared;         // [T x hidden] fp32
+  Tensor shared_gate;    // [T x 1] fp32
+};
+
+// out [T x hidden] fp32 = down(silu(gate(x)) * up(x)); x activation dtype.
+void RunFfn(Backend& b, const FfnWeights& w, const Tensor& x, const FfnBuffers& buf, const Tensor& out);
+
+// out = routed experts + shared experts of x for MoE layer `layer`.
+absl::Status RunMoe(Backend& b, const ModelSpec& spec, const LayerWeights& lw, RoutedExperts& routed, int layer,
+                    const Tensor& x, const FfnBuffers& buf, const Tensor& out);
+
+// Routed experts through the backend's MoeExperts (the CPU backend's reference path, the GPU).
+std::unique_ptr<RoutedExperts> BackendRoutedExperts(Backend& backend, const Model::Weights& weights);
+
+// Routed experts through the CPU expert pool; the backend must be host-addressable with fp32
+// activations (the CPU backend).
+std::unique_ptr<RoutedExperts> PoolRoutedExperts(experts::ExpertPool& pool, const ModelSpec& spec);
+
+// Packs the checkpoint's routed experts into a new CPU expert pool.
+absl::StatusOr<std::unique_ptr<experts::ExpertPool>> CreatePool(const ModelSpec& spec, const WeightSource& source,
+                                                                experts::ExpertPoolOptions options,
+                                                                const std::string& model_dir);
+
+}  // namespace moe::runtime::internal
