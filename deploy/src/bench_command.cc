@@ -134,12 +134,12 @@ int BenchLoad(const LoadBenchFlags& flags) {
   }
   options.pool.progress = !flags.json;
   std::unique_ptr<runtime::Model> model;  // owns the pool RunLoadBench measures, to the end of the command
-  auto result = bench::RunLoadBench(
-      flags.model, options.pool.shm_name, [&]() -> absl::StatusOr<const experts::ExpertPool*> {
-        MOE_ASSIGN_OR_RETURN(model, runtime::Model::Load(flags.model, options));
-        if (model->expert_pool() == nullptr) return absl::FailedPreconditionError("the model has no MoE layers");
-        return model->expert_pool();
-      });
+  auto load = [&]() -> absl::StatusOr<const experts::ExpertPool*> {
+    MOE_ASSIGN_OR_RETURN(model, runtime::Model::Load(flags.model, options));
+    if (model->expert_pool() == nullptr) return absl::FailedPreconditionError("the model has no MoE layers");
+    return model->expert_pool();
+  };
+  auto result = bench::RunLoadBench(flags.model, options.pool.shm_name, load);
   if (!result.ok()) return Fail(result.status(), 1);
   bench::PrintLoadBench(*result, flags.json, std::cout);
   if (flags.unlink && !options.pool.shm_name.empty()) {

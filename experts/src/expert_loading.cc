@@ -25,10 +25,10 @@ uint64_t ArenaKey(const ExpertShape& s, const ExpertPoolOptions& o) {
 absl::Status CheckShapes(const ExpertWeights& w, int layer, int expert, int64_t h, int64_t inter) {
   const core::Shape io = {inter, h}, oi = {h, inter};
   if (w.gate.shape == io && w.up.shape == io && w.down.shape == oi) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(
-      "MoE layer ", layer, " expert ", expert, ": gate ", core::ShapeString(w.gate.shape), ", up ",
-      core::ShapeString(w.up.shape), ", down ", core::ShapeString(w.down.shape), "; expected gate and up ",
-      core::ShapeString(io), ", down ", core::ShapeString(oi)));
+  return absl::InvalidArgumentError(
+      absl::StrCat("MoE layer ", layer, " expert ", expert, ": gate ", core::ShapeString(w.gate.shape), ", up ",
+                   core::ShapeString(w.up.shape), ", down ", core::ShapeString(w.down.shape), "; expected gate and up ",
+                   core::ShapeString(io), ", down ", core::ShapeString(oi)));
 }
 
 // Packs one expert's checkpoint weights, of the shapes CheckShapes wants, into its place in the

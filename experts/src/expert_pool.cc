@@ -65,8 +65,8 @@ absl::StatusOr<std::unique_ptr<ExpertPool>> ExpertPool::Create(const ExpertShape
     const std::string why = KernelUnsupportedReason(*options.kernel, options.format, cpu);
     if (!why.empty()) {
       return absl::FailedPreconditionError(absl::StrCat("expert kernel ", KernelName(*options.kernel), " for ",
-                                                        FormatName(options.format), ": ", why, " (this CPU: ",
-                                                        cpu.ToString(), ")"));
+                                                        FormatName(options.format), ": ", why,
+                                                        " (this CPU: ", cpu.ToString(), ")"));
     }
   }
   const std::vector<int> cpus = internal::AllowedCpus();
@@ -127,7 +127,8 @@ absl::StatusOr<ExpertPool::Ticket> ExpertPool::Submit(int layer, const float* hi
     return absl::InvalidArgumentError(absl::StrCat("expert pool: ", num_tokens, " tokens"));
   }
   if (layer < 0 || layer >= shape_.num_layers) {
-    return absl::InvalidArgumentError(absl::StrCat("expert pool: MoE layer ", layer, " outside [0, ", shape_.num_layers, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("expert pool: MoE layer ", layer, " outside [0, ", shape_.num_layers, ")"));
   }
   for (int64_t i = 0; i < num_tokens * shape_.top_k; ++i) {
     if (topk_ids[i] < 0 || topk_ids[i] >= shape_.num_experts) {

@@ -63,8 +63,7 @@ bool ExpertCall::StartInput(int e) {
                                     pool.KernelFor(g.count[slot])));
   } else {
     error.Set(s.act_in[slot].Prepare(g.rows.data() + g.offset[slot], g.count[slot], h, experts.gate_up.k_pad,
-                                     pool.KernelFor(g.count[slot]), pool.options().format,
-                                     SumGroup(experts.gate_up)));
+                                     pool.KernelFor(g.count[slot]), pool.options().format, SumGroup(experts.gate_up)));
   }
   in_state[slot].store(2, std::memory_order_release);
   return true;
@@ -108,7 +107,9 @@ void ExpertCall::GateUp(int e, const Activations& act, int64_t b0, int64_t b1) {
       const int64_t unit = b / 2 * 16, n = std::min<int64_t>(16, inter - unit);
       if (n <= 0) continue;
       const float* pair = tmp.data() + (b - p0) * 16;
-      for (int64_t i = 0; i < m; ++i) SiluMul(pair + i * ld, pair + i * ld + 16, n, inter_rows + (base + i) * inter + unit);
+      for (int64_t i = 0; i < m; ++i) {
+        SiluMul(pair + i * ld, pair + i * ld + 16, n, inter_rows + (base + i) * inter + unit);
+      }
     }
   }
 }

@@ -37,8 +37,8 @@ struct CallScratch {
   explicit CallScratch(int num_experts) : act_in(num_experts), act_mid(num_experts) {}
 
   TokenGroups groups;
-  core::AlignedBuffer inter;       // [positions x I] floats
-  core::AlignedBuffer expert_out;  // [positions x (H_pad + 16)] floats
+  core::AlignedBuffer inter;                 // [positions x I] floats
+  core::AlignedBuffer expert_out;            // [positions x (H_pad + 16)] floats
   std::vector<Activations> act_in, act_mid;  // per expert
 };
 

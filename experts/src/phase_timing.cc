@@ -46,7 +46,9 @@ void PhaseTimes::EndWork() {
 std::string PhaseTimes::Report() const {
   const double n = std::max<int64_t>(calls_, 1) / 1e3;  // ms per call
   std::string text;
-  for (const auto& [name, secs] : phases_) absl::StrAppendFormat(&text, "%s%s %.3f", text.empty() ? "" : ", ", name, secs / n);
+  for (const auto& [name, secs] : phases_) {
+    absl::StrAppendFormat(&text, "%s%s %.3f", text.empty() ? "" : ", ", name, secs / n);
+  }
   text += " ms/call";
   if (work_ticks_ == 0) return text;
   // Shares of the parallel phase's thread time (phase time x threads).

@@ -65,7 +65,8 @@ ExpertPool::KernelStream MeasureKernelStream(WorkerThreads& workers, int threads
   const int64_t h = shape.hidden, inter = shape.intermediate;
   const int64_t matrices = static_cast<int64_t>(shape.num_layers) * shape.num_experts;
   const int64_t gu_item = BatchItemBlocks(shape.num_experts, gate_up_layout.blocks(), threads);
-  const int64_t down_item = std::min(kDownItemBlocks, BatchItemBlocks(shape.num_experts, down_layout.blocks(), threads));
+  const int64_t down_item =
+      std::min(kDownItemBlocks, BatchItemBlocks(shape.num_experts, down_layout.blocks(), threads));
   const MatmulKernel matmul = GetKernel(kind, format);
   const SwiGluKernel swiglu = GetSwiGluKernel(kind, format);
   // Each thread's own activations (the same values on every thread) and result rows.
@@ -75,7 +76,9 @@ ExpertPool::KernelStream MeasureKernelStream(WorkerThreads& workers, int threads
   };
   std::vector<Scratch> scratch(threads);
   std::vector<float> x(static_cast<size_t>(tokens) * std::max(h, inter));
-  for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(static_cast<int>(i * 2654435761u % 2001) - 1000) / 1000;
+  for (size_t i = 0; i < x.size(); ++i) {
+    x[i] = static_cast<float>(static_cast<int>(i * 2654435761u % 2001) - 1000) / 1000;
+  }
   const int64_t ld_gate_up = swiglu != nullptr ? inter : gate_up_layout.n_pad + 16, ld_down = h + 16;
   std::atomic<bool> failed{false};
   workers.OnEachThread(threads, [&](int t) {
@@ -112,9 +115,11 @@ ExpertPool::KernelStream MeasureKernelStream(WorkerThreads& workers, int threads
     }
   };
   for (int r = 0; r < repeats; ++r) {
-    for (auto [gate_up, down, gbps] : {std::tuple{true, false, &best.gate_up_gbps},
-                                       std::tuple{false, true, &best.down_gbps}, std::tuple{true, true, &best.all_gbps}}) {
-      const double bytes = static_cast<double>(matrices) * ((gate_up ? gate_up_layout.bytes() : 0) + (down ? down_layout.bytes() : 0));
+    for (auto [gate_up, down, gbps] :
+         {std::tuple{true, false, &best.gate_up_gbps}, std::tuple{false, true, &best.down_gbps},
+          std::tuple{true, true, &best.all_gbps}}) {
+      const double bytes =
+          static_cast<double>(matrices) * ((gate_up ? gate_up_layout.bytes() : 0) + (down ? down_layout.bytes() : 0));
       const auto t0 = std::chrono::steady_clock::now();
       workers.OnEachThread(threads, [&, gate_up = gate_up, down = down](int t) { run(t, gate_up, down); });
       const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -11,8 +11,8 @@ using Timed = PhaseTimes::Timed;
 
 absl::Status TokenGrouping::SetUp(int threads, bool gather, const MatrixLayout& gate_up) {
   if (gather) {
-    if (absl::Status st = g_.tokens_in.Reset(num_tokens_, h_, gate_up.k_pad, KernelKind::kVnni, gate_up.format,
-                                             SumGroup(gate_up));
+    if (absl::Status st =
+            g_.tokens_in.Reset(num_tokens_, h_, gate_up.k_pad, KernelKind::kVnni, gate_up.format, SumGroup(gate_up));
         !st.ok()) {
       return st;
     }

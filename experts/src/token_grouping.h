@@ -20,8 +20,8 @@ namespace moe::experts::internal {
 // Thread-safety: one call at a time; written by its TokenGrouping, read by any of the call's
 // threads once Run has returned there.
 struct TokenGroups {
-  std::vector<int32_t> count;   // slots per expert
-  std::vector<int32_t> offset;  // each expert's first position; offset[num_experts]: the slots
+  std::vector<int32_t> count;     // slots per expert
+  std::vector<int32_t> offset;    // each expert's first position; offset[num_experts]: the slots
   std::vector<int32_t> slot_of;   // slot (token * k + choice) of each position
   std::vector<int32_t> token_of;  // token of each position
   // token_positions[t * k .. t * k + k): token t's positions in increasing order, the order in

@@ -113,8 +113,9 @@ class Crew {
   alignas(64) std::atomic<uint64_t> round_{0};  // bumped by each Post and Broadcast
   alignas(64) std::atomic<bool> lead_pending_{false};
   alignas(64) std::atomic<bool> lead_done_{false};
-  alignas(64) std::atomic<int64_t> entry_{0};   // the open broadcast: kOpen while threads may join, plus the threads in it
-  alignas(64) std::atomic<int> resident_{0};    // crew threads in Resident()
+  // The open broadcast: kOpen while threads may join, plus the threads in it.
+  alignas(64) std::atomic<int64_t> entry_{0};
+  alignas(64) std::atomic<int> resident_{0};  // crew threads in Resident()
   std::atomic<bool> stop_{false};
 };
 
