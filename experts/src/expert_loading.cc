@@ -75,7 +75,7 @@ absl::StatusOr<LoadedExperts> LoadExperts(const ExpertShape& shape, const Expert
                                           const ExpertWeightSource& source) {
   const auto start = std::chrono::steady_clock::now();
   const int64_t jobs = static_cast<int64_t>(shape.num_layers) * shape.num_experts;
-  const size_t bytes = static_cast<size_t>(jobs * layout.expert_bytes());
+  const size_t bytes = static_cast<size_t>(jobs * layout.expert_bytes);
   LoadedExperts loaded;
   if (!options.shm_name.empty()) {
     auto arena = HostArena::OpenShared(options.shm_name, ArenaKey(shape, options), bytes);

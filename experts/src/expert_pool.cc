@@ -58,7 +58,7 @@ absl::StatusOr<std::unique_ptr<ExpertPool>> ExpertPool::Create(const ExpertShape
   pool->options_ = options;
   auto experts = internal::LayOutExperts(shape, options.format, options.group);
   if (!experts.ok()) return experts.status();
-  pool->expert_bytes_ = experts->expert_bytes();
+  pool->expert_bytes_ = experts->expert_bytes;
 
   const core::CpuFeatures& cpu = core::GetCpuFeatures();
   if (options.kernel.has_value()) {

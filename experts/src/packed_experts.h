@@ -17,16 +17,17 @@ namespace moe::experts::internal {
 struct PackedExperts {
   MatrixLayout gate_up, down;
   int num_experts = 0;
+  // gate_up.bytes() + down.bytes(), kept: every work item of a call finds its matrix with it.
+  int64_t expert_bytes = 0;
   const uint8_t* data = nullptr;  // the arena's; unowned, set once the arena exists
 
-  int64_t expert_bytes() const { return gate_up.bytes() + down.bytes(); }
   PackedMatrix GateUp(int layer, int expert) const {
     const int64_t index = static_cast<int64_t>(layer) * num_experts + expert;
-    return PackedMatrix{gate_up, data + index * expert_bytes()};
+    return PackedMatrix{gate_up, data + index * expert_bytes};
   }
   PackedMatrix Down(int layer, int expert) const {
     const int64_t index = static_cast<int64_t>(layer) * num_experts + expert;
-    return PackedMatrix{down, data + index * expert_bytes() + gate_up.bytes()};
+    return PackedMatrix{down, data + index * expert_bytes + gate_up.bytes()};
   }
 };
 
@@ -43,6 +44,7 @@ inline absl::StatusOr<PackedExperts> LayOutExperts(const ExpertShape& shape, Exp
   experts.gate_up = *gate_up;
   experts.down = *down;
   experts.num_experts = shape.num_experts;
+  experts.expert_bytes = gate_up->bytes() + down->bytes();
   return experts;
 }
 

@@ -82,14 +82,15 @@ class TokenGrouping {
       }
     }
     SpinUntil(planned_, 1);  // the planning thread is running: it counted the last chunk
+    const int num_experts = num_experts_;
     const int64_t items = sort_chunks_ + expert_ranges_;
     for (int64_t q; (q = next_place_.fetch_add(1)) < items;) {
       if (q < sort_chunks_) {
         PlaceChunk(q);
       } else {
         const int64_t r = q - sort_chunks_;
-        PlaceExperts(static_cast<int>(r * num_experts_ / expert_ranges_),
-                     static_cast<int>((r + 1) * num_experts_ / expert_ranges_));
+        PlaceExperts(static_cast<int>(r * num_experts / expert_ranges_),
+                     static_cast<int>((r + 1) * num_experts / expert_ranges_));
       }
       placed_.fetch_add(1, std::memory_order_acq_rel);
     }
