@@ -18,6 +18,7 @@
 
 #include "fuzz_util.h"
 #include "moe/runtime/model.h"
+#include "moe/runtime/model_executor.h"
 #include "moe/scheduler/frontend.h"
 #include "moeserve/v1/generation.grpc.pb.h"
 
@@ -53,9 +54,11 @@ class Server {
     options.scheduler.max_seqs = kMaxSeqs;
     options.scheduler.max_queue = kMaxQueue;
     options.scheduler.max_batch_tokens = 64;
-    options.scheduler.num_blocks = kMaxSeqs * kContext / options.scheduler.block_size;
     options.placement = "fuzz";
-    auto frontend = moe::scheduler::Frontend::Start(*model_, options);
+    auto executor = moe::runtime::ModelExecutor::Create(*model_, kMaxSeqs * kContext / options.scheduler.block_size,
+                                                        options.scheduler.block_size);
+    MOE_FUZZ_CHECK(executor.ok(), "cannot create the KV cache: %s", std::string(executor.status().message()).c_str());
+    auto frontend = moe::scheduler::Frontend::Start(*std::move(executor), options);
     MOE_FUZZ_CHECK(frontend.ok(), "cannot start the server: %s", std::string(frontend.status().message()).c_str());
     frontend_ = std::move(*frontend);
     stub_ = pb::Generation::NewStub(

@@ -78,6 +78,16 @@ TEST(BadFlagsTest, NumbersOutOfRangeAreRefusedBeforeAnythingRuns) {
        "--ctx 2048 needs a KV cache of 2048 positions; --kv-cache-mb 1 holds 512"},
       {{"bench", "foo"}, 2, "moeserve bench: unknown command 'foo' (commands: experts, load, serve"},
       {{"generate", "--model", model, "--prompt-ids", "1", "--tempreature", "1"}, 2, "unknown flag --tempreature"},
+      {{"generate", "--model", model, "--prompt-ids", "1", "--device", "gpu"},
+       2,
+       "--device gpu: expected auto, cpu, cuda or cuda:N"},
+      {{"generate", "--model", model, "--prompt-ids", "1", "--device", "cuda:x"},
+       2,
+       "--device cuda:x: the GPU index must be a number >= 0"},
+      {{"generate", "--model", model, "--prompt-ids", "1", "--device", "cuda", "--experts", "pool"},
+       2,
+       "--experts pool with --device cuda:0: routed experts in the CPU pool beside a GPU"},
+      {{"serve", "--model", model, "--device", "cpu", "--experts", "gpu"}, 2, "--experts gpu needs a GPU"},
   };
   for (const FlagCase& c : cases) {
     auto r = testing::RunMoeserve(c.args);
@@ -85,6 +95,20 @@ TEST(BadFlagsTest, NumbersOutOfRangeAreRefusedBeforeAnythingRuns) {
     EXPECT_THAT(r.err, HasSubstr(c.message)) << c.args[0];
   }
   EXPECT_FALSE(fs::exists(dir / "m"));  // nothing written for a refused make-model
+}
+
+// A GPU that is not there is a runtime error (exit 1) naming what there is: on a machine without
+// one, that none is visible (or that the build has no CUDA); with GPUs, how many.
+TEST(BadFlagsTest, AnAbsentGpuIsAClearError) {
+  const std::string model = testing::FixtureDir("qwen3_moe");
+  for (const char* device : {"cuda:7", "cuda"}) {
+    auto r = testing::RunMoeserve({"generate", "--model", model, "--prompt-ids", "1", "--device", device});
+    if (std::string(device) == "cuda" && r.exit_code == 0) continue;  // a machine with a GPU runs it
+    EXPECT_EQ(r.exit_code, 1) << device << ": " << r.err;
+    EXPECT_THAT(r.err, ::testing::AnyOf(HasSubstr("no GPU is visible"), HasSubstr("there is no GPU 7; this machine has"),
+                                        HasSubstr("this build of moeserve has no CUDA backend")))
+        << device;
+  }
 }
 
 TEST(BadFlagsTest, MoreThreadsThanCoresWarns) {

@@ -249,5 +249,31 @@ TEST(ForwardTest, MalformedBatchesAreRejectedWithoutTouchingTheCache) {
   EXPECT_TRUE(model->Forward(batch, **cache, &logits).ok());
 }
 
+// The step arena is sized at load for the largest step: a larger one is refused, not allocated.
+TEST(ForwardTest, StepsLargerThanTheModelWasLoadedForAreRefused) {
+  runtime::ModelOptions options;
+  options.max_step_tokens = 4;
+  options.max_logit_rows = 2;
+  auto model = LoadFixture("qwen3_moe", options);
+  ASSERT_NE(model, nullptr);
+  auto cache = model->NewKvCache(2, 4);
+  ASSERT_TRUE(cache.ok());
+  ForwardBatch batch;
+  batch.token_ids = {1, 2, 3, 4, 5};
+  batch.sequences = {SequenceChunk{0, 5, {0, 1}}};
+  batch.logit_rows = {4};
+  std::vector<float> logits;
+  absl::Status s = model->Forward(batch, **cache, &logits);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("a step of 5 tokens exceeds the 4 the model was loaded for"), std::string::npos) << s;
+  batch.token_ids = {1, 2, 3};
+  batch.sequences = {SequenceChunk{0, 3, {0}}};
+  batch.logit_rows = {0, 1, 2};
+  s = model->Forward(batch, **cache, &logits);
+  EXPECT_NE(s.message().find("asking for 3 rows of logits exceeds the 2"), std::string::npos) << s;
+  batch.logit_rows = {1, 2};
+  EXPECT_TRUE(model->Forward(batch, **cache, &logits).ok());
+}
+
 }  // namespace
 }  // namespace moe

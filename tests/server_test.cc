@@ -14,6 +14,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "moe/runtime/generate.h"
+#include "moe/runtime/model_executor.h"
 #include "moe/runtime/sampler.h"
 #include "moe/scheduler/frontend.h"
 #include "moeserve/v1/generation.grpc.pb.h"
@@ -48,10 +49,11 @@ class ServerTest : public ::testing::Test {
     options.scheduler.max_queue = max_queue;
     options.scheduler.max_batch_tokens = 64;
     options.scheduler.context = 2048;
-    options.scheduler.num_blocks = 2048;
     options.placement = "test";
     options.http_listen = "127.0.0.1:0";
-    auto frontend = scheduler::Frontend::Start(*model_, options);
+    auto executor = runtime::ModelExecutor::Create(*model_, /*num_blocks=*/2048);
+    ASSERT_TRUE(executor.ok()) << executor.status();
+    auto frontend = scheduler::Frontend::Start(*std::move(executor), options);
     ASSERT_TRUE(frontend.ok()) << frontend.status();
     frontend_ = std::move(*frontend);
     channel_ = grpc::CreateChannel("127.0.0.1:" + std::to_string(frontend_->port()), grpc::InsecureChannelCredentials());

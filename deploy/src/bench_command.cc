@@ -10,6 +10,7 @@
 #include "moe/core/status.h"
 #include "moe/experts/arena.h"
 #include "moe/runtime/model.h"
+#include "moe/runtime/model_executor.h"
 #include "moe/scheduler/frontend.h"
 #include "serving_bench.h"
 
@@ -199,8 +200,9 @@ int BenchServe(const ServeBenchFlags& flags) {
     fo.scheduler.max_batch_tokens = flags.max_batch_tokens;
     fo.scheduler.max_seqs = 64;
     fo.scheduler.context = model->spec().max_position_embeddings;
-    fo.scheduler.num_blocks = 4096;
-    auto started = scheduler::Frontend::Start(*model, fo);
+    auto executor = runtime::ModelExecutor::Create(*model, /*num_blocks=*/4096, fo.scheduler.block_size);
+    if (!executor.ok()) return Fail(executor.status(), 1);
+    auto started = scheduler::Frontend::Start(*std::move(executor), fo);
     if (!started.ok()) return Fail(started.status(), 1);
     frontend = std::move(*started);
     o.target = absl::StrCat("127.0.0.1:", frontend->port());
@@ -245,11 +247,12 @@ void AddBenchServe(CLI::App& bench, CommandRun* selected) {
 }  // namespace
 
 void AddBenchCommand(CLI::App& root, CommandRun* selected) {
-  CLI::App* bench = root.add_subcommand("bench", "benchmarks: bench experts, bench load, bench serve");
+  CLI::App* bench = root.add_subcommand("bench", "benchmarks: bench experts, bench load, bench serve, bench model");
   bench->require_subcommand(1);
   AddBenchExperts(*bench, selected);
   AddBenchLoad(*bench, selected);
   AddBenchServe(*bench, selected);
+  AddBenchModel(*bench, selected);
 }
 
 }  // namespace moe::deploy

@@ -11,6 +11,8 @@ void AddGenerateCommand(CLI::App& root, CommandRun* selected);
 void AddMakeModelCommand(CLI::App& root, CommandRun* selected);
 void AddBenchCommand(CLI::App& root, CommandRun* selected);
 void AddServeCommand(CLI::App& root, CommandRun* selected);
+// `bench model`, declared under `bench` by AddBenchCommand.
+void AddBenchModel(CLI::App& bench, CommandRun* selected);
 
 // Parses argv and runs the command it names: help on stdout with exit 0, a usage error on stderr
 // with exit 2 ("moeserve generate: error: --max-new-tokens: ..."), else the command's own code.

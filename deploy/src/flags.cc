@@ -131,6 +131,11 @@ void WarnIfMoreThreadsThanCores(int threads, const std::string& flag, const std:
   }
 }
 
+int FailCommand(const std::string& command, const absl::Status& status, int code) {
+  std::cerr << "moeserve " << command << ": error: " << status.message() << "\n";
+  return code;
+}
+
 void ExpertFlags::Add(CLI::App* app) {
   app->add_option("--experts", mode,
                   "where routed experts run: auto (the CPU expert pool on the CPU, the GPU on a GPU), pool, gpu, or "

@@ -24,6 +24,9 @@ using CommandRun = std::function<int()>;
 CLI::App* AddCommand(CLI::App& parent, const std::string& name, const std::string& summary,
                      const std::string& description, CommandRun run, CommandRun* selected);
 
+// Prints "moeserve COMMAND: error: MESSAGE" on stderr and returns `code` (the exit code).
+int FailCommand(const std::string& command, const absl::Status& status, int code = 1);
+
 // Validators on the flag's text: an integer (decimal, no fraction, no overflow) or a finite
 // number within [min, max]. The message names the range: "99999999999 is not an integer in
 // [1, 1048576]".

@@ -8,7 +8,10 @@
 #include <thread>
 
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_cat.h"
 #include "commands.h"
+#include "model_loading.h"
+#include "moe/runtime/model_executor.h"
 #include "moe/scheduler/frontend.h"
 
 namespace moe::deploy {
@@ -34,6 +37,7 @@ struct ServeFlags {
   std::string tls_cert, tls_key, tls_client_ca, api_key_file;
   bool api_key_protect_metrics = false;
   ExpertFlags experts;
+  DeviceFlags device;
 };
 
 int64_t PhysicalMemoryBytes() {
@@ -43,12 +47,18 @@ int64_t PhysicalMemoryBytes() {
 
 // The scheduler's KV blocks and context from the flags and the model: the context is the
 // model's (or --ctx), and never more than the KV cache holds.
-absl::Status PlanKvCache(const ServeFlags& flags, const runtime::ModelSpec& spec, int64_t kv_element_bytes,
+absl::Status PlanKvCache(const ServeFlags& flags, const runtime::ModelSpec& spec, const runtime::Backend& backend,
                          scheduler::SchedulerConfig* sc) {
+  const int64_t kv_element_bytes = core::DTypeSize(backend.activation_dtype());
   const int64_t kv_bytes = flags.kv_cache_mb << 20;
-  if (kv_bytes > PhysicalMemoryBytes()) {
+  if (backend.HostAddressable() && kv_bytes > PhysicalMemoryBytes()) {
     return absl::InvalidArgumentError(absl::StrFormat("--kv-cache-mb %d is more than this machine's %d MiB of memory",
                                                       flags.kv_cache_mb, PhysicalMemoryBytes() >> 20));
+  }
+  if (!backend.HostAddressable() && kv_bytes > backend.FreeMemoryBytes()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--kv-cache-mb %d is more than the %d MiB %s has free with the model loaded", flags.kv_cache_mb,
+        backend.FreeMemoryBytes() >> 20, backend.name()));
   }
   runtime::KvCacheShape kv;
   kv.num_layers = spec.num_layers;
@@ -102,7 +112,11 @@ int RunServe(const ServeFlags& flags) {
   runtime::ModelOptions model_options;
   model_options.threads = flags.threads;
   WarnIfMoreThreadsThanCores(flags.threads, "threads", "serve");
-  if (absl::Status s = flags.experts.Apply(&model_options, "serve"); !s.ok()) return Fail(s, 2);
+  if (absl::Status s = CheckModelFlags(flags.device, flags.experts, "serve"); !s.ok()) return Fail(s, 2);
+  // The largest step: the token budget, and a logit row for each sequence at most.
+  model_options.max_step_tokens = flags.max_batch_tokens;
+  model_options.max_logit_rows = flags.max_seqs;
+  if (flags.ctx) model_options.max_context = static_cast<int>(*flags.ctx);
 
   scheduler::FrontendOptions options;
   options.listen = flags.listen;
@@ -127,7 +141,8 @@ int RunServe(const ServeFlags& flags) {
     std::cerr << "moeserve serve: HTTP on port " << (*frontend)->http_port() << " (/metrics, /health, /ready)"
               << (options.tls.enabled() ? " over TLS" : "") << "\n";
   }
-  auto model = runtime::Model::Load(flags.model, model_options);
+  auto model = LoadModelForCommand(flags.model, flags.device, flags.experts, model_options, flags.kv_cache_mb << 20,
+                                   "serve");
   if (!model.ok()) return Fail(model.status(), 1);
   const runtime::ModelSpec& spec = (*model)->spec();
 
@@ -135,14 +150,21 @@ int RunServe(const ServeFlags& flags) {
   sc.max_seqs = flags.max_seqs;
   sc.max_queue = flags.max_queue;
   sc.max_batch_tokens = flags.max_batch_tokens;
-  if (absl::Status s = PlanKvCache(flags, spec, core::DTypeSize((*model)->backend().activation_dtype()), &sc); !s.ok()) return Fail(s, 2);
-  options.placement = (*model)->expert_pool() != nullptr ? (*model)->expert_pool()->Describe() : "reference path";
+  if (absl::Status s = PlanKvCache(flags, spec, (*model)->backend(), &sc); !s.ok()) return Fail(s, 2);
+  options.placement = (*model)->expert_pool() != nullptr
+                          ? (*model)->expert_pool()->Describe()
+                          : absl::StrCat("routed experts on ", (*model)->backend().name());
 
+  // The executor holds the KV cache just planned and runs the model in this process. The model
+  // outlives it: Drain below ends the engine, and the executor with it.
+  auto executor = runtime::ModelExecutor::Create(**model, sc.num_blocks, sc.block_size);
+  if (!executor.ok()) return Fail(executor.status(), 1);
+  const runtime::KvCapacity kv = (*executor)->kv_capacity();
   (*frontend)->set_scheduler(sc, options.placement);
-  if (absl::Status s = (*frontend)->Serve(**model); !s.ok()) return Fail(s, 1);
+  if (absl::Status s = (*frontend)->Serve(*std::move(executor)); !s.ok()) return Fail(s, 1);
   std::cerr << absl::StrFormat(
       "moeserve serve: %s\nmoeserve serve: %s; KV cache %d blocks of %d positions; context %d\n", spec.Summary(),
-      options.placement, sc.num_blocks, sc.block_size, sc.context);
+      options.placement, kv.num_blocks, kv.block_size, sc.context);
   std::cout << "serving on port " << (*frontend)->port() << std::endl;
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
@@ -160,9 +182,10 @@ int RunServe(const ServeFlags& flags) {
 void AddServeCommand(CLI::App& root, CommandRun* selected) {
   auto f = std::make_shared<ServeFlags>();
   CLI::App* app = AddCommand(
-      root, "serve", "serve a model over gRPC and HTTP with continuous batching (one process, CPU backend)",
+      root, "serve", "serve a model over gRPC and HTTP with continuous batching (one process, on a GPU or the CPU)",
       "Serves a model over gRPC (moeserve.v1.Generation, grpc.health.v1.Health, reflection v1 and v1alpha)\n"
-      "from one process on the CPU backend, batching requests continuously, with an HTTP listener for\n"
+      "from one process (on --device: a GPU when one is visible and the model fits, else the CPU),\n"
+      "batching requests continuously, with an HTTP listener for\n"
       "/metrics (Prometheus), /health and /ready. On SIGINT or SIGTERM it drains: it stops accepting\n"
       "requests, lets the running ones finish for up to --drain-seconds, then ends the rest with\n"
       "UNAVAILABLE \"server shutting down\". One JSON line per request goes to stderr.",
@@ -214,6 +237,7 @@ void AddServeCommand(CLI::App& root, CommandRun* selected) {
   app->add_flag("--api-key-protect-metrics", f->api_key_protect_metrics,
                 "ask for an API key on /metrics, /health and /ready too (they are open by default)");
   f->experts.Add(app);
+  f->device.Add(app);
 }
 
 }  // namespace moe::deploy

@@ -1,28 +1,10 @@
 #include "moe/runtime/kv_cache.h"
 
-#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "moe/runtime/backend_cpu.h"
 
 namespace moe::runtime {
 namespace {
-
-TEST(KvBlockAllocatorTest, AllocatesFreesAndRefusesWhenFull) {
-  KvBlockAllocator alloc(4);
-  std::vector<int32_t> a, b;
-  ASSERT_TRUE(alloc.Allocate(3, &a).ok());
-  EXPECT_EQ(a, std::vector<int32_t>({0, 1, 2}));
-  EXPECT_EQ(alloc.num_free(), 1);
-  absl::Status full = alloc.Allocate(2, &b);
-  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_THAT(full.message(), ::testing::HasSubstr("2 blocks wanted, 1 of 4 free"));
-  EXPECT_TRUE(b.empty());  // nothing taken
-  alloc.Free(&a);
-  EXPECT_TRUE(a.empty());
-  EXPECT_EQ(alloc.num_free(), 4);
-  ASSERT_TRUE(alloc.Allocate(4, &b).ok());
-  EXPECT_EQ(alloc.num_free(), 0);
-}
 
 TEST(KvCacheTest, LayersDoNotOverlapAndHoldAScratchBlock) {
   auto backend = CreateCpuBackend(1);

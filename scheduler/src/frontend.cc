@@ -6,10 +6,10 @@
 
 #include <atomic>
 #include <iostream>
-#include <mutex>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
-#include "moe/runtime/model_spec.h"
+#include "absl/synchronization/mutex.h"
 #include "moe/scheduler/http_server.h"
 #include "moe/scheduler/listen_address.h"
 #include "moe/scheduler/metrics.h"
@@ -48,31 +48,32 @@ double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).coun
 
 constexpr const char* kGenerationService = "moeserve.v1.Generation";
 
-// One JSON line per request on stderr, whole lines from any thread.
+// One JSON line per request on stderr. Thread-safety: Write from any thread; lines are whole.
 class RequestLog {
  public:
   explicit RequestLog(bool enabled) : enabled_(enabled) {}
   bool enabled() const { return enabled_; }
   void Write(const nlohmann::ordered_json& line) {
     const std::string text = line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     std::cerr << text << std::flush;
   }
 
  private:
   const bool enabled_;
-  std::mutex mu_;
+  absl::Mutex mu_;  // serializes the writes to std::cerr, so that lines do not interleave
 };
 
 double Ms(std::optional<Clock::time_point> at, Clock::time_point from) {
   return at ? std::chrono::duration<double, std::milli>(*at - from).count() : -1.0;
 }
 
+// The client API over one engine. Thread-safety: every method runs on gRPC's threads, many at
+// once; the service's own state is immutable but for an atomic id counter.
 class GenerationService final : public pb::Generation::Service {
  public:
-  GenerationService(Engine& engine, const runtime::ModelSpec& spec, std::string placement, RequestLog& log,
-                    const ApiKeys* keys)
-      : engine_(engine), spec_(spec), placement_(std::move(placement)), log_(log), keys_(keys) {}
+  GenerationService(Engine& engine, std::string placement, RequestLog& log, const ApiKeys* keys)
+      : engine_(engine), placement_(std::move(placement)), log_(log), keys_(keys) {}
 
   // Counts a call refused before it ran, and returns its status.
   grpc::Status Rejected(grpc::Status status) {
@@ -120,11 +121,12 @@ class GenerationService final : public pb::Generation::Service {
 
   grpc::Status GetModelInfo(grpc::ServerContext* context, const pb::GetModelInfoRequest*, pb::ModelInfo* out) override {
     if (grpc::Status auth = Authorize(*context); !auth.ok()) return Rejected(auth);
-    out->set_architecture(spec_.model_type);
+    const runtime::ModelInfo& model = engine_.model_info();
+    out->set_architecture(model.architecture);
     out->set_context_length(engine_.config().context);
-    out->set_vocab_size(spec_.vocab_size);
-    out->set_num_experts(spec_.routing.num_experts);
-    out->set_experts_per_token(spec_.routing.top_k);
+    out->set_vocab_size(model.vocab_size);
+    out->set_num_experts(model.num_experts);
+    out->set_experts_per_token(model.experts_per_token);
     out->set_placement(placement_);
     out->set_version("0.1.0");
     return grpc::Status::OK;
@@ -245,7 +247,6 @@ class GenerationService final : public pb::Generation::Service {
   }
 
   Engine& engine_;
-  const runtime::ModelSpec& spec_;
   const std::string placement_;
   RequestLog& log_;
   const ApiKeys* keys_;  // not owned; null: no keys asked for
@@ -254,6 +255,8 @@ class GenerationService final : public pb::Generation::Service {
 
 }  // namespace
 
+// Thread-safety: the fields are the owner thread's (see Frontend), except what /metrics reads,
+// which is guarded by metrics_mu.
 class Frontend::Impl {
  public:
   FrontendOptions options;
@@ -265,11 +268,11 @@ class Frontend::Impl {
   std::unique_ptr<grpc::Server> server;
   int port = 0;
   // What /metrics reads: the engine while it serves, nothing before or after.
-  std::mutex metrics_mu;
-  Engine* metrics_engine = nullptr;
+  absl::Mutex metrics_mu;
+  Engine* metrics_engine ABSL_GUARDED_BY(metrics_mu) = nullptr;
 
   std::string RenderMetrics() {
-    std::lock_guard<std::mutex> lock(metrics_mu);
+    absl::MutexLock lock(&metrics_mu);
     return metrics_engine != nullptr ? metrics_engine->RenderMetrics() : std::string();
   }
 };
@@ -300,10 +303,11 @@ absl::StatusOr<std::unique_ptr<Frontend>> Frontend::Create(const FrontendOptions
   return std::unique_ptr<Frontend>(new Frontend(std::move(impl)));
 }
 
-absl::StatusOr<std::unique_ptr<Frontend>> Frontend::Start(runtime::Model& model, const FrontendOptions& options) {
+absl::StatusOr<std::unique_ptr<Frontend>> Frontend::Start(std::unique_ptr<runtime::Executor> executor,
+                                                          const FrontendOptions& options) {
   auto frontend = Create(options);
   if (!frontend.ok()) return frontend.status();
-  if (absl::Status s = (*frontend)->Serve(model); !s.ok()) return s;
+  if (absl::Status s = (*frontend)->Serve(std::move(executor)); !s.ok()) return s;
   return frontend;
 }
 
@@ -312,16 +316,16 @@ void Frontend::set_scheduler(const SchedulerConfig& scheduler, std::string place
   impl_->options.placement = std::move(placement);
 }
 
-absl::Status Frontend::Serve(runtime::Model& model) {
+absl::Status Frontend::Serve(std::unique_ptr<runtime::Executor> executor) {
   Impl& impl = *impl_;
   const FrontendOptions& options = impl.options;
   auto credentials = GrpcServerCredentials(options.tls);
   if (!credentials.ok()) return credentials.status();
-  auto engine = Engine::Start(model, options.scheduler);
+  auto engine = Engine::Start(std::move(executor), options.scheduler);
   if (!engine.ok()) return engine.status();
   impl.engine = std::move(*engine);
-  impl.service = std::make_unique<GenerationService>(*impl.engine, model.spec(), options.placement, *impl.log,
-                                                     options.api_keys.get());
+  impl.service =
+      std::make_unique<GenerationService>(*impl.engine, options.placement, *impl.log, options.api_keys.get());
   impl.reflection_v1 = std::make_unique<internal::ReflectionV1Service>(
       std::vector<std::string>{kGenerationService, "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
                                "grpc.reflection.v1alpha.ServerReflection"});
@@ -338,7 +342,10 @@ absl::Status Frontend::Serve(runtime::Model& model) {
   if (impl.server == nullptr || impl.port == 0) {
     if (impl.server != nullptr) impl.server->Shutdown();
     impl.server.reset();
+    // No handler ever saw the engine: it goes now, and the executor (with what it holds) with it.
     impl.engine->Stop();
+    impl.service.reset();
+    impl.engine.reset();
     return absl::UnavailableError(
         absl::StrCat("cannot listen on ", options.listen, ": the address is in use or not available here"));
   }
@@ -346,7 +353,7 @@ absl::Status Frontend::Serve(runtime::Model& model) {
   health->SetServingStatus(true);
   health->SetServingStatus(kGenerationService, true);
   {
-    std::lock_guard<std::mutex> lock(impl.metrics_mu);
+    absl::MutexLock lock(&impl.metrics_mu);
     impl.metrics_engine = impl.engine.get();
   }
   if (impl.http != nullptr) impl.http->set_state(ServingState::kServing);
@@ -378,7 +385,7 @@ int Frontend::Drain(std::chrono::milliseconds grace) {
 void Frontend::Shutdown() {
   if (impl_ == nullptr) return;
   {
-    std::lock_guard<std::mutex> lock(impl_->metrics_mu);
+    absl::MutexLock lock(&impl_->metrics_mu);
     impl_->metrics_engine = nullptr;
   }
   if (impl_->http != nullptr) impl_->http->Stop();

@@ -6,18 +6,19 @@
 #include <sys/socket.h>
 
 #include <cerrno>
-#include <condition_variable>
 #include <cstring>
 #include <deque>
 #include <exception>
 #include <iostream>
-#include <mutex>
 #include <regex>
 #include <system_error>
+#include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "moe/core/status.h"
 #include "moe/scheduler/listen_address.h"
 #include "nlohmann/json.hpp"
@@ -28,14 +29,18 @@ namespace {
 // Worker threads for connections: one per open connection, made as connections arrive (up to
 // `max_threads`) and kept for the next ones. httplib's own pool has a fixed size (8 threads on a
 // small machine), so a few idle keep-alive connections made every other client wait.
+//
+// Thread-safety: enqueue from any thread (httplib's accept loop); shutdown once, from the thread
+// that stops the server.
 class ConnectionThreads final : public httplib::TaskQueue {
  public:
   explicit ConnectionThreads(size_t max_threads) : max_threads_(max_threads) {}
 
   void enqueue(std::function<void()> job) override {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     jobs_.push_back(std::move(job));
-    if (idle_ < jobs_.size() && threads_.size() < max_threads_) {
+    // After shutdown the threads being joined run what is left; a new one would never be joined.
+    if (!shutdown_ && idle_ < jobs_.size() && threads_.size() < max_threads_) {
       try {
         threads_.emplace_back([this] { Work(); });
       } catch (const std::system_error& e) {
@@ -43,42 +48,44 @@ class ConnectionThreads final : public httplib::TaskQueue {
         std::cerr << "http: cannot start a connection thread (" << e.what() << "); the connection waits\n";
       }
     }
-    cv_.notify_one();
   }
 
   // Runs the queued jobs (each sees the listener closed and ends quickly), then joins.
   void shutdown() override {
+    std::vector<std::thread> threads;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);
       shutdown_ = true;
+      threads.swap(threads_);
     }
-    cv_.notify_all();
-    for (std::thread& t : threads_) t.join();
+    for (std::thread& t : threads) t.join();
   }
 
  private:
+  bool HasJobOrShutdown() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !jobs_.empty() || shutdown_; }
+
   void Work() {
-    std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
-      ++idle_;
-      cv_.wait(lock, [this] { return !jobs_.empty() || shutdown_; });
-      --idle_;
-      if (jobs_.empty()) return;  // shut down, nothing left
-      std::function<void()> job = std::move(jobs_.front());
-      jobs_.pop_front();
-      lock.unlock();
+      std::function<void()> job;
+      {
+        absl::MutexLock lock(&mu_);
+        ++idle_;
+        mu_.Await(absl::Condition(this, &ConnectionThreads::HasJobOrShutdown));
+        --idle_;
+        if (jobs_.empty()) return;  // shut down, nothing left
+        job = std::move(jobs_.front());
+        jobs_.pop_front();
+      }
       job();
-      lock.lock();
     }
   }
 
   const size_t max_threads_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> jobs_;  // guarded by mu_
-  std::vector<std::thread> threads_;        // guarded by mu_ until shutdown
-  size_t idle_ = 0;                         // threads waiting for a job; guarded by mu_
-  bool shutdown_ = false;                   // guarded by mu_
+  absl::Mutex mu_;
+  std::deque<std::function<void()>> jobs_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::thread> threads_ ABSL_GUARDED_BY(mu_);
+  size_t idle_ ABSL_GUARDED_BY(mu_) = 0;  // threads waiting for a job
+  bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 // SO_REUSEADDR (a restart binds while old connections sit in TIME_WAIT) but not httplib's default

@@ -8,7 +8,7 @@ namespace moe::scheduler {
 Histogram::Histogram(std::vector<double> bounds) : bounds_(std::move(bounds)), counts_(bounds_.size() + 1, 0) {}
 
 void Histogram::Observe(double value) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   size_t i = 0;
   while (i < bounds_.size() && value > bounds_[i]) ++i;
   ++counts_[i];
@@ -17,7 +17,7 @@ void Histogram::Observe(double value) {
 }
 
 void Histogram::Render(const std::string& name, const std::string& help, std::string* out) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   absl::StrAppend(out, "# HELP ", name, " ", help, "\n# TYPE ", name, " histogram\n");
   uint64_t cumulative = 0;
   for (size_t i = 0; i < bounds_.size(); ++i) {

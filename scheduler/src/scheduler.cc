@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "moe/runtime/kv_cache.h"
 
 namespace moe::scheduler {
 
@@ -21,8 +22,7 @@ const char* FinishReasonName(FinishReason reason) {
 }
 
 struct Scheduler::Sequence {
-  int64_t seq_id = 0;
-  Request request;
+  Request request;              // its sampling seed is always set
   std::vector<int32_t> tokens;  // prompt, then generated tokens
   int64_t computed = 0;         // tokens whose keys and values are in the cache
   std::vector<int32_t> blocks;
@@ -32,7 +32,8 @@ struct Scheduler::Sequence {
   bool aborted = false;
 };
 
-Scheduler::Scheduler(const SchedulerConfig& config) : config_(config), blocks_(config.num_blocks) {}
+Scheduler::Scheduler(const SchedulerConfig& config)
+    : config_(config), blocks_(config.num_blocks), seeds_(std::random_device{}()) {}
 Scheduler::~Scheduler() = default;
 
 Scheduler::Sequence* Scheduler::Find(const std::string& id) {
@@ -100,8 +101,10 @@ absl::Status Scheduler::Add(Request r) {
     return absl::ResourceExhaustedError(absl::StrCat("queue full: ", live - config_.max_seqs,
                                                      " waiting for a slot (max_queue=", config_.max_queue, ")"));
   }
+  // Drawn here, once, so that every step of the request, and a recompute after a preemption,
+  // samples with the same key wherever it runs.
+  if (!r.sampling.seed.has_value()) r.sampling.seed = seeds_();
   auto seq = std::make_unique<Sequence>();
-  seq->seq_id = next_seq_id_++;
   seq->tokens = r.prompt;
   seq->request = std::move(r);
   waiting_.push_back(seq.get());
@@ -139,7 +142,6 @@ void Scheduler::Finish(Sequence* seq, FinishReason reason, absl::Status error, s
   blocks_.Free(&seq->blocks);
   running_.erase(std::remove(running_.begin(), running_.end(), seq), running_.end());
   waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), seq), waiting_.end());
-  released_.push_back(seq->seq_id);
   sequences_.erase(seq->request.id);  // frees seq
 }
 
@@ -178,7 +180,19 @@ void Scheduler::CheckStop(Sequence* seq, int32_t token, std::vector<Output>* out
   if (seq->generated >= s.max_new_tokens) Finish(seq, FinishReason::kLength, absl::OkStatus(), outputs);
 }
 
-std::vector<Output> Scheduler::Step(Executor& executor, Clock::time_point now) {
+runtime::SampleRow Scheduler::SampleRowFor(const Sequence& seq) const {
+  runtime::SampleRow row;
+  row.sampling = seq.request.sampling;
+  row.seed = *seq.request.sampling.seed;
+  row.position = static_cast<uint32_t>(seq.tokens.size());
+  row.prompt_len = static_cast<int32_t>(seq.request.prompt.size());
+  // Only the penalties read the history: other rows keep the plan small.
+  if (seq.request.sampling.penalized()) row.history = seq.tokens;
+  row.logprobs = seq.request.logprobs;
+  return row;
+}
+
+std::vector<Output> Scheduler::Step(runtime::Executor& executor, Clock::time_point now) {
   std::vector<Output> outputs;
   // Aborted and late requests end before any work is planned for them.
   std::vector<Sequence*> ending;
@@ -228,8 +242,7 @@ std::vector<Output> Scheduler::Step(Executor& executor, Clock::time_point now) {
                   scheduled.end());
   if (scheduled.empty()) return outputs;
 
-  StepPlan plan;
-  plan.released_seq_ids.swap(released_);
+  runtime::StepPlan plan;
   for (const Scheduled& s : scheduled) {
     const int32_t row0 = static_cast<int32_t>(plan.batch.token_ids.size());
     plan.batch.token_ids.insert(plan.batch.token_ids.end(), s.seq->tokens.begin() + s.first,
@@ -238,18 +251,11 @@ std::vector<Output> Scheduler::Step(Executor& executor, Clock::time_point now) {
     // The chunk that reaches the last token samples the next one.
     if (s.first + s.count == static_cast<int64_t>(s.seq->tokens.size())) {
       plan.batch.logit_rows.push_back(row0 + s.count - 1);
-      SampleRow row;
-      row.seq_id = s.seq->seq_id;
-      row.sampling = s.seq->request.sampling;
-      row.tokens = s.seq->tokens.data();
-      row.prompt_len = static_cast<int>(s.seq->request.prompt.size());
-      row.total_len = static_cast<int>(s.seq->tokens.size());
-      row.logprobs = s.seq->request.logprobs;
-      plan.samples.push_back(row);
+      plan.samples.push_back(SampleRowFor(*s.seq));
     }
   }
 
-  absl::StatusOr<std::vector<SampledToken>> sampled = executor.Execute(plan);
+  absl::StatusOr<std::vector<runtime::SampledToken>> sampled = executor.Execute(plan);
   if (!sampled.ok()) {
     for (const Scheduled& s : scheduled) Finish(s.seq, FinishReason::kError, sampled.status(), &outputs);
     return outputs;
@@ -259,7 +265,7 @@ std::vector<Output> Scheduler::Step(Executor& executor, Clock::time_point now) {
     Sequence* seq = s.seq;
     seq->computed = s.first + s.count;
     if (seq->computed != static_cast<int64_t>(seq->tokens.size())) continue;  // a prefill chunk
-    SampledToken& sample = (*sampled)[row++];
+    runtime::SampledToken& sample = (*sampled)[row++];
     if (!sample.error.ok()) {
       Finish(seq, FinishReason::kError, std::move(sample.error), &outputs);
       continue;
@@ -280,35 +286,6 @@ std::vector<Output> Scheduler::Step(Executor& executor, Clock::time_point now) {
     CheckStop(seq, token, &outputs);
   }
   return outputs;
-}
-
-absl::StatusOr<std::vector<SampledToken>> ModelExecutor::Execute(const StepPlan& plan) {
-  for (int64_t id : plan.released_seq_ids) samplers_.erase(id);
-  if (absl::Status s = model_.Forward(plan.batch, cache_, &logits_); !s.ok()) return s;
-  const int vocab = model_.spec().vocab_size;
-  std::vector<SampledToken> tokens(plan.samples.size());
-  std::vector<float> penalized;
-  for (size_t i = 0; i < plan.samples.size(); ++i) {
-    const SampleRow& row = plan.samples[i];
-    const float* logits = logits_.data() + i * vocab;
-    if (absl::Status finite = runtime::CheckLogitsFinite(logits, 1, vocab); !finite.ok()) {
-      tokens[i].error = std::move(finite);
-      continue;
-    }
-    auto& sampler = samplers_[row.seq_id];
-    if (sampler == nullptr) sampler = std::make_unique<runtime::Sampler>(row.sampling);
-    if (row.sampling.penalized()) {
-      penalized.assign(logits, logits + vocab);
-      runtime::ApplyPenalties(row.sampling, row.tokens, row.prompt_len, row.tokens + row.prompt_len,
-                              row.total_len - row.prompt_len, penalized.data(), vocab);
-      tokens[i].token = sampler->Sample(penalized.data(), vocab);
-    } else {
-      tokens[i].token = sampler->Sample(logits, vocab);
-    }
-    // Log-probabilities of the model's own distribution, before penalties and sampling filters.
-    if (row.logprobs > 0) tokens[i].logprobs = runtime::ComputeLogprobs(logits, vocab, tokens[i].token, row.logprobs);
-  }
-  return tokens;
 }
 
 }  // namespace moe::scheduler

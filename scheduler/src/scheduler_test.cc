@@ -9,6 +9,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "moe/runtime/generate.h"
+#include "moe/runtime/model_executor.h"
 #include "nlohmann/json.hpp"
 
 namespace moe::scheduler {
@@ -34,6 +35,13 @@ class SchedulerTest : public ::testing::Test {
     std::ifstream in(FixtureDir("qwen3_moe") + "/golden.json");
     const nlohmann::json golden = nlohmann::json::parse(in);
     for (const auto& c : golden["cases"]) prompts_.push_back(c["prompt_ids"]);
+  }
+
+  // An executor with `num_blocks` KV blocks of 4 positions, as Config says.
+  std::unique_ptr<runtime::ModelExecutor> NewExecutor(int num_blocks) {
+    auto executor = runtime::ModelExecutor::Create(*model_, num_blocks, 4);
+    EXPECT_TRUE(executor.ok()) << executor.status();
+    return executor.ok() ? *std::move(executor) : nullptr;
   }
 
   SchedulerConfig Config(int num_blocks, int max_batch_tokens = 64) {
@@ -65,7 +73,7 @@ class SchedulerTest : public ::testing::Test {
   }
 
   // Steps until idle; collects tokens and finish reasons by id.
-  void RunToEnd(Scheduler& s, Executor& e, std::map<std::string, std::vector<int32_t>>* tokens,
+  void RunToEnd(Scheduler& s, runtime::Executor& e, std::map<std::string, std::vector<int32_t>>* tokens,
                 std::map<std::string, FinishReason>* reasons, int max_steps = 2000) {
     for (int step = 0; step < max_steps && !s.idle(); ++step) {
       for (const Output& o : s.Step(e)) {
@@ -79,7 +87,7 @@ class SchedulerTest : public ::testing::Test {
 
   // Submits every fixture prompt (10 new tokens each), runs them together to the end and checks
   // that each got what it gets alone; returns how each ended.
-  std::map<std::string, FinishReason> RunEveryPromptAndCompare(Scheduler& scheduler, Executor& executor) {
+  std::map<std::string, FinishReason> RunEveryPromptAndCompare(Scheduler& scheduler, runtime::Executor& executor) {
     std::map<std::string, std::vector<int32_t>> want, got;
     for (size_t i = 0; i < prompts_.size(); ++i) {
       const std::string id = "r" + std::to_string(i);
@@ -97,11 +105,9 @@ class SchedulerTest : public ::testing::Test {
 };
 
 TEST_F(SchedulerTest, BatchingAndChunkedPrefillChangeNothing) {
-  auto cache = model_->NewKvCache(128, 4);
-  ASSERT_TRUE(cache.ok());
-  ModelExecutor executor(*model_, **cache);
+  auto executor = NewExecutor(128);
   Scheduler scheduler(Config(128, /*max_batch_tokens=*/24));  // the 91-token prompt takes several steps
-  const std::map<std::string, FinishReason> reasons = RunEveryPromptAndCompare(scheduler, executor);
+  const std::map<std::string, FinishReason> reasons = RunEveryPromptAndCompare(scheduler, *executor);
   for (const auto& [id, reason] : reasons) EXPECT_EQ(reason, FinishReason::kLength) << id;
   EXPECT_EQ(scheduler.stats().blocks_used, 0);
 }
@@ -109,19 +115,15 @@ TEST_F(SchedulerTest, BatchingAndChunkedPrefillChangeNothing) {
 TEST_F(SchedulerTest, RunningOutOfBlocksPreemptsAndRecomputes) {
   // 26 blocks of 4 positions: enough for the longest request (101 positions) alone; the three
   // admitted first (8, 36 and 38 prompt tokens) outgrow the cache while they decode.
-  auto cache = model_->NewKvCache(26, 4);
-  ASSERT_TRUE(cache.ok());
-  ModelExecutor executor(*model_, **cache);
+  auto executor = NewExecutor(26);
   Scheduler scheduler(Config(26, 64));
-  RunEveryPromptAndCompare(scheduler, executor);
+  RunEveryPromptAndCompare(scheduler, *executor);
   EXPECT_GT(scheduler.stats().preemptions, 0);
   EXPECT_EQ(scheduler.stats().blocks_used, 0);
 }
 
 TEST_F(SchedulerTest, AbortDeadlineAndErrorsFreeBlocksWhileOthersFinish) {
-  auto cache = model_->NewKvCache(128, 4);
-  ASSERT_TRUE(cache.ok());
-  ModelExecutor executor(*model_, **cache);
+  auto executor = NewExecutor(128);
   Scheduler scheduler(Config(128));
   ASSERT_TRUE(scheduler.Add(Make("keep", prompts_[0], 12)).ok());
   ASSERT_TRUE(scheduler.Add(Make("abort", prompts_[1], 12)).ok());
@@ -131,12 +133,12 @@ TEST_F(SchedulerTest, AbortDeadlineAndErrorsFreeBlocksWhileOthersFinish) {
   std::map<std::string, std::vector<int32_t>> got;
   std::map<std::string, FinishReason> reasons;
   for (int i = 0; i < 3; ++i) {
-    for (const Output& o : scheduler.Step(executor)) got[o.id].insert(got[o.id].end(), o.new_tokens.begin(), o.new_tokens.end());
+    for (const Output& o : scheduler.Step(*executor)) got[o.id].insert(got[o.id].end(), o.new_tokens.begin(), o.new_tokens.end());
   }
   EXPECT_GT(scheduler.stats().blocks_used, 0);
   scheduler.Abort("abort");
   // The deadline passes: the step after it ends the request with kDeadline.
-  for (const Output& o : scheduler.Step(executor, Clock::now() + std::chrono::hours(2))) {
+  for (const Output& o : scheduler.Step(*executor, Clock::now() + std::chrono::hours(2))) {
     got[o.id].insert(got[o.id].end(), o.new_tokens.begin(), o.new_tokens.end());
     if (o.finished) reasons[o.id] = *o.finished;
     if (o.id == "late" && o.finished) {
@@ -146,38 +148,39 @@ TEST_F(SchedulerTest, AbortDeadlineAndErrorsFreeBlocksWhileOthersFinish) {
   EXPECT_EQ(reasons["abort"], FinishReason::kAborted);
   EXPECT_EQ(reasons["late"], FinishReason::kDeadline);
   EXPECT_EQ(scheduler.stats().running, 1);
-  RunToEnd(scheduler, executor, &got, &reasons);
+  RunToEnd(scheduler, *executor, &got, &reasons);
   EXPECT_EQ(got["keep"], Alone(prompts_[0], 12));
   EXPECT_EQ(scheduler.stats().blocks_used, 0);
 }
 
 // An executor that fails one chosen step, as a lost worker would.
-class FailingOnce : public Executor {
+class FailingOnce : public runtime::Executor {
  public:
-  FailingOnce(Executor& inner, int fail_at) : inner_(inner), fail_at_(fail_at) {}
-  absl::StatusOr<std::vector<SampledToken>> Execute(const StepPlan& plan) override {
+  FailingOnce(runtime::Executor& inner, int fail_at) : inner_(inner), fail_at_(fail_at) {}
+  absl::StatusOr<std::vector<runtime::SampledToken>> Execute(const runtime::StepPlan& plan) override {
     if (step_++ == fail_at_) return absl::UnavailableError("worker 1 lost");
     return inner_.Execute(plan);
   }
+  runtime::KvCapacity kv_capacity() const override { return inner_.kv_capacity(); }
+  const runtime::ModelInfo& model_info() const override { return inner_.model_info(); }
+  std::string Describe() const override { return "fails once, then " + inner_.Describe(); }
 
  private:
-  Executor& inner_;
+  runtime::Executor& inner_;
   int fail_at_;
   int step_ = 0;
 };
 
 TEST_F(SchedulerTest, AFailedStepFailsItsRequestsAndTheNextOnesRun) {
-  auto cache = model_->NewKvCache(128, 4);
-  ASSERT_TRUE(cache.ok());
-  ModelExecutor model_executor(*model_, **cache);
-  FailingOnce executor(model_executor, 1);
+  auto model_executor = NewExecutor(128);
+  FailingOnce failing(*model_executor, 1);
   Scheduler scheduler(Config(128));
   ASSERT_TRUE(scheduler.Add(Make("a", prompts_[0], 8)).ok());
   std::map<std::string, std::vector<int32_t>> got;
   std::map<std::string, FinishReason> reasons;
   absl::Status error;
   for (int i = 0; i < 3 && !scheduler.idle(); ++i) {
-    for (const Output& o : scheduler.Step(executor)) {
+    for (const Output& o : scheduler.Step(failing)) {
       if (o.finished) {
         reasons[o.id] = *o.finished;
         error = o.error;
@@ -188,14 +191,12 @@ TEST_F(SchedulerTest, AFailedStepFailsItsRequestsAndTheNextOnesRun) {
   EXPECT_THAT(error.message(), HasSubstr("worker 1 lost"));
   EXPECT_EQ(scheduler.stats().blocks_used, 0);
   ASSERT_TRUE(scheduler.Add(Make("b", prompts_[4], 6)).ok());
-  RunToEnd(scheduler, executor, &got, &reasons);
+  RunToEnd(scheduler, failing, &got, &reasons);
   EXPECT_EQ(got["b"], Alone(prompts_[4], 6));
 }
 
 TEST_F(SchedulerTest, StopTokensMinTokensAndSeeds) {
-  auto cache = model_->NewKvCache(128, 4);
-  ASSERT_TRUE(cache.ok());
-  ModelExecutor executor(*model_, **cache);
+  auto executor = NewExecutor(128);
   Scheduler scheduler(Config(128));
   const std::vector<int32_t> alone = Alone(prompts_[2], 12);
   Request stop = Make("stop", prompts_[2], 12);
@@ -209,13 +210,105 @@ TEST_F(SchedulerTest, StopTokensMinTokensAndSeeds) {
   for (Request* r : {&stop, &min, &seeded_a, &seeded_b}) ASSERT_TRUE(scheduler.Add(*r).ok());
   std::map<std::string, std::vector<int32_t>> got;
   std::map<std::string, FinishReason> reasons;
-  RunToEnd(scheduler, executor, &got, &reasons);
+  RunToEnd(scheduler, *executor, &got, &reasons);
   const size_t stop_at = std::find(alone.begin(), alone.end(), alone[3]) - alone.begin();
   EXPECT_EQ(got["stop"], std::vector<int32_t>(alone.begin(), alone.begin() + stop_at + 1));
   EXPECT_EQ(reasons["stop"], FinishReason::kStopToken);
   EXPECT_EQ(got["min"].size(), 12u);
   EXPECT_EQ(reasons["min"], FinishReason::kLength);
   EXPECT_EQ(got["seed_a"], got["seed_b"]);
+}
+
+// Runs plans on another executor and keeps a copy of each.
+class Recording : public runtime::Executor {
+ public:
+  explicit Recording(runtime::Executor& inner) : inner_(inner) {}
+  absl::StatusOr<std::vector<runtime::SampledToken>> Execute(const runtime::StepPlan& plan) override {
+    plans.push_back(plan);
+    return inner_.Execute(plan);
+  }
+  runtime::KvCapacity kv_capacity() const override { return inner_.kv_capacity(); }
+  const runtime::ModelInfo& model_info() const override { return inner_.model_info(); }
+  std::string Describe() const override { return "recording " + inner_.Describe(); }
+
+  std::vector<runtime::StepPlan> plans;
+
+ private:
+  runtime::Executor& inner_;
+};
+
+TEST_F(SchedulerTest, PlansCarrySeedsAndPositionsAndTheHistoryOnlyForPenalties) {
+  auto model_executor = NewExecutor(128);
+  Recording recording(*model_executor);
+  Scheduler scheduler(Config(128));
+  Request plain = Make("plain", prompts_[0], 4);
+  Request seeded = Make("seeded", prompts_[1], 4);
+  seeded.sampling.temperature = 1.0f;
+  seeded.sampling.seed = 5;
+  Request penalized = Make("penalized", prompts_[2], 4);
+  penalized.sampling.repetition_penalty = 1.3f;
+  for (Request* r : {&plain, &seeded, &penalized}) ASSERT_TRUE(scheduler.Add(*r).ok());
+  std::map<std::string, std::vector<int32_t>> got;
+  std::map<std::string, FinishReason> reasons;
+  RunToEnd(scheduler, recording, &got, &reasons);
+
+  // The fixture's prompts differ in length: a row's prompt_len says whose it is.
+  std::map<int32_t, std::string> by_length;
+  by_length[static_cast<int32_t>(prompts_[0].size())] = "plain";
+  by_length[static_cast<int32_t>(prompts_[1].size())] = "seeded";
+  by_length[static_cast<int32_t>(prompts_[2].size())] = "penalized";
+  ASSERT_EQ(by_length.size(), 3u);
+  std::map<std::string, std::vector<runtime::SampleRow>> rows;
+  for (const runtime::StepPlan& plan : recording.plans) {
+    ASSERT_EQ(plan.samples.size(), plan.batch.logit_rows.size());
+    for (const runtime::SampleRow& row : plan.samples) rows[by_length.at(row.prompt_len)].push_back(row);
+  }
+  std::vector<int32_t> penalized_tokens = prompts_[2];
+  for (const auto& [id, list] : rows) {
+    ASSERT_EQ(list.size(), 4u) << id;  // one row per token drawn
+    for (size_t i = 0; i < list.size(); ++i) {
+      const runtime::SampleRow& row = list[i];
+      EXPECT_EQ(row.position, row.prompt_len + i) << id;
+      EXPECT_EQ(row.sequence, 0u) << id;
+      // A seed drawn once, when the request came, and kept for all its steps.
+      EXPECT_EQ(row.seed, list[0].seed) << id;
+      if (id == "penalized") {
+        EXPECT_EQ(row.history, penalized_tokens);
+        penalized_tokens.push_back(got["penalized"][i]);
+      } else {
+        EXPECT_TRUE(row.history.empty()) << id;
+      }
+    }
+  }
+  EXPECT_EQ(rows["seeded"][0].seed, 5u);
+  EXPECT_NE(rows["plain"][0].seed, rows["penalized"][0].seed);
+}
+
+TEST_F(SchedulerTest, TheSameSeedsGiveTheSameTokensOnAnotherExecutor) {
+  // Two schedulers, each over its own executor on the one model, as a frontend and a worker
+  // process that replays its plans would be.
+  auto executor_a = NewExecutor(128), executor_b = NewExecutor(128);
+  Scheduler a(Config(128)), b(Config(128));
+  for (size_t i = 0; i < 3; ++i) {
+    Request r = Make("r" + std::to_string(i), prompts_[i], 8);
+    r.sampling.temperature = 1.5f;
+    r.sampling.top_k = 40;
+    r.sampling.seed = 100 + i;
+    ASSERT_TRUE(a.Add(r).ok());
+    ASSERT_TRUE(b.Add(r).ok());
+  }
+  std::map<std::string, std::vector<int32_t>> got_a, got_b;
+  for (int step = 0; step < 100 && !(a.idle() && b.idle()); ++step) {
+    for (const Output& o : a.Step(*executor_a)) {
+      got_a[o.id].insert(got_a[o.id].end(), o.new_tokens.begin(), o.new_tokens.end());
+    }
+    for (const Output& o : b.Step(*executor_b)) {
+      got_b[o.id].insert(got_b[o.id].end(), o.new_tokens.begin(), o.new_tokens.end());
+    }
+  }
+  ASSERT_TRUE(a.idle() && b.idle());
+  EXPECT_EQ(got_a, got_b);
+  for (const auto& [id, tokens] : got_a) EXPECT_EQ(tokens.size(), 8u) << id;
 }
 
 TEST_F(SchedulerTest, BadRequestsAreRefusedNamingTheField) {
@@ -279,9 +372,7 @@ TEST_F(SchedulerTest, NoWaitingRoomAcceptsWhatCanStartAtOnceAndRefusesTheRest) {
   config.max_seqs = 2;
   config.max_queue = 0;
   Scheduler scheduler(config);
-  auto cache = model_->NewKvCache(64, 4);
-  ASSERT_TRUE(cache.ok());
-  ModelExecutor executor(*model_, **cache);
+  auto executor = NewExecutor(64);
   ASSERT_TRUE(scheduler.Add(Make("a", {1, 2}, 2)).ok());
   ASSERT_TRUE(scheduler.Add(Make("b", {1, 2}, 2)).ok());
   absl::Status busy = scheduler.Add(Make("c", {1, 2}, 2));
@@ -289,7 +380,7 @@ TEST_F(SchedulerTest, NoWaitingRoomAcceptsWhatCanStartAtOnceAndRefusesTheRest) {
   EXPECT_THAT(busy.message(), HasSubstr("all 2 slots are taken (max_seqs) and there is no waiting room (max_queue=0)"));
   // Once one finishes, a new request starts again.
   for (int i = 0; i < 10 && scheduler.stats().running + scheduler.stats().waiting == 2; ++i) {
-    scheduler.Step(executor);
+    scheduler.Step(*executor);
   }
   EXPECT_TRUE(scheduler.Add(Make("c", {1, 2}, 2)).ok());
 }

@@ -3,6 +3,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -154,6 +156,47 @@ class CpuBackend : public Backend {
   absl::StatusOr<std::unique_ptr<Event>> CreateEvent() override { return std::unique_ptr<Event>(new CpuEvent()); }
   int64_t FreeMemoryBytes() const override {
     return static_cast<int64_t>(sysconf(_SC_AVPHYS_PAGES)) * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
+  }
+
+  absl::StatusOr<Roofline> MeasureRoofline(int64_t bytes) override {
+    Roofline r;
+    const int64_t n = bytes / 8;
+    MOE_ASSIGN_OR_RETURN(auto buffer, core::AlignedBuffer::Allocate(n * 8));
+    double* v = buffer.as<double>();
+    arena_.execute([&] {
+      tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, 1 << 16), [&](const auto& range) {
+        for (int64_t i = range.begin(); i < range.end(); ++i) v[i] = static_cast<double>(i & 7);
+      });
+    });
+    double best = 0;
+    for (int repeat = 0; repeat < 5; ++repeat) {
+      const auto start = std::chrono::steady_clock::now();
+      std::atomic<double> sink{0};
+      arena_.execute([&] {
+        tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, 1 << 16), [&](const auto& range) {
+          double acc = 0;
+          for (int64_t i = range.begin(); i < range.end(); ++i) acc += v[i];
+          sink.store(acc, std::memory_order_relaxed);
+        });
+      });
+      best = std::max(best, n * 8 / std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
+    r.memory_gbps = best / 1e9;
+    r.memory_what = absl::StrCat("host read bandwidth, ", arena_.max_concurrency(), " threads");
+    // The fp32 Linear at a prefill-like shape.
+    const int64_t m = 256, k = 2048, out = 2048;
+    std::vector<float> x(m * k, 0.5f), w(out * k, 0.25f), y(m * out);
+    core::TensorView wv{w.data(), DType::kF32, {out, k}};
+    MOE_ASSIGN_OR_RETURN(auto weight, PrepareWeight(wv, WeightUse::kMatrix));
+    const Tensor xt{x.data(), DType::kF32, m, k}, yt{y.data(), DType::kF32, m, out};
+    Linear(xt, *weight, nullptr, yt);
+    const auto start = std::chrono::steady_clock::now();
+    const int reps = 3;
+    for (int i = 0; i < reps; ++i) Linear(xt, *weight, nullptr, yt);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    r.matmul_tflops = 2.0 * m * k * out * reps / seconds / 1e12;
+    r.matmul_what = "fp32 Linear 256x2048x2048";
+    return r;
   }
 
   void CopyToHost(const Tensor& src, void* dst) override { std::memcpy(dst, src.data, src.bytes()); }

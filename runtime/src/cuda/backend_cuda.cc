@@ -232,6 +232,60 @@ class CudaBackend : public Backend {
     return absl::OkStatus();
   }
 
+  absl::StatusOr<Roofline> MeasureRoofline(int64_t bytes) override {
+    Roofline r;
+    MOE_ASSIGN_OR_RETURN(auto a, Allocate(DType::kI8, 1, bytes));
+    MOE_ASSIGN_OR_RETURN(auto b, Allocate(DType::kI8, 1, bytes));
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(a->tensor().data, 1, bytes, stream_));
+    cudaEvent_t start, stop;
+    MOE_CUDA_RETURN_IF_ERROR(cudaEventCreate(&start));
+    MOE_CUDA_RETURN_IF_ERROR(cudaEventCreate(&stop));
+    auto time = [&](auto&& work, int reps) -> absl::StatusOr<double> {
+      work();  // warm-up
+      MOE_CUDA_RETURN_IF_ERROR(cudaEventRecord(start, stream_));
+      for (int i = 0; i < reps; ++i) work();
+      MOE_CUDA_RETURN_IF_ERROR(cudaEventRecord(stop, stream_));
+      MOE_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(stop));
+      float ms = 0;
+      MOE_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, start, stop));
+      return ms / 1e3 / reps;
+    };
+    auto copy = time([&] { cudaMemcpyAsync(b->tensor().data, a->tensor().data, bytes, cudaMemcpyDeviceToDevice, stream_); }, 10);
+    if (!copy.ok()) return copy.status();
+    r.memory_gbps = 2.0 * bytes / *copy / 1e9;
+    r.memory_what = absl::StrFormat("device-to-device copy of %.1f GiB, bytes read + written", bytes / double(1 << 30));
+    // bf16 GEMM 8192^3 through the same Linear the model uses, on non-zero data.
+    const int n = 8192;
+    MOE_ASSIGN_OR_RETURN(auto x, Allocate(DType::kBF16, n, n));
+    MOE_ASSIGN_OR_RETURN(auto w, Allocate(DType::kBF16, n, n));
+    MOE_ASSIGN_OR_RETURN(auto y, Allocate(DType::kBF16, n, n));
+    {
+      // Random operands: constant or zero data runs faster than real weights do.
+      std::vector<uint16_t> host(int64_t{n} * n);
+      uint32_t state = 12345;
+      for (uint16_t& v : host) {
+        state = state * 1664525u + 1013904223u;
+        v = core::FloatToBf16((static_cast<float>(state >> 8) / 16777216.0f - 0.5f) * 0.1f);
+      }
+      const core::TensorView view{host.data(), DType::kBF16, {n, n}};
+      MOE_RETURN_IF_ERROR(Upload(view, DType::kBF16, static_cast<char*>(x->tensor().data)));
+      MOE_RETURN_IF_ERROR(Upload(view, DType::kBF16, static_cast<char*>(w->tensor().data)));
+    }
+    absl::Status gemm_status;
+    auto gemm = time([&] {
+      absl::Status s = linear_->Run(x->tensor().as<uint16_t>(), n, w->tensor().as<uint16_t>(), n, n, nullptr,
+                                    y->tensor().data, false, stream_);
+      if (!s.ok()) gemm_status = s;
+    }, 10);
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+    if (!gemm.ok()) return gemm.status();
+    MOE_RETURN_IF_ERROR(gemm_status);
+    r.matmul_tflops = 2.0 * n * n * double(n) / *gemm / 1e12;
+    r.matmul_what = "bf16 GEMM 8192^3 (cuBLASLt)";
+    return r;
+  }
+
   // ---- A step ----
   void CopyToHost(const Tensor& src, void* dst) override {
     MOE_CUDA_KEEP(cudaMemcpyAsync(dst, src.data, src.bytes(), cudaMemcpyDeviceToHost, stream_));

@@ -268,6 +268,17 @@ class Backend {
   // Bytes of device memory free now (the host's available memory for the CPU backend).
   virtual int64_t FreeMemoryBytes() const = 0;
 
+  // The two ceilings a step is measured against, measured now: memory bandwidth (the GPU's
+  // device-to-device copy of `bytes`, counting bytes read and written; the host's read bandwidth
+  // for the CPU) and the matrix rate (a bf16 8192^3 GEMM on the GPU; the fp32 Linear on the CPU).
+  struct Roofline {
+    double memory_gbps = 0;
+    std::string memory_what;
+    double matmul_tflops = 0;
+    std::string matmul_what;
+  };
+  virtual absl::StatusOr<Roofline> MeasureRoofline(int64_t bytes) = 0;
+
   // ---- A step ----
   // Resets the arena and uploads the step's inputs (one copy). `inputs` must stay valid until the
   // step's Synchronize.

@@ -1,27 +1,33 @@
-// Engine: runs the scheduler's loop on its own thread over an in-process model; any thread may
-// submit requests and read each request's results from its Stream.
+// Engine: runs the scheduler's loop on its own thread over an Executor (a model in this process,
+// or workers); any thread may submit requests and read each request's results from its Stream.
 //
-// Thread-safety: all public methods may be called from any thread. The loop thread alone touches
-// the scheduler; Submit and Abort go through an inbox it drains before every step, so Submit
+// Thread-safety: all public methods of Engine and Stream may be called from any thread. The loop
+// thread alone touches the scheduler, the streams map and the executor's Execute; Submit and
+// Abort go through an inbox (guarded by mu_) that the loop drains before every step, so Submit
 // answers within one step and Abort never waits for one.
 #pragma once
 
-#include <condition_variable>
+#include <chrono>
 #include <deque>
 #include <map>
 #include <memory>
-#include <mutex>
+#include <optional>
 #include <set>
+#include <string>
 #include <thread>
+#include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "moe/runtime/model.h"
+#include "absl/synchronization/mutex.h"
+#include "moe/runtime/executor.h"
 #include "moe/scheduler/metrics.h"
 #include "moe/scheduler/scheduler.h"
 
 namespace moe::scheduler {
 
-// One request's results as they come: deltas, then a last Output with `finished` set.
+// One request's results as they come: deltas, then a last Output with `finished` set. The
+// engine's loop pushes them and a reader takes them; every method may be called from any thread.
 class Stream {
  public:
   // Waits up to `wait` for the next Output; false on timeout.
@@ -36,18 +42,21 @@ class Stream {
   // Records the output's times (and the metrics they feed) and queues it for the reader.
   void Push(Output out, Clock::time_point now, Metrics* metrics = nullptr);
 
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Output> outputs_;
-  Clock::time_point arrival_ = Clock::now();
-  std::optional<Clock::time_point> admitted_, first_token_, last_token_;
+  mutable absl::Mutex mu_;
+  std::deque<Output> outputs_ ABSL_GUARDED_BY(mu_);
+  const Clock::time_point arrival_ = Clock::now();
+  std::optional<Clock::time_point> admitted_ ABSL_GUARDED_BY(mu_);
+  std::optional<Clock::time_point> first_token_ ABSL_GUARDED_BY(mu_);
+  std::optional<Clock::time_point> last_token_ ABSL_GUARDED_BY(mu_);
 };
 
 class Engine {
  public:
-  // Allocates the KV cache (config.num_blocks blocks of config.block_size) and starts the loop.
-  // kResourceExhausted when the cache does not fit.
-  static absl::StatusOr<std::unique_ptr<Engine>> Start(runtime::Model& model, SchedulerConfig config);
+  // Starts the loop over `executor`. The scheduler's KV blocks, vocabulary and (when
+  // config.eos_token_ids is empty) end-of-sequence ids come from the executor, whatever `config`
+  // says. kInvalidArgument for a null executor or one without a KV cache.
+  static absl::StatusOr<std::unique_ptr<Engine>> Start(std::unique_ptr<runtime::Executor> executor,
+                                                       SchedulerConfig config);
   ~Engine();  // Stop()s
 
   // Stops the loop: live requests end as aborted with the error kUnavailable "server shutting
@@ -66,37 +75,41 @@ class Engine {
   bool Abort(const std::string& id);
   SchedulerStats stats() const;
   const SchedulerConfig& config() const { return config_; }
+  // The executor's model; fixed for the engine's life.
+  const runtime::ModelInfo& model_info() const { return executor_->model_info(); }
   // Counters and histograms of everything the engine served; Prometheus text with the stats.
   const Metrics& metrics() const { return metrics_; }
   std::string RenderMetrics() const { return metrics_.Render(stats()); }
   void CountRejected(absl::StatusCode code) { metrics_.CountRejected(code); }
 
  private:
-  Engine(runtime::Model& model, SchedulerConfig config, std::unique_ptr<runtime::KvCache> cache);
+  Engine(std::unique_ptr<runtime::Executor> executor, SchedulerConfig config);
   void Loop();
 
   struct PendingAdd;
   void DrainInbox();
+  // What the loop waits for, and what WaitIdle waits for.
+  bool HasWork() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool Idle() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  runtime::Model& model_;
+  const std::unique_ptr<runtime::Executor> executor_;  // Execute on the loop thread only
   const SchedulerConfig config_;
-  std::unique_ptr<runtime::KvCache> cache_;
-  std::unique_ptr<ModelExecutor> executor_;
   Scheduler scheduler_;                                     // loop thread only
-  std::map<std::string, std::shared_ptr<Stream>> streams_;  // loop thread only
+  std::map<std::string, std::shared_ptr<Stream>> streams_;  // loop thread only (and Stop, after it)
 
-  mutable std::mutex mu_;  // guards the inbox and what other threads read
-  std::condition_variable work_;
-  std::condition_variable idle_;  // notified when live_ or the inbox shrinks
-  std::deque<PendingAdd*> adds_;
-  std::vector<std::string> aborts_;
-  std::set<std::string> live_;  // ids the loop accepted and has not finished
-  bool busy_ = false;           // the scheduler has work
-  bool stop_ = false;
-  bool accepting_ = true;
-  bool inbox_in_hand_ = false;  // the loop took submissions from adds_ and has not yet made them live
-  SchedulerStats stats_;
-  Metrics metrics_;
+  // Guards the inbox and what other threads read. Waiters use conditions, which the mutex
+  // re-evaluates as it is released, so no one notifies.
+  mutable absl::Mutex mu_;
+  std::deque<PendingAdd*> adds_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> aborts_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> live_ ABSL_GUARDED_BY(mu_);  // ids the loop accepted and has not finished
+  bool busy_ ABSL_GUARDED_BY(mu_) = false;           // the scheduler has work
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  bool accepting_ ABSL_GUARDED_BY(mu_) = true;
+  // The loop took submissions from adds_ and has not yet made them live.
+  bool inbox_in_hand_ ABSL_GUARDED_BY(mu_) = false;
+  SchedulerStats stats_ ABSL_GUARDED_BY(mu_);
+  Metrics metrics_;  // thread-safe itself
   std::thread thread_;
 };
 

@@ -1,16 +1,18 @@
 // Frontend: the gRPC server of the client API (moeserve.v1.Generation), plus the standard
 // grpc.health.v1.Health service (per service name) and server reflection (v1 and v1alpha), and
-// the HTTP listener (/metrics, /health, /ready), in front of an Engine.
+// the HTTP listener (/metrics, /health, /ready), in front of an Engine over an Executor.
 //
-// Thread-safety: Start, port, Drain and Shutdown from one thread; the handlers run on gRPC's
-// and the HTTP server's threads.
+// Thread-safety: Create, set_scheduler, Serve, Start, Drain and Shutdown from one thread (the
+// owner's); port, http_port, engine and Wait from any thread once Serve returned; the handlers
+// run on gRPC's and the HTTP server's threads, many at once.
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "moe/runtime/model.h"
+#include "moe/runtime/executor.h"
 #include "moe/scheduler/engine.h"
 #include "moe/scheduler/security.h"
 
@@ -18,7 +20,7 @@ namespace moe::scheduler {
 
 struct FrontendOptions {
   std::string listen = "127.0.0.1:50051";  // port 0 picks a free one (see port())
-  SchedulerConfig scheduler;
+  SchedulerConfig scheduler;               // its KV blocks and vocabulary come from the executor
   std::string placement;  // reported by GetModelInfo: where routed experts run
   std::string http_listen;  // HOST:PORT of the HTTP listener (/metrics, /health, /ready); "" for none
   int64_t max_request_bytes = 4 << 20;  // larger gRPC messages and HTTP bodies are refused
@@ -36,14 +38,16 @@ class Frontend {
   // load balancer sees the process while the model loads. kInvalidArgument for a malformed
   // address, a port outside 0..65535 or bad TLS files; kUnavailable if the address is in use.
   static absl::StatusOr<std::unique_ptr<Frontend>> Create(const FrontendOptions& options);
-  // Starts the engine over `model` (which must outlive the frontend) and the gRPC server; health
-  // turns SERVING. Errors as Create.
-  absl::Status Serve(runtime::Model& model);
+  // Starts the engine over `executor` and the gRPC server; health turns SERVING. Errors as
+  // Create and Engine::Start. What `executor` holds (a ModelExecutor's model) must outlive the
+  // frontend, or its Shutdown; a failed Serve has already destroyed the executor.
+  absl::Status Serve(std::unique_ptr<runtime::Executor> executor);
   // Before Serve: the scheduler's settings and the placement, when they depend on the model
   // (loaded after Create, so that /health reports the load).
   void set_scheduler(const SchedulerConfig& scheduler, std::string placement);
   // Create, then Serve.
-  static absl::StatusOr<std::unique_ptr<Frontend>> Start(runtime::Model& model, const FrontendOptions& options);
+  static absl::StatusOr<std::unique_ptr<Frontend>> Start(std::unique_ptr<runtime::Executor> executor,
+                                                         const FrontendOptions& options);
   ~Frontend();
 
   int port() const;

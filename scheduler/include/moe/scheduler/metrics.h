@@ -1,16 +1,18 @@
 // Serving metrics in the Prometheus text format (HttpServer serves them at GET /metrics).
-// Counters and histograms are thread-safe.
+//
+// Thread-safety: every method of Histogram and Metrics, and every counter, may be used from any
+// thread at once. A render reads each counter and histogram on its own, so it may see one
+// request's end in one counter and not yet in another.
 #pragma once
 
 #include <atomic>
-#include <functional>
-#include <memory>
-#include <mutex>
+#include <cstdint>
 #include <string>
-#include <thread>
 #include <vector>
 
-#include "absl/status/statusor.h"
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
 #include "moe/scheduler/scheduler.h"
 
 namespace moe::scheduler {
@@ -23,11 +25,11 @@ class Histogram {
   void Render(const std::string& name, const std::string& help, std::string* out) const;
 
  private:
-  mutable std::mutex mu_;
-  std::vector<double> bounds_;
-  std::vector<uint64_t> counts_;  // per bucket, not cumulative
-  double sum_ = 0;
-  uint64_t count_ = 0;
+  mutable absl::Mutex mu_;
+  const std::vector<double> bounds_;
+  std::vector<uint64_t> counts_ ABSL_GUARDED_BY(mu_);  // per bucket, not cumulative
+  double sum_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t count_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 struct Metrics {

@@ -6,21 +6,24 @@
 // come first served. KV blocks come from a block allocator and go back the moment a sequence
 // finishes, is aborted, fails or passes its deadline. When blocks run out, the newest running
 // sequence is preempted (its blocks freed) and recomputed later, rather than failing older ones.
+// Every request gets a sampling seed when it is added (a random one when it has none), so its
+// tokens do not depend on which executor or process samples them.
 //
-// Thread-safety: none; the caller serializes Add, Abort and Step (the frontend's loop).
+// Thread-safety: none; the caller serializes every call (the engine's loop thread).
 #pragma once
 
 #include <cstdint>
 #include <deque>
 #include <map>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "moe/runtime/kv_cache.h"
+#include "moe/runtime/executor.h"
+#include "moe/scheduler/kv_block_allocator.h"
 #include "moe/scheduler/request.h"
-#include "moe/scheduler/step_plan.h"
 
 namespace moe::scheduler {
 
@@ -32,6 +35,7 @@ struct SchedulerConfig {
   int max_queue = 256;
   int context = 4096;    // prompt + max_new_tokens limit
   int max_prompt_tokens = 0;  // longest prompt accepted; 0: the context less one new token
+  // The executor's KV cache and model; Engine::Start fills these in from the executor.
   int block_size = 16;
   int num_blocks = 0;    // KV blocks in the cache
   int vocab_size = 0;
@@ -60,7 +64,7 @@ class Scheduler {
   void Abort(const std::string& id);
 
   // Runs one step on `executor` and returns what happened to each request it touched.
-  std::vector<Output> Step(Executor& executor, Clock::time_point now = Clock::now());
+  std::vector<Output> Step(runtime::Executor& executor, Clock::time_point now = Clock::now());
 
   bool idle() const { return running_.empty() && waiting_.empty(); }
   SchedulerStats stats() const;
@@ -73,14 +77,14 @@ class Scheduler {
   bool EnsureBlocks(Sequence* seq, int64_t positions, bool may_preempt);
   void Preempt(Sequence* seq);
   void CheckStop(Sequence* seq, int32_t token, std::vector<Output>* outputs);
+  runtime::SampleRow SampleRowFor(const Sequence& seq) const;
 
   SchedulerConfig config_;
-  runtime::KvBlockAllocator blocks_;
-  int64_t next_seq_id_ = 1;
+  KvBlockAllocator blocks_;
+  std::mt19937_64 seeds_;                                       // for requests that bring no seed
   std::map<std::string, std::unique_ptr<Sequence>> sequences_;  // every live request by id
   std::deque<Sequence*> waiting_;                               // FCFS; preempted ones go first
   std::vector<Sequence*> running_;                              // in admission order
-  std::vector<int64_t> released_;                               // for the next plan
   int64_t preemptions_ = 0;
 };
 

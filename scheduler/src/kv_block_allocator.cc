@@ -1,11 +1,10 @@
-#include "moe/runtime/kv_cache.h"
+#include "moe/scheduler/kv_block_allocator.h"
 
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
-#include "moe/core/status.h"
 
-namespace moe::runtime {
+namespace moe::scheduler {
 
 KvBlockAllocator::KvBlockAllocator(int num_blocks) : num_blocks_(num_blocks), free_(num_blocks) {
   // Hand out low block ids first: pop from the back of a descending list.
@@ -29,4 +28,4 @@ void KvBlockAllocator::Free(std::vector<int32_t>* table) {
   table->clear();
 }
 
-}  // namespace moe::runtime
+}  // namespace moe::scheduler

@@ -1,0 +1,161 @@
+#include "model_bench.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <numeric>
+#include <random>
+
+#include "absl/strings/str_format.h"
+#include "moe/core/status.h"
+
+namespace moe::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using runtime::ForwardBatch;
+using runtime::SequenceChunk;
+
+double Seconds(Clock::time_point since) { return std::chrono::duration<double>(Clock::now() - since).count(); }
+
+// Parameters of one layer that every token reads, routed experts aside.
+double DenseLayerParams(const runtime::ModelSpec& s, int layer) {
+  const double h = s.hidden_size, qw = double(s.num_heads) * s.head_dim, kvw = double(s.num_kv_heads) * s.head_dim;
+  double p = (qw + 2 * kvw) * h + h * qw + 2 * h;
+  if (s.IsMoeLayer(layer)) {
+    p += double(s.routing.num_experts) * h + 3.0 * h * s.shared_expert_intermediate_size;
+    if (s.shared_expert_gate) p += h;
+  } else {
+    p += 3.0 * h * s.intermediate_size;
+  }
+  return p;
+}
+
+double ExpertParams(const runtime::ModelSpec& s) { return 3.0 * s.hidden_size * s.moe_intermediate_size; }
+
+// One forward of `batch`, waiting for the device; the logits stay there.
+absl::Status Step(runtime::Model& model, runtime::KvCache& cache, const ForwardBatch& batch) {
+  MOE_ASSIGN_OR_RETURN(runtime::Tensor logits, model.ForwardOnDevice(batch, cache));
+  (void)logits;
+  return model.backend().Synchronize();
+}
+
+}  // namespace
+
+double DecodeWeightBytes(const runtime::ModelSpec& s, int batch, int bytes_per_weight) {
+  double params = double(s.vocab_size) * s.hidden_size + s.hidden_size;  // LM head, final norm
+  for (int l = 0; l < s.num_layers; ++l) {
+    params += DenseLayerParams(s, l);
+    if (s.IsMoeLayer(l)) {
+      const double e = s.routing.num_experts, k = s.routing.top_k;
+      params += e * (1 - std::pow(1 - k / e, batch)) * ExpertParams(s);
+    }
+  }
+  return params * bytes_per_weight;
+}
+
+double PrefillFlops(const runtime::ModelSpec& s, int tokens) {
+  double per_token = 0, attention = 0;
+  for (int l = 0; l < s.num_layers; ++l) {
+    per_token += DenseLayerParams(s, l);
+    if (s.IsMoeLayer(l)) per_token += s.routing.top_k * ExpertParams(s);
+    // QK^T and PV over the causal triangle.
+    attention += 2.0 * 2.0 * s.num_heads * s.head_dim * double(tokens) * (tokens + 1) / 2;
+  }
+  return 2.0 * per_token * tokens + attention + 2.0 * s.vocab_size * s.hidden_size;
+}
+
+absl::StatusOr<ModelBenchResult> RunModelBench(runtime::Model& model, const ModelBenchOptions& o, std::ostream& log) {
+  const runtime::ModelSpec& spec = model.spec();
+  runtime::Backend& backend = model.backend();
+  ModelBenchResult result;
+  MOE_ASSIGN_OR_RETURN(result.roofline, backend.MeasureRoofline(o.copy_bytes));
+  log << absl::StrFormat("bandwidth: %.0f GB/s (%s)\nmatrix rate: %.1f TFLOP/s (%s)\n", result.roofline.memory_gbps,
+                         result.roofline.memory_what, result.roofline.matmul_tflops, result.roofline.matmul_what);
+  // The GPU keeps weights in bf16; the CPU reads bf16 checkpoints where they lie.
+  const int weight_bytes = 2;
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<int32_t> token(0, spec.vocab_size - 1);
+  const int block = 16;
+
+  for (int batch : o.batches) {
+    const int per_seq = runtime::BlocksFor(o.decode_context + o.decode_steps + 8, block);
+    MOE_ASSIGN_OR_RETURN(auto cache, model.NewKvCache(batch * per_seq, block));
+    std::vector<std::vector<int32_t>> tables(batch);
+    for (int s = 0; s < batch; ++s) {
+      tables[s].resize(per_seq);
+      std::iota(tables[s].begin(), tables[s].end(), s * per_seq);
+      ForwardBatch prefill;
+      for (int i = 0; i < o.decode_context; ++i) prefill.token_ids.push_back(token(rng));
+      prefill.sequences = {SequenceChunk{0, o.decode_context, tables[s]}};
+      prefill.logit_rows = {o.decode_context - 1};
+      MOE_RETURN_IF_ERROR(Step(model, *cache, prefill));
+    }
+    int position = o.decode_context;
+    auto decode_step = [&]() -> absl::Status {
+      ForwardBatch b;
+      for (int s = 0; s < batch; ++s) {
+        b.token_ids.push_back(token(rng));
+        b.sequences.push_back(SequenceChunk{position, 1, tables[s]});
+        b.logit_rows.push_back(s);
+      }
+      ++position;
+      return Step(model, *cache, b);
+    };
+    for (int i = 0; i < 4; ++i) MOE_RETURN_IF_ERROR(decode_step());  // the first records the step's graph
+    const auto start = Clock::now();
+    for (int i = 0; i < o.decode_steps; ++i) MOE_RETURN_IF_ERROR(decode_step());
+    const double seconds = Seconds(start);
+    DecodeRow row;
+    row.batch = batch;
+    row.ms_per_step = seconds / o.decode_steps * 1e3;
+    row.tokens_per_s = batch * o.decode_steps / seconds;
+    row.weight_bytes = DecodeWeightBytes(spec, batch, weight_bytes);
+    const double bound_s = row.weight_bytes / (result.roofline.memory_gbps * 1e9);
+    row.bound_tokens_per_s = batch / bound_s;
+    row.ratio = row.weight_bytes / (row.ms_per_step / 1e3) / (result.roofline.memory_gbps * 1e9);
+    log << absl::StrFormat(
+        "decode batch %3d: %8.1f tokens/s, %.3f ms/step, %.2f GB of weights/step, bound %.0f tokens/s, %.1f%% of "
+        "the bandwidth\n",
+        batch, row.tokens_per_s, row.ms_per_step, row.weight_bytes / 1e9, row.bound_tokens_per_s, 100 * row.ratio);
+    result.decode.push_back(row);
+  }
+
+  for (int tokens : o.prompts) {
+    const int chunk = model.options().max_step_tokens;
+    MOE_ASSIGN_OR_RETURN(auto cache, model.NewKvCache(runtime::BlocksFor(tokens, block), block));
+    std::vector<int32_t> table(runtime::BlocksFor(tokens, block));
+    std::iota(table.begin(), table.end(), 0);
+    std::vector<int32_t> ids(tokens);
+    for (int32_t& id : ids) id = token(rng);
+    auto prefill = [&]() -> absl::Status {
+      for (int first = 0; first < tokens; first += chunk) {
+        const int n = std::min(chunk, tokens - first);
+        ForwardBatch b;
+        b.token_ids.assign(ids.begin() + first, ids.begin() + first + n);
+        b.sequences = {SequenceChunk{first, n, table}};
+        b.logit_rows = {n - 1};
+        MOE_RETURN_IF_ERROR(Step(model, *cache, b));
+      }
+      return absl::OkStatus();
+    };
+    MOE_RETURN_IF_ERROR(prefill());  // warm-up
+    double best = 1e30;
+    for (int r = 0; r < o.prefill_repeats; ++r) {
+      const auto start = Clock::now();
+      MOE_RETURN_IF_ERROR(prefill());
+      best = std::min(best, Seconds(start));
+    }
+    PrefillRow row;
+    row.tokens = tokens;
+    row.tokens_per_s = tokens / best;
+    row.tflops = PrefillFlops(spec, tokens) / best / 1e12;
+    row.ratio = row.tflops / result.roofline.matmul_tflops;
+    log << absl::StrFormat("prefill %5d tokens: %9.1f tokens/s, %.1f ms, %.1f TFLOP/s, %.1f%% of the matrix rate\n",
+                           tokens, row.tokens_per_s, best * 1e3, row.tflops, 100 * row.ratio);
+    result.prefill.push_back(row);
+  }
+  return result;
+}
+
+}  // namespace moe::bench

@@ -1,0 +1,94 @@
+// The boundary between the scheduler and whatever runs the model. Once per step the scheduler
+// builds a StepPlan and an Executor runs it, returning one sampled token per logit row.
+// ModelExecutor (model_executor.h) runs plans on a model in this process; a worker process runs
+// the same plans behind another Executor, so nothing here depends on the scheduler.
+//
+// A StepPlan is a value: it owns every token id, block table and sampling input it names, so it
+// can be copied, kept, serialized and sent to every worker without pointing into the scheduler's
+// memory. Sampling is keyed by (seed, sequence, position), so the token a row draws depends on the
+// plan alone, not on which executor ran the earlier steps.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "moe/runtime/model.h"
+#include "moe/runtime/sampler.h"
+
+namespace moe::runtime {
+
+// The sampling inputs of one logit row of a step.
+struct SampleRow {
+  SamplingParams sampling;
+  // The key of the draw. The scheduler sets a seed on every request (a random one when the client
+  // gave none), so a request's tokens are the same whichever process samples them.
+  uint64_t seed = 0;
+  uint32_t sequence = 0;  // which of the request's sequences draws (0 while a request has one)
+  uint32_t position = 0;  // position of the drawn token: the sequence's length so far
+  // What the penalties read: the prompt, then the tokens generated so far. Sent only when
+  // sampling.penalized(), so that steps of unpenalized rows carry no token history; then
+  // history.size() == position.
+  std::vector<int32_t> history;
+  int32_t prompt_len = 0;  // the first prompt_len tokens of the sequence are its prompt
+  int logprobs = 0;        // top alternatives to return with the token's log-probability (0: none)
+};
+
+struct SampledToken {
+  int32_t token = 0;
+  std::optional<TokenLogprobs> logprobs;  // when the row asked for them
+  // Set when this row's logits could not be sampled (not finite): the sequence fails with it,
+  // the others in the step go on.
+  absl::Status error;
+};
+
+struct StepPlan {
+  ForwardBatch batch;
+  std::vector<SampleRow> samples;  // one per batch.logit_rows entry, same order
+};
+
+// The KV cache an executor holds: the scheduler hands out block ids below num_blocks, each
+// holding block_size positions. For several workers, the minimum over them.
+struct KvCapacity {
+  int num_blocks = 0;
+  int block_size = 0;
+};
+
+// What the scheduler and the client API need to know of the model behind an executor, without
+// holding the model (a worker process holds it): the vocabulary bounds token ids and top_k, the
+// context limit bounds positions (no RoPE scaling yet), the end-of-sequence ids end requests,
+// and the rest is reported to clients.
+struct ModelInfo {
+  std::string architecture;  // config.json's model_type
+  int vocab_size = 0;
+  int max_position_embeddings = 0;
+  std::vector<int> eos_token_ids;
+  int num_experts = 0;
+  int experts_per_token = 0;
+};
+
+// Thread-safety: Execute is called by one thread at a time (the engine's loop). kv_capacity,
+// model_info and Describe may be called from any thread; what they return does not change over
+// the executor's life.
+class Executor {
+ public:
+  virtual ~Executor() = default;
+
+  // Runs one step: one sampled token per logit row of the plan, in order. A row whose logits
+  // are not finite gets its own error (kInternal) and the others are served. The whole step
+  // fails with kInvalidArgument for a malformed plan (a token id outside the vocabulary, a block
+  // outside the cache or a block table too short for its positions, sample rows that do not
+  // match the logit rows), in which case the cache is unchanged, and with kUnavailable when a
+  // worker is lost. Either error fails the plan's sequences only.
+  virtual absl::StatusOr<std::vector<SampledToken>> Execute(const StepPlan& plan) = 0;
+
+  virtual KvCapacity kv_capacity() const = 0;
+  virtual const ModelInfo& model_info() const = 0;
+  // One line for logs: what runs the plans, and where.
+  virtual std::string Describe() const = 0;
+};
+
+}  // namespace moe::runtime

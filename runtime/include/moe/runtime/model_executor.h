@@ -1,0 +1,49 @@
+// ModelExecutor: runs step plans on a model in this process, with a KV cache of its own that the
+// scheduler's block ids index. It is the executor of a one-process server, and what a worker
+// process runs behind its control stream.
+//
+// Thread-safety: as Executor: one Execute at a time; and since a Model runs one Forward at a
+// time, executors sharing a model must not Execute at once either.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "moe/runtime/executor.h"
+#include "moe/runtime/kv_cache.h"
+#include "moe/runtime/model.h"
+
+namespace moe::runtime {
+
+class ModelExecutor final : public Executor {
+ public:
+  // Creates a KV cache of `num_blocks` blocks of `block_size` positions on the model's backend.
+  // `model` is not owned and must outlive the executor. kInvalidArgument for a non-positive
+  // size, kResourceExhausted when the backend cannot hold the cache.
+  static absl::StatusOr<std::unique_ptr<ModelExecutor>> Create(Model& model, int num_blocks, int block_size = 16);
+
+  absl::StatusOr<std::vector<SampledToken>> Execute(const StepPlan& plan) override;
+  KvCapacity kv_capacity() const override;
+  const ModelInfo& model_info() const override { return info_; }
+  std::string Describe() const override { return description_; }
+
+ private:
+  ModelExecutor(Model& model, std::unique_ptr<KvCache> cache);
+  // Samples row `row` of the step from its logits[vocab], penalties applied.
+  int32_t Sample(const SampleRow& row, const float* logits, int vocab);
+
+  Model& model_;
+  const std::unique_ptr<KvCache> cache_;
+  const ModelInfo info_;
+  const std::string description_;
+  // Reused across steps, so a step allocates nothing once sizes settle.
+  std::vector<float> logits_;
+  std::vector<float> penalized_;
+};
+
+// The ModelInfo of a model with this spec.
+ModelInfo ModelInfoFor(const ModelSpec& spec);
+
+}  // namespace moe::runtime

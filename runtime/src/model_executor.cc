@@ -1,0 +1,112 @@
+#include "moe/runtime/model_executor.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "moe/core/status.h"
+#include "moe/runtime/sampler.h"
+
+namespace moe::runtime {
+namespace {
+
+// SplitMix64's finalizer: spreads nearby keys (consecutive positions) over the whole seed space.
+uint64_t Mix(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// The one place a token is drawn. Until the counter-based SampleToken(logits, vocab, params,
+// SampleKey{seed, sequence, position}) replaces the Sampler class, a Sampler seeded from the key
+// stands in for it: the draw already depends on the key alone, so no state lives between steps.
+int32_t DrawToken(const float* logits, int vocab, const SamplingParams& params, uint64_t seed, uint32_t sequence,
+                  uint32_t position) {
+  SamplingParams keyed = params;
+  keyed.seed = Mix(seed ^ Mix((static_cast<uint64_t>(sequence) << 32) | position));
+  return Sampler(keyed).Sample(logits, vocab);
+}
+
+// What Forward does not check: the sampling half of the plan, which a worker receives from
+// another process.
+absl::Status CheckSampleRows(const StepPlan& plan) {
+  if (plan.samples.size() != plan.batch.logit_rows.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("step plan: ", plan.samples.size(), " sample rows for ",
+                                                   plan.batch.logit_rows.size(), " logit rows"));
+  }
+  for (size_t i = 0; i < plan.samples.size(); ++i) {
+    const SampleRow& row = plan.samples[i];
+    if (row.logprobs < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("step plan: sample row ", i, ": logprobs ", row.logprobs));
+    }
+    if (row.sampling.penalized() && (row.history.size() != row.position || row.prompt_len < 0 ||
+                                     static_cast<size_t>(row.prompt_len) > row.history.size())) {
+      return absl::InvalidArgumentError(absl::StrCat("step plan: sample row ", i, " is penalized but its history has ",
+                                                     row.history.size(), " tokens for position ", row.position,
+                                                     " (prompt_len ", row.prompt_len, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+ModelInfo ModelInfoFor(const ModelSpec& spec) {
+  ModelInfo info;
+  info.architecture = spec.model_type;
+  info.vocab_size = spec.vocab_size;
+  info.max_position_embeddings = spec.max_position_embeddings;
+  info.eos_token_ids = spec.eos_token_ids;
+  info.num_experts = spec.routing.num_experts;
+  info.experts_per_token = spec.routing.top_k;
+  return info;
+}
+
+absl::StatusOr<std::unique_ptr<ModelExecutor>> ModelExecutor::Create(Model& model, int num_blocks, int block_size) {
+  MOE_ASSIGN_OR_RETURN(std::unique_ptr<KvCache> cache, model.NewKvCache(num_blocks, block_size));
+  return std::unique_ptr<ModelExecutor>(new ModelExecutor(model, std::move(cache)));
+}
+
+ModelExecutor::ModelExecutor(Model& model, std::unique_ptr<KvCache> cache)
+    : model_(model),
+      cache_(std::move(cache)),
+      info_(ModelInfoFor(model.spec())),
+      // Built once: Describe may be called while another thread runs a step on the model.
+      description_(absl::StrCat(
+          model.spec().model_type, " in this process on ", model.backend().name(), "; ",
+          model.expert_pool() != nullptr ? model.expert_pool()->Describe() : "routed experts on the reference path",
+          "; KV cache ", cache_->shape().num_blocks, " blocks of ", cache_->shape().block_size, " positions")) {}
+
+KvCapacity ModelExecutor::kv_capacity() const {
+  return KvCapacity{cache_->shape().num_blocks, cache_->shape().block_size};
+}
+
+int32_t ModelExecutor::Sample(const SampleRow& row, const float* logits, int vocab) {
+  if (!row.sampling.penalized()) return DrawToken(logits, vocab, row.sampling, row.seed, row.sequence, row.position);
+  penalized_.assign(logits, logits + vocab);
+  const int32_t* history = row.history.data();
+  ApplyPenalties(row.sampling, history, row.prompt_len, history + row.prompt_len,
+                 static_cast<int>(row.history.size()) - row.prompt_len, penalized_.data(), vocab);
+  return DrawToken(penalized_.data(), vocab, row.sampling, row.seed, row.sequence, row.position);
+}
+
+absl::StatusOr<std::vector<SampledToken>> ModelExecutor::Execute(const StepPlan& plan) {
+  MOE_RETURN_IF_ERROR(CheckSampleRows(plan));
+  MOE_RETURN_IF_ERROR(model_.Forward(plan.batch, *cache_, &logits_));
+  const int vocab = info_.vocab_size;
+  std::vector<SampledToken> tokens(plan.samples.size());
+  for (size_t i = 0; i < plan.samples.size(); ++i) {
+    const SampleRow& row = plan.samples[i];
+    const float* logits = logits_.data() + i * vocab;
+    if (absl::Status finite = CheckLogitsFinite(logits, 1, vocab); !finite.ok()) {
+      tokens[i].error = std::move(finite);
+      continue;
+    }
+    tokens[i].token = Sample(row, logits, vocab);
+    // Log-probabilities of the model's own distribution, before penalties and sampling filters.
+    if (row.logprobs > 0) tokens[i].logprobs = ComputeLogprobs(logits, vocab, tokens[i].token, row.logprobs);
+  }
+  return tokens;
+}
+
+}  // namespace moe::runtime
