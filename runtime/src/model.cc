@@ -133,9 +133,11 @@ absl::Status Model::ReserveStep() {
   limits.num_heads = s.num_heads;
   limits.head_dim = s.head_dim;
   limits.vocab = s.vocab_size;
+  limits.hidden = s.hidden_size;
   limits.num_experts = s.routing.num_experts;
   limits.top_k = s.routing.top_k;
   limits.moe_intermediate = s.moe_intermediate_size;
+  limits.max_bias_width = s.qkv_bias ? static_cast<int>(qkv_width) : 0;
   MOE_RETURN_IF_ERROR(b.ReserveScratch(limits));
   MOE_ASSIGN_OR_RETURN(host_logits_, b.AllocateHost(l * s.vocab_size * 4));
   return b.Synchronize();

@@ -12,6 +12,7 @@
 #include "cuda/cuda_status.h"
 #include "cuda/gather.h"
 #include "cuda/ops.h"
+#include "cuda/routing.h"
 #include "moe/core/dtype.h"
 #include "moe/core/logging.h"
 #include "moe/core/status.h"
@@ -223,12 +224,13 @@ class CudaBackend : public Backend {
     const int64_t attention = cuda::AttentionWorkspaceFloats(l.max_tokens, l.max_context, l.num_heads, l.head_dim);
     MOE_ASSIGN_OR_RETURN(attention_ws_, Allocate(DType::kF32, 1, std::max<int64_t>(attention, 1)));
     if (l.num_experts > 0) {
-      const int64_t moe = cuda::MoeWorkspaceBytes(l.max_tokens, l.top_k, l.num_experts, l.moe_intermediate);
+      const int64_t moe = cuda::MoeWorkspaceBytes(l.max_tokens, l.top_k, l.num_experts, l.hidden, l.moe_intermediate);
       MOE_ASSIGN_OR_RETURN(moe_ws_, Allocate(DType::kI8, 1, std::max<int64_t>(moe, 1)));
     }
     max_logit_rows_ = l.max_logit_rows;
-    const int64_t sampling = cuda::SamplingWorkspaceBytes(l.max_logit_rows, l.vocab);
-    MOE_ASSIGN_OR_RETURN(sampling_ws_, Allocate(DType::kI8, 1, std::max<int64_t>(sampling, 1)));
+    if (l.max_bias_width > 0) {
+      MOE_ASSIGN_OR_RETURN(bias_out_, Allocate(DType::kF32, l.max_tokens, l.max_bias_width));
+    }
     return absl::OkStatus();
   }
 
@@ -340,11 +342,18 @@ class CudaBackend : public Backend {
   }
 
   void Linear(const Tensor& x, const DeviceWeight& w, const DeviceWeight* bias, const Tensor& out) override {
+    // A bias with a bf16 output goes through fp32: the bias is added before the one rounding, as
+    // the CPU reference does (rounding the product, then the sum, loses up to an ulp of the
+    // product where the bias cancels it).
+    const bool via_f32 = bias != nullptr && out.dtype != DType::kF32 && bias_out_ != nullptr &&
+                         out.numel() <= bias_out_->tensor().numel();
+    void* target = via_f32 ? bias_out_->tensor().data : out.data;
     const absl::Status s =
         linear_->Run(x.as<uint16_t>(), static_cast<int>(x.rows), AsCuda(w).as<uint16_t>(), static_cast<int>(w.rows()),
-                     static_cast<int>(w.cols()), bias != nullptr ? AsCuda(*bias).as<float>() : nullptr, out.data,
-                     out.dtype == DType::kF32, stream_);
+                     static_cast<int>(w.cols()), bias != nullptr ? AsCuda(*bias).as<float>() : nullptr, target,
+                     via_f32 || out.dtype == DType::kF32, stream_);
     if (!s.ok() && pending_.ok()) pending_ = core::Annotate(s, "Linear");
+    if (via_f32) cuda::F32ToBf16(bias_out_->tensor().as<float>(), out.numel(), out.as<uint16_t>(), stream_);
     Launched("Linear");
   }
 
@@ -383,6 +392,7 @@ class CudaBackend : public Backend {
     p.topk_group = spec.topk_group;
     p.routed_scaling_factor = spec.routed_scaling_factor;
     p.correction_bias = correction_bias != nullptr ? AsCuda(*correction_bias).as<float>() : nullptr;
+    if (absl::Status s = cuda::CheckRouterParams(p); !s.ok() && pending_.ok()) pending_ = core::Annotate(s, "RouteTopK");
     cuda::RouteTopK(logits.as<float>(), static_cast<int>(logits.rows), p, ids.as<int32_t>(), weights.as<float>(),
                     stream_);
     Launched("RouteTopK");
@@ -490,6 +500,7 @@ class CudaBackend : public Backend {
   cudaEvent_t staging_done_[2] = {nullptr, nullptr};
   int next_staging_ = 0;
   std::unique_ptr<DeviceBuffer> attention_ws_, moe_ws_, sampling_ws_;
+  std::unique_ptr<DeviceBuffer> bias_out_;  // fp32 output of the biased Linears, then rounded
   int max_logit_rows_ = 0;
   std::map<uint64_t, cudaGraphExec_t> graphs_;
   bool capturing_ = false;

@@ -1,4 +1,7 @@
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
+
+#include <algorithm>
 
 #include "cuda/gather.h"
 
@@ -33,7 +36,19 @@ __global__ void FirstNonFiniteKernel(const float* __restrict__ x, int64_t cols, 
   if (threadIdx.x == 0) first[blockIdx.x] = found == 0x7fffffff ? -1 : found;
 }
 
+__global__ void F32ToBf16Kernel(const float* __restrict__ src, int64_t n, __nv_bfloat16* __restrict__ dst) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    dst[i] = __float2bfloat16_rn(src[i]);
+  }
+}
+
 }  // namespace
+
+void F32ToBf16(const float* src, int64_t n, uint16_t* dst, cudaStream_t stream) {
+  if (n == 0) return;
+  const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, 4096));
+  F32ToBf16Kernel<<<blocks, 256, 0, stream>>>(src, n, reinterpret_cast<__nv_bfloat16*>(dst));
+}
 
 void GatherRowsBytes(const void* src, int64_t row_bytes, const int32_t* rows, int n, void* dst, cudaStream_t stream) {
   if (n == 0) return;

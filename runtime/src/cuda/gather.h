@@ -11,6 +11,9 @@ namespace moe::runtime::cuda {
 // dst[i] = src[rows[i]] for i < n, rows of `row_bytes` bytes.
 void GatherRowsBytes(const void* src, int64_t row_bytes, const int32_t* rows, int n, void* dst, cudaStream_t stream);
 
+// dst[i] = bf16(src[i]) for i < n (round to nearest even).
+void F32ToBf16(const float* src, int64_t n, uint16_t* dst, cudaStream_t stream);
+
 // first[r] = index of the first NaN or infinity in row r of x [rows x cols], or -1.
 void FirstNonFinite(const float* x, int rows, int64_t cols, int32_t* first, cudaStream_t stream);
 

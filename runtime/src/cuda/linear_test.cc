@@ -147,6 +147,9 @@ Checked CheckProduct(const std::vector<float>& xf, const std::vector<float>& wf,
       dot += p;
       sq += p * p;
     }
+    // The product is rounded to bf16 before the bias is added when cuBLASLt keeps the bias in
+    // the output's type, so the error scales with the product as well as with the sum.
+    const double product = dot;
     if (bias != nullptr) dot += (*bias)[c];
     const float g = got[size_t{1} * r * n + c];
     ++result.count;
@@ -154,7 +157,7 @@ Checked CheckProduct(const std::vector<float>& xf, const std::vector<float>& wf,
       ++result.non_finite;
       continue;
     }
-    const double err = std::abs(g - dot) / std::max(std::abs(dot), std::sqrt(sq));
+    const double err = std::abs(g - dot) / std::max({std::abs(dot), std::abs(product), std::sqrt(sq)});
     if (err > result.worst) {
       result.worst = err;
       result.where = "out[" + std::to_string(r) + "][" + std::to_string(c) + "] = " + std::to_string(g) + ", want " +

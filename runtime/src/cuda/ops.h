@@ -118,12 +118,18 @@ struct ExpertWeights {
   int intermediate = 0;  // I
 };
 // out[t] = sum_j weights[t][j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = ids[t][j]; out fp32
-// [T x H], overwritten; x [T x H] bf16. Tokens are grouped by expert on the device (no host
-// sync), each selected expert's rows are read once for all its tokens: the decode path.
-// `workspace` holds MoeWorkspaceBytes(T, top_k, E, I) bytes.
+// [T x H], overwritten; x [T x H] bf16; ids [T x top_k] int32, weights [T x top_k] fp32. Tokens
+// are grouped by expert on the device (no host sync; the launches depend only on T, top_k, E, H,
+// I), each selected expert's rows are read once for all its tokens; few (token, slot) pairs take
+// a tensor-core GEMV, many a grouped GEMM. The k slots of a token are summed in slot order, so
+// the result does not depend on scheduling. An id outside [0, E) adds nothing. H and I must be
+// multiples of 8 (at most 65536), 1 <= E <= 2048, T * top_k <= 2^24, pointers 16-byte aligned;
+// otherwise out is filled with NaN.
+// `workspace` holds MoeWorkspaceBytes(max_tokens, top_k, E, H, I) bytes, max_tokens >= T: the
+// grouping, act [T*k x I] bf16 and each slot's output [T*k x H] fp32, which the slot sum reads.
 void MoeExperts(const uint16_t* x, int num_tokens, const int32_t* ids, const float* weights, int top_k,
                 const ExpertWeights& w, void* workspace, float* out, cudaStream_t stream);
-int64_t MoeWorkspaceBytes(int max_tokens, int top_k, int num_experts, int intermediate);
+int64_t MoeWorkspaceBytes(int max_tokens, int top_k, int num_experts, int hidden, int intermediate);
 
 // ---- Sampling (sampling.cu), the algorithm of runtime/include/moe/runtime/sampler.h ----
 

@@ -260,9 +260,11 @@ class Backend {
     int num_heads = 0;
     int head_dim = 0;
     int vocab = 0;
+    int hidden = 0;
     int num_experts = 0;
     int top_k = 0;
     int moe_intermediate = 0;
+    int max_bias_width = 0;  // the widest Linear with a bias (the fused QKV), 0 when none has one
   };
   virtual absl::Status ReserveScratch(const StepLimits& limits) { return absl::OkStatus(); }
   // Bytes of device memory free now (the host's available memory for the CPU backend).
