@@ -17,10 +17,14 @@ size_t ValidSequenceAt(const std::string& text, size_t pos) {
   const unsigned char c = static_cast<unsigned char>(text[pos]);
   size_t size = 0;
   if (c < 0x80) return 1;
-  if ((c & 0xE0) == 0xC0) size = 2;
-  else if ((c & 0xF0) == 0xE0) size = 3;
-  else if ((c & 0xF8) == 0xF0) size = 4;
-  else return 0;
+  if ((c & 0xE0) == 0xC0)
+    size = 2;
+  else if ((c & 0xF0) == 0xE0)
+    size = 3;
+  else if ((c & 0xF8) == 0xF0)
+    size = 4;
+  else
+    return 0;
   if (pos + size > text.size()) return 0;
   for (size_t i = 1; i < size; ++i) {
     if ((static_cast<unsigned char>(text[pos + i]) & 0xC0) != 0x80) return 0;
@@ -73,8 +77,7 @@ class ByteLevelVocab {
 
 // 😀 is F0 9F 98 80, é is C3 A9, 你 is E4 BD A0.
 ByteLevelVocab TestVocab() {
-  return ByteLevelVocab({"Hello", " ", "\xF0\x9F", "\x98", "\x80", "\xC3", "\xA9", "!",
-                         "\xE4\xBD", "\xA0", " world"});
+  return ByteLevelVocab({"Hello", " ", "\xF0\x9F", "\x98", "\x80", "\xC3", "\xA9", "!", "\xE4\xBD", "\xA0", " world"});
 }
 
 struct Streamed {
@@ -97,8 +100,8 @@ TEST(IncrementalDetokenizerTest, HoldsPartialCharactersUntilComplete) {
   const Streamed out = Stream(detokenizer, ids);
   EXPECT_EQ(out.text, vocab.Decode(ids));
   EXPECT_EQ(out.text, "Hello \xF0\x9F\x98\x80!\xC3\xA9\xE4\xBD\xA0");
-  const std::vector<std::string> expected = {
-      "Hello", " ", "", "", "\xF0\x9F\x98\x80", "!", "", "\xC3\xA9", "", "\xE4\xBD\xA0", ""};
+  const std::vector<std::string> expected = {"Hello",        " ", "", "", "\xF0\x9F\x98\x80", "!", "", "\xC3\xA9", "",
+                                             "\xE4\xBD\xA0", ""};
   EXPECT_EQ(out.deltas, expected);
   for (const std::string& delta : out.deltas) {
     EXPECT_TRUE(IsValidUtf8(delta)) << delta;
@@ -121,8 +124,7 @@ TEST(IncrementalDetokenizerTest, EveryOrderOfPiecesConcatenatesToTheDecode) {
       ASSERT_TRUE(IsValidUtf8(out.deltas[i])) << code;
       // Before Finish, a delta never ends in a replacement character that a later id might
       // still have completed.
-      ASSERT_FALSE(out.deltas[i].size() >= 3 &&
-                   out.deltas[i].compare(out.deltas[i].size() - 3, 3, kReplacement) == 0)
+      ASSERT_FALSE(out.deltas[i].size() >= 3 && out.deltas[i].compare(out.deltas[i].size() - 3, 3, kReplacement) == 0)
           << code;
     }
   }

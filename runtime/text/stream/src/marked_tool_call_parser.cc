@@ -7,8 +7,7 @@
 
 namespace moe::text::internal {
 
-MarkedToolCallParser::MarkedToolCallParser(CallMarkers markers, std::string id_prefix,
-                                           int id_size)
+MarkedToolCallParser::MarkedToolCallParser(CallMarkers markers, std::string id_prefix, int id_size)
     : markers_(std::move(markers)), id_prefix_(std::move(id_prefix)), id_size_(id_size) {}
 
 TextDelta MarkedToolCallParser::Add(std::string_view text) {
@@ -90,8 +89,8 @@ bool MarkedToolCallParser::StepSection(TextDelta* out) {
   const size_t call_pos = buffer_.find(markers_.call_begin);
   const size_t end_pos = buffer_.find(markers_.section_end);
   if (call_pos == std::string::npos && end_pos == std::string::npos) {
-    const size_t hold = std::max(PartialSuffixLength(buffer_, markers_.call_begin),
-                                 PartialSuffixLength(buffer_, markers_.section_end));
+    const size_t hold =
+        std::max(PartialSuffixLength(buffer_, markers_.call_begin), PartialSuffixLength(buffer_, markers_.section_end));
     const size_t show = buffer_.size() - hold;
     // Stray text inside a section is shown rather than dropped; whitespace is held.
     AppendContent(std::string_view(buffer_).substr(0, show), out);
@@ -188,8 +187,7 @@ BodyEnd MarkedToolCallParser::FindBodyEnd(std::string_view text) {
 }
 
 std::string MarkedToolCallParser::NewCallId() {
-  static constexpr char kAlphabet[] =
-      "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
+  static constexpr char kAlphabet[] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
   std::string id = id_prefix_;
   for (int i = 0; i < id_size_; ++i) {
     id.push_back(kAlphabet[absl::Uniform<size_t>(bitgen_, 0, sizeof(kAlphabet) - 1)]);

@@ -46,8 +46,7 @@ ParameterTypes::ParameterTypes(const nlohmann::json& tools) {
     if (function == tool.end() || !function->is_object()) continue;
     auto name = function->find("name");
     auto parameters = function->find("parameters");
-    if (name == function->end() || !name->is_string() || parameters == function->end() ||
-        !parameters->is_object()) {
+    if (name == function->end() || !name->is_string() || parameters == function->end() || !parameters->is_object()) {
       continue;
     }
     auto properties = parameters->find("properties");
@@ -66,8 +65,7 @@ std::string ParameterTypes::TypeOf(std::string_view function, std::string_view p
   return p == f->second.end() ? "" : p->second;
 }
 
-nlohmann::ordered_json ParameterTypes::Convert(std::string_view text, std::string_view type,
-                                               bool untyped_as_json) {
+nlohmann::ordered_json ParameterTypes::Convert(std::string_view text, std::string_view type, bool untyped_as_json) {
   const std::string as_string(text);
   if (type == "string") return as_string;
   if (type.empty() && !untyped_as_json) return as_string;
@@ -92,8 +90,9 @@ nlohmann::ordered_json ParameterTypes::Convert(std::string_view text, std::strin
     return as_string;
   }
   // object, array, an unknown type name, or untyped: JSON when it is JSON.
-  nlohmann::ordered_json value = nlohmann::ordered_json::parse(std::string_view(trimmed.data(), trimmed.size()), nullptr,
-                                                               /*allow_exceptions=*/false);
+  nlohmann::ordered_json value =
+      nlohmann::ordered_json::parse(std::string_view(trimmed.data(), trimmed.size()), nullptr,
+                                    /*allow_exceptions=*/false);
   if (value.is_discarded()) return as_string;
   return value;
 }

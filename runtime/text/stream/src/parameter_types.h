@@ -23,8 +23,7 @@ class ParameterTypes {
   // `text` as a JSON value of `type`. A value that does not fit its type stays a string, so a
   // call is never lost over a type. Untyped values are strings, or with `untyped_as_json` JSON
   // when they parse as JSON.
-  static nlohmann::ordered_json Convert(std::string_view text, std::string_view type,
-                                        bool untyped_as_json);
+  static nlohmann::ordered_json Convert(std::string_view text, std::string_view type, bool untyped_as_json);
 
  private:
   // function name -> parameter name -> type.

@@ -7,9 +7,7 @@
 namespace moe::text {
 
 ReasoningParser::ReasoningParser(std::string start, std::string end, bool starts_in_reasoning)
-    : start_(std::move(start)),
-      end_(std::move(end)),
-      state_(starts_in_reasoning ? State::kReasoning : State::kStart) {}
+    : start_(std::move(start)), end_(std::move(end)), state_(starts_in_reasoning ? State::kReasoning : State::kStart) {}
 
 TextDelta ReasoningParser::Add(std::string_view text) {
   TextDelta out;

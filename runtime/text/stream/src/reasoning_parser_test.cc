@@ -26,8 +26,8 @@ Split Run(bool starts_in_reasoning, const std::vector<std::string>& pieces) {
   return out;
 }
 
-void ExpectAllSplits(bool starts_in_reasoning, const std::string& text,
-                     const std::string& reasoning, const std::string& content) {
+void ExpectAllSplits(bool starts_in_reasoning, const std::string& text, const std::string& reasoning,
+                     const std::string& content) {
   for (size_t i = 0; i <= text.size(); ++i) {
     const Split s = Run(starts_in_reasoning, {text.substr(0, i), text.substr(i)});
     EXPECT_EQ(s.reasoning, reasoning) << "split at " << i;
@@ -47,8 +47,7 @@ TEST(ReasoningParserTest, OpeningTagInTheOutput) {
 }
 
 TEST(ReasoningParserTest, OpeningTagInThePrompt) {
-  ExpectAllSplits(true, "Let me add.\n</think>\n\nThe answer is 4.", "Let me add.\n",
-                  "\n\nThe answer is 4.");
+  ExpectAllSplits(true, "Let me add.\n</think>\n\nThe answer is 4.", "Let me add.\n", "\n\nThe answer is 4.");
 }
 
 TEST(ReasoningParserTest, NoReasoning) {
@@ -58,9 +57,7 @@ TEST(ReasoningParserTest, NoReasoning) {
   ExpectAllSplits(false, "<thin>", "", "<thin>");
 }
 
-TEST(ReasoningParserTest, EndTagOnlyOnce) {
-  ExpectAllSplits(true, "a</think>b</think>c", "a", "b</think>c");
-}
+TEST(ReasoningParserTest, EndTagOnlyOnce) { ExpectAllSplits(true, "a</think>b</think>c", "a", "b</think>c"); }
 
 TEST(ReasoningParserTest, CutOffHoldsNothingBack) {
   ExpectAllSplits(false, "<think>hmm</thi", "hmm</thi", "");

@@ -14,8 +14,7 @@ struct Result {
   std::string matched;
 };
 
-Result Run(const std::vector<std::string>& stops, bool include,
-           const std::vector<std::string>& pieces) {
+Result Run(const std::vector<std::string>& stops, bool include, const std::vector<std::string>& pieces) {
   StopMatcher matcher(stops, include);
   Result result;
   for (const std::string& piece : pieces) result.text += matcher.Add(piece);
@@ -99,9 +98,7 @@ TEST(StopMatcherTest, NoStopsPassesThrough) {
   ExpectAllSplits({""}, false, "anything at all", "anything at all", "");
 }
 
-TEST(StopMatcherTest, MultiByteStops) {
-  ExpectAllSplits({"。\n"}, false, "答案是四。\n下一个", "答案是四", "。\n");
-}
+TEST(StopMatcherTest, MultiByteStops) { ExpectAllSplits({"。\n"}, false, "答案是四。\n下一个", "答案是四", "。\n"); }
 
 }  // namespace
 }  // namespace moe::text

@@ -50,9 +50,8 @@ std::optional<ParsedCall> JsonCall(const OrderedJson& call) {
 
 // A function name as the tag formats carry it: one token of text, no markup.
 bool IsPlausibleName(std::string_view name) {
-  return !name.empty() && std::none_of(name.begin(), name.end(), [](char c) {
-    return c == '<' || c == '>' || internal::IsJsonSpace(c);
-  });
+  return !name.empty() && std::none_of(name.begin(), name.end(),
+                                       [](char c) { return c == '<' || c == '>' || internal::IsJsonSpace(c); });
 }
 
 // Qwen2.5 / Qwen3: <tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>
@@ -113,9 +112,9 @@ class Qwen3CoderParser final : public internal::MarkedToolCallParser {
         value_end = std::min(rest.find(kParameter, value_begin), rest.size());
         next = value_end;
       }
-      arguments[param] = internal::ParameterTypes::Convert(
-          StripOneNewline(rest.substr(value_begin, value_end - value_begin)),
-          types_.TypeOf(call.name, param), /*untyped_as_json=*/false);
+      arguments[param] =
+          internal::ParameterTypes::Convert(StripOneNewline(rest.substr(value_begin, value_end - value_begin)),
+                                            types_.TypeOf(call.name, param), /*untyped_as_json=*/false);
       pos = next;
     }
     call.arguments = DumpJson(arguments);
@@ -164,9 +163,9 @@ class Glm45Parser final : public internal::MarkedToolCallParser {
       const size_t value_end = body.find(kValueEnd, value_begin);
       if (value_end == std::string_view::npos) return std::nullopt;
       // Untyped values are JSON when they parse as JSON, as GLM writes numbers and lists bare.
-      arguments[key] = internal::ParameterTypes::Convert(
-          body.substr(value_begin, value_end - value_begin), types_.TypeOf(call.name, key),
-          /*untyped_as_json=*/true);
+      arguments[key] = internal::ParameterTypes::Convert(body.substr(value_begin, value_end - value_begin),
+                                                         types_.TypeOf(call.name, key),
+                                                         /*untyped_as_json=*/true);
       pos = SkipSpace(body, value_end + kValueEnd.size());
     }
     call.arguments = DumpJson(arguments);
@@ -187,8 +186,8 @@ class Glm45Parser final : public internal::MarkedToolCallParser {
 class DeepSeekV31Parser final : public internal::MarkedToolCallParser {
  public:
   DeepSeekV31Parser()
-      : MarkedToolCallParser({"<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
-                              "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"}) {}
+      : MarkedToolCallParser(
+            {"<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"}) {}
 
  protected:
   std::optional<std::vector<ParsedCall>> ParseBody(std::string_view body) const override {
@@ -198,8 +197,7 @@ class DeepSeekV31Parser final : public internal::MarkedToolCallParser {
     ParsedCall call;
     call.name = std::string(TrimSpace(body.substr(0, sep)));
     if (!IsPlausibleName(call.name)) return std::nullopt;
-    OrderedJson arguments =
-        OrderedJson::parse(TrimSpace(body.substr(sep + kSeparator.size())), nullptr, false);
+    OrderedJson arguments = OrderedJson::parse(TrimSpace(body.substr(sep + kSeparator.size())), nullptr, false);
     if (arguments.is_discarded() || !arguments.is_object()) return std::nullopt;
     call.arguments = DumpJson(arguments);
     return std::vector<ParsedCall>{std::move(call)};
@@ -275,16 +273,13 @@ class MistralParser final : public internal::MarkedToolCallParser {
 
 }  // namespace
 
-std::vector<std::string> ToolCallParserNames() {
-  return {"deepseek_v31", "glm45", "hermes", "mistral", "qwen3_coder"};
-}
+std::vector<std::string> ToolCallParserNames() { return {"deepseek_v31", "glm45", "hermes", "mistral", "qwen3_coder"}; }
 
 absl::StatusOr<std::unique_ptr<ToolCallParser>> MakeToolCallParser(const std::string& name,
                                                                    const nlohmann::json& tools) {
   if (!tools.is_null() && !tools.is_array()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("tools: expected a list of tools, found ",
-                     tools.is_object() ? "an object" : tools.type_name()));
+        absl::StrCat("tools: expected a list of tools, found ", tools.is_object() ? "an object" : tools.type_name()));
   }
   if (name == "hermes") return std::make_unique<HermesParser>();
   if (name == "qwen3_coder") return std::make_unique<Qwen3CoderParser>(tools);
@@ -292,8 +287,7 @@ absl::StatusOr<std::unique_ptr<ToolCallParser>> MakeToolCallParser(const std::st
   if (name == "deepseek_v31") return std::make_unique<DeepSeekV31Parser>();
   if (name == "mistral") return std::make_unique<MistralParser>();
   return absl::InvalidArgumentError(absl::StrCat("unknown tool-call parser \"", name,
-                                                 "\"; known parsers: ",
-                                                 absl::StrJoin(ToolCallParserNames(), ", ")));
+                                                 "\"; known parsers: ", absl::StrJoin(ToolCallParserNames(), ", ")));
 }
 
 std::string DefaultToolCallParser(const std::string& model_type) {

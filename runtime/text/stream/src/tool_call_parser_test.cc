@@ -32,8 +32,7 @@ struct Collected {
   std::vector<ToolCall> calls;
 };
 
-Collected Feed(const std::string& parser_name, const Json& tools,
-               const std::vector<std::string>& pieces) {
+Collected Feed(const std::string& parser_name, const Json& tools, const std::vector<std::string>& pieces) {
   absl::StatusOr<std::unique_ptr<ToolCallParser>> parser = MakeToolCallParser(parser_name, tools);
   EXPECT_TRUE(parser.ok()) << parser.status();
   Collected out;
@@ -78,8 +77,7 @@ void Check(const Collected& got, const Expected& expected, const std::string& ho
 
 // Pieces the way a tokenizer would cut them: each marker whole, other text in runs of up to
 // three bytes.
-std::vector<std::string> TokenPieces(const std::string& text,
-                                     const std::vector<std::string>& markers) {
+std::vector<std::string> TokenPieces(const std::string& text, const std::vector<std::string>& markers) {
   std::vector<std::string> pieces;
   size_t pos = 0;
   while (pos < text.size()) {
@@ -112,8 +110,7 @@ void ExpectEverySplit(const std::string& parser_name, const Json& tools, const s
   for (char c : text) bytes.push_back(std::string(1, c));
   Check(Feed(parser_name, tools, bytes), expected, "byte by byte");
   for (size_t i = 0; i <= text.size(); ++i) {
-    Check(Feed(parser_name, tools, {text.substr(0, i), text.substr(i)}), expected,
-          "split at " + std::to_string(i));
+    Check(Feed(parser_name, tools, {text.substr(0, i), text.substr(i)}), expected, "split at " + std::to_string(i));
   }
 }
 
@@ -126,23 +123,19 @@ TEST(HermesToolCallParserTest, TwoCallsWithContentAround) {
       "\"arguments\": {}}\n</tool_call>\nDone.";
   ExpectEverySplit("hermes", nullptr, text, kHermesMarkers,
                    {"Let me check.\n\nDone.",
-                    {{"get_weather", {{"city", "Z\xC3\xBCrich"}, {"days", 3}}},
-                     {"get_time", Json::object()}}});
+                    {{"get_weather", {{"city", "Z\xC3\xBCrich"}, {"days", 3}}}, {"get_time", Json::object()}}});
 }
 
 TEST(HermesToolCallParserTest, WhitespaceAfterTheLastCallIsDropped) {
-  ExpectEverySplit("hermes", nullptr,
-                   "<tool_call>{\"name\": \"f\", \"arguments\": \"{\\\"a\\\": 1}\"}</tool_call>\n\n",
+  ExpectEverySplit("hermes", nullptr, "<tool_call>{\"name\": \"f\", \"arguments\": \"{\\\"a\\\": 1}\"}</tool_call>\n\n",
                    kHermesMarkers, {"", {{"f", {{"a", 1}}}}});
 }
 
 TEST(HermesToolCallParserTest, MalformedCallIsContent) {
-  const std::string bad =
-      "<tool_call>\n{\"name\": \"f\", \"arguments\": {bad json}}\n</tool_call>";
+  const std::string bad = "<tool_call>\n{\"name\": \"f\", \"arguments\": {bad json}}\n</tool_call>";
   ExpectEverySplit("hermes", nullptr, "Try: " + bad, kHermesMarkers, {"Try: " + bad, {}});
   const std::string good = "<tool_call>{\"name\": \"g\", \"arguments\": {\"x\": [1, 2]}}</tool_call>";
-  ExpectEverySplit("hermes", nullptr, bad + "\n" + good, kHermesMarkers,
-                   {bad, {{"g", {{"x", {1, 2}}}}}});
+  ExpectEverySplit("hermes", nullptr, bad + "\n" + good, kHermesMarkers, {bad, {{"g", {{"x", {1, 2}}}}}});
 }
 
 TEST(HermesToolCallParserTest, CutOffCallIsContent) {
@@ -178,8 +171,8 @@ const Json kWeatherTools = Json::parse(R"([
                    "limit": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}}}}
 ])");
 
-const std::vector<std::string> kQwen3CoderMarkers = {"<tool_call>", "</tool_call>", "<function=",
-                                                     "</function>", "<parameter=", "</parameter>"};
+const std::vector<std::string> kQwen3CoderMarkers = {
+    "<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=", "</parameter>"};
 
 TEST(Qwen3CoderToolCallParserTest, ValuesTypedBySchema) {
   const std::string text =
@@ -191,8 +184,13 @@ TEST(Qwen3CoderToolCallParserTest, ValuesTypedBySchema) {
   ExpectEverySplit("qwen3_coder", kWeatherTools, text, kQwen3CoderMarkers,
                    {"I'll look.\n\n",
                     {{"get_weather",
-                      {{"city", "San Francisco"}, {"days", 3}, {"metric", true}, {"ratio", 0.5},
-                       {"tags", {"a", "b"}}, {"unit", "42"}, {"limit", nullptr}}}}});
+                      {{"city", "San Francisco"},
+                       {"days", 3},
+                       {"metric", true},
+                       {"ratio", 0.5},
+                       {"tags", {"a", "b"}},
+                       {"unit", "42"},
+                       {"limit", nullptr}}}}});
 }
 
 TEST(Qwen3CoderToolCallParserTest, UntypedValuesAreStringsAndKeepTheirLines) {
@@ -200,10 +198,9 @@ TEST(Qwen3CoderToolCallParserTest, UntypedValuesAreStringsAndKeepTheirLines) {
       "<tool_call>\n<function=write_file>\n<parameter=path>\n/tmp/a.py\n</parameter>\n"
       "<parameter=content>\ndef f():\n    return 1\n\n</parameter>\n</function>\n</tool_call>\n"
       "<tool_call>\n<function=run>\n<parameter=n>\n7\n</parameter>\n</function>\n</tool_call>";
-  ExpectEverySplit("qwen3_coder", kWeatherTools, text, kQwen3CoderMarkers,
-                   {"",
-                    {{"write_file", {{"path", "/tmp/a.py"}, {"content", "def f():\n    return 1\n"}}},
-                     {"run", {{"n", "7"}}}}});
+  ExpectEverySplit(
+      "qwen3_coder", kWeatherTools, text, kQwen3CoderMarkers,
+      {"", {{"write_file", {{"path", "/tmp/a.py"}, {"content", "def f():\n    return 1\n"}}}, {"run", {{"n", "7"}}}}});
 }
 
 TEST(Qwen3CoderToolCallParserTest, UnclosedParameterStillParses) {
@@ -216,14 +213,13 @@ TEST(Qwen3CoderToolCallParserTest, UnclosedParameterStillParses) {
 
 TEST(Qwen3CoderToolCallParserTest, MalformedAndCutOffCallsAreContent) {
   const std::string bad = "<tool_call>\n<function>\n</function>\n</tool_call>";
-  ExpectEverySplit("qwen3_coder", kWeatherTools, "x " + bad + " y", kQwen3CoderMarkers,
-                   {"x " + bad + " y", {}});
+  ExpectEverySplit("qwen3_coder", kWeatherTools, "x " + bad + " y", kQwen3CoderMarkers, {"x " + bad + " y", {}});
   const std::string cut = "ok <tool_call>\n<function=get_weather>\n<parameter=city>\nOs";
   ExpectEverySplit("qwen3_coder", kWeatherTools, cut, kQwen3CoderMarkers, {cut, {}});
 }
 
 const std::vector<std::string> kGlmMarkers = {"<tool_call>", "</tool_call>", "<arg_key>",
-                                              "</arg_key>", "<arg_value>", "</arg_value>"};
+                                              "</arg_key>",  "<arg_value>",  "</arg_value>"};
 
 TEST(Glm45ToolCallParserTest, CallsWithTypedAndUntypedValues) {
   const std::string text =
@@ -240,15 +236,12 @@ TEST(Glm45ToolCallParserTest, CallsWithTypedAndUntypedValues) {
 }
 
 TEST(Glm45ToolCallParserTest, StringParameterStaysAString) {
-  const std::string text =
-      "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>2024</arg_value>\n</tool_call>";
-  ExpectEverySplit("glm45", kWeatherTools, text, kGlmMarkers,
-                   {"", {{"get_weather", {{"city", "2024"}}}}});
+  const std::string text = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>2024</arg_value>\n</tool_call>";
+  ExpectEverySplit("glm45", kWeatherTools, text, kGlmMarkers, {"", {{"get_weather", {{"city", "2024"}}}}});
 }
 
 TEST(Glm45ToolCallParserTest, MalformedCallIsContent) {
-  const std::string bad =
-      "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris\n</tool_call>";
+  const std::string bad = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris\n</tool_call>";
   ExpectEverySplit("glm45", kWeatherTools, bad + "after", kGlmMarkers, {bad + "after", {}});
 }
 
@@ -257,24 +250,21 @@ const std::string kCallsEnd = "<｜tool▁calls▁end｜>";
 const std::string kCallBegin = "<｜tool▁call▁begin｜>";
 const std::string kCallEnd = "<｜tool▁call▁end｜>";
 const std::string kSep = "<｜tool▁sep｜>";
-const std::vector<std::string> kDeepSeekMarkers = {kCallsBegin, kCallsEnd, kCallBegin, kCallEnd,
-                                                   kSep};
+const std::vector<std::string> kDeepSeekMarkers = {kCallsBegin, kCallsEnd, kCallBegin, kCallEnd, kSep};
 
 TEST(DeepSeekV31ToolCallParserTest, SectionWithTwoCalls) {
-  const std::string text = "Checking." + kCallsBegin + kCallBegin + "get_weather" + kSep +
-                           "{\"city\": \"Paris\"}" + kCallEnd + "\n" + kCallBegin + "get_time" +
-                           kSep + "{}" + kCallEnd + kCallsEnd + " Then more.";
+  const std::string text = "Checking." + kCallsBegin + kCallBegin + "get_weather" + kSep + "{\"city\": \"Paris\"}" +
+                           kCallEnd + "\n" + kCallBegin + "get_time" + kSep + "{}" + kCallEnd + kCallsEnd +
+                           " Then more.";
   ExpectEverySplit("deepseek_v31", nullptr, text, kDeepSeekMarkers,
-                   {"Checking. Then more.",
-                    {{"get_weather", {{"city", "Paris"}}}, {"get_time", Json::object()}}});
+                   {"Checking. Then more.", {{"get_weather", {{"city", "Paris"}}}, {"get_time", Json::object()}}});
 }
 
 TEST(DeepSeekV31ToolCallParserTest, MalformedCallIsContent) {
-  const std::string text =
-      kCallsBegin + kCallBegin + "f" + kSep + "{bad" + kCallEnd + kCallsEnd;
+  const std::string text = kCallsBegin + kCallBegin + "f" + kSep + "{bad" + kCallEnd + kCallsEnd;
   ExpectEverySplit("deepseek_v31", nullptr, text, kDeepSeekMarkers, {text, {}});
-  const std::string mixed = kCallsBegin + kCallBegin + "f" + kSep + "{\"a\": 1}" + kCallEnd +
-                            kCallBegin + "g" + kSep + "[1]" + kCallEnd + kCallsEnd;
+  const std::string mixed = kCallsBegin + kCallBegin + "f" + kSep + "{\"a\": 1}" + kCallEnd + kCallBegin + "g" + kSep +
+                            "[1]" + kCallEnd + kCallsEnd;
   ExpectEverySplit("deepseek_v31", nullptr, mixed, kDeepSeekMarkers,
                    {kCallBegin + "g" + kSep + "[1]" + kCallEnd, {{"f", {{"a", 1}}}}});
 }
@@ -291,9 +281,7 @@ TEST(MistralToolCallParserTest, ListOfCalls) {
       "[TOOL_CALLS][{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"q\": "
       "\"a]}\\\"b\"}}, {\"name\": \"get_time\", \"arguments\": {}}]";
   ExpectEverySplit("mistral", nullptr, text, kMistralMarkers,
-                   {"",
-                    {{"get_weather", {{"city", "Paris"}, {"q", "a]}\"b"}}},
-                     {"get_time", Json::object()}}});
+                   {"", {{"get_weather", {{"city", "Paris"}, {"q", "a]}\"b"}}}, {"get_time", Json::object()}}});
   const Collected got = Feed("mistral", nullptr, {text});
   ASSERT_EQ(got.calls.size(), 2u);
   EXPECT_EQ(got.calls[0].id.size(), 9u);
@@ -301,8 +289,7 @@ TEST(MistralToolCallParserTest, ListOfCalls) {
 }
 
 TEST(MistralToolCallParserTest, ContentBeforeAndASingleObject) {
-  ExpectEverySplit("mistral", nullptr,
-                   "Sure. [TOOL_CALLS] {\"name\": \"f\", \"arguments\": {\"x\": true}}",
+  ExpectEverySplit("mistral", nullptr, "Sure. [TOOL_CALLS] {\"name\": \"f\", \"arguments\": {\"x\": true}}",
                    kMistralMarkers, {"Sure. ", {{"f", {{"x", true}}}}});
 }
 
@@ -320,10 +307,8 @@ TEST(ToolCallParserTest, UnknownNameListsTheKnownOnes) {
   ASSERT_FALSE(parser.ok());
   EXPECT_EQ(parser.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(parser.status().message(), HasSubstr("pythonic"));
-  EXPECT_THAT(parser.status().message(),
-              HasSubstr("deepseek_v31, glm45, hermes, mistral, qwen3_coder"));
-  EXPECT_EQ(MakeToolCallParser("hermes", Json::object()).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(parser.status().message(), HasSubstr("deepseek_v31, glm45, hermes, mistral, qwen3_coder"));
+  EXPECT_EQ(MakeToolCallParser("hermes", Json::object()).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(ToolCallParserTest, DefaultsByModelType) {

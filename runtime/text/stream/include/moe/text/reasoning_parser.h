@@ -20,8 +20,7 @@ namespace moe::text {
 // Not thread-safe; one per sequence.
 class ReasoningParser {
  public:
-  ReasoningParser(std::string start = "<think>", std::string end = "</think>",
-                  bool starts_in_reasoning = false);
+  ReasoningParser(std::string start = "<think>", std::string end = "</think>", bool starts_in_reasoning = false);
 
   TextDelta Add(std::string_view text);
   // Flushes what was held back: inside the block as reasoning, before it as content.
