@@ -140,6 +140,24 @@ TEST(IncrementalDetokenizerTest, FinishFlushesAnIncompleteCharacter) {
   EXPECT_EQ(detokenizer.Finish(), "");
 }
 
+TEST(IncrementalDetokenizerTest, DecoderThatReturnsRawBytes) {
+  // A decoder that does not replace incomplete sequences: the partial bytes are held the same.
+  const std::vector<std::string> pieces = {"a", "\xF0\x9F", "\x98", "\x80", "\xC3"};
+  auto decode = [&pieces](const std::vector<int32_t>& ids) {
+    std::string bytes;
+    for (int32_t id : ids) bytes += pieces.at(id);
+    return bytes;
+  };
+  IncrementalDetokenizer detokenizer(decode);
+  EXPECT_EQ(detokenizer.Add(0), "a");
+  EXPECT_EQ(detokenizer.Add(1), "");
+  EXPECT_EQ(detokenizer.Add(2), "");
+  EXPECT_EQ(detokenizer.Add(3), "\xF0\x9F\x98\x80");
+  EXPECT_EQ(detokenizer.Add(4), "");
+  // At the end the decoder's own text comes out, whatever it is.
+  EXPECT_EQ(detokenizer.Finish(), "\xC3");
+}
+
 TEST(IncrementalDetokenizerTest, PromptGivesLeftContext) {
   // A SentencePiece-like decode drops the leading space of the text, so " world" alone decodes
   // to "world"; after the prompt it must keep its space.
