@@ -62,14 +62,14 @@ TEST(ChatTemplateCliTest, TheModelFolderGivesTemplateAndSpecialTokensUnlessTheRe
             R"({"bos_token": {"__type": "AddedToken", "content": "<|begin|>"}, "eos_token": "<|end|>",
                 "chat_template": "{{ bos_token }}|{{ eos_token }}|{{ messages[0].content }}|{{ strftime_now('%d %b %Y') }}"})");
   WriteFile(dir / "request.json", R"({"messages": [{"role": "user", "content": "hé"}]})");
-  testing::CommandResult r = testing::RunMoeserve(
-      {"chat-template", "--model", dir.path().string(), "--request", dir / "request.json", "--now", "2026-11-29T12:00"});
+  testing::CommandResult r = testing::RunMoeserve({"chat-template", "--model", dir.path().string(), "--request",
+                                                   dir / "request.json", "--now", "2026-11-29T12:00"});
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(r.out, "<|begin|>|<|end|>|hé|29 Nov 2026");
 
   WriteFile(dir / "request.json", R"({"messages": [{"role": "user", "content": "x"}], "eos_token": "E"})");
-  r = testing::RunMoeserve({"chat-template", "--model", dir.path().string(), "--request", dir / "request.json",
-                            "--now", "2026-11-29T12:00:00"});
+  r = testing::RunMoeserve({"chat-template", "--model", dir.path().string(), "--request", dir / "request.json", "--now",
+                            "2026-11-29T12:00:00"});
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(r.out, "<|begin|>|E|x|29 Nov 2026");
 
@@ -87,8 +87,8 @@ TEST(ChatTemplateCliTest, TemplateErrorsExitOneAndUsageErrorsTwo) {
   WriteFile(dir / "malformed.jinja", "{% for m in messages %}{{ m.content }}");
   WriteFile(dir / "not_json.json", "{\"messages\": [");
 
-  testing::CommandResult r =
-      testing::RunMoeserve({"chat-template", "--chat-template-file", dir / "raises.jinja", "--request", dir / "request.json"});
+  testing::CommandResult r = testing::RunMoeserve(
+      {"chat-template", "--chat-template-file", dir / "raises.jinja", "--request", dir / "request.json"});
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_EQ(r.out, "");
   EXPECT_THAT(r.err, HasSubstr("error: TemplateError: No messages given (chat template line 2)"));
@@ -108,7 +108,8 @@ TEST(ChatTemplateCliTest, TemplateErrorsExitOneAndUsageErrorsTwo) {
   };
   const std::vector<Usage> usages = {
       {{"--request", dir / "request.json"}, "give one of --model DIR or --chat-template-file FILE"},
-      {{"--model", dir.path().string(), "--chat-template-file", dir / "raises.jinja", "--request", dir / "request.json"},
+      {{"--model", dir.path().string(), "--chat-template-file", dir / "raises.jinja", "--request",
+        dir / "request.json"},
        "--model excludes --chat-template-file"},
       {{"--chat-template-file", dir / "raises.jinja"}, "--request is required"},
       {{"--chat-template-file", dir / "raises.jinja", "--request", dir / "absent.json"}, "--request"},

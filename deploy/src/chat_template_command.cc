@@ -47,8 +47,8 @@ absl::StatusOr<std::string> RequestText(const std::string& text, const std::stri
   if (tokenizer == nullptr) return text;
   nlohmann::ordered_json request = nlohmann::ordered_json::parse(text);
   bool added = false;
-  for (const auto& [key, value] : {std::pair{"bos_token", &tokenizer->bos_token},
-                                   std::pair{"eos_token", &tokenizer->eos_token}}) {
+  for (const auto& [key, value] :
+       {std::pair{"bos_token", &tokenizer->bos_token}, std::pair{"eos_token", &tokenizer->eos_token}}) {
     if (value->empty() || request.contains(key)) continue;
     request[key] = *value;
     added = true;
@@ -114,8 +114,8 @@ void AddChatTemplateCommand(CLI::App& root, CommandRun* selected) {
       "come from tokenizer_config.json unless the request gives them. Needs python3-jinja2.\n"
       "Exit 1 for a template error (Jinja's message on stderr), 2 for a usage error.",
       [flags] { return RunChatTemplate(*flags); }, selected);
-  CLI::Option* model = app->add_option(
-      "--model", flags->model, "Hugging Face model directory (tokenizer_config.json, chat_template.jinja)");
+  CLI::Option* model = app->add_option("--model", flags->model,
+                                       "Hugging Face model directory (tokenizer_config.json, chat_template.jinja)");
   CLI::Option* file = app->add_option("--chat-template-file", flags->chat_template_file, "a Jinja chat template");
   model->excludes(file);
   app->add_option("--request", flags->request,

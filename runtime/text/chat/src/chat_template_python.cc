@@ -6,7 +6,6 @@
 #include <optional>
 #include <string>
 
-#include "absl/base/call_once.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "moe/core/status.h"
@@ -179,8 +178,8 @@ absl::Status StartInterpreter() {
   preconfig.utf8_mode = 1;
   PyStatus status = Py_PreInitialize(&preconfig);
   if (PyStatus_Exception(status)) {
-    return absl::UnavailableError(absl::StrCat("the embedded Python cannot start: ",
-                                               status.err_msg != nullptr ? status.err_msg : "?", "; ", kInstallHint));
+    return absl::UnavailableError(absl::StrCat(
+        "the embedded Python cannot start: ", status.err_msg != nullptr ? status.err_msg : "?", "; ", kInstallHint));
   }
   PyConfig config;
   PyConfig_InitIsolatedConfig(&config);
@@ -222,9 +221,8 @@ absl::StatusOr<JinjaFunctions> LoadJinjaEnvironment() {
   PyDict_SetItemString(globals, "__builtins__", PyEval_GetBuiltins());
   PyRef ran(PyRun_String(kJinjaEnvironment, Py_file_input, globals, globals));
   if (!ran) {
-    return absl::UnavailableError(
-        absl::StrCat("the embedded ", DescribeInterpreter(), " cannot set up jinja2: ", TakeError(nullptr), "; ",
-                     kInstallHint));
+    return absl::UnavailableError(absl::StrCat("the embedded ", DescribeInterpreter(),
+                                               " cannot set up jinja2: ", TakeError(nullptr), "; ", kInstallHint));
   }
   JinjaFunctions functions;
   functions.compile = PyDict_GetItemString(globals, "compile");
@@ -259,8 +257,8 @@ absl::Status ImportPythonModule(const std::string& module) {
   PyRef imported(PyImport_ImportModule(module.c_str()));
   if (imported) return absl::OkStatus();
   const std::string error = TakeError(nullptr);
-  return absl::UnavailableError(
-      absl::StrCat("the embedded ", DescribeInterpreter(), " cannot import ", module, " (", error, "); ", kInstallHint));
+  return absl::UnavailableError(absl::StrCat("the embedded ", DescribeInterpreter(), " cannot import ", module, " (",
+                                             error, "); ", kInstallHint));
 }
 
 }  // namespace internal
@@ -312,8 +310,7 @@ void ChatTemplate::SetNowForTesting(std::optional<std::chrono::system_clock::tim
   GilHold gil;
   PyObject* result = nullptr;
   if (now.has_value()) {
-    const int64_t micros =
-        std::chrono::duration_cast<std::chrono::microseconds>(now->time_since_epoch()).count();
+    const int64_t micros = std::chrono::duration_cast<std::chrono::microseconds>(now->time_since_epoch()).count();
     // Floor division, so that a time before 1970 keeps microseconds in [0, 1e6).
     int64_t seconds = micros / 1'000'000, rest = micros % 1'000'000;
     if (rest < 0) {

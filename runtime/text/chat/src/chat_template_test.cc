@@ -122,10 +122,9 @@ TEST_F(ChatTemplateTest, SortedJsonRendersTheGoldensThatPrintNoDict) {
 }
 
 TEST_F(ChatTemplateTest, RaiseExceptionIsInvalidArgumentWithItsText) {
-  std::unique_ptr<ChatTemplate> chat =
-      MustCompile("{% if messages[0].role == 'system' %}\n{{ raise_exception('System role not supported') }}\n{% endif %}");
-  const absl::StatusOr<std::string> text =
-      chat->Render({{"messages", {{{"role", "system"}, {"content", "x"}}}}});
+  std::unique_ptr<ChatTemplate> chat = MustCompile(
+      "{% if messages[0].role == 'system' %}\n{{ raise_exception('System role not supported') }}\n{% endif %}");
+  const absl::StatusOr<std::string> text = chat->Render({{"messages", {{{"role", "system"}, {"content", "x"}}}}});
   ASSERT_FALSE(text.ok());
   EXPECT_EQ(text.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(text.status().message(), "TemplateError: System role not supported (chat template line 2)");
