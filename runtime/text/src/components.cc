@@ -9,7 +9,7 @@
 #include "absl/strings/str_join.h"
 #include "moe/core/json.h"
 #include "moe/core/status.h"
-#include "regex.h"
+#include "pcre_regex.h"
 #include "unicode.h"
 
 namespace moe::text::internal {
