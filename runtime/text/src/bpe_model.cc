@@ -2,6 +2,8 @@
 
 #include <queue>
 
+#include "absl/hash/hash.h"
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "moe/core/json.h"
@@ -151,9 +153,11 @@ void BpeModel::Tokenize(std::string_view word, std::vector<int32_t>* ids) const 
     }
   }
   const bool cacheable = word.size() <= kMaxCachedWordBytes;
+  const absl::string_view key(word.data(), word.size());
+  CacheShard& shard = cache_[absl::Hash<absl::string_view>()(key) % kCacheShards];
   if (cacheable) {
-    absl::ReaderMutexLock lock(&cache_mu_);
-    if (auto it = cache_.find(absl::string_view(word.data(), word.size())); it != cache_.end()) {
+    std::lock_guard<std::mutex> lock(shard.mu);
+    if (auto it = shard.words.find(key); it != shard.words.end()) {
       ids->insert(ids->end(), it->second.begin(), it->second.end());
       return;
     }
@@ -161,8 +165,8 @@ void BpeModel::Tokenize(std::string_view word, std::vector<int32_t>* ids) const 
   const size_t first = ids->size();
   MergeWord(word, ids);
   if (cacheable) {
-    absl::MutexLock lock(&cache_mu_);
-    if (cache_.size() < kCacheCapacity) cache_.try_emplace(std::string(word), ids->begin() + first, ids->end());
+    std::lock_guard<std::mutex> lock(shard.mu);
+    if (shard.words.size() < kCacheCapacityPerShard) shard.words.try_emplace(std::string(word), ids->begin() + first, ids->end());
   }
 }
 

@@ -239,6 +239,9 @@ std::string Normalized(const json& config, const std::string& text) {
 
 TEST(TokenizerTest, Normalizers) {
   EXPECT_EQ(Normalized({{"type", "NFC"}}, "e\xCC\x81"), "\xC3\xA9");
+  // Only non-ASCII runs go through utf8proc; a combining mark still joins the ASCII letter before it.
+  EXPECT_EQ(Normalized({{"type", "NFC"}}, "abe\xCC\x81 \xE6\xB7\xB7 A\xCC\x8A!"), "ab\xC3\xA9 \xE6\xB7\xB7 \xC3\x85!");
+  EXPECT_EQ(Normalized({{"type", "NFC"}}, "\xE6\xB7\xB7\xEF\xA4\x80"), "\xE6\xB7\xB7\xE8\xB1\x88");  // U+F900
   EXPECT_EQ(Normalized({{"type", "NFD"}}, "\xC3\xA9"), "e\xCC\x81");
   EXPECT_EQ(Normalized({{"type", "NFKC"}}, "\xEF\xAC\x81 \xE2\x91\xA0"), "fi 1");  // U+FB01, U+2460
   EXPECT_EQ(Normalized({{"type", "NFKD"}}, "\xEF\xAC\x81\xC3\xA9"), "fie\xCC\x81");

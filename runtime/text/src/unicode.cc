@@ -152,11 +152,9 @@ bool IsPunctuation(char32_t cp) {
   }
 }
 
-std::string Normalize(std::string_view text, NormalForm form) {
-  // ASCII is its own normal form in all four, and most prompts are mostly ASCII.
-  bool ascii = true;
-  for (char c : text) ascii &= static_cast<unsigned char>(c) < 0x80;
-  if (ascii) return std::string(text);
+namespace {
+
+std::string MapWithUtf8proc(std::string_view text, NormalForm form) {
   int options = UTF8PROC_STABLE;
   switch (form) {
     case NormalForm::kNfc: options |= UTF8PROC_COMPOSE; break;
@@ -173,6 +171,50 @@ std::string Normalize(std::string_view text, NormalForm form) {
   if (n < 0) return std::string(text);
   std::string out(reinterpret_cast<const char*>(mapped), static_cast<size_t>(n));
   std::free(mapped);
+  return out;
+}
+
+// Code points that NFC leaves alone whatever surrounds them: starters (combining class 0) that
+// are NFC_QC=Yes and never the second half of a composition. Covers the scripts of most
+// prompts so that utf8proc runs only where something may change.
+bool NfcInert(char32_t cp) {
+  return (cp >= 0xA0 && cp <= 0xFF) || (cp >= 0x400 && cp <= 0x482) || (cp >= 0x48A && cp <= 0x4FF) ||
+         (cp >= 0x3000 && cp <= 0x3029) || (cp >= 0x3041 && cp <= 0x3096) || (cp >= 0x30A1 && cp <= 0x30FA) ||
+         (cp >= 0x3400 && cp <= 0x4DBF) || (cp >= 0x4E00 && cp <= 0x9FFF) || (cp >= 0xAC00 && cp <= 0xD7A3) ||
+         (cp >= 0xFF01 && cp <= 0xFF60) || (cp >= 0x1F300 && cp <= 0x1FAFF);
+}
+
+}  // namespace
+
+std::string Normalize(std::string_view text, NormalForm form) {
+  // ASCII is its own normal form in all four forms and neither composes with what precedes it
+  // nor decomposes, so only runs of non-ASCII text (with the ASCII character before each, which
+  // a combining mark may join) need utf8proc; for NFC, not even those when every character in
+  // the run is inert.
+  std::string out;
+  out.reserve(text.size());
+  size_t done = 0;
+  for (size_t i = 0; i < text.size();) {
+    if (static_cast<unsigned char>(text[i]) < 0x80) {
+      ++i;
+      continue;
+    }
+    const size_t run_begin = i > done ? i - 1 : i;
+    bool inert = form == NormalForm::kNfc;
+    size_t end = i;
+    while (end < text.size() && static_cast<unsigned char>(text[end]) >= 0x80) {
+      const char32_t cp = NextCodePoint(text, &end);
+      inert = inert && NfcInert(cp);
+    }
+    if (!inert) {
+      out.append(text.substr(done, run_begin - done));
+      out += MapWithUtf8proc(text.substr(run_begin, end - run_begin), form);
+      done = end;
+    }
+    i = end;
+  }
+  if (done == 0) return std::string(text);
+  out.append(text.substr(done));
   return out;
 }
 
