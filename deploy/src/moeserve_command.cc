@@ -67,6 +67,7 @@ int RunMoeserve(int argc, char** argv) {
   AddGenerateCommand(root, &selected);
   AddMakeModelCommand(root, &selected);
   AddBenchCommand(root, &selected);
+  AddTokenizeCommand(root, &selected);
   root.add_subcommand("version", "print the version")->callback([&selected] {
     selected = [] {
       std::cout << "moeserve " << kVersion << "\n";
