@@ -29,9 +29,9 @@ int RunTokenize(const TokenizeFlags& flags, bool have_text) {
   if (!flags.text_file.empty()) {
     auto content = core::ReadBoundedFile(flags.text_file, kMaxTextFileBytes, "--text-file");
     if (!content.ok()) {
-      return FailCommand("tokenize",
-                         absl::Status(content.status().code(), "--text-file: " + std::string(content.status().message())),
-                         2);
+      return FailCommand(
+          "tokenize", absl::Status(content.status().code(), "--text-file: " + std::string(content.status().message())),
+          2);
     }
     text = *std::move(content);
   }

@@ -3,7 +3,6 @@
 #include <queue>
 
 #include "absl/hash/hash.h"
-
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "moe/core/json.h"
@@ -45,8 +44,8 @@ absl::StatusOr<std::pair<std::string, std::string>> ParseMerge(const json& merge
   } else if (merge.is_array() && merge.size() == 2 && merge[0].is_string() && merge[1].is_string()) {
     return std::make_pair(merge[0].get<std::string>(), merge[1].get<std::string>());
   }
-  return absl::InvalidArgumentError(absl::StrCat("model BPE: merges[", index, "] must be \"a b\" or [\"a\", \"b\"], found ",
-                                                 core::DescribeJson(merge)));
+  return absl::InvalidArgumentError(absl::StrCat(
+      "model BPE: merges[", index, "] must be \"a b\" or [\"a\", \"b\"], found ", core::DescribeJson(merge)));
 }
 
 }  // namespace
@@ -117,9 +116,10 @@ absl::StatusOr<std::unique_ptr<BpeModel>> BpeModel::Build(const json& config) {
       const auto& [a, b] = pair;
       auto a_id = model->vocab_.find(a), b_id = model->vocab_.find(b);
       // The merged token drops the right part's continuing-subword prefix ("##").
-      const std::string merged = a + (b.size() >= prefix_len && b.compare(0, prefix_len, model->continuing_subword_prefix_) == 0
-                                          ? b.substr(prefix_len)
-                                          : b);
+      const std::string merged =
+          a + (b.size() >= prefix_len && b.compare(0, prefix_len, model->continuing_subword_prefix_) == 0
+                   ? b.substr(prefix_len)
+                   : b);
       auto new_id = model->vocab_.find(merged);
       if (a_id == model->vocab_.end() || b_id == model->vocab_.end() || new_id == model->vocab_.end()) {
         const std::string& missing = a_id == model->vocab_.end() ? a : b_id == model->vocab_.end() ? b : merged;
@@ -166,7 +166,8 @@ void BpeModel::Tokenize(std::string_view word, std::vector<int32_t>* ids) const 
   MergeWord(word, ids);
   if (cacheable) {
     std::lock_guard<std::mutex> lock(shard.mu);
-    if (shard.words.size() < kCacheCapacityPerShard) shard.words.try_emplace(std::string(word), ids->begin() + first, ids->end());
+    if (shard.words.size() < kCacheCapacityPerShard)
+      shard.words.try_emplace(std::string(word), ids->begin() + first, ids->end());
   }
 }
 

@@ -55,7 +55,8 @@ absl::StatusOr<std::string> GetChar(const json& object, const char* key, const s
   MOE_ASSIGN_OR_RETURN(std::string value, GetString(object, key, where));
   size_t pos = 0;
   if (value.empty() || !IsValidUtf8(value) || (NextCodePoint(value, &pos), pos != value.size()))
-    return absl::InvalidArgumentError(absl::StrCat(where, ": \"", key, "\" must be one character, found \"", value, "\""));
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": \"", key, "\" must be one character, found \"", value, "\""));
   return value;
 }
 
@@ -70,7 +71,8 @@ absl::StatusOr<std::unique_ptr<Regex>> GetPattern(const json& object, const std:
       return regex;
     }
   }
-  return absl::InvalidArgumentError(absl::StrCat(where, ": \"pattern\" must be {\"String\": ...} or {\"Regex\": ...}, found ",
+  return absl::InvalidArgumentError(absl::StrCat(where,
+                                                 ": \"pattern\" must be {\"String\": ...} or {\"Regex\": ...}, found ",
                                                  it == object.end() ? "nothing" : core::DescribeJson(*it)));
 }
 
@@ -184,8 +186,7 @@ void SplitPieces(std::vector<Piece>* pieces, const MatchFinder& find, SplitBehav
   std::vector<Piece> out;
   out.reserve(pieces->size());
   for (Piece& piece : *pieces) {
-    const std::vector<ByteSpan> kept =
-        ApplyBehavior(SegmentsOf(piece.text.size(), find(piece.text), invert), behavior);
+    const std::vector<ByteSpan> kept = ApplyBehavior(SegmentsOf(piece.text.size(), find(piece.text), invert), behavior);
     if (kept.size() == 1 && kept[0].begin == 0 && kept[0].end == piece.text.size()) {
       out.push_back(std::move(piece));
       continue;
@@ -285,7 +286,8 @@ class SplitPreTokenizer final : public PreTokenizer {
   SplitPreTokenizer(std::unique_ptr<Regex> pattern, SplitBehavior behavior, bool invert)
       : pattern_(std::move(pattern)), behavior_(behavior), invert_(invert) {}
   void PreTokenize(std::vector<Piece>* pieces) const override {
-    SplitPieces(pieces, [this](std::string_view t) { return pattern_->FindAll(t); }, behavior_, invert_);
+    SplitPieces(
+        pieces, [this](std::string_view t) { return pattern_->FindAll(t); }, behavior_, invert_);
   }
 
  private:
@@ -295,8 +297,7 @@ class SplitPreTokenizer final : public PreTokenizer {
 };
 
 // GPT-2's pattern, which ByteLevel uses when use_regex is set.
-constexpr const char* kGpt2Pattern =
-    R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+constexpr const char* kGpt2Pattern = R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
 
 class ByteLevelPreTokenizer final : public PreTokenizer {
  public:
@@ -308,8 +309,8 @@ class ByteLevelPreTokenizer final : public PreTokenizer {
         if (piece.text.empty() || piece.text[0] != ' ') piece.text.insert(0, " ");
     }
     if (pattern_ != nullptr) {
-      SplitPieces(pieces, [this](std::string_view t) { return pattern_->FindAll(t); }, SplitBehavior::kIsolated,
-                  false);
+      SplitPieces(
+          pieces, [this](std::string_view t) { return pattern_->FindAll(t); }, SplitBehavior::kIsolated, false);
     }
     for (Piece& piece : *pieces) {
       std::string mapped;
@@ -399,7 +400,8 @@ class CharClassPreTokenizer final : public PreTokenizer {
   CharClassPreTokenizer(std::function<bool(char32_t)> predicate, SplitBehavior behavior)
       : predicate_(std::move(predicate)), behavior_(behavior) {}
   void PreTokenize(std::vector<Piece>* pieces) const override {
-    SplitPieces(pieces, [this](std::string_view t) { return CharMatches(t, predicate_); }, behavior_, false);
+    SplitPieces(
+        pieces, [this](std::string_view t) { return CharMatches(t, predicate_); }, behavior_, false);
   }
 
  private:
@@ -524,9 +526,7 @@ class ByteFallbackDecoder final : public Decoder {
 
 class FuseDecoder final : public Decoder {
  public:
-  void DecodeChain(std::vector<std::string>* tokens) const override {
-    tokens->assign(1, absl::StrJoin(*tokens, ""));
-  }
+  void DecodeChain(std::vector<std::string>* tokens) const override { tokens->assign(1, absl::StrJoin(*tokens, "")); }
 };
 
 // Removes up to `start` leading and `stop` trailing copies of `content` from every token.
@@ -714,8 +714,8 @@ absl::StatusOr<std::unique_ptr<PreTokenizer>> BuildPreTokenizer(const json& conf
   }
   if (type == "Digits") {
     MOE_ASSIGN_OR_RETURN(const bool individual, GetBool(config, "individual_digits", false, where));
-    return std::make_unique<CharClassPreTokenizer>(
-        IsNumeric, individual ? SplitBehavior::kIsolated : SplitBehavior::kContiguous);
+    return std::make_unique<CharClassPreTokenizer>(IsNumeric,
+                                                   individual ? SplitBehavior::kIsolated : SplitBehavior::kContiguous);
   }
   if (type == "Punctuation") {
     MOE_ASSIGN_OR_RETURN(const SplitBehavior behavior, GetBehavior(config, SplitBehavior::kIsolated, where));
@@ -768,8 +768,8 @@ absl::StatusOr<std::unique_ptr<Decoder>> BuildDecoder(const json& config) {
     MOE_ASSIGN_OR_RETURN(auto steps, BuildAll<Decoder>(config, "decoders", where, BuildDecoder));
     return std::make_unique<DecoderSequence>(std::move(steps));
   }
-  return absl::InvalidArgumentError(Unsupported(
-      "decoder", type, {"ByteLevel", "Metaspace", "ByteFallback", "Fuse", "Strip", "Replace", "Sequence"}));
+  return absl::InvalidArgumentError(
+      Unsupported("decoder", type, {"ByteLevel", "Metaspace", "ByteFallback", "Fuse", "Strip", "Replace", "Sequence"}));
 }
 
 absl::StatusOr<std::unique_ptr<PostProcessor>> BuildPostProcessor(const json& config) {

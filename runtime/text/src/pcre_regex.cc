@@ -39,13 +39,13 @@ MatchScratch& Scratch() {
 absl::StatusOr<std::unique_ptr<Regex>> Regex::Compile(std::string_view pattern) {
   int error = 0;
   PCRE2_SIZE offset = 0;
-  pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),
-                                   PCRE2_UTF | PCRE2_UCP, &error, &offset, nullptr);
+  pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), PCRE2_UTF | PCRE2_UCP,
+                                   &error, &offset, nullptr);
   if (code == nullptr) {
     PCRE2_UCHAR message[256];
     pcre2_get_error_message(error, message, sizeof(message));
-    return absl::InvalidArgumentError(absl::StrCat("regex /", std::string(pattern), "/ does not compile at offset ", offset,
-                                                   ": ", reinterpret_cast<const char*>(message)));
+    return absl::InvalidArgumentError(absl::StrCat("regex /", std::string(pattern), "/ does not compile at offset ",
+                                                   offset, ": ", reinterpret_cast<const char*>(message)));
   }
   // Without JIT matching still works, only slower; so a JIT failure is not an error.
   (void)pcre2_jit_compile(code, PCRE2_JIT_COMPLETE);

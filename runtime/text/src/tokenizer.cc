@@ -19,12 +19,12 @@ namespace internal {
 // Everything a loaded tokenizer.json holds; all of it immutable after loading.
 struct TokenizerParts {
   std::unique_ptr<BpeModel> model;
-  std::unique_ptr<Normalizer> normalizer;        // may be null
-  std::unique_ptr<PreTokenizer> pre_tokenizer;   // may be null: the whole text is one word
-  std::unique_ptr<PostProcessor> post_processor; // may be null
-  std::unique_ptr<Decoder> decoder;              // may be null: tokens joined with spaces
+  std::unique_ptr<Normalizer> normalizer;         // may be null
+  std::unique_ptr<PreTokenizer> pre_tokenizer;    // may be null: the whole text is one word
+  std::unique_ptr<PostProcessor> post_processor;  // may be null
+  std::unique_ptr<Decoder> decoder;               // may be null: tokens joined with spaces
   std::vector<AddedToken> added;
-  absl::flat_hash_map<int32_t, size_t> added_by_id;       // id -> index into `added`
+  absl::flat_hash_map<int32_t, size_t> added_by_id;  // id -> index into `added`
   absl::flat_hash_map<std::string, int32_t> added_by_text;
   // Tokens matched in the raw text (normalized: false) and in the normalized text (true).
   std::unique_ptr<AddedTokenMatcher> raw_matcher;
@@ -107,7 +107,8 @@ absl::StatusOr<std::unique_ptr<TokenizerParts>> BuildParts(const nlohmann::json&
     }
   }
   parts->raw_matcher = std::make_unique<AddedTokenMatcher>(std::move(raw), std::move(raw_patterns));
-  parts->normalized_matcher = std::make_unique<AddedTokenMatcher>(std::move(normalized), std::move(normalized_patterns));
+  parts->normalized_matcher =
+      std::make_unique<AddedTokenMatcher>(std::move(normalized), std::move(normalized_patterns));
   parts->vocab_size = max_id + 1;
   return parts;
 }
@@ -160,7 +161,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(std::string_view 
 }
 
 absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromFile(const std::string& path) {
-  MOE_ASSIGN_OR_RETURN(const std::string text, core::ReadBoundedFile(path, internal::kMaxTokenizerBytes, "tokenizer.json"));
+  MOE_ASSIGN_OR_RETURN(const std::string text,
+                       core::ReadBoundedFile(path, internal::kMaxTokenizerBytes, "tokenizer.json"));
   return FromJson(text, path);
 }
 
@@ -168,7 +170,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromModelDir(const std::st
   const std::string path = dir + "/tokenizer.json";
   auto tokenizer = FromFile(path);
   if (absl::IsNotFound(tokenizer.status()))
-    return absl::NotFoundError(absl::StrCat(dir, " has no tokenizer.json (the model folder needs one for text prompts)"));
+    return absl::NotFoundError(
+        absl::StrCat(dir, " has no tokenizer.json (the model folder needs one for text prompts)"));
   return tokenizer;
 }
 
@@ -222,7 +225,9 @@ std::string Tokenizer::Decode(const std::vector<int32_t>& ids, bool skip_special
 int Tokenizer::vocab_size() const { return parts_->vocab_size; }
 
 std::optional<int32_t> Tokenizer::TokenToId(std::string_view token) const {
-  if (auto it = parts_->added_by_text.find(absl::string_view(token.data(), token.size())); it != parts_->added_by_text.end()) return it->second;
+  if (auto it = parts_->added_by_text.find(absl::string_view(token.data(), token.size()));
+      it != parts_->added_by_text.end())
+    return it->second;
   return parts_->model->TokenToId(token);
 }
 

@@ -9,17 +9,17 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "components.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
-#include "components.h"
 
 namespace moe::text {
 namespace {
 
+using nlohmann::json;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
-using nlohmann::json;
 
 std::string TestdataDir() {
   const char* env = std::getenv("MOE_TESTDATA_DIR");
@@ -73,8 +73,8 @@ std::vector<std::string> SentencePieceVocab() {
     tokens.push_back(name);
   }
   // 259 .. 272
-  for (const char* t : {"\u2581", "h", "e", "l", "o", "\u2581h", "ll", "\u2581he", "llo", "\u2581hello", "w", "r",
-                        "d", "\u2581w"}) {
+  for (const char* t :
+       {"\u2581", "h", "e", "l", "o", "\u2581h", "ll", "\u2581he", "llo", "\u2581hello", "w", "r", "d", "\u2581w"}) {
     tokens.push_back(json::parse(absl::StrCat("\"", t, "\"")).get<std::string>());
   }
   return tokens;
@@ -82,15 +82,20 @@ std::vector<std::string> SentencePieceVocab() {
 
 json SentencePieceTokenizer(const json& decoder) {
   const std::string space = "\u2581";
-  json model = Bpe(SentencePieceVocab(), {{space, "h"}, {"l", "l"}, {space + "h", "e"}, {"ll", "o"},
-                                          {space + "he", "llo"}, {space, "w"}});
+  json model = Bpe(SentencePieceVocab(),
+                   {{space, "h"}, {"l", "l"}, {space + "h", "e"}, {"ll", "o"}, {space + "he", "llo"}, {space, "w"}});
   model["byte_fallback"] = true;
   model["unk_token"] = "<unk>";
   model["fuse_unk"] = true;
   json added = json::array();
   for (int id = 0; id < 3; ++id) {
-    added.push_back({{"id", id}, {"content", std::vector<std::string>{"<unk>", "<s>", "</s>"}[id]}, {"special", true},
-                     {"normalized", false}, {"lstrip", false}, {"rstrip", false}, {"single_word", false}});
+    added.push_back({{"id", id},
+                     {"content", std::vector<std::string>{"<unk>", "<s>", "</s>"}[id]},
+                     {"special", true},
+                     {"normalized", false},
+                     {"lstrip", false},
+                     {"rstrip", false},
+                     {"single_word", false}});
   }
   return {
       {"version", "1.0"},
@@ -99,7 +104,8 @@ json SentencePieceTokenizer(const json& decoder) {
       {"pre_tokenizer", {{"type", "Metaspace"}, {"replacement", space}, {"prepend_scheme", "first"}, {"split", false}}},
       {"post_processor",
        {{"type", "TemplateProcessing"},
-        {"single", {{{"SpecialToken", {{"id", "<s>"}, {"type_id", 0}}}}, {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}}},
+        {"single",
+         {{{"SpecialToken", {{"id", "<s>"}, {"type_id", 0}}}}, {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}}},
         {"pair", nullptr},
         {"special_tokens", {{"<s>", {{"id", "<s>"}, {"ids", {1}}, {"tokens", {"<s>"}}}}}}}},
       {"decoder", decoder},
@@ -134,7 +140,8 @@ TEST(TokenizerTest, SentencePieceStyleMetaspaceWithByteFallback) {
     EXPECT_THAT(tokenizer->Encode("hello world"), ElementsAre(1, 268, 272, 263, 270, 262, 271));
     EXPECT_THAT(tokenizer->Encode("hello world", false), ElementsAre(268, 272, 263, 270, 262, 271));
     EXPECT_EQ(tokenizer->Decode({1, 268, 272, 263, 270, 262, 271}), "hello world");
-    EXPECT_EQ(tokenizer->Decode({1, 268, 272, 263, 270, 262, 271}, false), "<s> hello world");  // the space of the first word stays after a special token, as in HF
+    EXPECT_EQ(tokenizer->Decode({1, 268, 272, 263, 270, 262, 271}, false),
+              "<s> hello world");  // the space of the first word stays after a special token, as in HF
     // 'i' and the emoji are not in the vocabulary: their bytes' <0xNN> tokens stand in.
     const std::vector<int32_t> ids = tokenizer->Encode("hi \xF0\x9F\x98\x80", false);
     EXPECT_THAT(ids, ElementsAre(264, 3 + 'i', 259, 3 + 0xF0, 3 + 0x9F, 3 + 0x98, 3 + 0x80));
@@ -193,14 +200,15 @@ TEST(TokenizerTest, BpeUnknownsAndContinuingSubwordPrefix) {
 // One id per printable ASCII character (id = the byte), so ids spell the text back.
 json AsciiModel() {
   std::vector<std::string> tokens(127);
-  for (int c = 0; c < 127; ++c) tokens[c] = c >= 0x20 ? std::string(1, static_cast<char>(c)) : "<ctrl" + std::to_string(c) + ">";
+  for (int c = 0; c < 127; ++c)
+    tokens[c] = c >= 0x20 ? std::string(1, static_cast<char>(c)) : "<ctrl" + std::to_string(c) + ">";
   return Bpe(tokens, {});
 }
 
 TEST(TokenizerTest, AddedTokensMatchBeforeTheModelWithStripAndSingleWord) {
   auto token = [](int id, const char* content, bool special, bool normalized) {
-    return json{{"id", id}, {"content", content}, {"special", special}, {"normalized", normalized},
-                {"lstrip", false}, {"rstrip", false}, {"single_word", false}};
+    return json{{"id", id},        {"content", content}, {"special", special},  {"normalized", normalized},
+                {"lstrip", false}, {"rstrip", false},    {"single_word", false}};
   };
   json added = json::array();
   added.push_back(token(500, "<mask>", true, false));
@@ -213,8 +221,8 @@ TEST(TokenizerTest, AddedTokensMatchBeforeTheModelWithStripAndSingleWord) {
   added.back()["rstrip"] = true;
   auto tokenizer = Load({{"model", AsciiModel()}, {"added_tokens", added}, {"normalizer", {{"type", "Lowercase"}}}});
   ASSERT_NE(tokenizer, nullptr);
-  EXPECT_THAT(tokenizer->Encode("a <mask>b"), ElementsAre('a', 500, 'b'));  // lstrip took the space
-  EXPECT_THAT(tokenizer->Encode("<ma"), ElementsAre(503, 'a'));            // longest match first
+  EXPECT_THAT(tokenizer->Encode("a <mask>b"), ElementsAre('a', 500, 'b'));        // lstrip took the space
+  EXPECT_THAT(tokenizer->Encode("<ma"), ElementsAre(503, 'a'));                   // longest match first
   EXPECT_THAT(tokenizer->Encode("a[X]b"), ElementsAre('a', '[', 'x', ']', 'b'));  // not a single word
   EXPECT_THAT(tokenizer->Encode("a [X] b"), ElementsAre('a', ' ', 501, ' ', 'b'));
   EXPECT_THAT(tokenizer->Encode("OH HI"), ElementsAre('o', 'h', ' ', 502));  // matched after lowercasing
@@ -285,7 +293,8 @@ TEST(TokenizerTest, SplitBehaviors) {
   EXPECT_THAT(PreTokenized(SplitOn("MergedWithNext"), text), ElementsAre("the", "-final", "-", "-countdown"));
   EXPECT_THAT(PreTokenized(SplitOn("Contiguous"), text), ElementsAre("the", "-", "final", "--", "countdown"));
   EXPECT_THAT(PreTokenized(SplitOn("Removed", true), text), ElementsAre("-", "-", "-"));
-  const json regex = {{"type", "Split"}, {"pattern", {{"Regex", "\\p{N}+"}}}, {"behavior", "Isolated"}, {"invert", false}};
+  const json regex = {
+      {"type", "Split"}, {"pattern", {{"Regex", "\\p{N}+"}}}, {"behavior", "Isolated"}, {"invert", false}};
   EXPECT_THAT(PreTokenized(regex, "ab12cd345"), ElementsAre("ab", "12", "cd", "345"));
 }
 
@@ -294,7 +303,8 @@ TEST(TokenizerTest, PreTokenizers) {
   EXPECT_THAT(PreTokenized(byte_level, "Hello world!"), ElementsAre("\xC4\xA0Hello", "\xC4\xA0world", "!"));
   EXPECT_THAT(PreTokenized(byte_level, "  hi"), ElementsAre("\xC4\xA0", "\xC4\xA0hi"));  // \s+(?!\S)
   const json no_regex = {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", false}};
-  EXPECT_THAT(PreTokenized(no_regex, "a b\n\xC3\xA9"), ElementsAre("a\xC4\xA0" "b\xC4\x8A\xC3\x83\xC2\xA9"));
+  EXPECT_THAT(PreTokenized(no_regex, "a b\n\xC3\xA9"), ElementsAre("a\xC4\xA0"
+                                                                   "b\xC4\x8A\xC3\x83\xC2\xA9"));
 
   const std::string m = "\xE2\x96\x81";
   const json metaspace = {{"type", "Metaspace"}, {"replacement", m}, {"prepend_scheme", "always"}, {"split", true}};
@@ -317,7 +327,8 @@ TEST(TokenizerTest, PreTokenizers) {
   EXPECT_THAT(PreTokenized({{"type", "WhitespaceSplit"}}, "Hey friend!\tyo "), ElementsAre("Hey", "friend!", "yo"));
   EXPECT_THAT(PreTokenized({{"type", "BertPreTokenizer"}}, "Hey friend!"), ElementsAre("Hey", "friend", "!"));
   EXPECT_THAT(PreTokenized({{"type", "Sequence"},
-                            {"pretokenizers", {{{"type", "WhitespaceSplit"}}, {{"type", "Digits"}, {"individual_digits", true}}}}},
+                            {"pretokenizers",
+                             {{{"type", "WhitespaceSplit"}}, {{"type", "Digits"}, {"individual_digits", true}}}}},
                            "ab12 c3"),
               ElementsAre("ab", "1", "2", "c", "3"));
 }
@@ -347,7 +358,8 @@ TEST(TokenizerTest, UnsupportedAndMalformedFilesAreClearErrors) {
 
   config = SentencePieceTokenizer(MetaspaceDecoderSequence());
   config["model"]["dropout"] = 0.1;
-  EXPECT_THAT(Tokenizer::FromJson(config.dump(), "t.json").status().message(), HasSubstr("dropout 0.1 is not supported"));
+  EXPECT_THAT(Tokenizer::FromJson(config.dump(), "t.json").status().message(),
+              HasSubstr("dropout 0.1 is not supported"));
 
   config = SentencePieceTokenizer(MetaspaceDecoderSequence());
   config["model"]["merges"].push_back({"h", "zzz"});
@@ -367,7 +379,12 @@ TEST(TokenizerTest, UnsupportedAndMalformedFilesAreClearErrors) {
 TEST(TokenizerTest, InvalidUtf8IsReplacedBeforeEncoding) {
   auto tokenizer = Tokenizer::FromFile(TestdataDir() + "/tokenizer/tokenizer.json");
   ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
-  EXPECT_EQ((*tokenizer)->Encode("a\xFF\xC3" "b"), (*tokenizer)->Encode("a\xEF\xBF\xBD\xEF\xBF\xBD" "b"));
+  EXPECT_EQ((*tokenizer)
+                ->Encode("a\xFF\xC3"
+                         "b"),
+            (*tokenizer)
+                ->Encode("a\xEF\xBF\xBD\xEF\xBF\xBD"
+                         "b"));
   EXPECT_EQ((*tokenizer)->Encode("\xE6\xB7"), (*tokenizer)->Encode("\xEF\xBF\xBD"));  // one maximal subpart
 }
 
@@ -376,7 +393,7 @@ TEST(TokenizerTest, FixtureModelsLoadAndRoundTrip) {
     auto tokenizer = Tokenizer::FromModelDir(TestdataDir() + "/fixtures/" + arch);
     ASSERT_TRUE(tokenizer.ok()) << arch << ": " << tokenizer.status();
     for (const std::string text : {"Hello world", "  two  spaces\n\ttab", "\xE6\xB7\xB7\xE5\x90\x88 MoE 2026",
-                                    "<|im_start|>user\nhi<|im_end|>", "emoji \xF0\x9F\x9A\x80"}) {
+                                   "<|im_start|>user\nhi<|im_end|>", "emoji \xF0\x9F\x9A\x80"}) {
       const std::vector<int32_t> ids = (*tokenizer)->Encode(text);
       EXPECT_FALSE(ids.empty()) << arch;
       for (int32_t id : ids) EXPECT_LT(id, (*tokenizer)->vocab_size());
@@ -391,10 +408,31 @@ TEST(TokenizerTest, FixtureModelsLoadAndRoundTrip) {
 TEST(TokenizerTest, EncodeThroughput) {
   auto tokenizer = Tokenizer::FromFile(TestdataDir() + "/tokenizer/tokenizer.json");
   ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
-  const std::vector<std::string> words = {
-      "the", "expert", "router", "picks", "two", "of", "sixty-four", "experts", "per", "token,", "and", "then",
-      "def forward(self, x):\n", "    return x @ w.T\n", "2026-11-29", "3.14159", "\xE6\xB7\xB7\xE5\x90\x88",
-      "\xE4\xB8\x93\xE5\xAE\xB6", "caf\xC3\xA9", "don't", "\n\n", "  ", "GPU", "KV-cache", "\xF0\x9F\x9A\x80"};
+  const std::vector<std::string> words = {"the",
+                                          "expert",
+                                          "router",
+                                          "picks",
+                                          "two",
+                                          "of",
+                                          "sixty-four",
+                                          "experts",
+                                          "per",
+                                          "token,",
+                                          "and",
+                                          "then",
+                                          "def forward(self, x):\n",
+                                          "    return x @ w.T\n",
+                                          "2026-11-29",
+                                          "3.14159",
+                                          "\xE6\xB7\xB7\xE5\x90\x88",
+                                          "\xE4\xB8\x93\xE5\xAE\xB6",
+                                          "caf\xC3\xA9",
+                                          "don't",
+                                          "\n\n",
+                                          "  ",
+                                          "GPU",
+                                          "KV-cache",
+                                          "\xF0\x9F\x9A\x80"};
   std::string text;
   uint64_t state = 12345;
   std::vector<std::string> chunks;
@@ -408,7 +446,8 @@ TEST(TokenizerTest, EncodeThroughput) {
   size_t tokens = 0;
   const auto start = std::chrono::steady_clock::now();
   // Prompt-sized pieces, as a server sees them.
-  for (size_t at = 0; at < text.size(); at += 4096) tokens += (*tokenizer)->Encode(std::string_view(text).substr(at, 4096)).size();
+  for (size_t at = 0; at < text.size(); at += 4096)
+    tokens += (*tokenizer)->Encode(std::string_view(text).substr(at, 4096)).size();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::printf("encode: %.2f MB in %.3f s = %.1f MB/s, %zu tokens\n", text.size() / 1e6, seconds,
               text.size() / 1e6 / seconds, tokens);

@@ -107,7 +107,13 @@ std::string RepairUtf8(std::string_view text) {
 bool IsWhitespace(char32_t cp) {
   if (cp < 0x80) return cp == ' ' || (cp >= 0x09 && cp <= 0x0D);
   switch (cp) {
-    case 0x85: case 0xA0: case 0x1680: case 0x2028: case 0x2029: case 0x202F: case 0x205F:
+    case 0x85:
+    case 0xA0:
+    case 0x1680:
+    case 0x2028:
+    case 0x2029:
+    case 0x202F:
+    case 0x205F:
     case 0x3000:
       return true;
     default:
@@ -118,9 +124,14 @@ bool IsWhitespace(char32_t cp) {
 bool IsAlphanumeric(char32_t cp) {
   if (cp < 0x80) return (cp >= '0' && cp <= '9') || ((cp | 0x20) >= 'a' && (cp | 0x20) <= 'z');
   switch (utf8proc_category(static_cast<utf8proc_int32_t>(cp))) {
-    case UTF8PROC_CATEGORY_LU: case UTF8PROC_CATEGORY_LL: case UTF8PROC_CATEGORY_LT:
-    case UTF8PROC_CATEGORY_LM: case UTF8PROC_CATEGORY_LO: case UTF8PROC_CATEGORY_ND:
-    case UTF8PROC_CATEGORY_NL: case UTF8PROC_CATEGORY_NO:
+    case UTF8PROC_CATEGORY_LU:
+    case UTF8PROC_CATEGORY_LL:
+    case UTF8PROC_CATEGORY_LT:
+    case UTF8PROC_CATEGORY_LM:
+    case UTF8PROC_CATEGORY_LO:
+    case UTF8PROC_CATEGORY_ND:
+    case UTF8PROC_CATEGORY_NL:
+    case UTF8PROC_CATEGORY_NO:
       return true;
     default:
       return false;
@@ -130,7 +141,9 @@ bool IsAlphanumeric(char32_t cp) {
 bool IsNumeric(char32_t cp) {
   if (cp < 0x80) return cp >= '0' && cp <= '9';
   switch (utf8proc_category(static_cast<utf8proc_int32_t>(cp))) {
-    case UTF8PROC_CATEGORY_ND: case UTF8PROC_CATEGORY_NL: case UTF8PROC_CATEGORY_NO:
+    case UTF8PROC_CATEGORY_ND:
+    case UTF8PROC_CATEGORY_NL:
+    case UTF8PROC_CATEGORY_NO:
       return true;
     default:
       return false;
@@ -143,8 +156,12 @@ bool IsPunctuation(char32_t cp) {
            (cp >= 0x7B && cp <= 0x7E);
   }
   switch (utf8proc_category(static_cast<utf8proc_int32_t>(cp))) {
-    case UTF8PROC_CATEGORY_PC: case UTF8PROC_CATEGORY_PD: case UTF8PROC_CATEGORY_PS:
-    case UTF8PROC_CATEGORY_PE: case UTF8PROC_CATEGORY_PI: case UTF8PROC_CATEGORY_PF:
+    case UTF8PROC_CATEGORY_PC:
+    case UTF8PROC_CATEGORY_PD:
+    case UTF8PROC_CATEGORY_PS:
+    case UTF8PROC_CATEGORY_PE:
+    case UTF8PROC_CATEGORY_PI:
+    case UTF8PROC_CATEGORY_PF:
     case UTF8PROC_CATEGORY_PO:
       return true;
     default:
@@ -157,15 +174,23 @@ namespace {
 std::string MapWithUtf8proc(std::string_view text, NormalForm form) {
   int options = UTF8PROC_STABLE;
   switch (form) {
-    case NormalForm::kNfc: options |= UTF8PROC_COMPOSE; break;
-    case NormalForm::kNfd: options |= UTF8PROC_DECOMPOSE; break;
-    case NormalForm::kNfkc: options |= UTF8PROC_COMPOSE | UTF8PROC_COMPAT; break;
-    case NormalForm::kNfkd: options |= UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT; break;
+    case NormalForm::kNfc:
+      options |= UTF8PROC_COMPOSE;
+      break;
+    case NormalForm::kNfd:
+      options |= UTF8PROC_DECOMPOSE;
+      break;
+    case NormalForm::kNfkc:
+      options |= UTF8PROC_COMPOSE | UTF8PROC_COMPAT;
+      break;
+    case NormalForm::kNfkd:
+      options |= UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT;
+      break;
   }
   utf8proc_uint8_t* mapped = nullptr;
-  const utf8proc_ssize_t n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(text.data()),
-                                          static_cast<utf8proc_ssize_t>(text.size()), &mapped,
-                                          static_cast<utf8proc_option_t>(options));
+  const utf8proc_ssize_t n =
+      utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(text.data()), static_cast<utf8proc_ssize_t>(text.size()),
+                   &mapped, static_cast<utf8proc_option_t>(options));
   // The input is valid UTF-8 (Encode repairs it first), so a failure can only be memory; the
   // text is then left as it is rather than lost.
   if (n < 0) return std::string(text);

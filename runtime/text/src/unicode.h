@@ -13,9 +13,7 @@ namespace moe::text::internal {
 // The code point at `text[*pos]`, advancing *pos past it. The text must be valid UTF-8.
 char32_t NextCodePoint(std::string_view text, size_t* pos);
 // The byte length of the UTF-8 sequence that starts with `lead` (1 for a stray byte).
-inline size_t CodePointLength(unsigned char lead) {
-  return lead < 0x80 ? 1 : lead < 0xE0 ? 2 : lead < 0xF0 ? 3 : 4;
-}
+inline size_t CodePointLength(unsigned char lead) { return lead < 0x80 ? 1 : lead < 0xE0 ? 2 : lead < 0xF0 ? 3 : 4; }
 void AppendUtf8(char32_t cp, std::string* out);
 
 // `text` with every maximal invalid subsequence replaced by U+FFFD (WHATWG / Python "replace").
