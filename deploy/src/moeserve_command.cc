@@ -68,6 +68,7 @@ int RunMoeserve(int argc, char** argv) {
   AddMakeModelCommand(root, &selected);
   AddBenchCommand(root, &selected);
   AddChatTemplateCommand(root, &selected);
+  AddTokenizeCommand(root, &selected);
   root.add_subcommand("version", "print the version")->callback([&selected] {
     selected = [] {
       std::cout << "moeserve " << kVersion << "\n";
