@@ -249,6 +249,32 @@ TEST(ForwardTest, MalformedBatchesAreRejectedWithoutTouchingTheCache) {
   EXPECT_TRUE(model->Forward(batch, **cache, &logits).ok());
 }
 
+// A prompt longer than the largest step is prefilled in chunks, with the logits of one step.
+TEST(ForwardTest, ChunkedPrefillGivesTheGoldens) {
+  runtime::ModelOptions options;
+  options.max_step_tokens = 5;
+  options.max_logit_rows = 3;
+  auto model = LoadFixture("qwen3_moe", options);
+  ASSERT_NE(model, nullptr);
+  const nlohmann::json golden = testing::LoadGolden("qwen3_moe");
+  for (const auto& gc : golden["cases"]) {
+    const std::vector<int32_t> prompt = gc["prompt_ids"];
+    const std::vector<int32_t> want = gc["greedy_ids"];
+    runtime::GenerateOptions g;
+    g.max_new_tokens = static_cast<int>(want.size());
+    g.prompt_logits = true;
+    g.stop_at_eos = false;
+    auto result = runtime::Generate(*model, prompt, g);
+    ASSERT_TRUE(result.ok()) << result.status();
+    EXPECT_EQ(result->generated_ids, want);
+    ASSERT_EQ(result->prompt_logits.size(), prompt.size());
+    const size_t from = gc["logits_from_position"];
+    for (size_t r = 0; r < gc["logits"].size(); ++r) {
+      EXPECT_LT(MaxAbsDiff(result->prompt_logits[from + r], gc["logits"][r]), 5e-5f);
+    }
+  }
+}
+
 // The step arena is sized at load for the largest step: a larger one is refused, not allocated.
 TEST(ForwardTest, StepsLargerThanTheModelWasLoadedForAreRefused) {
   runtime::ModelOptions options;
