@@ -10,6 +10,7 @@
 #include "moe/core/dtype.h"
 #include "moe/core/status.h"
 #include "moe/experts/expert_pool.h"
+#include "nlohmann/json.hpp"
 
 namespace moe::bench {
 namespace {
@@ -204,6 +205,21 @@ absl::StatusOr<std::vector<ExpertBenchRow>> RunExpertBench(const ExpertBenchOpti
     }
   }
   return rows;
+}
+
+void PrintExpertBenchJson(const std::vector<ExpertBenchRow>& rows, std::ostream& out) {
+  nlohmann::ordered_json json = nlohmann::ordered_json::array();
+  for (const ExpertBenchRow& r : rows) {
+    json.push_back({{"format", r.format},
+                    {"kernel", r.kernel},
+                    {"batch", r.batch},
+                    {"ms_per_call", r.ms_per_call},
+                    {"weight_gbps", r.weight_gbps},
+                    {"read_gbps", r.read_gbps},
+                    {"ratio", r.ratio},
+                    {"tflops", r.tflops}});
+  }
+  out << json.dump() << std::endl;
 }
 
 }  // namespace moe::bench

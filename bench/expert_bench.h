@@ -52,4 +52,8 @@ struct ExpertBenchRow {
 // Runs the sweep; `log` gets one human-readable line per point as it goes.
 absl::StatusOr<std::vector<ExpertBenchRow>> RunExpertBench(const ExpertBenchOptions& options, std::ostream& log);
 
+// The rows as one JSON array on one line of `out`: format, kernel, batch, ms_per_call,
+// weight_gbps, read_gbps, ratio, tflops.
+void PrintExpertBenchJson(const std::vector<ExpertBenchRow>& rows, std::ostream& out);
+
 }  // namespace moe::bench

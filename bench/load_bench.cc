@@ -21,6 +21,11 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "moe/core/status.h"
+#include "moe/experts/arena.h"
+#include "moe/experts/expert_pool.h"
+#include "nlohmann/json.hpp"
 
 namespace moe::bench {
 namespace {
@@ -206,6 +211,152 @@ absl::StatusOr<double> CopyFilesGbps(const std::vector<std::string>& files, int 
     const size_t d0 = share(g), d1 = share(g + n);
     StreamCopy(dst + d0, data, std::min<size_t>(d1 - d0, static_cast<size_t>(n)));
   });
+}
+
+namespace {
+
+constexpr int kDiskReadsInFlight = 16;
+
+// Fresh memory of the arena's kind and size: a private arena, or a shared one of the same cut
+// under NAME-bound (removed when the returned arena goes).
+struct FreshArena {
+  std::unique_ptr<experts::HostArena> arena;
+  std::string shm_name;
+  ~FreshArena() {
+    arena.reset();
+    if (!shm_name.empty()) experts::HostArena::Unlink(shm_name).IgnoreError();
+  }
+};
+
+absl::Status MakeFreshArena(const experts::HostArena& like, const std::string& shm_name, FreshArena* fresh) {
+  if (shm_name.empty()) {
+    MOE_ASSIGN_OR_RETURN(fresh->arena, experts::HostArena::CreatePrivate(like.size()));
+    return absl::OkStatus();
+  }
+  fresh->shm_name = shm_name + "-bound";
+  MOE_RETURN_IF_ERROR(experts::HostArena::Unlink(fresh->shm_name));  // one a killed run left
+  MOE_ASSIGN_OR_RETURN(fresh->arena, experts::HostArena::OpenShared(fresh->shm_name, /*key=*/0, like.size()));
+  return absl::OkStatus();
+}
+
+absl::Status MeasureLoadBound(const std::vector<std::string>& files, double cached_before, int threads,
+                              const experts::HostArena& arena, const std::string& shm_name, LoadBound* bound) {
+  // Past the page cache first, which leaves it as it is; then a read that brings every page in
+  // (the load read only the experts' parts of the files), and the timed ones.
+  // Disk reads with at least kDiskReadsInFlight in flight: a deep queue is what the disk needs to
+  // reach its speed (the load's mapped reads get the kernel's readahead).
+  absl::StatusOr<double> disk = 0.0;
+  if (cached_before < 1.0) disk = ReadFilesGbps(files, std::max(threads, kDiskReadsInFlight), /*direct=*/true);
+  MOE_RETURN_IF_ERROR(ReadFilesGbps(files, threads, /*direct=*/false).status());
+  for (int repeat = 0; repeat < 3; ++repeat) {  // the best of three
+    MOE_ASSIGN_OR_RETURN(const double gbps, ReadFilesGbps(files, threads, /*direct=*/false));
+    bound->page_cache_gbps = std::max(bound->page_cache_gbps, gbps);
+  }
+  double seconds_per_gb = cached_before / bound->page_cache_gbps;
+  if (cached_before < 1.0) {
+    if (disk.ok()) {
+      bound->disk_gbps = *disk;
+      seconds_per_gb += (1.0 - cached_before) / *disk;
+    } else if (disk.status().code() == absl::StatusCode::kUnimplemented) {
+      // Without the disk's speed the page cache's is the bound: stricter than the truth.
+      bound->disk_note = "disk speed not measured: " + std::string(disk.status().message());
+      seconds_per_gb += (1.0 - cached_before) / bound->page_cache_gbps;
+    } else {
+      return disk.status();
+    }
+  }
+  bound->gbps = 1.0 / seconds_per_gb;
+  // A load also fills the arena: each new page is zeroed by the kernel, then written. Copying the
+  // files into fresh memory of the arena's kind and size, with the same threads, is the least any
+  // load from the page cache can do (best of three, each into memory never touched).
+  for (int repeat = 0; repeat < 3; ++repeat) {
+    FreshArena fresh;
+    MOE_RETURN_IF_ERROR(MakeFreshArena(arena, shm_name, &fresh));
+    MOE_ASSIGN_OR_RETURN(const double gbps, CopyFilesGbps(files, threads, fresh.arena->data(), fresh.arena->size()));
+    bound->copy_gbps = std::max(bound->copy_gbps, gbps);
+  }
+  bound->copy_bound_gbps =
+      1.0 / (seconds_per_gb - cached_before / bound->page_cache_gbps + cached_before / bound->copy_gbps);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<LoadBenchResult> RunLoadBench(const std::string& model_dir, const std::string& shm_name,
+                                             const ExpertPoolLoader& load) {
+  // What the page cache holds before the load decides its bound: page-cache or disk speed. (A
+  // directory the load cannot use gets the load's own error below.)
+  auto files = CheckpointFiles(model_dir);
+  absl::StatusOr<double> cached_before = files.ok() ? CachedShare(*files) : files.status();
+  const auto start = std::chrono::steady_clock::now();
+  MOE_ASSIGN_OR_RETURN(const experts::ExpertPool* pool, load());
+  LoadBenchResult r;
+  r.model_load_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  r.pool = pool->Describe();
+  r.attached = pool->arena().attached();
+  r.threads = pool->threads();
+  r.arena_bytes = static_cast<int64_t>(pool->arena().size());
+  r.pages = pool->arena().page_kind();
+  r.checkpoint_bytes = pool->loaded_bytes();
+  r.expert_seconds = pool->load_seconds();
+  r.load_gbps = r.attached ? 0.0 : pool->loaded_bytes() / 1e9 / std::max(pool->load_seconds(), 1e-9);
+  // The bound: the files read whole by as many threads as the pool has. Read again after the
+  // load they come from the page cache; the share that was not cached before is timed at the
+  // disk's speed, read past the page cache.
+  if (!r.attached) {
+    if (!cached_before.ok()) return cached_before.status();
+    r.cached_before = *cached_before;
+    MOE_RETURN_IF_ERROR(MeasureLoadBound(*files, *cached_before, pool->threads(), pool->arena(), shm_name, &r.bound));
+  }
+  r.ratio = r.bound.gbps > 0 ? r.load_gbps / r.bound.gbps : 0.0;
+  r.copy_ratio = r.bound.copy_bound_gbps > 0 ? r.load_gbps / r.bound.copy_bound_gbps : 0.0;
+  return r;
+}
+
+void PrintLoadBench(const LoadBenchResult& r, bool json, std::ostream& out) {
+  const LoadBound& bound = r.bound;
+  if (json) {
+    nlohmann::ordered_json j = {{"attached", r.attached},
+                                {"arena_bytes", r.arena_bytes},
+                                {"checkpoint_bytes", r.checkpoint_bytes},
+                                {"expert_seconds", r.expert_seconds},
+                                {"load_gbps", r.load_gbps},
+                                {"model_load_seconds", r.model_load_seconds},
+                                {"pages", r.pages},
+                                {"cached_before", r.cached_before},
+                                {"page_cache_gbps", bound.page_cache_gbps},
+                                {"disk_gbps", bound.disk_gbps},
+                                {"read_gbps", bound.gbps},
+                                {"ratio", r.ratio},
+                                {"copy_gbps", bound.copy_gbps},
+                                {"copy_bound_gbps", bound.copy_bound_gbps},
+                                {"copy_ratio", r.copy_ratio}};
+    out << j.dump() << std::endl;
+    return;
+  }
+  out << r.pool << "\n";
+  if (r.attached) {
+    out << absl::StrFormat("attached to the published arena in %.3f s (model load %.3f s)\n", r.expert_seconds,
+                           r.model_load_seconds);
+    return;
+  }
+  out << absl::StrFormat("loaded %.2f GB of checkpoint experts in %.2f s: %.2f GB/s (model load %.2f s)\n",
+                         r.checkpoint_bytes / 1e9, r.expert_seconds, r.load_gbps, r.model_load_seconds);
+  out << absl::StrFormat(
+      "the checkpoint files (%.0f%% in the page cache before the load) read at %.2f GB/s "
+      "from the page cache",
+      100 * r.cached_before, bound.page_cache_gbps);
+  if (bound.disk_gbps > 0) {
+    out << absl::StrFormat(" and %.2f GB/s from disk (%d reads at a time)", bound.disk_gbps,
+                           std::max(r.threads, kDiskReadsInFlight));
+  }
+  if (!bound.disk_note.empty()) out << " (" << bound.disk_note << ")";
+  out << absl::StrFormat(" with %d threads: the load ran at %.0f%% of the %.2f GB/s they allow\n", r.threads,
+                         100 * r.ratio, bound.gbps);
+  out << absl::StrFormat(
+      "copied from the page cache into fresh memory of the arena's kind and size (%.2f GB), "
+      "the files went at %.2f GB/s: the load ran at %.0f%% of the %.2f GB/s that allows\n",
+      r.arena_bytes / 1e9, bound.copy_gbps, 100 * r.copy_ratio, bound.copy_bound_gbps);
 }
 
 }  // namespace moe::bench

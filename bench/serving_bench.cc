@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "moeserve/v1/generation.grpc.pb.h"
+#include "nlohmann/json.hpp"
 
 namespace moe::bench {
 namespace {
@@ -128,6 +129,38 @@ absl::StatusOr<ServingBenchResult> RunServingBench(const ServingBenchOptions& o)
     if (!csv) return absl::InvalidArgumentError(absl::StrCat(o.csv, ": cannot write"));
   }
   return result;
+}
+
+absl::Status RunServingSweep(ServingBenchOptions o, const std::vector<int>& concurrency, int requests, bool json,
+                             std::ostream& out) {
+  nlohmann::ordered_json rows = nlohmann::ordered_json::array();
+  for (int c : concurrency) {
+    o.concurrency = c;
+    o.requests = requests > 0 ? requests : std::max(8, 4 * c);
+    auto r = RunServingBench(o);
+    if (!r.ok()) return r.status();
+    if (json) {
+      auto stats = [](const LatencyStats& s) {
+        return nlohmann::ordered_json{{"mean", s.mean}, {"p50", s.p50}, {"p99", s.p99}};
+      };
+      rows.push_back({{"concurrency", c},
+                      {"requests", r->requests},
+                      {"failed", r->failed},
+                      {"output_tokens_per_s", r->output_tokens_per_second},
+                      {"ttft_ms", stats(r->ttft_ms)},
+                      {"tpot_ms", stats(r->tpot_ms)},
+                      {"itl_ms", stats(r->itl_ms)},
+                      {"e2e_ms", stats(r->e2e_ms)}});
+    } else {
+      out << absl::StrFormat(
+          "concurrency %3d: %8.1f output tokens/s | TTFT ms mean %.1f p50 %.1f p99 %.1f | TPOT ms mean %.2f p50 %.2f "
+          "p99 %.2f | ITL ms mean %.2f p50 %.2f p99 %.2f | %d requests, %d failed\n",
+          c, r->output_tokens_per_second, r->ttft_ms.mean, r->ttft_ms.p50, r->ttft_ms.p99, r->tpot_ms.mean,
+          r->tpot_ms.p50, r->tpot_ms.p99, r->itl_ms.mean, r->itl_ms.p50, r->itl_ms.p99, r->requests, r->failed);
+    }
+  }
+  if (json) out << rows.dump() << std::endl;
+  return absl::OkStatus();
 }
 
 }  // namespace moe::bench

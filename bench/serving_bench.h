@@ -3,6 +3,7 @@
 // the time per output token after it, the gaps between tokens and the whole latency.
 #pragma once
 
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -34,5 +35,12 @@ struct ServingBenchResult {
 };
 
 absl::StatusOr<ServingBenchResult> RunServingBench(const ServingBenchOptions& options);
+
+// `moeserve bench serve`: one RunServingBench per entry of `concurrency`, each of `requests`
+// requests (0: 4 per stream, at least 8), the rest as `options` says. Prints a line per run on
+// `out` as it goes, or with `json` one JSON array of rows once every run is done. Errors:
+// RunServingBench's (the lines of the runs before stay printed).
+absl::Status RunServingSweep(ServingBenchOptions options, const std::vector<int>& concurrency, int requests, bool json,
+                             std::ostream& out);
 
 }  // namespace moe::bench

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: the gpu tests, then the model benchmark at the issue's shape, from a bundle
 # made here with scripts/gpu-bundle.sh. Logs go to $OUT (or ./gpu-logs).
-#   scripts/gpu-check.sh BUNDLE_DIR [tests|bench|all]
+#   scripts/gpu-check.sh BUNDLE_DIR [tests|sanitize|bench|all]
 set -uo pipefail
 bundle=$(cd "$1" && pwd); what=${2:-all}
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -13,6 +13,17 @@ if [[ $what == tests || $what == all ]]; then
   # The per-test details of every gpu binary, for the figures they print.
   for t in "$bundle"/bin/*cuda*_test; do "$t" --gtest_brief=1 > "$out/$(basename "$t").log" 2>&1; done
   grep -h -E "^\[ cuda goldens|GB/s|TFLOP/s|us a layer" "$out"/*_test.log | head -60
+fi
+if [[ $what == sanitize || $what == all ]]; then
+  # A whole-model prefill step and decode steps (eager and replayed from graphs) of the tiny
+  # qwen3_moe and glm4_moe, under memcheck and racecheck.
+  export MOE_TESTDATA_DIR="$repo/testdata"
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool $tool --error-exitcode 99 "$bundle/bin/cuda_goldens_test" \
+      --gtest_filter='Fixtures/CudaGoldensTest.GraphsGiveTheTokensOfEagerMode/*' > "$out/sanitizer-$tool.log" 2>&1
+    echo "compute-sanitizer $tool: exit $? ($(grep -c -E '^========= (Invalid|Race|Error)' "$out/sanitizer-$tool.log") findings)"
+    tail -3 "$out/sanitizer-$tool.log"
+  done
 fi
 if [[ $what == bench || $what == all ]]; then
   model=/tmp/qwen3-30b-a3b-16l

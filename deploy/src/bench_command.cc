@@ -1,9 +1,8 @@
-// moeserve bench: the expert pool against its rooflines, and loading the expert arena.
-#include <chrono>
+// moeserve bench experts, load and serve: their flags, and the calls into the benchmarks, which
+// measure and print (bench/).
 #include <iostream>
 
-#include "absl/strings/numbers.h"
-#include "absl/strings/str_format.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "commands.h"
 #include "expert_bench.h"
@@ -13,7 +12,6 @@
 #include "moe/runtime/model.h"
 #include "moe/runtime/model_executor.h"
 #include "moe/scheduler/frontend.h"
-#include "nlohmann/json.hpp"
 #include "serving_bench.h"
 
 namespace moe::deploy {
@@ -53,20 +51,7 @@ int BenchExperts(ExpertBenchFlags flags) {
   WarnIfMoreThreadsThanCores(options.threads, "threads", "bench experts");
   auto rows = bench::RunExpertBench(options, flags.json ? std::cerr : std::cout);
   if (!rows.ok()) return Fail(rows.status(), 1);
-  if (flags.json) {
-    nlohmann::ordered_json out = nlohmann::ordered_json::array();
-    for (const bench::ExpertBenchRow& r : *rows) {
-      out.push_back({{"format", r.format},
-                     {"kernel", r.kernel},
-                     {"batch", r.batch},
-                     {"ms_per_call", r.ms_per_call},
-                     {"weight_gbps", r.weight_gbps},
-                     {"read_gbps", r.read_gbps},
-                     {"ratio", r.ratio},
-                     {"tflops", r.tflops}});
-    }
-    std::cout << out.dump() << std::endl;
-  }
+  if (flags.json) bench::PrintExpertBenchJson(*rows, std::cout);
   return 0;
 }
 
@@ -136,82 +121,6 @@ void AddBenchExperts(CLI::App& bench, CommandRun* selected) {
                 "tflops");
 }
 
-constexpr int kDiskReadsInFlight = 16;
-
-// The bound for a load: reading the checkpoint files at page-cache speed for the share that was
-// cached before it, at disk speed for the rest.
-struct LoadBound {
-  double page_cache_gbps = 0, disk_gbps = 0, gbps = 0;
-  // Copying the files from the page cache into fresh memory of the arena's kind and size, and
-  // the bound that gives (the disk's share as in gbps).
-  double copy_gbps = 0, copy_bound_gbps = 0;
-  std::string disk_note;  // why the disk's speed is not in the bound, if it is not
-};
-
-// Fresh memory of the arena's kind and size: a private arena, or a shared one of the same cut
-// under NAME-bound (removed when the returned arena goes).
-struct FreshArena {
-  std::unique_ptr<experts::HostArena> arena;
-  std::string shm_name;
-  ~FreshArena() {
-    arena.reset();
-    if (!shm_name.empty()) experts::HostArena::Unlink(shm_name).IgnoreError();
-  }
-};
-
-absl::Status MakeFreshArena(const experts::HostArena& like, const std::string& shm_name, FreshArena* fresh) {
-  if (shm_name.empty()) {
-    MOE_ASSIGN_OR_RETURN(fresh->arena, experts::HostArena::CreatePrivate(like.size()));
-    return absl::OkStatus();
-  }
-  fresh->shm_name = shm_name + "-bound";
-  MOE_RETURN_IF_ERROR(experts::HostArena::Unlink(fresh->shm_name));  // one a killed run left
-  MOE_ASSIGN_OR_RETURN(fresh->arena, experts::HostArena::OpenShared(fresh->shm_name, /*key=*/0, like.size()));
-  return absl::OkStatus();
-}
-
-absl::Status MeasureLoadBound(const std::vector<std::string>& files, double cached_before, int threads,
-                              const experts::HostArena& arena, const std::string& shm_name, LoadBound* bound) {
-  // Past the page cache first, which leaves it as it is; then a read that brings every page in
-  // (the load read only the experts' parts of the files), and the timed ones.
-  // Disk reads with at least kDiskReadsInFlight in flight: a deep queue is what the disk needs to
-  // reach its speed (the load's mapped reads get the kernel's readahead).
-  absl::StatusOr<double> disk = 0.0;
-  if (cached_before < 1.0) disk = bench::ReadFilesGbps(files, std::max(threads, kDiskReadsInFlight), /*direct=*/true);
-  MOE_RETURN_IF_ERROR(bench::ReadFilesGbps(files, threads, /*direct=*/false).status());
-  for (int repeat = 0; repeat < 3; ++repeat) {  // the best of three
-    MOE_ASSIGN_OR_RETURN(const double gbps, bench::ReadFilesGbps(files, threads, /*direct=*/false));
-    bound->page_cache_gbps = std::max(bound->page_cache_gbps, gbps);
-  }
-  double seconds_per_gb = cached_before / bound->page_cache_gbps;
-  if (cached_before < 1.0) {
-    if (disk.ok()) {
-      bound->disk_gbps = *disk;
-      seconds_per_gb += (1.0 - cached_before) / *disk;
-    } else if (disk.status().code() == absl::StatusCode::kUnimplemented) {
-      // Without the disk's speed the page cache's is the bound: stricter than the truth.
-      bound->disk_note = "disk speed not measured: " + std::string(disk.status().message());
-      seconds_per_gb += (1.0 - cached_before) / bound->page_cache_gbps;
-    } else {
-      return disk.status();
-    }
-  }
-  bound->gbps = 1.0 / seconds_per_gb;
-  // A load also fills the arena: each new page is zeroed by the kernel, then written. Copying the
-  // files into fresh memory of the arena's kind and size, with the same threads, is the least any
-  // load from the page cache can do (best of three, each into memory never touched).
-  for (int repeat = 0; repeat < 3; ++repeat) {
-    FreshArena fresh;
-    MOE_RETURN_IF_ERROR(MakeFreshArena(arena, shm_name, &fresh));
-    MOE_ASSIGN_OR_RETURN(const double gbps,
-                         bench::CopyFilesGbps(files, threads, fresh.arena->data(), fresh.arena->size()));
-    bound->copy_gbps = std::max(bound->copy_gbps, gbps);
-  }
-  bound->copy_bound_gbps =
-      1.0 / (seconds_per_gb - cached_before / bound->page_cache_gbps + cached_before / bound->copy_gbps);
-  return absl::OkStatus();
-}
-
 struct LoadBenchFlags {
   std::string model;
   ExpertFlags experts;
@@ -225,75 +134,15 @@ int BenchLoad(const LoadBenchFlags& flags) {
     return Fail(absl::InvalidArgumentError("bench load measures the expert pool; drop --experts reference"), 2);
   }
   options.pool.progress = !flags.json;
-  const std::string* model_dir = &flags.model;
-  // What the page cache holds before the load decides its bound: page-cache or disk speed. (A
-  // directory the load cannot use gets the load's own error below.)
-  auto files = bench::CheckpointFiles(*model_dir);
-  absl::StatusOr<double> cached_before = files.ok() ? bench::CachedShare(*files) : files.status();
-  const auto start = std::chrono::steady_clock::now();
-  auto model = runtime::Model::Load(*model_dir, options);
-  if (!model.ok()) return Fail(model.status(), 1);
-  const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  experts::ExpertPool* pool = (*model)->expert_pool();
-  if (pool == nullptr) return Fail(absl::FailedPreconditionError("the model has no MoE layers"), 1);
-  const bool attached = pool->arena().attached();
-  const double gbps = attached ? 0.0 : pool->loaded_bytes() / 1e9 / std::max(pool->load_seconds(), 1e-9);
-  // The bound: the files read whole by as many threads as the pool has. Read again after the
-  // load they come from the page cache; the share that was not cached before is timed at the
-  // disk's speed, read past the page cache.
-  LoadBound bound;
-  if (!attached) {
-    if (!cached_before.ok()) return Fail(cached_before.status(), 1);
-    if (absl::Status s =
-            MeasureLoadBound(*files, *cached_before, pool->threads(), pool->arena(), options.pool.shm_name, &bound);
-        !s.ok()) {
-      return Fail(s, 1);
-    }
-  }
-  const double ratio = bound.gbps > 0 ? gbps / bound.gbps : 0.0;
-  const double copy_ratio = bound.copy_bound_gbps > 0 ? gbps / bound.copy_bound_gbps : 0.0;
-  if (flags.json) {
-    nlohmann::ordered_json j = {{"attached", attached},
-                                {"arena_bytes", pool->arena().size()},
-                                {"checkpoint_bytes", pool->loaded_bytes()},
-                                {"expert_seconds", pool->load_seconds()},
-                                {"load_gbps", gbps},
-                                {"model_load_seconds", total},
-                                {"pages", pool->arena().page_kind()},
-                                {"cached_before", attached ? 0.0 : *cached_before},
-                                {"page_cache_gbps", bound.page_cache_gbps},
-                                {"disk_gbps", bound.disk_gbps},
-                                {"read_gbps", bound.gbps},
-                                {"ratio", ratio},
-                                {"copy_gbps", bound.copy_gbps},
-                                {"copy_bound_gbps", bound.copy_bound_gbps},
-                                {"copy_ratio", copy_ratio}};
-    std::cout << j.dump() << std::endl;
-  } else {
-    std::cout << pool->Describe() << "\n";
-    if (attached) {
-      std::cout << absl::StrFormat("attached to the published arena in %.3f s (model load %.3f s)\n",
-                                   pool->load_seconds(), total);
-    } else {
-      std::cout << absl::StrFormat("loaded %.2f GB of checkpoint experts in %.2f s: %.2f GB/s (model load %.2f s)\n",
-                                   pool->loaded_bytes() / 1e9, pool->load_seconds(), gbps, total);
-      std::cout << absl::StrFormat(
-          "the checkpoint files (%.0f%% in the page cache before the load) read at %.2f GB/s "
-          "from the page cache",
-          100 * *cached_before, bound.page_cache_gbps);
-      if (bound.disk_gbps > 0) {
-        std::cout << absl::StrFormat(" and %.2f GB/s from disk (%d reads at a time)", bound.disk_gbps,
-                                     std::max(pool->threads(), kDiskReadsInFlight));
-      }
-      if (!bound.disk_note.empty()) std::cout << " (" << bound.disk_note << ")";
-      std::cout << absl::StrFormat(" with %d threads: the load ran at %.0f%% of the %.2f GB/s they allow\n",
-                                   pool->threads(), 100 * ratio, bound.gbps);
-      std::cout << absl::StrFormat(
-          "copied from the page cache into fresh memory of the arena's kind and size (%.2f GB), "
-          "the files went at %.2f GB/s: the load ran at %.0f%% of the %.2f GB/s that allows\n",
-          pool->arena().size() / 1e9, bound.copy_gbps, 100 * copy_ratio, bound.copy_bound_gbps);
-    }
-  }
+  std::unique_ptr<runtime::Model> model;  // owns the pool RunLoadBench measures, to the end of the command
+  auto load = [&]() -> absl::StatusOr<const experts::ExpertPool*> {
+    MOE_ASSIGN_OR_RETURN(model, runtime::Model::Load(flags.model, options));
+    if (model->expert_pool() == nullptr) return absl::FailedPreconditionError("the model has no MoE layers");
+    return model->expert_pool();
+  };
+  auto result = bench::RunLoadBench(flags.model, options.pool.shm_name, load);
+  if (!result.ok()) return Fail(result.status(), 1);
+  bench::PrintLoadBench(*result, flags.json, std::cout);
   if (flags.unlink && !options.pool.shm_name.empty()) {
     if (absl::Status s = experts::HostArena::Unlink(options.pool.shm_name); !s.ok()) return Fail(s, 1);
   }
@@ -359,34 +208,9 @@ int BenchServe(const ServeBenchFlags& flags) {
     o.target = absl::StrCat("127.0.0.1:", frontend->port());
     o.vocab = model->spec().vocab_size;
   }
-  nlohmann::ordered_json rows = nlohmann::ordered_json::array();
-  const bool json = flags.json;
-  for (int c : *concurrency) {
-    o.concurrency = c;
-    o.requests = flags.requests > 0 ? flags.requests : std::max(8, 4 * c);
-    auto r = bench::RunServingBench(o);
-    if (!r.ok()) return Fail(r.status(), 1);
-    if (json) {
-      auto stats = [](const bench::LatencyStats& s) {
-        return nlohmann::ordered_json{{"mean", s.mean}, {"p50", s.p50}, {"p99", s.p99}};
-      };
-      rows.push_back({{"concurrency", c},
-                      {"requests", r->requests},
-                      {"failed", r->failed},
-                      {"output_tokens_per_s", r->output_tokens_per_second},
-                      {"ttft_ms", stats(r->ttft_ms)},
-                      {"tpot_ms", stats(r->tpot_ms)},
-                      {"itl_ms", stats(r->itl_ms)},
-                      {"e2e_ms", stats(r->e2e_ms)}});
-    } else {
-      std::cout << absl::StrFormat(
-          "concurrency %3d: %8.1f output tokens/s | TTFT ms mean %.1f p50 %.1f p99 %.1f | TPOT ms mean %.2f p50 %.2f "
-          "p99 %.2f | ITL ms mean %.2f p50 %.2f p99 %.2f | %d requests, %d failed\n",
-          c, r->output_tokens_per_second, r->ttft_ms.mean, r->ttft_ms.p50, r->ttft_ms.p99, r->tpot_ms.mean,
-          r->tpot_ms.p50, r->tpot_ms.p99, r->itl_ms.mean, r->itl_ms.p50, r->itl_ms.p99, r->requests, r->failed);
-    }
+  if (absl::Status s = bench::RunServingSweep(o, *concurrency, flags.requests, flags.json, std::cout); !s.ok()) {
+    return Fail(s, 1);
   }
-  if (json) std::cout << rows.dump() << std::endl;
   return 0;
 }
 

@@ -1,5 +1,6 @@
 // AVX-512 expert kernels. Every function here carries its own target attribute and is only
-// called after the CPU was checked (kernels.cc), so this file builds for the baseline ISA.
+// called after the CPU was checked (kernel_registry.cc, activations.cc, kernels_portable.cc), so
+// this file builds for the baseline ISA.
 #include <immintrin.h>
 
 #include <algorithm>

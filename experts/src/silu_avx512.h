@@ -7,7 +7,7 @@
 namespace moe::experts::internal {
 
 // e^-g = 2^t with t = -g log2 e split into round(t) (vscalefps) and a degree-6 polynomial of the
-// remainder, as FastExp in kernels.cc.
+// remainder, as FastExp in kernels_portable.cc.
 __attribute__((target("avx512f"), always_inline)) inline __m512 SiluMul16(__m512 g, __m512 u) {
   const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), one = _mm512_set1_ps(1.0f);
   const __m512 lo = _mm512_set1_ps(-126.0f), hi = _mm512_set1_ps(126.0f);

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <numeric>
+#include <random>
 
 #include "absl/strings/str_cat.h"
 #include "moe/core/status.h"
@@ -12,6 +13,11 @@ namespace {
 
 double SecondsSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+uint64_t RandomSeed() {
+  std::random_device device;
+  return (static_cast<uint64_t>(device()) << 32) | device();
 }
 
 }  // namespace
@@ -43,9 +49,11 @@ absl::StatusOr<GenerateResult> Generate(Model& model, const std::vector<int32_t>
   std::iota(table.begin(), table.end(), 0);
 
   GenerateResult result;
-  Sampler sampler(options.sampling);
+  // One seed for the whole generation; each token's draw is keyed by its position, so the same
+  // seed gives the same tokens in any process.
+  const uint64_t seed = options.sampling.seed.has_value() ? *options.sampling.seed : RandomSeed();
   const int vocab = spec.vocab_size;
-  std::vector<float> logits;
+  std::vector<float> logits, penalized;
 
   // Prefill: the whole prompt in one step.
   ForwardBatch batch;
@@ -73,7 +81,16 @@ absl::StatusOr<GenerateResult> Generate(Model& model, const std::vector<int32_t>
   int64_t position = static_cast<int64_t>(prompt.size());
   for (int step = 0; step < options.max_new_tokens; ++step) {
     if (options.step_logits) result.step_logits.emplace_back(last, last + vocab);
-    const int32_t token = sampler.Sample(last, vocab);
+    const SampleKey key{seed, 0, static_cast<uint32_t>(position)};
+    int32_t token;
+    if (options.sampling.penalized()) {
+      penalized.assign(last, last + vocab);
+      ApplyPenalties(options.sampling, prompt.data(), static_cast<int>(prompt.size()), result.generated_ids.data(),
+                     static_cast<int>(result.generated_ids.size()), penalized.data(), vocab);
+      token = SampleToken(penalized.data(), vocab, options.sampling, key);
+    } else {
+      token = SampleToken(last, vocab, options.sampling, key);
+    }
     result.generated_ids.push_back(token);
     if (options.stop_at_eos &&
         std::find(spec.eos_token_ids.begin(), spec.eos_token_ids.end(), token) != spec.eos_token_ids.end()) {

@@ -9,22 +9,10 @@
 namespace moe::runtime {
 namespace {
 
-// SplitMix64's finalizer: spreads nearby keys (consecutive positions) over the whole seed space.
-uint64_t Mix(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-
-// The one place a token is drawn. Until the counter-based SampleToken(logits, vocab, params,
-// SampleKey{seed, sequence, position}) replaces the Sampler class, a Sampler seeded from the key
-// stands in for it: the draw already depends on the key alone, so no state lives between steps.
+// The one place a token is drawn: counter-based, so it depends on the key alone.
 int32_t DrawToken(const float* logits, int vocab, const SamplingParams& params, uint64_t seed, uint32_t sequence,
                   uint32_t position) {
-  SamplingParams keyed = params;
-  keyed.seed = Mix(seed ^ Mix((static_cast<uint64_t>(sequence) << 32) | position));
-  return Sampler(keyed).Sample(logits, vocab);
+  return SampleToken(logits, vocab, params, SampleKey{seed, sequence, position});
 }
 
 // What Forward does not check: the sampling half of the plan, which a worker receives from

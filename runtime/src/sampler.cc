@@ -3,10 +3,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "moe/core/philox.h"
 
 namespace moe::runtime {
 
@@ -79,50 +81,163 @@ int32_t ArgMax(const float* values, int n) {
   return static_cast<int32_t>(std::max_element(values, values + n) - values);
 }
 
-Sampler::Sampler(const SamplingParams& params) : params_(params) {
-  rng_.seed(params.seed.has_value() ? *params.seed : std::random_device{}());
+namespace {
+
+// The largest float below 1. SamplingUniform rounds its top draw to exactly 1.0f (about once in
+// 2^24 draws), whose Gumbel noise -log(-log(1)) would be infinite and win for any logit.
+constexpr float kMaxUniform = 0x1.fffffep-1f;
+// An upper bound of GumbelNoise over every draw: -log(-log(kMaxUniform)) = 16.64.
+constexpr float kMaxGumbelNoise = 17.0f;
+
+float ScaledLogit(float logit, float temperature) {
+  constexpr float kMax = std::numeric_limits<float>::max();
+  return std::clamp(logit / temperature, -kMax, kMax);
 }
 
-int32_t Sampler::Sample(const float* logits, int vocab) {
-  if (params_.greedy()) return ArgMax(logits, vocab);
-  // Candidates sorted by logit, best first; filters only ever cut the tail.
-  std::vector<int32_t> order(vocab);
-  std::iota(order.begin(), order.end(), 0);
-  int keep = vocab;
-  if (params_.top_k > 0 && params_.top_k < vocab) {
-    keep = params_.top_k;
-    std::partial_sort(order.begin(), order.begin() + keep, order.end(),
-                      [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); });
-  } else {
-    std::sort(order.begin(), order.end(),
-              [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); });
+float GumbelNoise(const SampleKey& key, int32_t token) {
+  const float u =
+      std::min(core::SamplingUniform(key.seed, key.sequence, key.position, static_cast<uint32_t>(token)), kMaxUniform);
+  return -std::log(-std::log(u));
+}
+
+// The entries still in the running, in ascending id order until the top-p step, with their
+// e = exp(z - max z).
+struct Candidates {
+  std::vector<int32_t> ids;
+  std::vector<float> e;
+};
+
+// K1: the top_k entries by (z desc, id asc), in ascending id order, in time linear in the
+// vocabulary: a heap of the best k seen so far when k is small (most entries fail one compare
+// with its worst), nth_element otherwise; only the k survivors are sorted.
+std::vector<int32_t> TopKByScaledLogit(const std::vector<float>& z, int top_k) {
+  const int vocab = static_cast<int>(z.size());
+  std::vector<int32_t> ids;
+  if (top_k <= 0 || top_k >= vocab) {
+    ids.resize(vocab);
+    std::iota(ids.begin(), ids.end(), 0);
+    return ids;
   }
-  std::vector<double> probs(keep);
-  const double inv_t = 1.0 / params_.temperature;
-  const double top = logits[order[0]];
-  double sum = 0;
-  for (int i = 0; i < keep; ++i) sum += probs[i] = std::exp((logits[order[i]] - top) * inv_t);
-  for (double& p : probs) p /= sum;
-  if (params_.min_p > 0) {
-    const double floor = params_.min_p * probs[0];
-    while (keep > 1 && probs[keep - 1] < floor) --keep;
-  }
-  if (params_.top_p < 1) {
-    double cum = 0;
-    int n = 0;
-    while (n < keep) {
-      cum += probs[n++];
-      if (cum >= params_.top_p) break;
+  auto better = [&](int32_t a, int32_t b) { return z[a] > z[b] || (z[a] == z[b] && a < b); };
+  if (top_k <= 4096) {
+    // A heap whose front is the worst of the best k so far.
+    ids.reserve(top_k);
+    for (int32_t i = 0; i < vocab; ++i) {
+      if (static_cast<int>(ids.size()) < top_k) {
+        ids.push_back(i);
+        std::push_heap(ids.begin(), ids.end(), better);
+      } else if (better(i, ids.front())) {
+        std::pop_heap(ids.begin(), ids.end(), better);
+        ids.back() = i;
+        std::push_heap(ids.begin(), ids.end(), better);
+      }
     }
-    keep = std::max(n, 1);
+  } else {
+    ids.resize(vocab);
+    std::iota(ids.begin(), ids.end(), 0);
+    std::nth_element(ids.begin(), ids.begin() + (top_k - 1), ids.end(), better);
+    ids.resize(top_k);
   }
-  double total = std::accumulate(probs.begin(), probs.begin() + keep, 0.0);
-  double u = std::uniform_real_distribution<double>(0.0, total)(rng_);
-  for (int i = 0; i < keep; ++i) {
-    u -= probs[i];
-    if (u < 0) return order[i];
+  std::sort(ids.begin(), ids.end());
+  return ids;
+}
+
+// Keeps the entries of `c` whose mass before them, in (e desc, id asc) order, is below `limit`
+// (in units of e), and always the first. With M the mass of `c` and n its size, an entry with
+// e < (M - limit) / n is never kept: the entries above it outweigh M - n * e > limit. That cut
+// (with a margin for rounding) leaves few entries for a real model, so sorting a head that grows
+// until it holds the prefix stays cheap. The best entry (e == 1 >= M / n) always passes it.
+void KeepTopPPrefix(double limit, Candidates* c) {
+  double mass = 0;
+  for (float e : c->e) mass += e;
+  const double cut = mass - limit > 1e-6 * mass ? 0.999 * (mass - limit) / static_cast<double>(c->ids.size()) : 0.0;
+  std::vector<int32_t> order;
+  for (size_t j = 0; j < c->ids.size(); ++j) {
+    if (c->e[j] >= cut) order.push_back(static_cast<int32_t>(j));
   }
-  return order[keep - 1];
+  const size_t n = order.size();
+  auto before = [&](int32_t a, int32_t b) {
+    return c->e[a] > c->e[b] || (c->e[a] == c->e[b] && c->ids[a] < c->ids[b]);
+  };
+  size_t head = std::min<size_t>(n, 256);
+  size_t keep = n;
+  while (true) {
+    if (head < n) std::nth_element(order.begin(), order.begin() + head, order.end(), before);
+    std::sort(order.begin(), order.begin() + head, before);
+    double mass_before = 0;
+    size_t j = 0;
+    for (; j < head; ++j) {
+      if (j > 0 && !(mass_before < limit)) break;
+      mass_before += c->e[order[j]];
+    }
+    if (j < head || head == n) {
+      keep = j;
+      break;
+    }
+    head = std::min(n, head * 8);
+  }
+  Candidates kept;
+  kept.ids.reserve(keep);
+  kept.e.reserve(keep);
+  for (size_t j = 0; j < keep; ++j) {
+    kept.ids.push_back(c->ids[order[j]]);
+    kept.e.push_back(c->e[order[j]]);
+  }
+  *c = std::move(kept);
+}
+
+// argmax of z_i + g_i over `ids`, ties to the lowest id. The kept entry of largest z bounds the
+// winner's score from below, so the noise of an entry more than kMaxGumbelNoise below that bound
+// is never computed: it cannot win, and most of a real model's vocabulary is that far down.
+int32_t GumbelMax(const std::vector<float>& z, const std::vector<int32_t>& ids, const SampleKey& key) {
+  int32_t best_id = ids[0];
+  for (int32_t id : ids) {
+    if (z[id] > z[best_id] || (z[id] == z[best_id] && id < best_id)) best_id = id;
+  }
+  float best = z[best_id] + GumbelNoise(key, best_id);
+  for (int32_t id : ids) {
+    if (z[id] + kMaxGumbelNoise < best) continue;
+    const float score = z[id] + GumbelNoise(key, id);
+    if (score > best || (score == best && id < best_id)) {
+      best = score;
+      best_id = id;
+    }
+  }
+  return best_id;
+}
+
+}  // namespace
+
+int32_t SampleToken(const float* logits, int vocab, const SamplingParams& params, const SampleKey& key) {
+  if (params.greedy()) return ArgMax(logits, vocab);
+  std::vector<float> z(vocab);
+  for (int i = 0; i < vocab; ++i) z[i] = ScaledLogit(logits[i], params.temperature);
+  Candidates c;
+  c.ids = TopKByScaledLogit(z, params.top_k);
+  if (params.min_p > 0 || params.top_p < 1) {
+    const float z_max = *std::max_element(z.begin(), z.end());
+    c.e.resize(c.ids.size());
+    double sum = 0;  // S over K1, in ascending id order
+    for (size_t j = 0; j < c.ids.size(); ++j) {
+      c.e[j] = std::exp(z[c.ids[j]] - z_max);
+      sum += c.e[j];
+    }
+    if (params.min_p > 0) {
+      size_t n = 0;
+      for (size_t j = 0; j < c.ids.size(); ++j) {
+        if (c.e[j] >= params.min_p) {
+          c.ids[n] = c.ids[j];
+          c.e[n++] = c.e[j];
+        }
+      }
+      // The best entry has e == 1 >= min_p; only a min_p above 1 (not Validate()d) empties it.
+      if (n == 0) return ArgMax(z.data(), vocab);
+      c.ids.resize(n);
+      c.e.resize(n);
+    }
+    if (params.top_p < 1) KeepTopPPrefix(static_cast<double>(params.top_p) * sum, &c);
+  }
+  return GumbelMax(z, c.ids, key);
 }
 
 absl::Status CheckLogitsFinite(const float* logits, int64_t rows, int vocab) {

@@ -12,7 +12,12 @@
 // Submit returns at once; Wait() joins the work (the waiting thread helps). One call in flight
 // at a time; the arrays passed to Submit must stay valid until Wait returns. Between calls the
 // threads linger awake for ExpertPoolOptions::linger_us.
-// Thread-safety: Submit and Wait from one thread at a time.
+//
+// Thread-safety: one thread at a time drives the pool: Submit, Wait, Compute, SetKernel, the
+// measurements and the phase report. SetKernel and the measurements wait for no call in flight
+// (the call's threads read the kernel choice; the measurements return zeros). The const accessors
+// but options() may be read from any thread; the weights are read-only once Create returns.
+// The pool's own threads share a call's work through atomics (see expert_schedules.h).
 #pragma once
 
 #include <cstdint>
@@ -116,24 +121,18 @@ class ExpertPool {
   // "int8 experts: 2 layers x 128, 1.2 GB in transparent huge pages, 32 pinned threads"
   std::string Describe() const;
 
+ private:
+  // The threads, the experts' layout in the arena and the calls' scratch (expert_pool.cc).
   class Impl;
 
- private:
   ExpertPool() = default;
-  absl::Status Load(const ExpertWeightSource& source);
+  // One call, on the thread that leads it.
   absl::Status Run(int layer, const float* hidden, int64_t num_tokens, const int32_t* topk_ids,
                    const float* topk_weights, float* out);
-  PackedMatrix GateUp(int layer, int expert) const;
-  PackedMatrix Down(int layer, int expert) const;
-  // One call's state and steps, shared by the two schedules (expert_pool.cc).
-  struct Call;
-  void RunDecode(Call& call);
-  void RunBatch(Call& call);
 
   ExpertShape shape_;
   ExpertPoolOptions options_;
   int threads_ = 0;
-  MatrixLayout gate_up_, down_;
   int64_t expert_bytes_ = 0;
   std::unique_ptr<HostArena> arena_;
   std::unique_ptr<Impl> impl_;

@@ -39,6 +39,10 @@ std::string KernelUnsupportedReason(KernelKind kind, ExpertFormat format, const 
 
 // One call's activations, in the forms the kernel needs. Rows are padded to a multiple of 32
 // and columns to k_pad with zeros.
+//
+// Thread-safety: not synchronized. Reset, Prepare and Gather on one thread; FillRows after Reset
+// on any threads at once for disjoint row ranges; once filled, the accessors and the kernels read
+// it from any thread. The caller orders those steps (the expert pool with its atomics).
 class Activations {
  public:
   // Fills the forms `kind` needs from x [m x k] (row stride k). `sum_group`: columns per

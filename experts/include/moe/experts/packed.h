@@ -57,7 +57,7 @@ struct MatrixLayout {
 // kInvalidArgument for a group that is not 32, 64 or 128.
 absl::StatusOr<MatrixLayout> MakeLayout(ExpertFormat format, int64_t n, int64_t k, int group = 32);
 
-// A read-only view of one packed matrix.
+// A read-only view of one packed matrix: its bytes are not owned and are read from any thread.
 struct PackedMatrix {
   MatrixLayout layout;
   const uint8_t* data = nullptr;  // layout.bytes() bytes, 64-byte aligned
