@@ -6,8 +6,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "moe/text/chat_template.h"
-#include "moe/text/text_stream.h"
+#include "moe/text/incremental_detokenizer.h"
+#include "moe/text/reasoning_parser.h"
+#include "moe/text/stop_matcher.h"
 #include "moe/text/tokenizer.h"
+#include "moe/text/tool_call_parser.h"
 
 namespace moe::scheduler {
 namespace {
