@@ -179,6 +179,7 @@ int RunServe(const ServeFlags& flags) {
   std::cerr << absl::StrFormat(
       "moeserve serve: %s\nmoeserve serve: %s; KV cache %d blocks of %d positions; context %d\n", spec.Summary(),
       options.placement, kv.num_blocks, kv.block_size, sc.context);
+  std::cerr << "moeserve serve: text: " << (*frontend)->DescribeText() << "\n";
   std::cout << "serving on port " << (*frontend)->port() << std::endl;
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);

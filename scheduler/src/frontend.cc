@@ -531,6 +531,7 @@ absl::Status Frontend::Serve(std::unique_ptr<runtime::Executor> executor) {
 int Frontend::http_port() const { return impl_->http != nullptr ? impl_->http->port() : 0; }
 
 int Frontend::port() const { return impl_->port; }
+std::string Frontend::DescribeText() const { return impl_->text != nullptr ? impl_->text->Describe() : ""; }
 Engine& Frontend::engine() { return *impl_->engine; }
 
 int Frontend::Drain(std::chrono::milliseconds grace) {

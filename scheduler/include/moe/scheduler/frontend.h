@@ -60,6 +60,8 @@ class Frontend {
 
   int port() const;
   int http_port() const;  // 0 without an HTTP listener
+  // After Serve: one line on what text requests get (tokenizer, chat template, parsers).
+  std::string DescribeText() const;
   Engine& engine();  // after Serve
   // A graceful stop: health turns NOT_SERVING, new requests get UNAVAILABLE, the running ones
   // have `grace` to finish; then the rest end with UNAVAILABLE "server shutting down" and the
