@@ -143,6 +143,50 @@ TEST(CliTest, BadRequestsAndFlagsAreExplained) {
   EXPECT_THAT(r.err, HasSubstr("unknown command 'frobnicate'"));
 }
 
+TEST(CliTest, TokenizePrintsIdsAndExplainsBrokenTokenizers) {
+  const std::string model = testing::FixtureDir("qwen3_moe");
+  auto r = testing::RunMoeserve({"tokenize", "--model", model, "--text", "Hello world"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "42 71 78 337 331 274 78 70\n");  // as golden_tokenize.json has it
+  r = testing::RunMoeserve({"tokenize", "--model", model, "--text", "<|im_start|>hi", "--json", "--no-special"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json out = LastJsonLine(r.out);
+  EXPECT_EQ(out["ids"].get<std::vector<int>>(), (std::vector<int>{1, 74, 75}));
+  EXPECT_EQ(out["decoded"], "<|im_start|>hi");
+
+  testing::ScratchDir dir;
+  { std::ofstream(dir / "prompt.txt") << "Hello world"; }
+  r = testing::RunMoeserve({"tokenize", "--model", model, "--text-file", dir / "prompt.txt"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "42 71 78 337 331 274 78 70\n");
+
+  // Usage errors: 2.
+  r = testing::RunMoeserve({"tokenize", "--model", model});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, ::testing::HasSubstr("give exactly one of --text and --text-file"));
+  r = testing::RunMoeserve({"tokenize", "--model", model, "--text-file", dir / "missing.txt"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, ::testing::HasSubstr("--text-file"));
+
+  // A model without a tokenizer, a broken one, an unknown component: 1, naming the problem.
+  const std::string broken = dir / "model";
+  fs::create_directories(broken);
+  r = testing::RunMoeserve({"tokenize", "--model", broken, "--text", "x"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, ::testing::HasSubstr("has no tokenizer.json"));
+  { std::ofstream(broken + "/tokenizer.json") << "{\n  \"model\": {\n"; }
+  r = testing::RunMoeserve({"tokenize", "--model", broken, "--text", "x"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, ::testing::HasSubstr("tokenizer.json:3:"));
+  std::ifstream in(model + "/tokenizer.json");
+  nlohmann::json config = nlohmann::json::parse(in);
+  config["pre_tokenizer"] = {{"type", "Foo"}};
+  { std::ofstream(broken + "/tokenizer.json") << config.dump(); }
+  r = testing::RunMoeserve({"tokenize", "--model", broken, "--text", "x"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, ::testing::HasSubstr("pre_tokenizer type 'Foo' is not supported"));
+}
+
 TEST(CliTest, HelpExplainsTheCommands) {
   auto r = testing::RunMoeserve({"--help"});
   EXPECT_EQ(r.exit_code, 0);

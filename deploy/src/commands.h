@@ -11,6 +11,8 @@ void AddGenerateCommand(CLI::App& root, CommandRun* selected);
 void AddMakeModelCommand(CLI::App& root, CommandRun* selected);
 void AddBenchCommand(CLI::App& root, CommandRun* selected);
 void AddServeCommand(CLI::App& root, CommandRun* selected);
+void AddChatTemplateCommand(CLI::App& root, CommandRun* selected);
+void AddTokenizeCommand(CLI::App& root, CommandRun* selected);
 // `bench model`, declared under `bench` by AddBenchCommand.
 void AddBenchModel(CLI::App& bench, CommandRun* selected);
 

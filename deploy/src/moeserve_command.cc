@@ -67,6 +67,8 @@ int RunMoeserve(int argc, char** argv) {
   AddGenerateCommand(root, &selected);
   AddMakeModelCommand(root, &selected);
   AddBenchCommand(root, &selected);
+  AddChatTemplateCommand(root, &selected);
+  AddTokenizeCommand(root, &selected);
   root.add_subcommand("version", "print the version")->callback([&selected] {
     selected = [] {
       std::cout << "moeserve " << kVersion << "\n";

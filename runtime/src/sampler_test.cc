@@ -288,18 +288,12 @@ TEST(SamplerTest, ATinyTemperatureDoesNotOverflow) {
   }
 }
 
-TEST(SamplerTest, ADrawOfExactlyOneHasFiniteNoise) {
-  // SamplingUniform rounds to 1.0f about once in 2^24 draws; uncapped, its noise is infinite and
-  // the entry wins whatever its logit. Capped, the noise is -log(-log(0x1.fffffep-1)) = 16.64:
-  // token 6 below sits 16.8 under token 0's score, close enough not to be skipped unseen.
-  const SampleKey key{7, 0, 3301784};
-  ASSERT_EQ(core::SamplingUniform(key.seed, key.sequence, key.position, 6), 1.0f);
-  std::vector<float> logits(8, -1000.0f);
-  logits[0] = 0.0f;
-  logits[6] = PlainGumbelScore(logits, Sampled(1.0f), key, 0) - 16.8f;
-  EXPECT_EQ(SampleToken(logits.data(), 8, Sampled(1.0f), key), 0);
-  logits[6] += 0.3f;  // now within reach of the capped noise
-  EXPECT_EQ(SampleToken(logits.data(), 8, Sampled(1.0f), key), 6);
+TEST(SamplerTest, UniformDrawsStayBelowOne) {
+  // The largest word gives (2^23 - 0.5) / 2^23: below 1, so the Gumbel noise -log(-log(u)) is
+  // finite (about 15.9) and no entry wins whatever its logit.
+  EXPECT_LT(core::UniformFromBits(0xFFFFFFFFu), 1.0f);
+  EXPECT_GT(core::UniformFromBits(0u), 0.0f);
+  EXPECT_TRUE(std::isfinite(-std::log(-std::log(core::UniformFromBits(0xFFFFFFFFu)))));
 }
 
 TEST(SamplerTest, ALargeVocabularyNeedsNoFullSort) {

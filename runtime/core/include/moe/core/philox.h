@@ -41,9 +41,10 @@ MOE_HOST_DEVICE Philox4x32 Philox(uint32_t c0, uint32_t c1, uint32_t c2, uint32_
   return Philox4x32{{c0, c1, c2, c3}};
 }
 
-// A uniform draw in the open interval (0, 1) from one 32-bit word.
+// A uniform draw in the open interval (0, 1) from one 32-bit word: 23 bits and a half, so the
+// sum is exact in a float and never rounds up to 1.
 MOE_HOST_DEVICE float UniformFromBits(uint32_t bits) {
-  return (static_cast<float>(bits >> 8) + 0.5f) * (1.0f / 16777216.0f);
+  return (static_cast<float>(bits >> 9) + 0.5f) * (1.0f / 8388608.0f);
 }
 
 // The sampler's draw for vocabulary entry `token` of the row at (seed, sequence, position).
