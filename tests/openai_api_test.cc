@@ -260,15 +260,19 @@ TEST_F(OpenAiApiTest, TextCompletionChatToolsAndStopStrings) {
   const std::string text = body["choices"][0]["text"];
   EXPECT_EQ(body["usage"]["completion_tokens"], 12);
   // A stop string taken from the greedy output itself ends the text before it, with "stop".
-  // Two ASCII letters or digits from the second half (a random-weight model writes any bytes).
+  // The stop string: the character whose first occurrence comes last (a random-weight model
+  // writes any characters), so that the cut text is as long as it can be.
   size_t at = std::string::npos;
-  for (size_t i = text.size() / 2; i + 1 < text.size() && at == std::string::npos; ++i) {
-    if (std::isalnum(static_cast<unsigned char>(text[i])) && std::isalnum(static_cast<unsigned char>(text[i + 1]))) {
-      at = i;
-    }
+  std::string stop;
+  for (size_t i = 0; i < text.size();) {
+    size_t len = 1;
+    while (i + len < text.size() && (static_cast<unsigned char>(text[i + len]) & 0xC0) == 0x80) ++len;
+    const std::string c = text.substr(i, len);
+    if (text.find(c) == i && i > 0) at = i, stop = c;
+    i += len;
   }
-  if (at != std::string::npos) {
-    const std::string stop = text.substr(at, 2);
+  ASSERT_NE(at, std::string::npos) << "no character to stop at in " << text;
+  {
     json stopped = request;
     stopped["stop"] = {stop};
     const HttpResult s = Post("/v1/completions", stopped);
@@ -444,9 +448,14 @@ TEST_F(OpenAiApiTest, DisconnectMidStreamFreesTheKvBlocks) {
     got.append(buf, static_cast<size_t>(n));
   }
   EXPECT_THAT(got, HasSubstr("text/event-stream"));
-  EXPECT_GT(frontend_->engine().stats().blocks_used, 0);
+  // The engine publishes its stats after the step that sent the event.
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (frontend_->engine().stats().blocks_used == 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_GT(frontend_->engine().stats().blocks_used, 0) << got;
   ::close(fd);
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
   scheduler::SchedulerStats stats = frontend_->engine().stats();
   while ((stats.running > 0 || stats.blocks_used > 0) && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
