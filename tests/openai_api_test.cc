@@ -1,6 +1,7 @@
 // The OpenAI-compatible HTTP API as clients see it: a real Frontend on loopback over the fixture
 // model, real HTTP requests.
 #include <arpa/inet.h>
+#include <grpcpp/grpcpp.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -17,6 +18,7 @@
 #include "moe/runtime/model_executor.h"
 #include "moe/scheduler/frontend.h"
 #include "moe/scheduler/http_server.h"
+#include "moeserve/v1/generation.grpc.pb.h"
 #include "nlohmann/json.hpp"
 #include "test_util.h"
 
@@ -464,6 +466,68 @@ TEST_F(OpenAiApiTest, DisconnectMidStreamFreesTheKvBlocks) {
   EXPECT_EQ(stats.running, 0);
   EXPECT_EQ(stats.blocks_used, 0);
   EXPECT_THAT(frontend_->engine().RenderMetrics(), HasSubstr("moeserve_kv_blocks_used 0"));
+}
+
+// The gRPC API takes text and chat prompts through the same pipeline: its text deltas add up to
+// what the HTTP API answers for the same request, and a stop string ends it.
+TEST_F(OpenAiApiTest, GrpcTakesTextAndMessages) {
+  StartServer();
+  if (!ServesText()) GTEST_SKIP() << "this build has no tokenizer library";
+  auto stub = ::moeserve::v1::Generation::NewStub(grpc::CreateChannel(
+      absl::StrCat("127.0.0.1:", frontend_->port()), grpc::InsecureChannelCredentials()));
+  const auto run = [&](const ::moeserve::v1::GenerateRequest& request, std::string* text,
+                       ::moeserve::v1::GenerateResponse* last) {
+    grpc::ClientContext context;
+    auto reader = stub->Generate(&context, request);
+    ::moeserve::v1::GenerateResponse response;
+    while (reader->Read(&response)) {
+      *text += response.text();
+      *last = response;
+    }
+    return reader->Finish();
+  };
+  ::moeserve::v1::GenerateRequest request;
+  request.set_text("Once upon a time");
+  request.mutable_stopping()->set_max_new_tokens(10);
+  request.mutable_stopping()->set_ignore_eos(true);
+  std::string text;
+  ::moeserve::v1::GenerateResponse last;
+  grpc::Status status = run(request, &text, &last);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(last.finish_reason(), ::moeserve::v1::FINISH_REASON_LENGTH);
+  EXPECT_EQ(last.usage().completion_tokens(), 10);
+  const json http = json::parse(Post("/v1/completions", json{{"prompt", "Once upon a time"},
+                                                              {"max_tokens", 10},
+                                                              {"temperature", 0},
+                                                              {"ignore_eos", true}})
+                                    .body);
+  EXPECT_EQ(text, http["choices"][0]["text"]);
+  if (!text.empty()) {
+    // The last character (a random-weight model writes any characters) as the stop string.
+    size_t start = text.size() - 1;
+    while (start > 0 && (static_cast<unsigned char>(text[start]) & 0xC0) == 0x80) --start;
+    const std::string stop = text.substr(start);
+    request.add_stop(stop);
+    std::string cut;
+    ASSERT_TRUE(run(request, &cut, &last).ok());
+    EXPECT_EQ(last.finish_reason(), ::moeserve::v1::FINISH_REASON_STOP_STRING);
+    EXPECT_EQ(cut, text.substr(0, text.find(stop)));
+  }
+  ::moeserve::v1::GenerateRequest chat;
+  ::moeserve::v1::ChatMessage* message = chat.add_messages();
+  message->set_role("user");
+  message->set_content("Hi");
+  chat.set_tools(R"([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])");
+  chat.set_chat_template_kwargs(R"({"enable_thinking": false})");
+  chat.mutable_stopping()->set_max_new_tokens(4);
+  std::string reply;
+  status = run(chat, &reply, &last);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  EXPECT_GT(last.usage().prompt_tokens(), 3);
+  chat.set_chat_template_kwargs("[1]");
+  status = run(chat, &reply, &last);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("chat_template_kwargs"));
 }
 
 }  // namespace
