@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_format.h"
 #include "moe/core/status.h"
+#include "nlohmann/json.hpp"
 
 namespace moe::bench {
 namespace {
@@ -65,6 +66,28 @@ double PrefillFlops(const runtime::ModelSpec& s, int tokens) {
   return 2.0 * per_token * tokens + attention + 2.0 * s.vocab_size * s.hidden_size;
 }
 
+void PrintModelBenchJson(const ModelBenchResult& result, const std::string& backend, std::ostream& out) {
+  nlohmann::ordered_json j;
+  j["backend"] = backend;
+  j["bandwidth_gbps"] = result.roofline.memory_gbps;
+  j["bandwidth_measured_as"] = result.roofline.memory_what;
+  j["matmul_tflops"] = result.roofline.matmul_tflops;
+  j["matmul_measured_as"] = result.roofline.matmul_what;
+  for (const auto& r : result.decode) {
+    j["decode"].push_back({{"batch", r.batch},
+                           {"tokens_per_s", r.tokens_per_s},
+                           {"ms_per_step", r.ms_per_step},
+                           {"weight_bytes_per_step", r.weight_bytes},
+                           {"bound_tokens_per_s", r.bound_tokens_per_s},
+                           {"ratio_to_bandwidth", r.ratio}});
+  }
+  for (const auto& r : result.prefill) {
+    j["prefill"].push_back(
+        {{"tokens", r.tokens}, {"tokens_per_s", r.tokens_per_s}, {"tflops", r.tflops}, {"ratio_to_matmul", r.ratio}});
+  }
+  out << j.dump() << std::endl;
+}
+
 absl::StatusOr<ModelBenchResult> RunModelBench(runtime::Model& model, const ModelBenchOptions& o, std::ostream& log) {
   const runtime::ModelSpec& spec = model.spec();
   runtime::Backend& backend = model.backend();
@@ -85,11 +108,15 @@ absl::StatusOr<ModelBenchResult> RunModelBench(runtime::Model& model, const Mode
     for (int s = 0; s < batch; ++s) {
       tables[s].resize(per_seq);
       std::iota(tables[s].begin(), tables[s].end(), s * per_seq);
-      ForwardBatch prefill;
-      for (int i = 0; i < o.decode_context; ++i) prefill.token_ids.push_back(token(rng));
-      prefill.sequences = {SequenceChunk{0, o.decode_context, tables[s]}};
-      prefill.logit_rows = {o.decode_context - 1};
-      MOE_RETURN_IF_ERROR(Step(model, *cache, prefill));
+      const int chunk = model.options().max_step_tokens;
+      for (int first = 0; first < o.decode_context; first += chunk) {
+        const int n = std::min(chunk, o.decode_context - first);
+        ForwardBatch prefill;
+        for (int i = 0; i < n; ++i) prefill.token_ids.push_back(token(rng));
+        prefill.sequences = {SequenceChunk{first, n, tables[s]}};
+        prefill.logit_rows = {n - 1};
+        MOE_RETURN_IF_ERROR(Step(model, *cache, prefill));
+      }
     }
     int position = o.decode_context;
     auto decode_step = [&]() -> absl::Status {

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <ostream>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -49,6 +50,9 @@ struct ModelBenchResult {
 double DecodeWeightBytes(const runtime::ModelSpec& spec, int batch, int bytes_per_weight);
 // Multiply-adds x 2 of one prefill of `tokens` tokens (the routed experts' top-k, causal attention).
 double PrefillFlops(const runtime::ModelSpec& spec, int tokens);
+
+// One JSON object on `out`: the backend, both ceilings and every row.
+void PrintModelBenchJson(const ModelBenchResult& result, const std::string& backend, std::ostream& out);
 
 absl::StatusOr<ModelBenchResult> RunModelBench(runtime::Model& model, const ModelBenchOptions& options,
                                                std::ostream& log);

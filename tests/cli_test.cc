@@ -187,6 +187,30 @@ TEST(CliTest, TokenizePrintsIdsAndExplainsBrokenTokenizers) {
   EXPECT_THAT(r.err, ::testing::HasSubstr("pre_tokenizer type 'Foo' is not supported"));
 }
 
+// bench model end to end on the CPU backend (the GPU run is the same code on another backend):
+// every row is there, positive, and measured against its ceiling.
+TEST(CliTest, BenchModelReportsDecodeAndPrefillAgainstTheirCeilings) {
+  auto r = testing::RunMoeserve({"bench", "model", "--model", testing::FixtureDir("qwen3_moe"), "--device", "cpu",
+                                 "--threads", "2", "--expert-threads", "2", "--batches", "1,3", "--prompts", "9",
+                                 "--decode-context", "5", "--decode-steps", "2", "--max-step-tokens", "4", "--roofline-mb", "64",
+                                 "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_GT(j["bandwidth_gbps"].get<double>(), 0);
+  EXPECT_GT(j["matmul_tflops"].get<double>(), 0);
+  ASSERT_EQ(j["decode"].size(), 2u);
+  for (const auto& row : j["decode"]) {
+    EXPECT_GT(row["tokens_per_s"].get<double>(), 0);
+    EXPECT_GT(row["weight_bytes_per_step"].get<double>(), 0);
+    EXPECT_GT(row["ratio_to_bandwidth"].get<double>(), 0);
+  }
+  // Three routed experts of 16 touched at batch 3 read more than one of batch 1 does.
+  EXPECT_GT(j["decode"][1]["weight_bytes_per_step"].get<double>(), j["decode"][0]["weight_bytes_per_step"].get<double>());
+  ASSERT_EQ(j["prefill"].size(), 1u);
+  EXPECT_EQ(j["prefill"][0]["tokens"], 9);
+  EXPECT_GT(j["prefill"][0]["tflops"].get<double>(), 0);
+}
+
 TEST(CliTest, HelpExplainsTheCommands) {
   auto r = testing::RunMoeserve({"--help"});
   EXPECT_EQ(r.exit_code, 0);

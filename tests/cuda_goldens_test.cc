@@ -39,27 +39,7 @@ std::unique_ptr<Model> LoadOn(const std::string& arch, bool gpu, bool graphs = t
   return model.ok() ? std::move(*model) : nullptr;
 }
 
-std::vector<std::vector<float>> FullForward(Model& model, const std::vector<int32_t>& ids) {
-  const int blocks = runtime::BlocksFor(ids.size(), 16);
-  auto cache = model.NewKvCache(blocks);
-  EXPECT_TRUE(cache.ok());
-  std::vector<int32_t> table(blocks);
-  std::iota(table.begin(), table.end(), 0);
-  ForwardBatch batch;
-  batch.token_ids = ids;
-  batch.sequences = {SequenceChunk{0, static_cast<int32_t>(ids.size()), table}};
-  batch.logit_rows.resize(ids.size());
-  std::iota(batch.logit_rows.begin(), batch.logit_rows.end(), 0);
-  std::vector<float> logits;
-  const absl::Status s = model.Forward(batch, **cache, &logits);
-  EXPECT_TRUE(s.ok()) << s;
-  const int vocab = model.spec().vocab_size;
-  std::vector<std::vector<float>> rows;
-  for (size_t i = 0; i < ids.size() && s.ok(); ++i) {
-    rows.emplace_back(logits.begin() + i * vocab, logits.begin() + (i + 1) * vocab);
-  }
-  return rows;
-}
+using testing::FullForward;
 
 float Margin(const std::vector<float>& row) {
   std::vector<float> v = row;

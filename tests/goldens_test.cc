@@ -26,31 +26,8 @@ std::unique_ptr<Model> LoadFixture(const std::string& arch, runtime::ModelOption
   return model.ok() ? std::move(*model) : nullptr;
 }
 
-// Logits of every position of `ids`, computed in one step on a fresh cache.
-std::vector<std::vector<float>> FullForward(Model& model, const std::vector<int32_t>& ids) {
-  const int blocks = runtime::BlocksFor(ids.size(), 16);
-  auto cache = model.NewKvCache(blocks);
-  EXPECT_TRUE(cache.ok());
-  std::vector<int32_t> table(blocks);
-  std::iota(table.begin(), table.end(), 0);
-  ForwardBatch batch;
-  batch.token_ids = ids;
-  batch.sequences = {SequenceChunk{0, static_cast<int32_t>(ids.size()), table}};
-  batch.logit_rows.resize(ids.size());
-  std::iota(batch.logit_rows.begin(), batch.logit_rows.end(), 0);
-  std::vector<float> logits;
-  EXPECT_TRUE(model.Forward(batch, **cache, &logits).ok());
-  const int vocab = model.spec().vocab_size;
-  std::vector<std::vector<float>> rows;
-  for (size_t i = 0; i < ids.size(); ++i) rows.emplace_back(logits.begin() + i * vocab, logits.begin() + (i + 1) * vocab);
-  return rows;
-}
-
-float MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
-  float worst = 0;
-  for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::abs(a[i] - b[i]));
-  return worst;
-}
+using testing::FullForward;
+using testing::MaxAbsDiff;
 
 class GoldensTest : public ::testing::TestWithParam<std::string> {};
 
@@ -247,6 +224,32 @@ TEST(ForwardTest, MalformedBatchesAreRejectedWithoutTouchingTheCache) {
 
   batch.logit_rows = {2};
   EXPECT_TRUE(model->Forward(batch, **cache, &logits).ok());
+}
+
+// A prompt longer than the largest step is prefilled in chunks, with the logits of one step.
+TEST(ForwardTest, ChunkedPrefillGivesTheGoldens) {
+  runtime::ModelOptions options;
+  options.max_step_tokens = 5;
+  options.max_logit_rows = 3;
+  auto model = LoadFixture("qwen3_moe", options);
+  ASSERT_NE(model, nullptr);
+  const nlohmann::json golden = testing::LoadGolden("qwen3_moe");
+  for (const auto& gc : golden["cases"]) {
+    const std::vector<int32_t> prompt = gc["prompt_ids"];
+    const std::vector<int32_t> want = gc["greedy_ids"];
+    runtime::GenerateOptions g;
+    g.max_new_tokens = static_cast<int>(want.size());
+    g.prompt_logits = true;
+    g.stop_at_eos = false;
+    auto result = runtime::Generate(*model, prompt, g);
+    ASSERT_TRUE(result.ok()) << result.status();
+    EXPECT_EQ(result->generated_ids, want);
+    ASSERT_EQ(result->prompt_logits.size(), prompt.size());
+    const size_t from = gc["logits_from_position"];
+    for (size_t r = 0; r < gc["logits"].size(); ++r) {
+      EXPECT_LT(MaxAbsDiff(result->prompt_logits[from + r], gc["logits"][r]), 5e-5f);
+    }
+  }
 }
 
 // The step arena is sized at load for the largest step: a larger one is refused, not allocated.

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <numeric>
 #include <sstream>
 
 #include "gtest/gtest.h"
@@ -179,6 +180,31 @@ std::string ServeProcess::err() const {
   std::stringstream s;
   s << in.rdbuf();
   return s.str();
+}
+
+std::vector<std::vector<float>> FullForward(runtime::Model& model, const std::vector<int32_t>& ids) {
+  const int blocks = runtime::BlocksFor(ids.size(), 16);
+  auto cache = model.NewKvCache(blocks);
+  EXPECT_TRUE(cache.ok());
+  std::vector<int32_t> table(blocks);
+  std::iota(table.begin(), table.end(), 0);
+  runtime::ForwardBatch batch;
+  batch.token_ids = ids;
+  batch.sequences = {runtime::SequenceChunk{0, static_cast<int32_t>(ids.size()), table}};
+  batch.logit_rows.resize(ids.size());
+  std::iota(batch.logit_rows.begin(), batch.logit_rows.end(), 0);
+  std::vector<float> logits;
+  EXPECT_TRUE(model.Forward(batch, **cache, &logits).ok());
+  const int vocab = model.spec().vocab_size;
+  std::vector<std::vector<float>> rows;
+  for (size_t i = 0; i < ids.size(); ++i) rows.emplace_back(logits.begin() + i * vocab, logits.begin() + (i + 1) * vocab);
+  return rows;
+}
+
+float MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
+  float worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::abs(a[i] - b[i]));
+  return worst;
 }
 
 }  // namespace moe::testing

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "moe/runtime/model.h"
 #include "moe/runtime/safetensors_writer.h"
 #include "nlohmann/json.hpp"
 
@@ -16,6 +17,10 @@ namespace moe::testing {
 // another machine); the moeserve binary likewise comes from $MOE_BINARY_DIR when set.
 std::string TestdataDir();
 std::string FixtureDir(const std::string& arch);
+
+// Logits of every position of `ids`, computed in one step on a fresh cache.
+std::vector<std::vector<float>> FullForward(runtime::Model& model, const std::vector<int32_t>& ids);
+float MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b);
 nlohmann::json LoadGolden(const std::string& arch);
 
 // A fresh directory under the system temp dir, removed on destruction.

@@ -6,7 +6,6 @@
 #include "model_bench.h"
 #include "model_loading.h"
 #include "moe/core/logging.h"
-#include "nlohmann/json.hpp"
 
 namespace moe::deploy {
 namespace {
@@ -15,6 +14,7 @@ struct ModelBenchFlags {
   std::string model, batches = "1,8,32", prompts = "512,2048";
   bench::ModelBenchOptions options;
   int max_step_tokens = 2048;
+  int64_t roofline_mb = 2048;
   int threads = 0;
   ExpertFlags experts;
   DeviceFlags device;
@@ -31,6 +31,7 @@ int BenchModel(const ModelBenchFlags& flags) {
   if (!prompts.ok()) return Fail(prompts.status(), 2);
   o.batches = *batches;
   o.prompts = *prompts;
+  o.copy_bytes = flags.roofline_mb << 20;
   if (absl::Status s = CheckModelFlags(flags.device, flags.experts, "bench model"); !s.ok()) return Fail(s, 2);
   runtime::ModelOptions model_options;
   model_options.threads = flags.threads;
@@ -44,29 +45,7 @@ int BenchModel(const ModelBenchFlags& flags) {
             << " MiB of weights on " << (*model)->backend().name() << "\n";
   auto result = bench::RunModelBench(**model, o, flags.json ? std::cerr : std::cout);
   if (!result.ok()) return Fail(result.status());
-  if (flags.json) {
-    nlohmann::ordered_json j;
-    j["backend"] = (*model)->backend().name();
-    j["bandwidth_gbps"] = result->roofline.memory_gbps;
-    j["bandwidth_measured_as"] = result->roofline.memory_what;
-    j["matmul_tflops"] = result->roofline.matmul_tflops;
-    j["matmul_measured_as"] = result->roofline.matmul_what;
-    for (const auto& r : result->decode) {
-      j["decode"].push_back({{"batch", r.batch},
-                             {"tokens_per_s", r.tokens_per_s},
-                             {"ms_per_step", r.ms_per_step},
-                             {"weight_bytes_per_step", r.weight_bytes},
-                             {"bound_tokens_per_s", r.bound_tokens_per_s},
-                             {"ratio_to_bandwidth", r.ratio}});
-    }
-    for (const auto& r : result->prefill) {
-      j["prefill"].push_back({{"tokens", r.tokens},
-                              {"tokens_per_s", r.tokens_per_s},
-                              {"tflops", r.tflops},
-                              {"ratio_to_matmul", r.ratio}});
-    }
-    std::cout << j.dump() << std::endl;
-  }
+  if (flags.json) bench::PrintModelBenchJson(*result, (*model)->backend().name(), std::cout);
   return 0;
 }
 
@@ -94,6 +73,9 @@ void AddBenchModel(CLI::App& bench, CommandRun* selected) {
       ->capture_default_str();
   app->add_option("--max-step-tokens", f->max_step_tokens, "prefill chunk: tokens in one step")
       ->check(IntIn(1, 65536))
+      ->capture_default_str();
+  app->add_option("--roofline-mb", f->roofline_mb, "MiB copied (read) to measure the memory bandwidth")
+      ->check(IntIn(16, 1 << 20))
       ->capture_default_str();
   app->add_option("--threads", f->threads, "CPU backend threads; 0 uses every core")->check(IntIn(0, 4096));
   f->experts.Add(app);

@@ -55,25 +55,31 @@ absl::StatusOr<GenerateResult> Generate(Model& model, const std::vector<int32_t>
   const int vocab = spec.vocab_size;
   std::vector<float> logits, penalized;
 
-  // Prefill: the whole prompt in one step.
-  ForwardBatch batch;
-  batch.token_ids = prompt;
-  batch.sequences = {SequenceChunk{0, static_cast<int32_t>(prompt.size()), table}};
-  if (options.prompt_logits) {
-    batch.logit_rows.resize(prompt.size());
-    std::iota(batch.logit_rows.begin(), batch.logit_rows.end(), 0);
-  } else {
-    batch.logit_rows = {static_cast<int32_t>(prompt.size() - 1)};
-  }
+  // Prefill in chunks of the largest step the model was loaded for (and of the logit rows it
+  // returns, when every position's logits are wanted).
+  const int prompt_len = static_cast<int>(prompt.size());
+  int chunk = model.options().max_step_tokens;
+  if (options.prompt_logits) chunk = std::min(chunk, model.options().max_logit_rows);
   auto start = std::chrono::steady_clock::now();
-  MOE_RETURN_IF_ERROR(model.Forward(batch, *cache, &logits));
-  MOE_RETURN_IF_ERROR(CheckLogitsFinite(logits.data(), static_cast<int64_t>(logits.size()) / vocab, vocab));
-  result.prefill_seconds = SecondsSince(start);
-  if (options.prompt_logits) {
-    for (size_t i = 0; i < prompt.size(); ++i) {
-      result.prompt_logits.emplace_back(logits.begin() + i * vocab, logits.begin() + (i + 1) * vocab);
+  ForwardBatch batch;
+  for (int first = 0; first < prompt_len; first += chunk) {
+    const int n = std::min(chunk, prompt_len - first);
+    batch.token_ids.assign(prompt.begin() + first, prompt.begin() + first + n);
+    batch.sequences = {SequenceChunk{first, n, table}};
+    batch.logit_rows.clear();
+    if (options.prompt_logits) {
+      batch.logit_rows.resize(n);
+      std::iota(batch.logit_rows.begin(), batch.logit_rows.end(), 0);
+    } else if (first + n == prompt_len) {
+      batch.logit_rows = {n - 1};
+    }
+    MOE_RETURN_IF_ERROR(model.Forward(batch, *cache, &logits));
+    MOE_RETURN_IF_ERROR(CheckLogitsFinite(logits.data(), static_cast<int64_t>(logits.size()) / vocab, vocab));
+    if (options.prompt_logits) {
+      for (int i = 0; i < n; ++i) result.prompt_logits.emplace_back(logits.begin() + i * vocab, logits.begin() + (i + 1) * vocab);
     }
   }
+  result.prefill_seconds = SecondsSince(start);
   const float* last = logits.data() + (logits.size() - vocab);
 
   // Decode: one token per step, reading the cache.

@@ -80,9 +80,39 @@ int32_t ModelExecutor::Sample(const SampleRow& row, const float* logits, int voc
 
 absl::StatusOr<std::vector<SampledToken>> ModelExecutor::Execute(const StepPlan& plan) {
   MOE_RETURN_IF_ERROR(CheckSampleRows(plan));
-  MOE_RETURN_IF_ERROR(model_.Forward(plan.batch, *cache_, &logits_));
+  MOE_ASSIGN_OR_RETURN(Tensor device_logits, model_.ForwardOnDevice(plan.batch, *cache_));
   const int vocab = info_.vocab_size;
   std::vector<SampledToken> tokens(plan.samples.size());
+  // On a backend that samples (a GPU), the logits never leave it: only the tokens come back.
+  std::vector<SampleInput> inputs(plan.samples.size());
+  for (size_t i = 0; i < plan.samples.size(); ++i) {
+    const SampleRow& row = plan.samples[i];
+    inputs[i] = SampleInput{&row.sampling, SampleKey{row.seed, row.sequence, row.position}, &row.history,
+                            row.prompt_len, row.logprobs};
+  }
+  std::vector<SampleOutput> outputs;
+  const absl::Status on_device = model_.backend().SampleRows(device_logits, inputs, &outputs);
+  if (on_device.ok()) {
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      if (outputs[i].non_finite_at >= 0) {
+        std::vector<float> row(vocab);
+        model_.backend().CopyToHost(device_logits.Rows(static_cast<int64_t>(i), 1), row.data());
+        MOE_RETURN_IF_ERROR(model_.backend().Synchronize());
+        tokens[i].error = CheckLogitsFinite(row.data(), 1, vocab);
+        continue;
+      }
+      tokens[i].token = outputs[i].token;
+      if (plan.samples[i].logprobs > 0) tokens[i].logprobs = TokenLogprobs{outputs[i].logprob, outputs[i].top};
+    }
+    return tokens;
+  }
+  if (on_device.code() != absl::StatusCode::kUnimplemented && on_device.code() != absl::StatusCode::kResourceExhausted) {
+    return on_device;
+  }
+  // The host samples: the CPU backend, or a step with more penalty history than the GPU keeps.
+  logits_.resize(static_cast<size_t>(device_logits.numel()));
+  if (device_logits.rows > 0) model_.backend().CopyToHost(device_logits, logits_.data());
+  MOE_RETURN_IF_ERROR(model_.backend().Synchronize());
   for (size_t i = 0; i < plan.samples.size(); ++i) {
     const SampleRow& row = plan.samples[i];
     const float* logits = logits_.data() + i * vocab;

@@ -228,6 +228,17 @@ class CudaBackend : public Backend {
       MOE_ASSIGN_OR_RETURN(moe_ws_, Allocate(DType::kI8, 1, std::max<int64_t>(moe, 1)));
     }
     max_logit_rows_ = l.max_logit_rows;
+    const int64_t sampling = cuda::SamplingWorkspaceBytes(l.max_logit_rows, l.vocab);
+    MOE_ASSIGN_OR_RETURN(sampling_ws_, Allocate(DType::kI8, 1, std::max<int64_t>(sampling, 1)));
+    vocab_ = l.vocab;
+    // Parameters, penalty history and results of a step's rows: one pinned area mirrored on the
+    // device, so a step's sampling is one copy in and one copy out.
+    const int64_t rows = l.max_logit_rows;
+    history_capacity_ = std::max<int64_t>(int64_t{1} << 20, 4 * int64_t{l.max_context});
+    sample_bytes_ = rows * sizeof(cuda::SampleParamsGpu) + history_capacity_ * 4 +
+                    rows * (4 + 4 + 4 + 2 * cuda::kMaxLogprobs * 4);
+    MOE_ASSIGN_OR_RETURN(sample_host_, AllocateHost(sample_bytes_));
+    MOE_ASSIGN_OR_RETURN(sample_dev_, Allocate(DType::kI8, 1, sample_bytes_));
     if (l.max_bias_width > 0) {
       MOE_ASSIGN_OR_RETURN(bias_out_, Allocate(DType::kF32, l.max_tokens, l.max_bias_width));
     }
@@ -286,6 +297,99 @@ class CudaBackend : public Backend {
     r.matmul_tflops = 2.0 * n * n * double(n) / *gemm / 1e12;
     r.matmul_what = "bf16 GEMM 8192^3 (cuBLASLt)";
     return r;
+  }
+
+  absl::Status SampleRows(const Tensor& logits, const std::vector<SampleInput>& in,
+                          std::vector<SampleOutput>* out) override {
+    const int rows = static_cast<int>(in.size());
+    if (rows == 0) {
+      out->clear();
+      return absl::OkStatus();
+    }
+    if (rows > max_logit_rows_ || logits.cols != vocab_) {
+      return absl::InvalidArgumentError(absl::StrCat("sampling ", rows, " rows of ", logits.cols,
+                                                     " logits; the backend was set up for ", max_logit_rows_, " of ",
+                                                     vocab_));
+    }
+    // Layout: params [R], history [capacity], tokens [R], non-finite [R], logprob [R], top ids
+    // [R x 20], top logprobs [R x 20].
+    char* host = sample_host_->as<char>();
+    auto* params = reinterpret_cast<cuda::SampleParamsGpu*>(host);
+    int32_t* history = reinterpret_cast<int32_t*>(host + rows * sizeof(cuda::SampleParamsGpu));
+    int64_t used = 0;
+    bool any_logprobs = false;
+    for (int r = 0; r < rows; ++r) {
+      const SampleInput& row = in[r];
+      const SamplingParams& p = *row.params;
+      cuda::SampleParamsGpu& g = params[r];
+      g.temperature = p.temperature;
+      g.top_k = p.top_k;
+      g.top_p = p.top_p;
+      g.min_p = p.min_p;
+      g.repetition_penalty = p.repetition_penalty;
+      g.presence_penalty = p.presence_penalty;
+      g.frequency_penalty = p.frequency_penalty;
+      g.seed_lo = static_cast<uint32_t>(row.key.seed);
+      g.seed_hi = static_cast<uint32_t>(row.key.seed >> 32);
+      g.position = static_cast<int32_t>(row.key.position);
+      g.sequence = static_cast<int32_t>(row.key.sequence);
+      g.history_start = static_cast<int32_t>(used);
+      g.prompt_len = 0;
+      g.output_len = 0;
+      g.logprobs = std::min(row.logprobs, cuda::kMaxLogprobs);
+      any_logprobs = any_logprobs || row.logprobs > 0;
+      if (p.penalized() && row.history != nullptr) {
+        const int64_t n = static_cast<int64_t>(row.history->size());
+        if (used + n > history_capacity_) {
+          return absl::ResourceExhaustedError(absl::StrCat("the step's penalty history of more than ",
+                                                           history_capacity_, " tokens"));
+        }
+        std::memcpy(history + used, row.history->data(), n * 4);
+        g.prompt_len = row.prompt_len;
+        g.output_len = static_cast<int32_t>(n) - row.prompt_len;
+        used += n;
+      }
+    }
+    const int64_t in_bytes = rows * sizeof(cuda::SampleParamsGpu) + history_capacity_ * 4;
+    char* dev = static_cast<char*>(sample_dev_->tensor().data);
+    const int64_t head = rows * sizeof(cuda::SampleParamsGpu);
+    MOE_CUDA_KEEP(cudaMemcpyAsync(dev, host, head, cudaMemcpyHostToDevice, stream_));
+    if (used > 0) MOE_CUDA_KEEP(cudaMemcpyAsync(dev + head, history, used * 4, cudaMemcpyHostToDevice, stream_));
+    int32_t* tokens = reinterpret_cast<int32_t*>(dev + in_bytes);
+    int32_t* non_finite = tokens + rows;
+    float* logprob = reinterpret_cast<float*>(non_finite + rows);
+    int32_t* top_ids = reinterpret_cast<int32_t*>(logprob + rows);
+    float* top_lp = reinterpret_cast<float*>(top_ids + rows * cuda::kMaxLogprobs);
+    // The check reads the logits before the penalties change them.
+    cuda::FirstNonFinite(logits.as<float>(), rows, logits.cols, non_finite, stream_);
+    Launched("FirstNonFinite");
+    cuda::SampleRows(logits.as<float>(), rows, static_cast<int>(logits.cols),
+                     reinterpret_cast<const cuda::SampleParamsGpu*>(dev), reinterpret_cast<const int32_t*>(dev + head),
+                     sampling_ws_->tensor().data, tokens, any_logprobs ? logprob : nullptr,
+                     any_logprobs ? top_ids : nullptr, any_logprobs ? top_lp : nullptr, stream_);
+    Launched("SampleRows");
+    const int64_t out_bytes = rows * (4 + 4 + 4 + 2 * cuda::kMaxLogprobs * 4);
+    char* host_out = host + in_bytes;
+    MOE_CUDA_KEEP(cudaMemcpyAsync(host_out, tokens, out_bytes, cudaMemcpyDeviceToHost, stream_));
+    MOE_RETURN_IF_ERROR(Synchronize());
+    const int32_t* h_tokens = reinterpret_cast<const int32_t*>(host_out);
+    const int32_t* h_bad = h_tokens + rows;
+    const float* h_lp = reinterpret_cast<const float*>(h_bad + rows);
+    const int32_t* h_top = reinterpret_cast<const int32_t*>(h_lp + rows);
+    const float* h_top_lp = reinterpret_cast<const float*>(h_top + rows * cuda::kMaxLogprobs);
+    out->assign(rows, SampleOutput{});
+    for (int r = 0; r < rows; ++r) {
+      SampleOutput& o = (*out)[r];
+      o.token = h_tokens[r];
+      o.non_finite_at = h_bad[r];
+      if (in[r].logprobs > 0) {
+        o.logprob = h_lp[r];
+        for (int j = 0; j < std::min(in[r].logprobs, cuda::kMaxLogprobs); ++j) {
+          o.top.emplace_back(h_top[r * cuda::kMaxLogprobs + j], h_top_lp[r * cuda::kMaxLogprobs + j]);
+        }
+      }
+    }
+    return absl::OkStatus();
   }
 
   // ---- A step ----
@@ -501,6 +605,10 @@ class CudaBackend : public Backend {
   int next_staging_ = 0;
   std::unique_ptr<DeviceBuffer> attention_ws_, moe_ws_, sampling_ws_;
   std::unique_ptr<DeviceBuffer> bias_out_;  // fp32 output of the biased Linears, then rounded
+  std::unique_ptr<HostBuffer> sample_host_;
+  std::unique_ptr<DeviceBuffer> sample_dev_;
+  int64_t sample_bytes_ = 0, history_capacity_ = 0;
+  int64_t vocab_ = 0;
   int max_logit_rows_ = 0;
   std::map<uint64_t, cudaGraphExec_t> graphs_;
   bool capturing_ = false;

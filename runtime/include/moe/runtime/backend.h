@@ -33,6 +33,7 @@
 #include "moe/core/dtype.h"
 #include "moe/core/tensor.h"
 #include "moe/runtime/model_spec.h"
+#include "moe/runtime/sampler.h"
 
 namespace moe::runtime {
 
@@ -196,6 +197,21 @@ struct StepTensors {
   const StepInputs* host = nullptr;
 };
 
+// One row of logits to sample on the backend, by the algorithm of sampler.h.
+struct SampleInput {
+  const SamplingParams* params = nullptr;
+  SampleKey key;
+  const std::vector<int32_t>* history = nullptr;  // prompt then output, when params->penalized()
+  int prompt_len = 0;
+  int logprobs = 0;  // top alternatives wanted (0: none)
+};
+struct SampleOutput {
+  int32_t token = 0;
+  int32_t non_finite_at = -1;  // the first NaN or infinity in the row's logits, or -1
+  float logprob = 0;
+  std::vector<std::pair<int32_t, float>> top;
+};
+
 // Attention of one layer: the fused QKV projection's output in, attention's output out.
 struct AttentionArgs {
   Tensor qkv;   // [T x (H + 2 KV) * head_dim] activation dtype, bias added: q heads, k heads, v heads
@@ -300,6 +316,15 @@ class Backend {
   // operations on the same buffers: only their contents change). Others just run it.
   virtual absl::Status RunGraph(uint64_t key, absl::FunctionRef<absl::Status()> body) { return body(); }
   virtual bool SupportsGraphs() const { return false; }
+
+  // Samples every row of `logits` [rows x vocab] fp32 (modified: the penalties are applied in
+  // place) on the backend, waiting for the result. kUnimplemented where the backend does not
+  // sample (the caller copies the logits to the host and samples there); kResourceExhausted for a
+  // step whose rows carry more penalty history than the backend reserved (likewise).
+  virtual absl::Status SampleRows(const Tensor& logits, const std::vector<SampleInput>& rows,
+                                  std::vector<SampleOutput>* out) {
+    return absl::UnimplementedError(name() + " samples on the host");
+  }
 
   // ---- Operations ----
   // x[t] = table[token_ids[t]] as fp32; x [T x hidden].
