@@ -261,10 +261,16 @@ TEST_F(ServerTest, InvalidRequestsNameTheField) {
   cases.push_back({logprobs, "logprobs: must be between 0 and 20"});
   pb::GenerateRequest text;
   text.set_text("hello");
-  cases.push_back({text, "text: text and chat prompts need the tokenizer"});
+  cases.push_back({text, "tokenizer"});  // this server has no model folder, so no tokenizer
   pb::GenerateRequest chat;
   chat.add_messages()->set_content("hi");
-  cases.push_back({chat, "messages: text and chat prompts need the tokenizer"});
+  cases.push_back({chat, "messages: "});
+  pb::GenerateRequest both = Make({1, 2}, 4);
+  both.set_text("hello");
+  cases.push_back({both, "token_ids, text, messages: send exactly one of them as the prompt"});
+  pb::GenerateRequest stop = Make({1, 2}, 4);
+  stop.add_stop("\n");
+  cases.push_back({stop, "stop: stop strings need the model's tokenizer"});
   for (const Case& c : cases) {
     Result r = Run(c.request);
     EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.message;

@@ -35,6 +35,7 @@ struct ServeFlags {
   int drain_seconds = 10;
   bool no_request_log = false;
   std::string tls_cert, tls_key, tls_client_ca, api_key_file;
+  std::string served_model_name, chat_template_file, tool_call_parser, reasoning_parser;
   bool api_key_protect_metrics = false;
   ExpertFlags experts;
   DeviceFlags device;
@@ -133,12 +134,23 @@ int RunServe(const ServeFlags& flags) {
     return Fail(absl::InvalidArgumentError("--api-key-protect-metrics needs --api-key-file"), 2);
   }
   options.protect_metrics = flags.api_key_protect_metrics;
+  options.model_dir = flags.model;
+  options.served_model_name = flags.served_model_name;
+  options.chat_template_file = flags.chat_template_file;
+  options.tool_call_parser = flags.tool_call_parser;
+  options.reasoning_parser = flags.reasoning_parser;
+  if (!flags.chat_template_file.empty() && ::access(flags.chat_template_file.c_str(), R_OK) != 0) {
+    return Fail(absl::InvalidArgumentError(
+                    absl::StrCat("--chat-template-file ", flags.chat_template_file, ": no such readable file")),
+                2);
+  }
 
   // The HTTP listener first, so that /health answers 503 "loading" while the model loads.
   auto frontend = scheduler::Frontend::Create(options);
   if (!frontend.ok()) return Fail(frontend.status(), frontend.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1);
   if ((*frontend)->http_port() != 0) {
-    std::cerr << "moeserve serve: HTTP on port " << (*frontend)->http_port() << " (/metrics, /health, /ready)"
+    std::cerr << "moeserve serve: HTTP on port " << (*frontend)->http_port()
+              << " (/v1/models, /v1/completions, /v1/chat/completions, /metrics, /health, /ready)"
               << (options.tls.enabled() ? " over TLS" : "") << "\n";
   }
   auto model = LoadModelForCommand(flags.model, flags.device, flags.experts, model_options, flags.kv_cache_mb << 20,
@@ -161,10 +173,13 @@ int RunServe(const ServeFlags& flags) {
   if (!executor.ok()) return Fail(executor.status(), 1);
   const runtime::KvCapacity kv = (*executor)->kv_capacity();
   (*frontend)->set_scheduler(sc, options.placement);
-  if (absl::Status s = (*frontend)->Serve(*std::move(executor)); !s.ok()) return Fail(s, 1);
+  if (absl::Status s = (*frontend)->Serve(*std::move(executor)); !s.ok()) {
+    return Fail(s, s.code() == absl::StatusCode::kInvalidArgument ? 2 : 1);
+  }
   std::cerr << absl::StrFormat(
       "moeserve serve: %s\nmoeserve serve: %s; KV cache %d blocks of %d positions; context %d\n", spec.Summary(),
       options.placement, kv.num_blocks, kv.block_size, sc.context);
+  std::cerr << "moeserve serve: text: " << (*frontend)->DescribeText() << "\n";
   std::cout << "serving on port " << (*frontend)->port() << std::endl;
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
@@ -186,14 +201,16 @@ void AddServeCommand(CLI::App& root, CommandRun* selected) {
       "Serves a model over gRPC (moeserve.v1.Generation, grpc.health.v1.Health, reflection v1 and v1alpha)\n"
       "from one process (on --device: a GPU when one is visible and the model fits, else the CPU),\n"
       "batching requests continuously, with an HTTP listener for\n"
-      "/metrics (Prometheus), /health and /ready. On SIGINT or SIGTERM it drains: it stops accepting\n"
+      "the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions), /metrics (Prometheus),\n"
+      "/health and /ready. On SIGINT or SIGTERM it drains: it stops accepting\n"
       "requests, lets the running ones finish for up to --drain-seconds, then ends the rest with\n"
       "UNAVAILABLE \"server shutting down\". One JSON line per request goes to stderr.",
       [f] { return RunServe(*f); }, selected);
   app->add_option("--model", f->model, "Hugging Face model directory")->required();
   app->add_option("--listen", f->listen, "gRPC address, HOST:PORT ([::1]:PORT for IPv6; port 0 picks one)")
       ->capture_default_str();
-  app->add_option("--http", f->http, "HTTP address for /metrics, /health and /ready; 'off' for none")
+  app->add_option("--http", f->http,
+                  "HTTP address for the OpenAI API, /metrics, /health and /ready; 'off' for none")
       ->capture_default_str();
   app->add_option("--max-seqs", f->max_seqs, "sequences running at once")->check(IntIn(1, 4096))->capture_default_str();
   app->add_option("--max-queue", f->max_queue,
@@ -236,6 +253,16 @@ void AddServeCommand(CLI::App& root, CommandRun* selected) {
                   "'Authorization: Bearer KEY' header; keys are never logged");
   app->add_flag("--api-key-protect-metrics", f->api_key_protect_metrics,
                 "ask for an API key on /metrics, /health and /ready too (they are open by default)");
+  app->add_option("--served-model-name", f->served_model_name,
+                  "the model's name in the OpenAI API (/v1/models, the 'model' field); default: --model's basename");
+  app->add_option("--chat-template-file", f->chat_template_file,
+                  "Jinja chat template for /v1/chat/completions, in place of tokenizer_config.json's chat_template");
+  app->add_option("--tool-call-parser", f->tool_call_parser,
+                  "how tool calls are read from chat output (e.g. hermes); default: the model type's; 'none' "
+                  "leaves them in the content");
+  app->add_option("--reasoning-parser", f->reasoning_parser,
+                  "how reasoning is split from chat output (qwen3, deepseek_r1, glm45, think); default: the model "
+                  "type's; 'none' leaves it in the content");
   f->experts.Add(app);
   f->device.Add(app);
 }

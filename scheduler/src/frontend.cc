@@ -10,11 +10,15 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "moe/core/json.h"
+#include "moe/core/status.h"
 #include "moe/scheduler/http_server.h"
 #include "moe/scheduler/listen_address.h"
 #include "moe/scheduler/metrics.h"
+#include "moe/scheduler/text_pipeline.h"
 #include "moeserve/v1/generation.grpc.pb.h"
 #include "nlohmann/json.hpp"
+#include "openai_api.h"
 #include "reflection_v1.h"
 
 namespace moe::scheduler {
@@ -72,8 +76,9 @@ double Ms(std::optional<Clock::time_point> at, Clock::time_point from) {
 // once; the service's own state is immutable but for an atomic id counter.
 class GenerationService final : public pb::Generation::Service {
  public:
-  GenerationService(Engine& engine, std::string placement, RequestLog& log, const ApiKeys* keys)
-      : engine_(engine), placement_(std::move(placement)), log_(log), keys_(keys) {}
+  GenerationService(Engine& engine, const TextModel& text, std::string placement, RequestLog& log,
+                    const ApiKeys* keys)
+      : engine_(engine), text_(text), placement_(std::move(placement)), log_(log), keys_(keys) {}
 
   // Counts a call refused before it ran, and returns its status.
   grpc::Status Rejected(grpc::Status status) {
@@ -162,16 +167,10 @@ class GenerationService final : public pb::Generation::Service {
   // Validates, submits and streams one request.
   grpc::Status Run(grpc::ServerContext* context, const pb::GenerateRequest& in, const std::string& id,
                    grpc::ServerWriter<pb::GenerateResponse>* writer, Served* served) {
-    if (!in.text().empty() || in.messages_size() > 0) {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          std::string(in.text().empty() ? "messages" : "text") +
-                              ": text and chat prompts need the tokenizer, which this server does not have yet; "
-                              "send token_ids");
-    }
     Request request;
     request.id = id;
     request.logprobs = in.logprobs();
-    request.prompt.assign(in.token_ids().begin(), in.token_ids().end());
+    if (absl::Status s = PromptOf(in, &request.prompt); !s.ok()) return ToGrpc(s);
     const pb::SamplingParams& sp = in.sampling();
     request.sampling.temperature = sp.temperature();
     request.sampling.top_p = sp.has_top_p() ? sp.top_p() : 1.0f;
@@ -191,9 +190,30 @@ class GenerationService final : public pb::Generation::Service {
     if (deadline != std::chrono::system_clock::time_point::max()) {
       request.deadline = Clock::now() + (deadline - std::chrono::system_clock::now());
     }
+    std::unique_ptr<OutputText> text;
+    if (text_.has_tokenizer()) {
+      OutputTextOptions text_options;
+      text_options.stop.assign(in.stop().begin(), in.stop().end());
+      text_options.include_stop_str_in_output = in.include_stop_str_in_output();
+      text_options.skip_special_tokens = !in.has_skip_special_tokens() || in.skip_special_tokens();
+      text_options.prompt = request.prompt;
+      if (in.messages_size() > 0) {
+        text_options.parse_reasoning = true;
+        text_options.parse_tool_calls = !in.tools().empty();
+        if (text_options.parse_tool_calls) text_options.tools = nlohmann::json::parse(in.tools(), nullptr, false);
+      }
+      auto made = text_.NewOutput(std::move(text_options));
+      if (!made.ok()) return ToGrpc(made.status());
+      text = *std::move(made);
+    } else if (in.stop_size() > 0) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "stop: stop strings need the model's tokenizer, which this server does not have; use "
+                          "stopping.stop_token_ids");
+    }
     auto stream = engine_.Submit(std::move(request));
     if (!stream.ok()) return ToGrpc(stream.status());
     served->stream = *stream;
+    bool stopped_by_string = false;
 
     int& completion = served->completion_tokens;
     bool aborted_by_client = false;
@@ -205,10 +225,36 @@ class GenerationService final : public pb::Generation::Service {
       }
       Output out;
       if (!(*stream)->Next(&out, std::chrono::milliseconds(20))) continue;
+      TextChunk chunk;
+      if (text != nullptr && !stopped_by_string) {
+        const int before = text->tokens();
+        chunk = text->Add(out.new_tokens);
+        // Tokens past the stop string are not the client's: cut them and their logprobs.
+        const size_t taken = static_cast<size_t>(text->tokens() - before);
+        out.new_tokens.resize(std::min(out.new_tokens.size(), taken));
+        if (out.logprobs.size() > taken) out.logprobs.resize(taken);
+        if (text->stopped()) {
+          stopped_by_string = true;
+          engine_.Abort(id);
+        }
+      } else if (stopped_by_string) {
+        out.new_tokens.clear();
+        out.logprobs.clear();
+      }
+      if (out.finished && text != nullptr) chunk.Append(text->Finish());
       completion += static_cast<int>(out.new_tokens.size());
-      if (!out.new_tokens.empty() || out.finished) {
+      if (!out.new_tokens.empty() || !chunk.empty() || out.finished) {
         pb::GenerateResponse delta;
         delta.set_request_id(id);
+        delta.set_text(chunk.content);
+        delta.set_reasoning(chunk.reasoning);
+        for (const ToolCallChunk& c : chunk.tool_calls) {
+          pb::ToolCallDelta* call = delta.add_tool_calls();
+          call->set_index(c.index);
+          call->set_id(c.id);
+          call->set_name(c.name);
+          call->set_arguments(c.arguments);
+        }
         delta.mutable_token_ids()->Add(out.new_tokens.begin(), out.new_tokens.end());
         for (size_t i = 0; i < out.logprobs.size(); ++i) {
           pb::TokenLogprob* lp = delta.add_logprobs();
@@ -220,15 +266,72 @@ class GenerationService final : public pb::Generation::Service {
             alt->set_logprob(logprob);
           }
         }
-        if (out.finished) FillFinal(**stream, out, completion, &delta);
+        if (out.finished) {
+          FillFinal(**stream, out, completion, &delta);
+          if (stopped_by_string) {
+            delta.set_finish_reason(pb::FINISH_REASON_STOP_STRING);
+            delta.clear_error();
+          }
+        }
         if (!aborted_by_client) writer->Write(delta);
       }
       if (!out.finished) continue;
-      served->finish_reason = FinishReasonName(*out.finished);
+      served->finish_reason = stopped_by_string ? "stop_string" : FinishReasonName(*out.finished);
       if (aborted_by_client) return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client");
+      if (stopped_by_string) return grpc::Status::OK;
       // The error of a failed request, a passed deadline, or a shutdown; none for an ending or an Abort.
       return ToGrpc(out.error);
     }
+  }
+
+  // The prompt's token ids, from token_ids, text or messages (exactly one of them).
+  absl::Status PromptOf(const pb::GenerateRequest& in, std::vector<int32_t>* prompt) const {
+    const int given = (in.token_ids_size() > 0) + !in.text().empty() + (in.messages_size() > 0);
+    if (given > 1) {
+      return absl::InvalidArgumentError("token_ids, text, messages: send exactly one of them as the prompt");
+    }
+    if (!in.text().empty()) {
+      auto ids = text_.EncodeText(in.text());
+      if (!ids.ok()) return absl::InvalidArgumentError(absl::StrCat("text: ", ids.status().message()));
+      *prompt = *std::move(ids);
+      return absl::OkStatus();
+    }
+    if (in.messages_size() == 0) {
+      prompt->assign(in.token_ids().begin(), in.token_ids().end());
+      if (!in.tools().empty() || !in.chat_template_kwargs().empty()) {
+        return absl::InvalidArgumentError("tools, chat_template_kwargs: only with messages");
+      }
+      return absl::OkStatus();
+    }
+    ChatPrompt chat;
+    for (const pb::ChatMessage& m : in.messages()) {
+      nlohmann::json message = {{"role", m.role()}, {"content", m.content()}};
+      if (!m.name().empty()) message["name"] = m.name();
+      if (!m.tool_call_id().empty()) message["tool_call_id"] = m.tool_call_id();
+      if (!m.tool_calls().empty()) {
+        auto calls = core::ParseJson(m.tool_calls(), "messages.tool_calls");
+        if (!calls.ok()) return calls.status();
+        message["tool_calls"] = *calls;
+      }
+      chat.messages.push_back(std::move(message));
+    }
+    if (!in.tools().empty()) {
+      auto tools = core::ParseJson(in.tools(), "tools");
+      if (!tools.ok()) return tools.status();
+      if (!tools->is_array()) return absl::InvalidArgumentError("tools: expected a JSON list of tools");
+      chat.tools = *std::move(tools);
+    }
+    if (!in.chat_template_kwargs().empty()) {
+      auto kwargs = core::ParseJsonObject(in.chat_template_kwargs(), "chat_template_kwargs");
+      if (!kwargs.ok()) return kwargs.status();
+      chat.template_kwargs = *std::move(kwargs);
+    }
+    auto ids = text_.EncodeChat(chat);
+    if (!ids.ok()) {
+      return absl::Status(ids.status().code(), absl::StrCat("messages: ", ids.status().message()));
+    }
+    *prompt = *std::move(ids);
+    return absl::OkStatus();
   }
 
   void FillFinal(const Stream& stream, const Output& out, int completion, pb::GenerateResponse* msg) {
@@ -247,6 +350,7 @@ class GenerationService final : public pb::Generation::Service {
   }
 
   Engine& engine_;
+  const TextModel& text_;
   const std::string placement_;
   RequestLog& log_;
   const ApiKeys* keys_;  // not owned; null: no keys asked for
@@ -263,6 +367,7 @@ class Frontend::Impl {
   std::unique_ptr<RequestLog> log;
   std::unique_ptr<HttpServer> http;
   std::unique_ptr<Engine> engine;
+  std::unique_ptr<TextModel> text;
   std::unique_ptr<GenerationService> service;
   std::unique_ptr<internal::ReflectionV1Service> reflection_v1;
   std::unique_ptr<grpc::Server> server;
@@ -270,12 +375,63 @@ class Frontend::Impl {
   // What /metrics reads: the engine while it serves, nothing before or after.
   absl::Mutex metrics_mu;
   Engine* metrics_engine ABSL_GUARDED_BY(metrics_mu) = nullptr;
+  // What the OpenAI routes serve: set by Serve, cleared by Shutdown. A streamed response holds
+  // its own reference until it ends.
+  std::shared_ptr<internal::OpenAiApi> openai ABSL_GUARDED_BY(metrics_mu);
 
   std::string RenderMetrics() {
     absl::MutexLock lock(&metrics_mu);
     return metrics_engine != nullptr ? metrics_engine->RenderMetrics() : std::string();
   }
+
+  // The API, or null after a 503 saying why there is none.
+  std::shared_ptr<internal::OpenAiApi> OpenAi(httplib::Response& response) {
+    std::shared_ptr<internal::OpenAiApi> api;
+    {
+      absl::MutexLock lock(&metrics_mu);
+      api = openai;
+    }
+    const ServingState state = http->state();
+    if (api != nullptr && state == ServingState::kServing) return api;
+    SetJsonError(response, 503,
+                 state == ServingState::kLoading ? "the model is loading; retry when /ready answers 200"
+                                                 : "the server is shutting down",
+                 "server_error");
+    return nullptr;
+  }
+
+  absl::Status AddOpenAiRoutes();
 };
+
+absl::Status Frontend::Impl::AddOpenAiRoutes() {
+  using Method = void (internal::OpenAiApi::*)(const httplib::Request&, httplib::Response&);
+  const std::tuple<const char*, const char*, Method> routes[] = {
+      {"GET", "/v1/models", &internal::OpenAiApi::ListModels},
+      {"GET", "/v1/models/(.+)", &internal::OpenAiApi::GetModel},
+      {"POST", "/v1/completions", &internal::OpenAiApi::Completions},
+      {"POST", "/v1/chat/completions", &internal::OpenAiApi::ChatCompletions}};
+  for (const auto& [method, pattern, handler] : routes) {
+    MOE_RETURN_IF_ERROR(http->Handle(method, pattern,
+                                     [this, handler = handler](const httplib::Request& request, httplib::Response& response) {
+                                       if (auto api = OpenAi(response)) ((*api).*handler)(request, response);
+                                     }));
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+// The model's name in the OpenAI API.
+std::string ModelId(const FrontendOptions& options) {
+  if (!options.served_model_name.empty()) return options.served_model_name;
+  std::string dir = options.model_dir;
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  const size_t slash = dir.rfind('/');
+  std::string base = slash == std::string::npos ? dir : dir.substr(slash + 1);
+  return base.empty() ? "default" : base;
+}
+
+}  // namespace
 
 Frontend::Frontend(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
@@ -298,6 +454,7 @@ absl::StatusOr<std::unique_ptr<Frontend>> Frontend::Create(const FrontendOptions
     Impl* raw = impl.get();
     http.render_metrics = [raw] { return raw->RenderMetrics(); };  // /health: 503 "loading" until Serve
     impl->http = std::make_unique<HttpServer>();
+    if (absl::Status routes = impl->AddOpenAiRoutes(); !routes.ok()) return routes;
     if (absl::Status started = impl->http->Start(http); !started.ok()) return started;
   }
   return std::unique_ptr<Frontend>(new Frontend(std::move(impl)));
@@ -321,11 +478,21 @@ absl::Status Frontend::Serve(std::unique_ptr<runtime::Executor> executor) {
   const FrontendOptions& options = impl.options;
   auto credentials = GrpcServerCredentials(options.tls);
   if (!credentials.ok()) return credentials.status();
+  if (executor == nullptr) return absl::InvalidArgumentError("Frontend::Serve: null executor");
+  TextModelOptions text_options;
+  text_options.model_dir = options.model_dir;
+  text_options.model_type = executor->model_info().architecture;
+  text_options.chat_template_file = options.chat_template_file;
+  text_options.tool_call_parser = options.tool_call_parser;
+  text_options.reasoning_parser = options.reasoning_parser;
+  auto text = TextModel::Load(text_options);
+  if (!text.ok()) return text.status();
+  impl.text = std::move(*text);
   auto engine = Engine::Start(std::move(executor), options.scheduler);
   if (!engine.ok()) return engine.status();
   impl.engine = std::move(*engine);
   impl.service =
-      std::make_unique<GenerationService>(*impl.engine, options.placement, *impl.log, options.api_keys.get());
+      std::make_unique<GenerationService>(*impl.engine, *impl.text, options.placement, *impl.log, options.api_keys.get());
   impl.reflection_v1 = std::make_unique<internal::ReflectionV1Service>(
       std::vector<std::string>{kGenerationService, "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
                                "grpc.reflection.v1alpha.ServerReflection"});
@@ -355,6 +522,7 @@ absl::Status Frontend::Serve(std::unique_ptr<runtime::Executor> executor) {
   {
     absl::MutexLock lock(&impl.metrics_mu);
     impl.metrics_engine = impl.engine.get();
+    impl.openai = std::make_shared<internal::OpenAiApi>(*impl.engine, *impl.text, ModelId(options));
   }
   if (impl.http != nullptr) impl.http->set_state(ServingState::kServing);
   return absl::OkStatus();
@@ -363,6 +531,7 @@ absl::Status Frontend::Serve(std::unique_ptr<runtime::Executor> executor) {
 int Frontend::http_port() const { return impl_->http != nullptr ? impl_->http->port() : 0; }
 
 int Frontend::port() const { return impl_->port; }
+std::string Frontend::DescribeText() const { return impl_->text != nullptr ? impl_->text->Describe() : ""; }
 Engine& Frontend::engine() { return *impl_->engine; }
 
 int Frontend::Drain(std::chrono::milliseconds grace) {
@@ -387,12 +556,14 @@ void Frontend::Shutdown() {
   {
     absl::MutexLock lock(&impl_->metrics_mu);
     impl_->metrics_engine = nullptr;
+    impl_->openai.reset();
   }
+  // The engine ends the live requests (UNAVAILABLE "server shutting down") and refuses new ones,
+  // so that HTTP handlers waiting on them return and the HTTP server can stop; then the gRPC
+  // server stops, its handlers done; the engine goes last, as handlers hold it.
+  if (impl_->engine != nullptr) impl_->engine->Stop();
   if (impl_->http != nullptr) impl_->http->Stop();
   if (impl_->server == nullptr) return;
-  // The engine ends the live streams (UNAVAILABLE "server shutting down") and refuses new ones;
-  // then the server stops, its handlers done; the engine goes last, as handlers hold it.
-  impl_->engine->Stop();
   impl_->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   impl_->server.reset();
   impl_->engine.reset();

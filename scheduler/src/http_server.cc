@@ -149,9 +149,13 @@ std::string BindErrorText(int err) {
 
 }  // namespace
 
-void SetJsonError(httplib::Response& response, int status, std::string_view message, std::string_view type) {
-  const nlohmann::json body = {
-      {"error", {{"message", std::string(message)}, {"type", std::string(type)}, {"code", status}}}};
+void SetJsonError(httplib::Response& response, int status, std::string_view message, std::string_view type,
+                  std::string_view param) {
+  const nlohmann::json body = {{"error",
+                                {{"message", std::string(message)},
+                                 {"type", std::string(type)},
+                                 {"param", param.empty() ? nlohmann::json() : nlohmann::json(std::string(param))},
+                                 {"code", status}}}};
   response.status = status;
   response.set_content(body.dump(), "application/json");
 }

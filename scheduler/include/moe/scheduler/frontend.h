@@ -1,6 +1,7 @@
 // Frontend: the gRPC server of the client API (moeserve.v1.Generation), plus the standard
 // grpc.health.v1.Health service (per service name) and server reflection (v1 and v1alpha), and
-// the HTTP listener (/metrics, /health, /ready), in front of an Engine over an Executor.
+// the HTTP listener (the OpenAI API, /metrics, /health, /ready), in front of an Engine over an
+// Executor. Both APIs take text prompts and chat messages through one TextModel.
 //
 // Thread-safety: Create, set_scheduler, Serve, Start, Drain and Shutdown from one thread (the
 // owner's); port, http_port, engine and Wait from any thread once Serve returned; the handlers
@@ -30,6 +31,13 @@ struct FrontendOptions {
   // header (UNAUTHENTICATED / 401 otherwise); health and metrics stay open unless protect_metrics.
   std::shared_ptr<const ApiKeys> api_keys;
   bool protect_metrics = false;
+  // The text side (tokenizer, chat template, parsers) is read from the model folder at Serve;
+  // empty model_dir: token ids only.
+  std::string model_dir;
+  std::string served_model_name;  // the model's id in the OpenAI API; "": model_dir's basename
+  std::string chat_template_file;  // replaces tokenizer_config.json's chat_template
+  std::string tool_call_parser;    // "": the model type's default; "none": tool calls stay content
+  std::string reasoning_parser;    // same
 };
 
 class Frontend {
@@ -38,8 +46,8 @@ class Frontend {
   // load balancer sees the process while the model loads. kInvalidArgument for a malformed
   // address, a port outside 0..65535 or bad TLS files; kUnavailable if the address is in use.
   static absl::StatusOr<std::unique_ptr<Frontend>> Create(const FrontendOptions& options);
-  // Starts the engine over `executor` and the gRPC server; health turns SERVING. Errors as
-  // Create and Engine::Start. What `executor` holds (a ModelExecutor's model) must outlive the
+  // Loads the text model, starts the engine over `executor` and the gRPC server; health turns
+  // SERVING. Errors as Create, TextModel::Load and Engine::Start. What `executor` holds (a ModelExecutor's model) must outlive the
   // frontend, or its Shutdown; a failed Serve has already destroyed the executor.
   absl::Status Serve(std::unique_ptr<runtime::Executor> executor);
   // Before Serve: the scheduler's settings and the placement, when they depend on the model
@@ -52,6 +60,8 @@ class Frontend {
 
   int port() const;
   int http_port() const;  // 0 without an HTTP listener
+  // After Serve: one line on what text requests get (tokenizer, chat template, parsers).
+  std::string DescribeText() const;
   Engine& engine();  // after Serve
   // A graceful stop: health turns NOT_SERVING, new requests get UNAVAILABLE, the running ones
   // have `grace` to finish; then the rest end with UNAVAILABLE "server shutting down" and the

@@ -100,7 +100,8 @@ class HttpServer {
 };
 
 // Sets `response` to an error shaped as OpenAI's API shapes them:
-// {"error": {"message": ..., "type": ..., "code": status}}.
-void SetJsonError(httplib::Response& response, int status, std::string_view message, std::string_view type);
+// {"error": {"message": ..., "type": ..., "param": the field at fault or null, "code": status}}.
+void SetJsonError(httplib::Response& response, int status, std::string_view message, std::string_view type,
+                  std::string_view param = {});
 
 }  // namespace moe::scheduler

@@ -1,0 +1,759 @@
+#include "openai_api.h"
+
+#include <chrono>
+#include <cmath>
+#include <ctime>
+#include <map>
+#include <optional>
+#include <random>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "moe/core/json.h"
+#include "moe/scheduler/http_server.h"
+
+namespace moe::scheduler::internal {
+namespace {
+
+using nlohmann::json;
+
+constexpr int kMaxLogprobs = 20;
+constexpr int kMaxStopStrings = 16;
+constexpr auto kPollInterval = std::chrono::milliseconds(20);
+// A stream that has sent nothing for this long gets an SSE comment, so that a client gone while
+// its request waits in the queue is noticed (the write fails) and the request cancelled.
+constexpr auto kKeepAliveInterval = std::chrono::seconds(1);
+
+// A refused request, as OpenAI's error JSON says it.
+struct ApiError {
+  int status = 400;
+  std::string message;
+  std::string param;  // the request field at fault; "" for none
+  std::string type = "invalid_request_error";
+};
+
+ApiError BadParam(std::string param, std::string message) {
+  return ApiError{400, std::move(message), std::move(param)};
+}
+
+void SetError(httplib::Response& response, const ApiError& error) {
+  SetJsonError(response, error.status, error.message, error.type, error.param);
+}
+
+// The scheduler names gRPC's fields; an HTTP client knows OpenAI's.
+ApiError FromEngineStatus(const absl::Status& status, bool chat) {
+  const std::string message(status.message());
+  switch (status.code()) {
+    case absl::StatusCode::kInvalidArgument: {
+      static const std::pair<const char*, const char*> kFields[] = {
+          {"token_ids", "prompt"},          {"max_new_tokens", "max_tokens"},
+          {"min_new_tokens", "min_tokens"}, {"logprobs", "logprobs"},
+          {"sampling.temperature", "temperature"}, {"sampling.top_p", "top_p"},
+          {"sampling.top_k", "top_k"},       {"sampling.min_p", "min_p"},
+          {"sampling.repetition_penalty", "repetition_penalty"},
+          {"sampling.presence_penalty", "presence_penalty"},
+          {"sampling.frequency_penalty", "frequency_penalty"}};
+      for (const auto& [prefix, field] : kFields) {
+        if (!absl::StartsWith(message, prefix)) continue;
+        std::string param = field;
+        if (param == "prompt" && chat) param = "messages";
+        return BadParam(param, absl::StrCat(param, message.substr(std::string_view(prefix).size())));
+      }
+      return BadParam("", message);
+    }
+    case absl::StatusCode::kResourceExhausted:
+      // A request that could never fit the KV cache is the client's to shrink, not to retry.
+      if (absl::StartsWith(message, "request needs")) return BadParam("max_tokens", message);
+      return ApiError{429, message, "", "rate_limit_error"};
+    case absl::StatusCode::kUnavailable:
+      return ApiError{503, message, "", "server_error"};
+    case absl::StatusCode::kFailedPrecondition:
+      return ApiError{400, message, chat ? "messages" : "", "invalid_request_error"};
+    case absl::StatusCode::kDeadlineExceeded:
+      return ApiError{504, message, "", "server_error"};
+    default:
+      return ApiError{500, message, "", "server_error"};
+  }
+}
+
+// A field that is present and not null, or null.
+const json* Field(const json& body, const char* name) {
+  const auto it = body.find(name);
+  return it == body.end() || it->is_null() ? nullptr : &*it;
+}
+
+std::optional<ApiError> ReadFloat(const json& body, const char* name, float* out) {
+  const json* v = Field(body, name);
+  if (v == nullptr) return std::nullopt;
+  if (!v->is_number()) {
+    return BadParam(name, absl::StrCat(name, ": expected a number, found ", core::DescribeJson(*v)));
+  }
+  *out = v->get<float>();
+  return std::nullopt;
+}
+
+std::optional<ApiError> ReadInt(const json& body, const char* name, int64_t lo, int64_t hi, int64_t* out) {
+  const json* v = Field(body, name);
+  if (v == nullptr) return std::nullopt;
+  const bool integral = v->is_number_integer() || (v->is_number_float() && std::floor(v->get<double>()) == v->get<double>());
+  if (!integral || v->get<double>() < static_cast<double>(lo) || v->get<double>() > static_cast<double>(hi)) {
+    return BadParam(name, absl::StrCat(name, ": expected an integer in [", lo, ", ", hi, "], found ",
+                                       core::DescribeJson(*v)));
+  }
+  *out = v->is_number_unsigned() ? static_cast<int64_t>(v->get<uint64_t>()) : v->get<int64_t>();
+  return std::nullopt;
+}
+
+std::optional<ApiError> ReadBool(const json& body, const char* name, bool* out) {
+  const json* v = Field(body, name);
+  if (v == nullptr) return std::nullopt;
+  if (!v->is_boolean()) return BadParam(name, absl::StrCat(name, ": expected true or false, found ", core::DescribeJson(*v)));
+  *out = v->get<bool>();
+  return std::nullopt;
+}
+
+// What a request asks for, beyond the engine's Request.
+struct Parsed {
+  Request request;
+  OutputTextOptions text;
+  bool stream = false;
+  bool include_usage = false;
+  int logprobs = -1;  // alternatives per token; -1: no logprobs
+  bool return_token_ids = false;
+  std::optional<int64_t> max_tokens;
+};
+
+#define MOE_API_TRY(expr)                              \
+  if (std::optional<ApiError> e_ = (expr); e_) return *e_
+
+// The fields completions and chat share.
+std::optional<ApiError> ParseCommon(const json& body, const std::string& model_id, Parsed* p) {
+  if (const json* model = Field(body, "model")) {
+    if (!model->is_string()) return BadParam("model", "model: expected a string");
+    if (model->get<std::string>() != model_id) {
+      ApiError e = BadParam("model", absl::StrCat("The model '", model->get<std::string>(),
+                                                  "' does not exist; this server serves '", model_id, "'"));
+      return e;
+    }
+  }
+  int64_t n = 1;
+  MOE_API_TRY(ReadInt(body, "n", 1, 1 << 20, &n));
+  if (n != 1) return BadParam("n", absl::StrCat("n: only 1 choice per request is supported, got ", n));
+  if (const json* best_of = Field(body, "best_of"); best_of != nullptr && *best_of != 1) {
+    return BadParam("best_of", "best_of: only 1 is supported");
+  }
+  if (const json* format = Field(body, "response_format")) {
+    if (!format->is_object() || format->value("type", "") != "text") {
+      return BadParam("response_format",
+                      "response_format: only {\"type\": \"text\"} is supported (no JSON mode or schemas yet)");
+    }
+  }
+  MOE_API_TRY(ReadBool(body, "stream", &p->stream));
+  if (const json* options = Field(body, "stream_options")) {
+    if (!options->is_object()) return BadParam("stream_options", "stream_options: expected an object");
+    if (!p->stream) return BadParam("stream_options", "stream_options: only allowed when stream is true");
+    MOE_API_TRY(ReadBool(*options, "include_usage", &p->include_usage));
+  }
+  if (const json* stop = Field(body, "stop")) {
+    if (stop->is_string()) {
+      p->text.stop.push_back(stop->get<std::string>());
+    } else if (stop->is_array() && stop->size() <= kMaxStopStrings) {
+      for (const json& s : *stop) {
+        if (!s.is_string()) return BadParam("stop", "stop: expected a string or a list of strings");
+        p->text.stop.push_back(s.get<std::string>());
+      }
+    } else {
+      return BadParam("stop", absl::StrCat("stop: expected a string or a list of at most ", kMaxStopStrings, " strings"));
+    }
+    for (const std::string& s : p->text.stop) {
+      if (s.empty()) return BadParam("stop", "stop: a stop string may not be empty");
+    }
+  }
+  int64_t max_tokens = 0;
+  if (Field(body, "max_completion_tokens") != nullptr) {
+    MOE_API_TRY(ReadInt(body, "max_completion_tokens", 1, INT32_MAX, &max_tokens));
+    p->max_tokens = max_tokens;
+  } else if (Field(body, "max_tokens") != nullptr) {
+    MOE_API_TRY(ReadInt(body, "max_tokens", 1, INT32_MAX, &max_tokens));
+    p->max_tokens = max_tokens;
+  }
+  runtime::SamplingParams& s = p->request.sampling;
+  s.temperature = 1.0f;  // OpenAI's default
+  MOE_API_TRY(ReadFloat(body, "temperature", &s.temperature));
+  MOE_API_TRY(ReadFloat(body, "top_p", &s.top_p));
+  MOE_API_TRY(ReadFloat(body, "min_p", &s.min_p));
+  MOE_API_TRY(ReadFloat(body, "presence_penalty", &s.presence_penalty));
+  MOE_API_TRY(ReadFloat(body, "frequency_penalty", &s.frequency_penalty));
+  MOE_API_TRY(ReadFloat(body, "repetition_penalty", &s.repetition_penalty));
+  int64_t top_k = 0;
+  MOE_API_TRY(ReadInt(body, "top_k", -1, INT32_MAX, &top_k));
+  s.top_k = top_k < 0 ? 0 : static_cast<int>(top_k);  // -1 is vLLM's "off"
+  if (Field(body, "seed") != nullptr) {
+    int64_t seed = 0;
+    MOE_API_TRY(ReadInt(body, "seed", INT64_MIN, INT64_MAX, &seed));
+    s.seed = static_cast<uint64_t>(seed);
+  }
+  int64_t min_tokens = 0;
+  MOE_API_TRY(ReadInt(body, "min_tokens", 0, INT32_MAX, &min_tokens));
+  p->request.stopping.min_new_tokens = static_cast<int>(min_tokens);
+  MOE_API_TRY(ReadBool(body, "ignore_eos", &p->request.stopping.ignore_eos));
+  if (const json* ids = Field(body, "stop_token_ids")) {
+    if (!ids->is_array()) return BadParam("stop_token_ids", "stop_token_ids: expected a list of token ids");
+    for (const json& id : *ids) {
+      if (!id.is_number_integer()) return BadParam("stop_token_ids", "stop_token_ids: expected a list of token ids");
+      p->request.stopping.stop_token_ids.push_back(id.get<int32_t>());
+    }
+  }
+  MOE_API_TRY(ReadBool(body, "include_stop_str_in_output", &p->text.include_stop_str_in_output));
+  MOE_API_TRY(ReadBool(body, "skip_special_tokens", &p->text.skip_special_tokens));
+  MOE_API_TRY(ReadBool(body, "return_token_ids", &p->return_token_ids));
+  return std::nullopt;
+}
+
+std::optional<ApiError> ParseCompletion(const json& body, const TextModel& text, Parsed* p) {
+  if (const json* echo = Field(body, "echo"); echo != nullptr && *echo != false) {
+    return BadParam("echo", "echo: not supported");
+  }
+  if (Field(body, "suffix") != nullptr) return BadParam("suffix", "suffix: not supported");
+  int64_t logprobs = -1;
+  MOE_API_TRY(ReadInt(body, "logprobs", 0, kMaxLogprobs, &logprobs));
+  p->logprobs = static_cast<int>(logprobs);
+  const json* prompt = Field(body, "prompt");
+  if (prompt == nullptr) return BadParam("prompt", "prompt: required");
+  // One prompt per request: a list of one string or of one id list is that prompt.
+  if (prompt->is_array() && prompt->size() == 1 && ((*prompt)[0].is_string() || (*prompt)[0].is_array())) {
+    prompt = &(*prompt)[0];
+  }
+  if (prompt->is_string()) {
+    auto ids = text.EncodeText(prompt->get<std::string>());
+    if (!ids.ok()) return BadParam("prompt", absl::StrCat("prompt: ", ids.status().message()));
+    p->request.prompt = *std::move(ids);
+  } else if (prompt->is_array() && std::all_of(prompt->begin(), prompt->end(), [](const json& v) { return v.is_number_integer(); })) {
+    for (const json& id : *prompt) {
+      const int64_t v = id.get<int64_t>();
+      if (v < INT32_MIN || v > INT32_MAX) return BadParam("prompt", absl::StrCat("prompt: token id ", v, " is out of range"));
+      p->request.prompt.push_back(static_cast<int32_t>(v));
+    }
+  } else if (prompt->is_array() && !prompt->empty() && ((*prompt)[0].is_string() || (*prompt)[0].is_array())) {
+    return BadParam("prompt", absl::StrCat("prompt: only one prompt per request is supported, got ", prompt->size()));
+  } else {
+    return BadParam("prompt", "prompt: expected a string, a list of token ids, or a list of one of them");
+  }
+  if (!p->max_tokens) p->max_tokens = 16;  // OpenAI's default for completions
+  return std::nullopt;
+}
+
+std::optional<ApiError> ParseTools(const json& body, Parsed* p, ChatPrompt* chat, bool* parse_tools) {
+  const json* tools = Field(body, "tools");
+  if (tools != nullptr) {
+    if (!tools->is_array()) return BadParam("tools", "tools: expected a list of tools");
+    for (size_t i = 0; i < tools->size(); ++i) {
+      const json& t = (*tools)[i];
+      if (!t.is_object() || t.value("type", "function") != "function" || !t.contains("function") ||
+          !t["function"].is_object() || !t["function"].contains("name") || !t["function"]["name"].is_string()) {
+        return BadParam("tools", absl::StrCat("tools[", i,
+                                              "]: expected {\"type\": \"function\", \"function\": {\"name\": ...}}"));
+      }
+    }
+  }
+  const bool has_tools = tools != nullptr && !tools->empty();
+  std::string choice = has_tools ? "auto" : "none";
+  json selected = has_tools ? *tools : json();
+  if (const json* tool_choice = Field(body, "tool_choice")) {
+    if (tool_choice->is_string()) {
+      choice = tool_choice->get<std::string>();
+      if (choice != "auto" && choice != "none" && choice != "required") {
+        return BadParam("tool_choice", "tool_choice: expected auto, none, required or a named function");
+      }
+    } else if (tool_choice->is_object() && tool_choice->value("type", "") == "function" &&
+               tool_choice->contains("function") && (*tool_choice)["function"].is_object() &&
+               (*tool_choice)["function"].contains("name") && (*tool_choice)["function"]["name"].is_string()) {
+      const std::string name = (*tool_choice)["function"]["name"];
+      choice = "named";
+      selected = json::array();
+      if (has_tools) {
+        for (const json& t : *tools) {
+          if (t["function"]["name"] == name) selected.push_back(t);
+        }
+      }
+      if (selected.empty()) {
+        return BadParam("tool_choice", absl::StrCat("tool_choice: the function '", name, "' is not in tools"));
+      }
+    } else {
+      return BadParam("tool_choice", "tool_choice: expected auto, none, required or a named function");
+    }
+    if (choice != "none" && !has_tools) {
+      return BadParam("tool_choice", absl::StrCat("tool_choice: '", choice == "named" ? "a named function" : choice,
+                                                  "' needs tools"));
+    }
+  }
+  // "required" and a named function are not enforced by constrained decoding (moeserve has none
+  // yet): the model sees only the allowed tools and its calls are parsed as with "auto".
+  if (choice != "none") {
+    chat->tools = selected;
+    p->text.tools = selected;
+    *parse_tools = true;
+  }
+  return std::nullopt;
+}
+
+std::optional<ApiError> ParseChat(const json& body, const TextModel& text, int context, Parsed* p) {
+  bool logprobs = false;
+  MOE_API_TRY(ReadBool(body, "logprobs", &logprobs));
+  int64_t top = 0;
+  MOE_API_TRY(ReadInt(body, "top_logprobs", 0, kMaxLogprobs, &top));
+  if (Field(body, "top_logprobs") != nullptr && !logprobs) {
+    return BadParam("top_logprobs", "top_logprobs: needs logprobs set to true");
+  }
+  if (logprobs) p->logprobs = static_cast<int>(top);
+  const json* messages = Field(body, "messages");
+  if (messages == nullptr) return BadParam("messages", "messages: required");
+  if (!messages->is_array() || messages->empty()) return BadParam("messages", "messages: expected a non-empty list");
+  ChatPrompt chat;
+  chat.messages = *messages;
+  bool parse_tools = false;
+  MOE_API_TRY(ParseTools(body, p, &chat, &parse_tools));
+  if (const json* kwargs = Field(body, "chat_template_kwargs")) {
+    if (!kwargs->is_object()) return BadParam("chat_template_kwargs", "chat_template_kwargs: expected an object");
+    chat.template_kwargs = *kwargs;
+  }
+  MOE_API_TRY(ReadBool(body, "add_generation_prompt", &chat.add_generation_prompt));
+  auto ids = text.EncodeChat(chat);
+  if (!ids.ok()) {
+    ApiError e = FromEngineStatus(ids.status(), /*chat=*/true);
+    e.param = "messages";
+    return e;
+  }
+  p->request.prompt = *std::move(ids);
+  p->text.parse_reasoning = true;
+  p->text.parse_tool_calls = parse_tools;
+  // Chat has no default limit: what the context leaves (the scheduler refuses a prompt that
+  // leaves nothing).
+  if (!p->max_tokens) {
+    p->max_tokens = std::max<int64_t>(1, context - static_cast<int64_t>(p->request.prompt.size()));
+  }
+  return std::nullopt;
+}
+
+#undef MOE_API_TRY
+
+json Usage(int prompt, int completion) {
+  return {{"prompt_tokens", prompt}, {"completion_tokens", completion}, {"total_tokens", prompt + completion}};
+}
+
+// JSON has no infinities: an impossible token's log-probability is written as vLLM writes it.
+double Logprob(float v) { return std::isfinite(v) ? static_cast<double>(v) : -9999.0; }
+
+json Bytes(const std::string& s) {
+  json out = json::array();
+  for (unsigned char c : s) out.push_back(static_cast<int>(c));
+  return out;
+}
+
+const char* FinishReasonText(FinishReason reason, bool tool_calls) {
+  switch (reason) {
+    case FinishReason::kLength:
+      return "length";
+    case FinishReason::kEos:
+    case FinishReason::kStopToken:
+      return tool_calls ? "tool_calls" : "stop";
+    case FinishReason::kAborted:
+    case FinishReason::kDeadline:
+    case FinishReason::kError:
+      return "abort";
+  }
+  return "stop";
+}
+
+// What one engine output added, after the text pipeline.
+struct Piece {
+  TextChunk text;
+  std::vector<int32_t> tokens;  // the tokens that count (none after a stop string)
+  std::vector<runtime::TokenLogprobs> logprobs;
+  bool finished = false;
+  std::string finish_reason;
+  absl::Status error;
+};
+
+// One running request: reads the engine's stream and runs the text pipeline. When a stop string
+// matches, the engine is told to stop the request. Thread-safety: one thread at a time.
+class Generation {
+ public:
+  Generation(Engine& engine, std::string id, std::shared_ptr<Stream> stream, std::unique_ptr<OutputText> text)
+      : engine_(engine), id_(std::move(id)), stream_(std::move(stream)), text_(std::move(text)) {}
+  ~Generation() {
+    if (!finished_) engine_.Abort(id_);  // the client went away: free its KV blocks
+  }
+
+  // Waits up to `wait` for the engine's next output; false on timeout.
+  bool Next(std::chrono::milliseconds wait, Piece* piece) {
+    Output out;
+    if (!stream_->Next(&out, wait)) return false;
+    *piece = Piece();
+    if (!stopped_) {
+      const int before = text_->tokens();
+      piece->text = text_->Add(out.new_tokens);
+      const size_t taken = static_cast<size_t>(text_->tokens() - before);
+      piece->tokens.assign(out.new_tokens.begin(), out.new_tokens.begin() + std::min(taken, out.new_tokens.size()));
+      if (out.logprobs.size() >= taken) piece->logprobs.assign(out.logprobs.begin(), out.logprobs.begin() + taken);
+      completion_tokens_ += static_cast<int>(taken);
+      if (text_->stopped()) {
+        stopped_ = true;
+        engine_.Abort(id_);  // generating on would only be thrown away
+      }
+    }
+    if (out.finished) {
+      finished_ = true;
+      piece->finished = true;
+      piece->text.Append(text_->Finish());
+      stopped_ = stopped_ || text_->stopped();
+      piece->finish_reason = stopped_ ? "stop" : FinishReasonText(*out.finished, text_->has_tool_calls());
+      if (!stopped_) piece->error = out.error;
+      prompt_tokens_ = out.prompt_tokens;
+    }
+    return true;
+  }
+
+  void Cancel() {
+    if (!finished_) engine_.Abort(id_);
+    finished_ = true;
+  }
+  bool finished() const { return finished_; }
+  int prompt_tokens() const { return prompt_tokens_; }
+  int completion_tokens() const { return completion_tokens_; }
+
+ private:
+  Engine& engine_;
+  const std::string id_;
+  std::shared_ptr<Stream> stream_;
+  std::unique_ptr<OutputText> text_;
+  bool stopped_ = false;
+  bool finished_ = false;
+  int prompt_tokens_ = 0;
+  int completion_tokens_ = 0;
+};
+
+// Builds the JSON of responses and chunks for one request, in the shapes OpenAI sends.
+class ResponseWriter {
+ public:
+  ResponseWriter(bool chat, std::string id, std::string model, const TextModel& text, const Parsed& parsed)
+      : chat_(chat), id_(std::move(id)), model_(std::move(model)), created_(std::time(nullptr)), text_(text),
+        logprobs_(parsed.logprobs), include_usage_(parsed.include_usage),
+        token_ids_(parsed.return_token_ids || !text.has_tokenizer()) {}
+
+  // Streaming: the chunks for one piece, each a JSON object.
+  std::vector<json> Chunks(const Piece& piece) {
+    std::vector<json> out;
+    if (chat_ && !sent_role_) {
+      sent_role_ = true;
+      out.push_back(Chunk({{"role", "assistant"}, {"content", ""}}, json(), json()));
+    }
+    json lp = piece.logprobs.empty() ? json() : Logprobs(piece);
+    if (chat_) {
+      if (!piece.text.reasoning.empty()) out.push_back(Chunk({{"reasoning_content", piece.text.reasoning}}, json(), json()));
+      if (!piece.text.tool_calls.empty()) {
+        json calls = json::array();
+        for (const ToolCallChunk& c : piece.text.tool_calls) {
+          json call = {{"index", c.index}};
+          if (!c.id.empty()) call["id"] = c.id, call["type"] = "function";
+          json function = json::object();
+          if (!c.name.empty()) function["name"] = c.name;
+          function["arguments"] = c.arguments;
+          call["function"] = function;
+          calls.push_back(call);
+        }
+        out.push_back(Chunk({{"tool_calls", calls}}, json(), json()));
+      }
+      if (!piece.text.content.empty() || (!lp.is_null() && out.empty())) {
+        out.push_back(Chunk({{"content", piece.text.content}}, lp, json()));
+        lp = json();
+      } else if (!lp.is_null()) {
+        out.back()["choices"][0]["logprobs"] = lp;
+        lp = json();
+      }
+      if (piece.finished) out.push_back(Chunk(json::object(), json(), piece.finish_reason));
+    } else {
+      if (!piece.text.content.empty() || !lp.is_null() || piece.finished || (token_ids_ && !piece.tokens.empty())) {
+        json chunk = Chunk(piece.text.content, lp, piece.finished ? json(piece.finish_reason) : json());
+        if (token_ids_) chunk["choices"][0]["token_ids"] = piece.tokens;
+        out.push_back(std::move(chunk));
+      }
+    }
+    return out;
+  }
+
+  // Streaming: the last chunk, with the usage and no choices, when the client asked for it.
+  std::optional<json> UsageChunk(int prompt, int completion) const {
+    if (!include_usage_) return std::nullopt;
+    json chunk = Header();
+    chunk["choices"] = json::array();
+    chunk["usage"] = Usage(prompt, completion);
+    return chunk;
+  }
+
+  // Whole response: pieces accumulate, then Whole() answers.
+  void Accumulate(const Piece& piece) {
+    all_.text.Append(piece.text);
+    all_.tokens.insert(all_.tokens.end(), piece.tokens.begin(), piece.tokens.end());
+    all_.logprobs.insert(all_.logprobs.end(), piece.logprobs.begin(), piece.logprobs.end());
+    if (piece.finished) all_.finish_reason = piece.finish_reason;
+  }
+
+  json Whole(int prompt, int completion) const {
+    json body = Header();
+    body["object"] = chat_ ? "chat.completion" : "text_completion";
+    json choice = {{"index", 0}};
+    const json lp = logprobs_ >= 0 ? Logprobs(all_) : json();
+    if (chat_) {
+      json message = {{"role", "assistant"}};
+      std::map<int, json> calls;
+      for (const ToolCallChunk& c : all_.text.tool_calls) {
+        json& call = calls[c.index];
+        if (call.is_null()) call = {{"id", ""}, {"type", "function"}, {"function", {{"name", ""}, {"arguments", ""}}}};
+        if (!c.id.empty()) call["id"] = c.id;
+        if (!c.name.empty()) call["function"]["name"] = c.name;
+        call["function"]["arguments"] = call["function"]["arguments"].get<std::string>() + c.arguments;
+      }
+      message["content"] = calls.empty() || !all_.text.content.empty() ? json(all_.text.content) : json();
+      if (!all_.text.reasoning.empty()) message["reasoning_content"] = all_.text.reasoning;
+      if (!calls.empty()) {
+        message["tool_calls"] = json::array();
+        for (auto& [index, call] : calls) message["tool_calls"].push_back(call);
+      }
+      choice["message"] = message;
+    } else {
+      choice["text"] = all_.text.content;
+      if (token_ids_) choice["token_ids"] = all_.tokens;
+    }
+    choice["logprobs"] = lp;
+    choice["finish_reason"] = all_.finish_reason;
+    body["choices"] = json::array({choice});
+    body["usage"] = Usage(prompt, completion);
+    return body;
+  }
+
+ private:
+  json Header() const {
+    return {{"id", id_},
+            {"object", chat_ ? "chat.completion.chunk" : "text_completion"},
+            {"created", created_},
+            {"model", model_}};
+  }
+
+  // A chat chunk's `delta`, or a completion chunk's `text`.
+  json Chunk(json delta_or_text, json logprobs, json finish_reason) const {
+    json chunk = Header();
+    json choice = {{"index", 0}};
+    choice[chat_ ? "delta" : "text"] = std::move(delta_or_text);
+    choice["logprobs"] = std::move(logprobs);
+    choice["finish_reason"] = std::move(finish_reason);
+    chunk["choices"] = json::array({choice});
+    if (include_usage_) chunk["usage"] = nullptr;
+    return chunk;
+  }
+
+  json Logprobs(const Piece& piece) const {
+    if (logprobs_ < 0) return json();
+    const size_t n = std::min(piece.tokens.size(), piece.logprobs.size());
+    if (chat_) {
+      json content = json::array();
+      for (size_t i = 0; i < n; ++i) {
+        const std::string token = text_.TokenText(piece.tokens[i]);
+        json top = json::array();
+        for (size_t k = 0; k < piece.logprobs[i].top.size() && static_cast<int>(k) < logprobs_; ++k) {
+          const auto& [alt, alt_lp] = piece.logprobs[i].top[k];
+          const std::string alt_text = text_.TokenText(alt);
+          top.push_back({{"token", alt_text}, {"logprob", Logprob(alt_lp)}, {"bytes", Bytes(alt_text)}});
+        }
+        content.push_back({{"token", token},
+                           {"logprob", Logprob(piece.logprobs[i].logprob)},
+                           {"bytes", Bytes(token)},
+                           {"top_logprobs", top}});
+      }
+      return {{"content", content}};
+    }
+    json tokens = json::array(), token_logprobs = json::array(), top_logprobs = json::array(),
+         offsets = json::array();
+    for (size_t i = 0; i < n; ++i) {
+      const std::string token = text_.TokenText(piece.tokens[i]);
+      tokens.push_back(token);
+      token_logprobs.push_back(Logprob(piece.logprobs[i].logprob));
+      json top = json::object();
+      for (size_t k = 0; k < piece.logprobs[i].top.size() && static_cast<int>(k) < logprobs_; ++k) {
+        top[text_.TokenText(piece.logprobs[i].top[k].first)] = Logprob(piece.logprobs[i].top[k].second);
+      }
+      top_logprobs.push_back(top);
+      offsets.push_back(text_offset_);
+      text_offset_ += static_cast<int64_t>(token.size());
+    }
+    return {{"tokens", tokens}, {"token_logprobs", token_logprobs}, {"top_logprobs", top_logprobs},
+            {"text_offset", offsets}};
+  }
+
+  const bool chat_;
+  const std::string id_, model_;
+  const int64_t created_;
+  const TextModel& text_;
+  const int logprobs_;
+  const bool include_usage_;
+  const bool token_ids_;
+  bool sent_role_ = false;
+  mutable int64_t text_offset_ = 0;  // completions' logprobs: where each token starts
+  Piece all_;
+};
+
+std::string Event(const json& data) {
+  return absl::StrCat("data: ", data.dump(-1, ' ', false, json::error_handler_t::replace), "\n\n");
+}
+
+// A streamed response: the HTTP server's content provider pumps it until the request ends.
+class EventStream {
+ public:
+  EventStream(std::unique_ptr<Generation> generation, ResponseWriter writer)
+      : generation_(std::move(generation)), writer_(std::move(writer)), last_write_(Clock::now()) {}
+
+  // One round: waits briefly for the engine, writes what came. False ends the response (the
+  // client is gone, or the stream is complete and closed).
+  bool Pump(httplib::DataSink& sink) {
+    if (done_) return false;
+    Piece piece;
+    if (!generation_->Next(kPollInterval, &piece)) {
+      if (Clock::now() - last_write_ < kKeepAliveInterval) return true;
+      return Write(sink, ": keep-alive\n\n");
+    }
+    for (const json& chunk : writer_.Chunks(piece)) {
+      if (!Write(sink, Event(chunk))) return false;
+    }
+    if (!piece.finished) return true;
+    if (!piece.error.ok()) {
+      const ApiError e = FromEngineStatus(piece.error, false);
+      const json error = {{"error", {{"message", e.message}, {"type", e.type}, {"param", nullptr}, {"code", e.status}}}};
+      if (!Write(sink, Event(error))) return false;
+    }
+    if (auto usage = writer_.UsageChunk(generation_->prompt_tokens(), generation_->completion_tokens())) {
+      if (!Write(sink, Event(*usage))) return false;
+    }
+    if (!Write(sink, "data: [DONE]\n\n")) return false;
+    done_ = true;
+    sink.done();
+    return true;
+  }
+
+  void Cancel() { generation_->Cancel(); }
+
+ private:
+  bool Write(httplib::DataSink& sink, const std::string& data) {
+    last_write_ = Clock::now();
+    if (sink.write(data.data(), data.size())) return true;
+    generation_->Cancel();  // the client went away
+    return false;
+  }
+
+  std::unique_ptr<Generation> generation_;
+  ResponseWriter writer_;
+  Clock::time_point last_write_;
+  bool done_ = false;
+};
+
+std::string RandomPrefix() {
+  std::random_device device;
+  return absl::StrFormat("%08x", device());
+}
+
+}  // namespace
+
+OpenAiApi::OpenAiApi(Engine& engine, const TextModel& text, std::string model_id)
+    : engine_(engine), text_(text), model_id_(std::move(model_id)), id_prefix_(RandomPrefix()) {}
+
+json OpenAiApi::ModelCard() const {
+  return {{"id", model_id_},
+          {"object", "model"},
+          {"created", 0},
+          {"owned_by", "moeserve"},
+          {"max_model_len", engine_.config().context},
+          {"has_chat_template", text_.has_chat_template()},
+          {"supports_tools", text_.has_chat_template() && !text_.tool_call_parser().empty()},
+          {"tool_call_parser", text_.tool_call_parser()}};
+}
+
+void OpenAiApi::ListModels(const httplib::Request&, httplib::Response& response) {
+  const json body = {{"object", "list"}, {"data", json::array({ModelCard()})}};
+  response.set_content(body.dump(), "application/json");
+}
+
+void OpenAiApi::GetModel(const httplib::Request& request, httplib::Response& response) {
+  const std::string id = request.matches.size() > 1 ? std::string(request.matches[1]) : "";
+  if (id != model_id_) {
+    SetJsonError(response, 404, absl::StrCat("The model '", id, "' does not exist; this server serves '", model_id_, "'"),
+                 "invalid_request_error", "model");
+    return;
+  }
+  response.set_content(ModelCard().dump(), "application/json");
+}
+
+void OpenAiApi::Completions(const httplib::Request& request, httplib::Response& response) {
+  Generate(Kind::kCompletion, request, response);
+}
+
+void OpenAiApi::ChatCompletions(const httplib::Request& request, httplib::Response& response) {
+  Generate(Kind::kChat, request, response);
+}
+
+void OpenAiApi::Generate(Kind kind, const httplib::Request& request, httplib::Response& response) {
+  const bool chat = kind == Kind::kChat;
+  const auto refuse = [&](const ApiError& error) {
+    engine_.CountRejected(error.status == 429   ? absl::StatusCode::kResourceExhausted
+                          : error.status == 503 ? absl::StatusCode::kUnavailable
+                                                : absl::StatusCode::kInvalidArgument);
+    SetError(response, error);
+  };
+  auto body = core::ParseJsonObject(request.body, "request body");
+  if (!body.ok()) return refuse(BadParam("", std::string(body.status().message())));
+  Parsed parsed;
+  if (auto e = ParseCommon(*body, model_id_, &parsed)) return refuse(*e);
+  if (auto e = chat ? ParseChat(*body, text_, engine_.config().context, &parsed) : ParseCompletion(*body, text_, &parsed)) {
+    return refuse(*e);
+  }
+  const std::string id = absl::StrCat(chat ? "chatcmpl-" : "cmpl-", id_prefix_, "-", next_id_++);
+  parsed.request.id = id;
+  parsed.request.stopping.max_new_tokens = static_cast<int>(std::min<int64_t>(*parsed.max_tokens, INT32_MAX));
+  // Completions' logprobs=0 still wants the sampled token's log-probability; the engine's 0 is none.
+  if (parsed.logprobs >= 0) parsed.request.logprobs = std::max(parsed.logprobs, 1);
+  parsed.text.prompt = parsed.request.prompt;
+  auto output = text_.NewOutput(parsed.text);
+  if (!output.ok()) return refuse(FromEngineStatus(output.status(), chat));
+  auto stream = engine_.Submit(parsed.request);
+  if (!stream.ok()) return refuse(FromEngineStatus(stream.status(), chat));
+
+  auto generation = std::make_unique<Generation>(engine_, id, *std::move(stream), *std::move(output));
+  ResponseWriter writer(chat, id, model_id_, text_, parsed);
+  if (parsed.stream) {
+    auto events = std::make_shared<EventStream>(std::move(generation), std::move(writer));
+    response.set_header("Cache-Control", "no-cache");
+    response.set_header("X-Accel-Buffering", "no");  // a proxy in front must not hold the events back
+    // The API (and so the engine) outlives the response: the provider holds it.
+    response.set_chunked_content_provider(
+        "text/event-stream",
+        [events, self = shared_from_this()](size_t, httplib::DataSink& sink) { return events->Pump(sink); },
+        [events](bool success) {
+          if (!success) events->Cancel();
+        });
+    return;
+  }
+  // No way to see a client leave while it waits for a whole response (cpp-httplib 0.11 tells a
+  // handler nothing): the request runs to its end, bounded by max_tokens.
+  Piece piece;
+  while (!piece.finished) {
+    if (!generation->Next(kPollInterval, &piece)) continue;
+    writer.Accumulate(piece);
+  }
+  if (!piece.error.ok()) return SetError(response, FromEngineStatus(piece.error, chat));
+  response.set_content(writer.Whole(generation->prompt_tokens(), generation->completion_tokens()).dump(
+                           -1, ' ', false, json::error_handler_t::replace),
+                       "application/json");
+}
+
+}  // namespace moe::scheduler::internal

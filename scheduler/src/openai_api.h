@@ -1,0 +1,46 @@
+// The OpenAI-compatible HTTP API over one engine: GET /v1/models, POST /v1/completions and
+// POST /v1/chat/completions, whole or streamed as server-sent events, with OpenAI's error shape.
+// Prompts and outputs go through the TextModel; the engine sees token ids only.
+//
+// Thread-safety: the handlers run on the HTTP server's threads, many at once; the API's own state
+// is immutable but for an atomic id counter. The engine and the text model must outlive every
+// request: the frontend stops the engine (which ends the live ones) before the HTTP server.
+#pragma once
+
+#include <httplib.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "moe/scheduler/engine.h"
+#include "moe/scheduler/text_pipeline.h"
+
+namespace moe::scheduler::internal {
+
+class OpenAiApi : public std::enable_shared_from_this<OpenAiApi> {
+ public:
+  // `model_id` is the one model name requests may ask for.
+  OpenAiApi(Engine& engine, const TextModel& text, std::string model_id);
+
+  void ListModels(const httplib::Request& request, httplib::Response& response);
+  void GetModel(const httplib::Request& request, httplib::Response& response);
+  void Completions(const httplib::Request& request, httplib::Response& response);
+  void ChatCompletions(const httplib::Request& request, httplib::Response& response);
+
+  const std::string& model_id() const { return model_id_; }
+
+ private:
+  enum class Kind { kCompletion, kChat };
+  void Generate(Kind kind, const httplib::Request& request, httplib::Response& response);
+  nlohmann::json ModelCard() const;
+
+  Engine& engine_;
+  const TextModel& text_;
+  const std::string model_id_;
+  const std::string id_prefix_;  // random per process, so ids differ across restarts
+  std::atomic<int64_t> next_id_{1};
+};
+
+}  // namespace moe::scheduler::internal

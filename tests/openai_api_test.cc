@@ -1,0 +1,534 @@
+// The OpenAI-compatible HTTP API as clients see it: a real Frontend on loopback over the fixture
+// model, real HTTP requests.
+#include <arpa/inet.h>
+#include <grpcpp/grpcpp.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cctype>
+#include <chrono>
+#include <fstream>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "moe/runtime/model_executor.h"
+#include "moe/scheduler/frontend.h"
+#include "moe/scheduler/http_server.h"
+#include "moeserve/v1/generation.grpc.pb.h"
+#include "nlohmann/json.hpp"
+#include "test_util.h"
+
+namespace moe {
+namespace {
+
+using ::nlohmann::json;
+using ::testing::HasSubstr;
+
+struct HttpResult {
+  int status = 0;
+  std::string body;
+  std::string content_type;
+};
+
+// The SSE events of a streamed body: each `data:` JSON, and whether `data: [DONE]` ended it.
+struct Events {
+  std::vector<json> chunks;
+  bool done = false;
+};
+
+Events ParseEvents(const std::string& body) {
+  Events events;
+  for (const std::string& block : std::vector<std::string>(absl::StrSplit(body, "\n\n", absl::SkipEmpty()))) {
+    if (block.substr(0, 1) == ":") continue;  // a keep-alive comment
+    EXPECT_EQ(block.substr(0, 6), "data: ") << block;
+    const std::string data = block.substr(6);
+    if (data == "[DONE]") {
+      events.done = true;
+      continue;
+    }
+    EXPECT_FALSE(events.done) << "an event after [DONE]";
+    events.chunks.push_back(json::parse(data));
+  }
+  return events;
+}
+
+// A raw connection to 127.0.0.1:port, with a receive timeout so that a test cannot hang.
+int Connect(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  timeval tv{10, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  return fd;
+}
+
+class OpenAiApiTest : public ::testing::Test {
+ protected:
+  void StartServer(int max_seqs = 8, int max_queue = 16, std::shared_ptr<const scheduler::ApiKeys> keys = nullptr,
+                   int64_t max_request_bytes = 1 << 20) {
+    runtime::ModelOptions mo;
+    mo.pool.progress = false;
+    mo.threads = 2;
+    mo.pool.threads = 2;
+    auto model = runtime::Model::Load(testing::FixtureDir("qwen3_moe"), mo);
+    ASSERT_TRUE(model.ok()) << model.status();
+    model_ = std::move(*model);
+    scheduler::FrontendOptions options = Options(max_seqs, max_queue);
+    options.api_keys = std::move(keys);
+    options.max_request_bytes = max_request_bytes;
+    auto executor = runtime::ModelExecutor::Create(*model_, /*num_blocks=*/512);
+    ASSERT_TRUE(executor.ok()) << executor.status();
+    auto frontend = scheduler::Frontend::Start(*std::move(executor), options);
+    ASSERT_TRUE(frontend.ok()) << frontend.status();
+    frontend_ = std::move(*frontend);
+    client_ = std::make_unique<httplib::Client>("127.0.0.1", frontend_->http_port());
+    client_->set_read_timeout(std::chrono::seconds(60));
+  }
+
+  static scheduler::FrontendOptions Options(int max_seqs, int max_queue) {
+    scheduler::FrontendOptions options;
+    options.listen = "127.0.0.1:0";
+    options.http_listen = "127.0.0.1:0";
+    options.scheduler.max_seqs = max_seqs;
+    options.scheduler.max_queue = max_queue;
+    options.scheduler.max_batch_tokens = 64;
+    options.scheduler.context = 1024;
+    options.placement = "test";
+    options.model_dir = testing::FixtureDir("qwen3_moe");
+    return options;
+  }
+
+  void TearDown() override {
+    client_.reset();
+    if (frontend_) frontend_->Shutdown();
+  }
+
+  HttpResult Post(const std::string& path, const std::string& body, const httplib::Headers& headers = {}) {
+    auto response = client_->Post(path.c_str(), headers, body, "application/json");
+    if (!response) return {-1, httplib::to_string(response.error()), ""};
+    return {response->status, response->body, response->get_header_value("Content-Type")};
+  }
+  HttpResult Post(const std::string& path, const json& body) { return Post(path, body.dump()); }
+  HttpResult Get(const std::string& path) {
+    auto response = client_->Get(path.c_str());
+    if (!response) return {-1, httplib::to_string(response.error()), ""};
+    return {response->status, response->body, response->get_header_value("Content-Type")};
+  }
+
+  // Whether this build's server reads text (it has the tokenizer library).
+  bool ServesText() {
+    const HttpResult r = Post("/v1/completions", json{{"prompt", "hello"}, {"max_tokens", 1}});
+    return r.status == 200;
+  }
+
+  // Expects OpenAI's error shape with this status, and returns the error object.
+  static json ExpectError(const HttpResult& r, int status, const std::string& message_part) {
+    EXPECT_EQ(r.status, status) << r.body;
+    const json body = json::parse(r.body, nullptr, false);
+    EXPECT_TRUE(body.is_object() && body.contains("error")) << r.body;
+    if (!body.is_object() || !body.contains("error")) return json();
+    const json& e = body["error"];
+    EXPECT_TRUE(e["message"].is_string()) << r.body;
+    EXPECT_TRUE(e["type"].is_string()) << r.body;
+    EXPECT_TRUE(e.contains("param")) << r.body;
+    EXPECT_EQ(e["code"], status) << r.body;
+    EXPECT_THAT(e["message"].get<std::string>(), HasSubstr(message_part));
+    return e;
+  }
+
+  std::vector<int32_t> Prompt() const { return {1, 17, 42, 99, 7}; }
+
+  std::unique_ptr<runtime::Model> model_;
+  std::unique_ptr<scheduler::Frontend> frontend_;
+  std::unique_ptr<httplib::Client> client_;
+};
+
+TEST_F(OpenAiApiTest, ModelsListTheServedModel) {
+  StartServer();
+  const HttpResult r = Get("/v1/models");
+  ASSERT_EQ(r.status, 200) << r.body;
+  const json body = json::parse(r.body);
+  EXPECT_EQ(body["object"], "list");
+  ASSERT_EQ(body["data"].size(), 1u);
+  const json& card = body["data"][0];
+  EXPECT_EQ(card["id"], "qwen3_moe");
+  EXPECT_EQ(card["object"], "model");
+  EXPECT_EQ(card["owned_by"], "moeserve");
+  EXPECT_EQ(card["max_model_len"], 1024);
+  EXPECT_TRUE(card["has_chat_template"].is_boolean());
+  EXPECT_TRUE(card["supports_tools"].is_boolean());
+  EXPECT_EQ(Get("/v1/models/qwen3_moe").status, 200);
+  ExpectError(Get("/v1/models/gpt-4"), 404, "does not exist");
+}
+
+TEST_F(OpenAiApiTest, CompletionOfTokenIdsWithUsage) {
+  StartServer();
+  const json request = {{"model", "qwen3_moe"}, {"prompt", Prompt()}, {"max_tokens", 6}, {"temperature", 0},
+                        {"ignore_eos", true},   {"return_token_ids", true}};
+  const HttpResult r = Post("/v1/completions", request);
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_THAT(r.content_type, HasSubstr("application/json"));
+  const json body = json::parse(r.body);
+  EXPECT_EQ(body["object"], "text_completion");
+  EXPECT_THAT(body["id"].get<std::string>(), ::testing::StartsWith("cmpl-"));
+  EXPECT_EQ(body["model"], "qwen3_moe");
+  ASSERT_EQ(body["choices"].size(), 1u);
+  EXPECT_EQ(body["choices"][0]["index"], 0);
+  EXPECT_EQ(body["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(body["choices"][0]["token_ids"].size(), 6u);
+  EXPECT_TRUE(body["choices"][0]["text"].is_string());
+  EXPECT_EQ(body["usage"]["prompt_tokens"], 5);
+  EXPECT_EQ(body["usage"]["completion_tokens"], 6);
+  EXPECT_EQ(body["usage"]["total_tokens"], 11);
+
+  // The same request streamed gives the same tokens, chunk by chunk, then the usage and [DONE].
+  json streamed = request;
+  streamed["stream"] = true;
+  streamed["stream_options"] = {{"include_usage", true}};
+  const HttpResult s = Post("/v1/completions", streamed);
+  ASSERT_EQ(s.status, 200) << s.body;
+  EXPECT_THAT(s.content_type, HasSubstr("text/event-stream"));
+  const Events events = ParseEvents(s.body);
+  EXPECT_TRUE(events.done);
+  ASSERT_GE(events.chunks.size(), 2u);
+  std::vector<int32_t> tokens;
+  for (size_t i = 0; i + 1 < events.chunks.size(); ++i) {
+    const json& chunk = events.chunks[i];
+    EXPECT_EQ(chunk["object"], "text_completion");
+    EXPECT_EQ(chunk["id"], events.chunks[0]["id"]);
+    EXPECT_TRUE(chunk["usage"].is_null());
+    ASSERT_EQ(chunk["choices"].size(), 1u);
+    for (int32_t t : chunk["choices"][0]["token_ids"]) tokens.push_back(t);
+    const bool last = i + 2 == events.chunks.size();
+    EXPECT_EQ(chunk["choices"][0]["finish_reason"].is_null(), !last) << chunk;
+  }
+  EXPECT_EQ(tokens, body["choices"][0]["token_ids"].get<std::vector<int32_t>>());
+  const json& usage = events.chunks.back();
+  EXPECT_TRUE(usage["choices"].empty());
+  EXPECT_EQ(usage["usage"]["completion_tokens"], 6);
+  EXPECT_EQ(usage["usage"]["prompt_tokens"], 5);
+}
+
+TEST_F(OpenAiApiTest, CompletionLogprobs) {
+  StartServer();
+  const HttpResult r = Post("/v1/completions", json{{"prompt", Prompt()}, {"max_tokens", 3}, {"logprobs", 2},
+                                                    {"temperature", 0}, {"ignore_eos", true}});
+  ASSERT_EQ(r.status, 200) << r.body;
+  const json lp = json::parse(r.body)["choices"][0]["logprobs"];
+  ASSERT_EQ(lp["tokens"].size(), 3u);
+  ASSERT_EQ(lp["token_logprobs"].size(), 3u);
+  ASSERT_EQ(lp["top_logprobs"].size(), 3u);
+  EXPECT_EQ(lp["top_logprobs"][0].size(), 2u);
+  EXPECT_LE(lp["token_logprobs"][0].get<double>(), 0.0);
+  EXPECT_EQ(lp["text_offset"].size(), 3u);
+}
+
+TEST_F(OpenAiApiTest, SamplingFieldsAreTaken) {
+  StartServer();
+  const json request = {{"prompt", Prompt()}, {"max_tokens", 4}, {"temperature", 0.8}, {"top_p", 0.9},
+                        {"top_k", 20},        {"min_p", 0.05},   {"seed", 7},           {"presence_penalty", 0.5},
+                        {"frequency_penalty", 0.5}, {"repetition_penalty", 1.1}, {"ignore_eos", true},
+                        {"return_token_ids", true}};
+  const HttpResult a = Post("/v1/completions", request);
+  const HttpResult b = Post("/v1/completions", request);
+  ASSERT_EQ(a.status, 200) << a.body;
+  ASSERT_EQ(b.status, 200) << b.body;
+  // Same seed, same tokens.
+  EXPECT_EQ(json::parse(a.body)["choices"][0]["token_ids"], json::parse(b.body)["choices"][0]["token_ids"]);
+  json bad = request;
+  bad["top_p"] = 0;
+  const json e = ExpectError(Post("/v1/completions", bad), 400, "top_p must be in (0, 1]");
+  EXPECT_EQ(e["param"], "top_p");
+}
+
+TEST_F(OpenAiApiTest, TextCompletionChatToolsAndStopStrings) {
+  StartServer();
+  if (!ServesText()) GTEST_SKIP() << "this build has no tokenizer library (moe::text)";
+  const json request = {{"prompt", "The capital of France is"}, {"max_tokens", 12}, {"temperature", 0},
+                        {"ignore_eos", true}};
+  const HttpResult r = Post("/v1/completions", request);
+  ASSERT_EQ(r.status, 200) << r.body;
+  const json body = json::parse(r.body);
+  const std::string text = body["choices"][0]["text"];
+  EXPECT_EQ(body["usage"]["completion_tokens"], 12);
+  // A stop string taken from the greedy output itself ends the text before it, with "stop".
+  // The stop string: the character whose first occurrence comes last (a random-weight model
+  // writes any characters), so that the cut text is as long as it can be.
+  size_t at = std::string::npos;
+  std::string stop;
+  for (size_t i = 0; i < text.size();) {
+    size_t len = 1;
+    while (i + len < text.size() && (static_cast<unsigned char>(text[i + len]) & 0xC0) == 0x80) ++len;
+    const std::string c = text.substr(i, len);
+    if (text.find(c) == i && i > 0) at = i, stop = c;
+    i += len;
+  }
+  ASSERT_NE(at, std::string::npos) << "no character to stop at in " << text;
+  {
+    json stopped = request;
+    stopped["stop"] = {stop};
+    const HttpResult s = Post("/v1/completions", stopped);
+    ASSERT_EQ(s.status, 200) << s.body;
+    const json sb = json::parse(s.body);
+    EXPECT_EQ(sb["choices"][0]["finish_reason"], "stop");
+    EXPECT_EQ(sb["choices"][0]["text"], text.substr(0, text.find(stop)));
+    EXPECT_LE(sb["usage"]["completion_tokens"].get<int>(), 12);
+    stopped["include_stop_str_in_output"] = true;
+    const json with = json::parse(Post("/v1/completions", stopped).body);
+    EXPECT_EQ(with["choices"][0]["text"], text.substr(0, text.find(stop) + stop.size()));
+  }
+  const json chat = {{"model", "qwen3_moe"},
+                     {"messages", {{{"role", "user"}, {"content", "Hi"}}}},
+                     {"max_tokens", 5},
+                     {"temperature", 0}};
+  const HttpResult c = Post("/v1/chat/completions", chat);
+  ASSERT_EQ(c.status, 200) << c.body;
+  const json cb = json::parse(c.body);
+  EXPECT_EQ(cb["object"], "chat.completion");
+  EXPECT_EQ(cb["choices"][0]["message"]["role"], "assistant");
+  EXPECT_GT(cb["usage"]["prompt_tokens"].get<int>(), 3);
+  json streamed = chat;
+  streamed["stream"] = true;
+  const Events events = ParseEvents(Post("/v1/chat/completions", streamed).body);
+  EXPECT_TRUE(events.done);
+  ASSERT_GE(events.chunks.size(), 2u);
+  EXPECT_EQ(events.chunks[0]["object"], "chat.completion.chunk");
+  EXPECT_EQ(events.chunks[0]["choices"][0]["delta"]["role"], "assistant");
+  EXPECT_FALSE(events.chunks.back()["choices"][0]["finish_reason"].is_null());
+  // Tools are taken (not refused), whatever the model makes of them.
+  json tools = chat;
+  tools["tools"] = {{{"type", "function"},
+                     {"function", {{"name", "get_weather"}, {"parameters", {{"type", "object"}}}}}}};
+  tools["tool_choice"] = "auto";
+  EXPECT_EQ(Post("/v1/chat/completions", tools).status, 200);
+  tools["tool_choice"] = {{"type", "function"}, {"function", {{"name", "get_weather"}}}};
+  EXPECT_EQ(Post("/v1/chat/completions", tools).status, 200);
+  tools["tool_choice"] = {{"type", "function"}, {"function", {{"name", "other"}}}};
+  ExpectError(Post("/v1/chat/completions", tools), 400, "not in tools");
+  json kwargs = chat;
+  kwargs["chat_template_kwargs"] = {{"enable_thinking", false}};
+  EXPECT_EQ(Post("/v1/chat/completions", kwargs).status, 200);
+}
+
+TEST_F(OpenAiApiTest, BadRequestsGetOpenAisErrorShape) {
+  StartServer();
+  const json e = ExpectError(Post("/v1/completions", std::string("{\"prompt\": [1, 2,\n  }")), 400, "request body:2:");
+  EXPECT_EQ(e["type"], "invalid_request_error");
+  ExpectError(Post("/v1/completions", std::string("[1, 2]")), 400, "expected a JSON object");
+  EXPECT_EQ(ExpectError(Post("/v1/completions", json{{"prompt", Prompt()}, {"n", 2}}), 400, "n: only 1")["param"], "n");
+  EXPECT_EQ(ExpectError(Post("/v1/completions", json{{"prompt", Prompt()}, {"model", "gpt-4"}}), 400,
+                        "The model 'gpt-4' does not exist")["param"],
+            "model");
+  ExpectError(Post("/v1/completions", json{{"prompt", Prompt()}, {"response_format", {{"type", "json_object"}}}}),
+              400, "response_format");
+  EXPECT_EQ(Post("/v1/completions", json{{"prompt", Prompt()}, {"max_tokens", 1}, {"response_format", {{"type", "text"}}}})
+                .status,
+            200);
+  ExpectError(Post("/v1/completions", json{{"prompt", Prompt()}, {"max_tokens", "many"}}), 400, "max_tokens");
+  ExpectError(Post("/v1/completions", json{{"prompt", Prompt()}, {"stop", 5}}), 400, "stop:");
+  ExpectError(Post("/v1/completions", json{{"prompt", Prompt()}, {"echo", true}}), 400, "echo");
+  ExpectError(Post("/v1/completions", json{{"prompt", {"a", "b"}}}), 400, "one prompt per request");
+  ExpectError(Post("/v1/completions", json::object()), 400, "prompt: required");
+  ExpectError(Post("/v1/completions", json{{"prompt", std::vector<int>{}}}), 400, "prompt");
+  ExpectError(Post("/v1/completions", json{{"prompt", {1, 99999}}}), 400, "prompt");
+  // A prompt longer than the context (1024).
+  const json too_long = ExpectError(Post("/v1/completions", json{{"prompt", std::vector<int>(1500, 3)}}), 400, "prompt");
+  EXPECT_EQ(too_long["param"], "prompt");
+  ExpectError(Post("/v1/completions", json{{"prompt", Prompt()}, {"max_tokens", 5000}}), 400, "max_tokens");
+  ExpectError(Post("/v1/chat/completions", json{{"messages", json::array()}}), 400, "messages");
+  ExpectError(Post("/v1/chat/completions", json{{"messages", {{{"role", "user"}, {"content", "hi"}}}}, {"n", 3}}), 400,
+              "n: only 1");
+  ExpectError(Post("/v1/chat/completions", json{{"messages", {{{"role", "user"}, {"content", "hi"}}}},
+                                                {"tool_choice", "required"}}),
+              400, "needs tools");
+  ExpectError(Post("/v1/nothing", json::object()), 404, "no route for POST /v1/nothing");
+  ExpectError(Get("/v1/completions"), 404, "no route");
+}
+
+TEST_F(OpenAiApiTest, BodyOverTheLimitIs413) {
+  StartServer(8, 16, nullptr, /*max_request_bytes=*/4096);
+  const std::string big = json{{"prompt", std::string(8192, 'x')}}.dump();
+  ExpectError(Post("/v1/completions", big), 413, "larger than this server's limit of 4096 bytes");
+}
+
+TEST_F(OpenAiApiTest, ApiKeysAreAsked) {
+  testing::ScratchDir dir;
+  std::ofstream(dir / "keys") << "sk-test-key\n";
+  auto keys = scheduler::ApiKeys::Load(dir / "keys");
+  ASSERT_TRUE(keys.ok()) << keys.status();
+  StartServer(8, 16, std::make_shared<const scheduler::ApiKeys>(*std::move(keys)));
+  const json request = {{"prompt", Prompt()}, {"max_tokens", 1}};
+  const json e = ExpectError(Post("/v1/completions", request), 401, "missing API key");
+  EXPECT_EQ(e["type"], "authentication_error");
+  ExpectError(Post("/v1/completions", request.dump(), {{"Authorization", "Bearer wrong"}}), 401, "invalid API key");
+  EXPECT_EQ(Post("/v1/completions", request.dump(), {{"Authorization", "Bearer sk-test-key"}}).status, 200);
+}
+
+TEST_F(OpenAiApiTest, FullQueueIs429) {
+  StartServer(/*max_seqs=*/1, /*max_queue=*/0);
+  // One long request holds the only slot.
+  std::thread long_request([this] {
+    httplib::Client client("127.0.0.1", frontend_->http_port());
+    client.set_read_timeout(std::chrono::seconds(60));
+    client.Post("/v1/completions", json{{"prompt", Prompt()}, {"max_tokens", 200}, {"ignore_eos", true}}.dump(),
+                "application/json");
+  });
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (frontend_->engine().stats().running == 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  const json e = ExpectError(Post("/v1/completions", json{{"prompt", Prompt()}, {"max_tokens", 1}}), 429, "");
+  EXPECT_EQ(e["type"], "rate_limit_error");
+  long_request.join();
+}
+
+TEST_F(OpenAiApiTest, LoadingAndDrainingAre503) {
+  scheduler::FrontendOptions options = Options(8, 16);
+  auto created = scheduler::Frontend::Create(options);
+  ASSERT_TRUE(created.ok()) << created.status();
+  frontend_ = std::move(*created);
+  client_ = std::make_unique<httplib::Client>("127.0.0.1", frontend_->http_port());
+  ExpectError(Post("/v1/completions", json{{"prompt", Prompt()}}), 503, "loading");
+  ExpectError(Get("/v1/models"), 503, "loading");
+  runtime::ModelOptions mo;
+  mo.pool.progress = false;
+  mo.threads = 2;
+  auto model = runtime::Model::Load(testing::FixtureDir("qwen3_moe"), mo);
+  ASSERT_TRUE(model.ok()) << model.status();
+  model_ = std::move(*model);
+  auto executor = runtime::ModelExecutor::Create(*model_, 512);
+  ASSERT_TRUE(executor.ok());
+  ASSERT_TRUE(frontend_->Serve(*std::move(executor)).ok());
+  EXPECT_EQ(Post("/v1/completions", json{{"prompt", Prompt()}, {"max_tokens", 1}}).status, 200);
+  // While a drain waits for a long request, new ones get 503.
+  std::thread long_request([this] {
+    httplib::Client client("127.0.0.1", frontend_->http_port());
+    client.set_read_timeout(std::chrono::seconds(60));
+    client.Post("/v1/completions", json{{"prompt", Prompt()}, {"max_tokens", 300}, {"ignore_eos", true}}.dump(),
+                "application/json");
+  });
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (frontend_->engine().stats().running == 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  std::thread drain([this] { frontend_->Drain(std::chrono::milliseconds(3000)); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  httplib::Client during("127.0.0.1", frontend_->http_port());
+  auto response = during.Post("/v1/completions", json{{"prompt", Prompt()}}.dump(), "application/json");
+  if (response) ExpectError({response->status, response->body, ""}, 503, "shutting down");
+  drain.join();
+  long_request.join();
+}
+
+// A client that goes away mid-stream cancels its request: the engine frees its KV blocks.
+TEST_F(OpenAiApiTest, DisconnectMidStreamFreesTheKvBlocks) {
+  StartServer();
+  const std::string body =
+      json{{"prompt", Prompt()}, {"max_tokens", 900}, {"ignore_eos", true}, {"stream", true}}.dump();
+  const int fd = Connect(frontend_->http_port());
+  ASSERT_GE(fd, 0);
+  const std::string request = absl::StrCat("POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                                           "application/json\r\nContent-Length: ",
+                                           body.size(), "\r\n\r\n", body);
+  ASSERT_EQ(::send(fd, request.data(), request.size(), MSG_NOSIGNAL), static_cast<ssize_t>(request.size()));
+  // Read until the first event has come: the request is running.
+  std::string got;
+  char buf[4096];
+  while (got.find("data: ") == std::string::npos) {
+    const ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+    ASSERT_GT(n, 0) << got;
+    got.append(buf, static_cast<size_t>(n));
+  }
+  EXPECT_THAT(got, HasSubstr("text/event-stream"));
+  // The engine publishes its stats after the step that sent the event.
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (frontend_->engine().stats().blocks_used == 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_GT(frontend_->engine().stats().blocks_used, 0) << got;
+  ::close(fd);
+  deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  scheduler::SchedulerStats stats = frontend_->engine().stats();
+  while ((stats.running > 0 || stats.blocks_used > 0) && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    stats = frontend_->engine().stats();
+  }
+  EXPECT_EQ(stats.running, 0);
+  EXPECT_EQ(stats.blocks_used, 0);
+  EXPECT_THAT(frontend_->engine().RenderMetrics(), HasSubstr("moeserve_kv_blocks_used 0"));
+}
+
+// The gRPC API takes text and chat prompts through the same pipeline: its text deltas add up to
+// what the HTTP API answers for the same request, and a stop string ends it.
+TEST_F(OpenAiApiTest, GrpcTakesTextAndMessages) {
+  StartServer();
+  if (!ServesText()) GTEST_SKIP() << "this build has no tokenizer library";
+  auto stub = ::moeserve::v1::Generation::NewStub(grpc::CreateChannel(
+      absl::StrCat("127.0.0.1:", frontend_->port()), grpc::InsecureChannelCredentials()));
+  const auto run = [&](const ::moeserve::v1::GenerateRequest& request, std::string* text,
+                       ::moeserve::v1::GenerateResponse* last) {
+    grpc::ClientContext context;
+    auto reader = stub->Generate(&context, request);
+    ::moeserve::v1::GenerateResponse response;
+    while (reader->Read(&response)) {
+      *text += response.text();
+      *last = response;
+    }
+    return reader->Finish();
+  };
+  ::moeserve::v1::GenerateRequest request;
+  request.set_text("Once upon a time");
+  request.mutable_stopping()->set_max_new_tokens(10);
+  request.mutable_stopping()->set_ignore_eos(true);
+  std::string text;
+  ::moeserve::v1::GenerateResponse last;
+  grpc::Status status = run(request, &text, &last);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(last.finish_reason(), ::moeserve::v1::FINISH_REASON_LENGTH);
+  EXPECT_EQ(last.usage().completion_tokens(), 10);
+  const json http = json::parse(Post("/v1/completions", json{{"prompt", "Once upon a time"},
+                                                              {"max_tokens", 10},
+                                                              {"temperature", 0},
+                                                              {"ignore_eos", true}})
+                                    .body);
+  EXPECT_EQ(text, http["choices"][0]["text"]);
+  if (!text.empty()) {
+    // The last character (a random-weight model writes any characters) as the stop string.
+    size_t start = text.size() - 1;
+    while (start > 0 && (static_cast<unsigned char>(text[start]) & 0xC0) == 0x80) --start;
+    const std::string stop = text.substr(start);
+    request.add_stop(stop);
+    std::string cut;
+    ASSERT_TRUE(run(request, &cut, &last).ok());
+    EXPECT_EQ(last.finish_reason(), ::moeserve::v1::FINISH_REASON_STOP_STRING);
+    EXPECT_EQ(cut, text.substr(0, text.find(stop)));
+  }
+  ::moeserve::v1::GenerateRequest chat;
+  ::moeserve::v1::ChatMessage* message = chat.add_messages();
+  message->set_role("user");
+  message->set_content("Hi");
+  chat.set_tools(R"([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])");
+  chat.set_chat_template_kwargs(R"({"enable_thinking": false})");
+  chat.mutable_stopping()->set_max_new_tokens(4);
+  std::string reply;
+  status = run(chat, &reply, &last);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  EXPECT_GT(last.usage().prompt_tokens(), 3);
+  chat.set_chat_template_kwargs("[1]");
+  status = run(chat, &reply, &last);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("chat_template_kwargs"));
+}
+
+}  // namespace
+}  // namespace moe
