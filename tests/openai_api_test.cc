@@ -15,6 +15,7 @@
 #include "absl/strings/str_split.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "../scheduler/src/test_socket.h"
 #include "moe/runtime/model_executor.h"
 #include "moe/scheduler/frontend.h"
 #include "moe/scheduler/http_server.h"
@@ -56,21 +57,7 @@ Events ParseEvents(const std::string& body) {
   return events;
 }
 
-// A raw connection to 127.0.0.1:port, with a receive timeout so that a test cannot hang.
-int Connect(int port) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    ::close(fd);
-    return -1;
-  }
-  timeval tv{10, 0};
-  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  return fd;
-}
+int Connect(int port) { return moe::testing::ConnectLoopback(port); }
 
 class OpenAiApiTest : public ::testing::Test {
  protected:

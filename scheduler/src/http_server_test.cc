@@ -36,21 +36,7 @@ HttpServerOptions MetricsOptions(const std::string& listen = "127.0.0.1:0") {
   return options;
 }
 
-// A plain TCP connection to 127.0.0.1:port (or -1), with a receive timeout so a test cannot hang.
-int Connect(int port) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    ::close(fd);
-    return -1;
-  }
-  timeval tv{10, 0};
-  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  return fd;
-}
+int Connect(int port) { return moe::testing::ConnectLoopback(port); }
 
 // Runs a shell command; its exit status, and its stdout (and stderr) in `output`.
 int Shell(const std::string& command, std::string* output = nullptr) {
