@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
 #include "test_pki.h"
+#include "test_socket.h"
 
 namespace moe::scheduler {
 namespace {
