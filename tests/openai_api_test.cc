@@ -57,7 +57,7 @@ Events ParseEvents(const std::string& body) {
   return events;
 }
 
-int Connect(int port) { return moe::testing::ConnectLoopback(port); }
+int Connect(int port) { return moe::test_socket::ConnectLoopback(port); }
 
 class OpenAiApiTest : public ::testing::Test {
  protected:

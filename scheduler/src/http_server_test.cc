@@ -37,7 +37,7 @@ HttpServerOptions MetricsOptions(const std::string& listen = "127.0.0.1:0") {
   return options;
 }
 
-int Connect(int port) { return moe::testing::ConnectLoopback(port); }
+int Connect(int port) { return moe::test_socket::ConnectLoopback(port); }
 
 // Runs a shell command; its exit status, and its stdout (and stderr) in `output`.
 int Shell(const std::string& command, std::string* output = nullptr) {

@@ -8,7 +8,7 @@
 
 #include <cstdint>
 
-namespace moe::testing {
+namespace moe::test_socket {
 
 // A connection to 127.0.0.1:port (or -1), with a receive timeout so that a test cannot hang.
 inline int ConnectLoopback(int port) {
@@ -26,4 +26,4 @@ inline int ConnectLoopback(int port) {
   return fd;
 }
 
-}  // namespace moe::testing
+}  // namespace moe::test_socket
