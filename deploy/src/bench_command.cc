@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "commands.h"
+#include "model_loading.h"
 #include "expert_bench.h"
 #include "load_bench.h"
 #include "moe/core/status.h"
@@ -172,6 +173,7 @@ struct ServeBenchFlags {
   std::string target, model, concurrency = "1,4,16";
   int requests = 0, max_batch_tokens = 2048;
   ExpertFlags experts;
+  DeviceFlags device;
   bool json = false;
 };
 
@@ -189,10 +191,12 @@ int BenchServe(const ServeBenchFlags& flags) {
   std::unique_ptr<runtime::Model> model;
   std::unique_ptr<scheduler::Frontend> frontend;
   if (!flags.model.empty()) {
+    if (absl::Status s = CheckModelFlags(flags.device, flags.experts, "bench serve"); !s.ok()) return Fail(s, 2);
     runtime::ModelOptions model_options;
-    if (absl::Status s = flags.experts.Apply(&model_options, "bench serve"); !s.ok()) return Fail(s, 2);
     model_options.pool.progress = false;
-    auto loaded = runtime::Model::Load(flags.model, model_options);
+    model_options.max_step_tokens = flags.max_batch_tokens;
+    model_options.max_logit_rows = 64;  // the scheduler's max_seqs below
+    auto loaded = LoadModelForCommand(flags.model, flags.device, flags.experts, model_options, 0, "bench serve");
     if (!loaded.ok()) return Fail(loaded.status(), 1);
     model = std::move(*loaded);
     scheduler::FrontendOptions fo;
@@ -241,6 +245,7 @@ void AddBenchServe(CLI::App& bench, CommandRun* selected) {
       ->capture_default_str();
   app->add_option("--csv", f->options.csv, "append one row per request");
   f->experts.Add(app);
+  f->device.Add(app);
   app->add_flag("--json", f->json, "print one JSON array of rows");
 }
 
