@@ -22,10 +22,9 @@ double ProgressReporter::Finish() {
   seconds_ = std::chrono::duration<double>(Clock::now() - start_).count();
   if (thread_.joinable()) {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);
       stop_ = true;
     }
-    cv_.notify_all();
     thread_.join();
     Print(true);
   }
@@ -33,8 +32,9 @@ double ProgressReporter::Finish() {
 }
 
 void ProgressReporter::Run() {
-  std::unique_lock<std::mutex> lock(mu_);
-  while (!cv_.wait_for(lock, std::chrono::milliseconds(500), [this] { return stop_; })) Print(false);
+  absl::MutexLock lock(&mu_);
+  const auto stopped = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; };
+  while (!mu_.AwaitWithTimeout(absl::Condition(&stopped), absl::Milliseconds(500))) Print(false);
 }
 
 void ProgressReporter::Print(bool last) {

@@ -1,15 +1,18 @@
 // Progress of a long job (writing a checkpoint, loading experts) on stderr: a line about twice a
-// second with bytes done, percent and rate; rewritten in place on a terminal. Add() is
-// thread-safe; the reporting thread stops at Finish() or destruction.
+// second with bytes done, percent and rate; rewritten in place on a terminal.
+//
+// Thread-safety: Add() from any thread; construction, Finish() and destruction from one. The
+// reporting thread stops at Finish() or destruction.
 #pragma once
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
-#include <mutex>
 #include <string>
 #include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 
 namespace moe::core {
 
@@ -36,9 +39,8 @@ class ProgressReporter {
   const bool tty_;
   const Clock::time_point start_;
   std::atomic<int64_t> done_{0};
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool stop_ = false;
+  absl::Mutex mu_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ = false;
   double seconds_ = 0;
   std::thread thread_;
