@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/strings/str_format.h"
 #include "moeserve/v1/generation.grpc.pb.h"
 #include "nlohmann/json.hpp"
@@ -54,8 +55,8 @@ absl::StatusOr<ServingBenchResult> RunServingBench(const ServingBenchOptions& o)
   auto stub = moeserve::v1::Generation::NewStub(channel);
   std::vector<RequestRecord> records(o.requests);
   std::atomic<int> next{0};
-  std::string first_error;
-  std::mutex error_mu;
+  absl::Mutex error_mu;
+  std::string first_error;  // guarded by error_mu while the clients run
   const auto start = Clock::now();
   std::vector<std::thread> clients;
   for (int c = 0; c < o.concurrency; ++c) {
@@ -84,7 +85,7 @@ absl::StatusOr<ServingBenchResult> RunServingBench(const ServingBenchOptions& o)
         const auto t1 = Clock::now();
         r.ok = status.ok() && first.has_value();
         if (!r.ok) {
-          std::lock_guard<std::mutex> lock(error_mu);
+          absl::MutexLock lock(&error_mu);
           if (first_error.empty()) first_error = status.error_message();
           continue;
         }
