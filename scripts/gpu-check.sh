@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# On the GPU machine: the gpu tests, then the model benchmark at the shape, from a bundle
-# made here with scripts/gpu-bundle.sh. Logs go to $OUT (or ./gpu-logs).
+# On a GPU machine: the gpu tests, compute-sanitizer, then the model benchmark at the
+# qwen3-30b-a3b 16-layer shape. BUNDLE_DIR holds bin/ (moeserve and the *cuda*_test binaries),
+# lib/ (the shared libraries that machine lacks) and env.sh (their library path), as
+# scripts/device-ctest.sh expects. Logs go to $OUT (or ./gpu-logs).
 #   scripts/gpu-check.sh BUNDLE_DIR [tests|sanitize|bench|all]
 set -uo pipefail
 bundle=$(cd "$1" && pwd); what=${2:-all}
