@@ -62,7 +62,7 @@ int Connect(int port) { return moe::test_socket::ConnectLoopback(port); }
 class OpenAiApiTest : public ::testing::Test {
  protected:
   void StartServer(int max_seqs = 8, int max_queue = 16, std::shared_ptr<const scheduler::ApiKeys> keys = nullptr,
-                   int64_t max_request_bytes = 1 << 20) {
+                   int64_t max_request_bytes = 1 << 20, bool request_log = false) {
     runtime::ModelOptions mo;
     mo.pool.progress = false;
     mo.threads = 2;
@@ -73,6 +73,7 @@ class OpenAiApiTest : public ::testing::Test {
     scheduler::FrontendOptions options = Options(max_seqs, max_queue);
     options.api_keys = std::move(keys);
     options.max_request_bytes = max_request_bytes;
+    options.request_log = request_log;
     auto executor = runtime::ModelExecutor::Create(*model_, /*num_blocks=*/512);
     ASSERT_TRUE(executor.ok()) << executor.status();
     auto frontend = scheduler::Frontend::Start(*std::move(executor), options);
@@ -139,6 +140,48 @@ class OpenAiApiTest : public ::testing::Test {
   std::unique_ptr<scheduler::Frontend> frontend_;
   std::unique_ptr<httplib::Client> client_;
 };
+
+// Every HTTP request, served or refused, whole or streamed, writes one JSON line to the request
+// log, as gRPC requests do.
+TEST_F(OpenAiApiTest, EachRequestWritesOneLogLine) {
+  ::testing::internal::CaptureStderr();
+  StartServer(8, 16, nullptr, 1 << 20, /*request_log=*/true);
+  const HttpResult whole = Post("/v1/completions", json{{"model", "qwen3_moe"}, {"prompt", {5, 6, 7}}, {"max_tokens", 3}});
+  EXPECT_EQ(whole.status, 200) << whole.body;
+  const HttpResult streamed =
+      Post("/v1/completions", json{{"model", "qwen3_moe"}, {"prompt", {5, 6, 7}}, {"max_tokens", 2}, {"stream", true}});
+  EXPECT_EQ(streamed.status, 200) << streamed.body;
+  const HttpResult refused = Post("/v1/completions", json{{"model", "qwen3_moe"}, {"prompt", {5}}, {"n", 2}});
+  EXPECT_EQ(refused.status, 400) << refused.body;
+  client_.reset();
+  frontend_->Shutdown();
+  frontend_.reset();
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  std::vector<json> lines;
+  for (const std::string& text : std::vector<std::string>(absl::StrSplit(err, '\n'))) {
+    if (text.find("\"api\":\"openai\"") == std::string::npos) continue;
+    lines.push_back(json::parse(text));
+  }
+  ASSERT_EQ(lines.size(), 3u) << err;
+  int ok = 0, bad = 0;
+  for (const json& line : lines) {
+    EXPECT_EQ(line["event"], "request");
+    EXPECT_EQ(line["path"], "/v1/completions");
+    if (line["http_status"] == 200) {
+      ++ok;
+      EXPECT_EQ(line["finish_reason"], "length") << line.dump();
+      EXPECT_EQ(line["prompt_tokens"], 3);
+      EXPECT_GT(line["output_tokens"].get<int>(), 0);
+      EXPECT_GE(line["ttft_ms"].get<double>(), 0);
+    } else {
+      ++bad;
+      EXPECT_EQ(line["http_status"], 400);
+      EXPECT_FALSE(line["error"].get<std::string>().empty());
+    }
+  }
+  EXPECT_EQ(ok, 2);
+  EXPECT_EQ(bad, 1);
+}
 
 TEST_F(OpenAiApiTest, ModelsListTheServedModel) {
   StartServer();

@@ -522,7 +522,9 @@ absl::Status Frontend::Serve(std::unique_ptr<runtime::Executor> executor) {
   {
     absl::MutexLock lock(&impl.metrics_mu);
     impl.metrics_engine = impl.engine.get();
-    impl.openai = std::make_shared<internal::OpenAiApi>(*impl.engine, *impl.text, ModelId(options));
+    internal::OpenAiApi::RequestLogFn log;
+    if (impl.log->enabled()) log = [request_log = impl.log.get()](const nlohmann::ordered_json& line) { request_log->Write(line); };
+    impl.openai = std::make_shared<internal::OpenAiApi>(*impl.engine, *impl.text, ModelId(options), std::move(log));
   }
   if (impl.http != nullptr) impl.http->set_state(ServingState::kServing);
   return absl::OkStatus();

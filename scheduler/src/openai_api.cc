@@ -422,6 +422,7 @@ class Generation {
     finished_ = true;
   }
   bool finished() const { return finished_; }
+  const std::shared_ptr<Stream>& stream() const { return stream_; }
   int prompt_tokens() const { return prompt_tokens_; }
   int completion_tokens() const { return completion_tokens_; }
 
@@ -609,11 +610,47 @@ std::string Event(const json& data) {
   return absl::StrCat("data: ", data.dump(-1, ' ', false, json::error_handler_t::replace), "\n\n");
 }
 
+double MsSince(std::optional<Clock::time_point> at, Clock::time_point from) {
+  return at ? std::chrono::duration<double, std::milli>(*at - from).count() : -1.0;
+}
+
+// What the request log says of one HTTP request, written once when it ends.
+struct RequestRecord {
+  OpenAiApi::RequestLogFn log;
+  std::string id, peer, path;
+  Clock::time_point arrival = Clock::now();
+
+  void Write(int http_status, const std::string& finish_reason, const std::string& error,
+             const Generation* generation) const {
+    if (!log) return;
+    nlohmann::ordered_json line = {{"event", "request"},         {"api", "openai"},
+                                   {"id", id},                   {"peer", peer},
+                                   {"path", path},               {"http_status", http_status},
+                                   {"finish_reason", finish_reason}};
+    if (!error.empty()) line["error"] = error;
+    if (generation != nullptr) {
+      line["prompt_tokens"] = generation->prompt_tokens();
+      line["output_tokens"] = generation->completion_tokens();
+      line["queue_ms"] = MsSince(generation->stream()->admitted(), arrival);
+      line["ttft_ms"] = MsSince(generation->stream()->first_token(), arrival);
+    }
+    line["total_ms"] = MsSince(Clock::now(), arrival);
+    log(line);
+  }
+};
+
 // A streamed response: the HTTP server's content provider pumps it until the request ends.
 class EventStream {
  public:
-  EventStream(std::unique_ptr<Generation> generation, ResponseWriter writer)
-      : generation_(std::move(generation)), writer_(std::move(writer)), last_write_(Clock::now()) {}
+  EventStream(std::unique_ptr<Generation> generation, ResponseWriter writer, RequestRecord record)
+      : generation_(std::move(generation)),
+        writer_(std::move(writer)),
+        record_(std::move(record)),
+        last_write_(Clock::now()) {}
+  // Writes the request's log line: when the stream ended, or when the client left.
+  ~EventStream() {
+    record_.Write(200, finish_reason_.empty() ? "client went away" : finish_reason_, error_, generation_.get());
+  }
 
   // One round: waits briefly for the engine, writes what came. False ends the response (the
   // client is gone, or the stream is complete and closed).
@@ -628,7 +665,9 @@ class EventStream {
       if (!Write(sink, Event(chunk))) return false;
     }
     if (!piece.finished) return true;
+    finish_reason_ = piece.finish_reason;
     if (!piece.error.ok()) {
+      error_ = std::string(piece.error.message());
       const ApiError e = FromEngineStatus(piece.error, false);
       const json error = {{"error", {{"message", e.message}, {"type", e.type}, {"param", nullptr}, {"code", e.status}}}};
       if (!Write(sink, Event(error))) return false;
@@ -654,8 +693,10 @@ class EventStream {
 
   std::unique_ptr<Generation> generation_;
   ResponseWriter writer_;
+  const RequestRecord record_;
   Clock::time_point last_write_;
   bool done_ = false;
+  std::string finish_reason_, error_;
 };
 
 std::string RandomPrefix() {
@@ -665,8 +706,8 @@ std::string RandomPrefix() {
 
 }  // namespace
 
-OpenAiApi::OpenAiApi(Engine& engine, const TextModel& text, std::string model_id)
-    : engine_(engine), text_(text), model_id_(std::move(model_id)), id_prefix_(RandomPrefix()) {}
+OpenAiApi::OpenAiApi(Engine& engine, const TextModel& text, std::string model_id, RequestLogFn log)
+    : engine_(engine), text_(text), model_id_(std::move(model_id)), id_prefix_(RandomPrefix()), log_(std::move(log)) {}
 
 json OpenAiApi::ModelCard() const {
   return {{"id", model_id_},
@@ -704,11 +745,13 @@ void OpenAiApi::ChatCompletions(const httplib::Request& request, httplib::Respon
 
 void OpenAiApi::Generate(Kind kind, const httplib::Request& request, httplib::Response& response) {
   const bool chat = kind == Kind::kChat;
+  RequestRecord record{log_, "", absl::StrCat(request.remote_addr, ":", request.remote_port), request.path};
   const auto refuse = [&](const ApiError& error) {
     engine_.CountRejected(error.status == 429   ? absl::StatusCode::kResourceExhausted
                           : error.status == 503 ? absl::StatusCode::kUnavailable
                                                 : absl::StatusCode::kInvalidArgument);
     SetError(response, error);
+    record.Write(error.status, "", error.message, nullptr);
   };
   auto body = core::ParseJsonObject(request.body, "request body");
   if (!body.ok()) return refuse(BadParam("", std::string(body.status().message())));
@@ -719,6 +762,7 @@ void OpenAiApi::Generate(Kind kind, const httplib::Request& request, httplib::Re
   }
   const std::string id = absl::StrCat(chat ? "chatcmpl-" : "cmpl-", id_prefix_, "-", next_id_++);
   parsed.request.id = id;
+  record.id = id;
   parsed.request.stopping.max_new_tokens = static_cast<int>(std::min<int64_t>(*parsed.max_tokens, INT32_MAX));
   // Completions' logprobs=0 still wants the sampled token's log-probability; the engine's 0 is none.
   if (parsed.logprobs >= 0) parsed.request.logprobs = std::max(parsed.logprobs, 1);
@@ -731,7 +775,7 @@ void OpenAiApi::Generate(Kind kind, const httplib::Request& request, httplib::Re
   auto generation = std::make_unique<Generation>(engine_, id, *std::move(stream), *std::move(output));
   ResponseWriter writer(chat, id, model_id_, text_, parsed);
   if (parsed.stream) {
-    auto events = std::make_shared<EventStream>(std::move(generation), std::move(writer));
+    auto events = std::make_shared<EventStream>(std::move(generation), std::move(writer), std::move(record));
     response.set_header("Cache-Control", "no-cache");
     response.set_header("X-Accel-Buffering", "no");  // a proxy in front must not hold the events back
     // The API (and so the engine) outlives the response: the provider holds it.
@@ -750,7 +794,12 @@ void OpenAiApi::Generate(Kind kind, const httplib::Request& request, httplib::Re
     if (!generation->Next(kPollInterval, &piece)) continue;
     writer.Accumulate(piece);
   }
-  if (!piece.error.ok()) return SetError(response, FromEngineStatus(piece.error, chat));
+  if (!piece.error.ok()) {
+    const ApiError e = FromEngineStatus(piece.error, chat);
+    record.Write(e.status, piece.finish_reason, e.message, generation.get());
+    return SetError(response, e);
+  }
+  record.Write(200, piece.finish_reason, "", generation.get());
   response.set_content(writer.Whole(generation->prompt_tokens(), generation->completion_tokens()).dump(
                            -1, ' ', false, json::error_handler_t::replace),
                        "application/json");

@@ -11,8 +11,11 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
+
+#include "nlohmann/json.hpp"
 
 #include "moe/scheduler/engine.h"
 #include "moe/scheduler/text_pipeline.h"
@@ -21,8 +24,10 @@ namespace moe::scheduler::internal {
 
 class OpenAiApi : public std::enable_shared_from_this<OpenAiApi> {
  public:
+  // One JSON line per request (the frontend's request log), or empty for none.
+  using RequestLogFn = std::function<void(const nlohmann::ordered_json& line)>;
   // `model_id` is the one model name requests may ask for.
-  OpenAiApi(Engine& engine, const TextModel& text, std::string model_id);
+  OpenAiApi(Engine& engine, const TextModel& text, std::string model_id, RequestLogFn log = nullptr);
 
   void ListModels(const httplib::Request& request, httplib::Response& response);
   void GetModel(const httplib::Request& request, httplib::Response& response);
@@ -40,6 +45,7 @@ class OpenAiApi : public std::enable_shared_from_this<OpenAiApi> {
   const TextModel& text_;
   const std::string model_id_;
   const std::string id_prefix_;  // random per process, so ids differ across restarts
+  const RequestLogFn log_;
   std::atomic<int64_t> next_id_{1};
 };
 
