@@ -50,6 +50,44 @@ struct Model::StepBuffers {
   Tensor logits;  // [L x vocab] fp32
 };
 
+namespace {
+
+// Every tensor of a step's StepBuffers with its dtype and shape, for `t` tokens and `l` logit
+// rows, in the order they are taken: one list for sizing the arena at load and for carving it.
+template <typename Take>
+absl::Status ForEachStepBuffer(const ModelSpec& s, DType act, int64_t t, int64_t l, Model::StepBuffers* buf,
+                               Take&& take) {
+  const int64_t hidden = s.hidden_size, q_width = int64_t{s.num_heads} * s.head_dim;
+  const int64_t qkv_width = q_width + 2 * int64_t{s.num_kv_heads} * s.head_dim;
+  const int64_t width = std::max<int64_t>({s.intermediate_size, s.shared_expert_intermediate_size, 1});
+  const int64_t experts = std::max(s.routing.num_experts, 1), top_k = std::max(s.routing.top_k, 1);
+  const struct {
+    Tensor* out;
+    DType dtype;
+    int64_t rows, cols;
+  } list[] = {
+      {&buf->x, DType::kF32, t, hidden},
+      {&buf->h, act, t, hidden},
+      {&buf->qkv, act, t, qkv_width},
+      {&buf->q, act, t, q_width},
+      {&buf->attn, act, t, q_width},
+      {&buf->delta, DType::kF32, t, hidden},
+      {&buf->ffn.gate_up, act, t, 2 * width},
+      {&buf->ffn.act, act, t, width},
+      {&buf->ffn.router_logits, DType::kF32, t, experts},
+      {&buf->ffn.ids, DType::kI32, t, top_k},
+      {&buf->ffn.weights, DType::kF32, t, top_k},
+      {&buf->ffn.shared, DType::kF32, t, hidden},
+      {&buf->ffn.shared_gate, DType::kF32, t, 1},
+      {&buf->last_h, act, l, hidden},
+      {&buf->logits, DType::kF32, l, s.vocab_size},
+  };
+  for (const auto& e : list) MOE_RETURN_IF_ERROR(take(e.out, e.dtype, e.rows, e.cols));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 Model::~Model() = default;
 
 std::vector<float> RopeInverseFrequencies(const ModelSpec& spec) {
@@ -111,16 +149,15 @@ absl::Status Model::ReserveStep() {
   b.CopyFromHost(inv_freq.data(), rope_inv_freq_->tensor());
 
   const int64_t t = options_.max_step_tokens, l = options_.max_logit_rows;
-  const int64_t act = core::DTypeSize(b.activation_dtype());
-  const int64_t hidden = s.hidden_size, q_width = int64_t{s.num_heads} * s.head_dim;
-  const int64_t qkv_width = q_width + 2 * int64_t{s.num_kv_heads} * s.head_dim;
-  const int64_t width = std::max<int64_t>({s.intermediate_size, s.shared_expert_intermediate_size, 1});
-  const int64_t experts = std::max(s.routing.num_experts, 1), top_k = std::max(s.routing.top_k, 1);
+  const int64_t qkv_width = int64_t{s.num_heads + 2 * s.num_kv_heads} * s.head_dim;
   auto aligned = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
-  const int64_t per_step = aligned(t * hidden * 4) * 3 + aligned(t * hidden * act) + aligned(t * qkv_width * act) +
-                           2 * aligned(t * q_width * act) + aligned(t * 2 * width * act) + aligned(t * width * act) +
-                           aligned(t * experts * 4) + 2 * aligned(t * top_k * 4) + aligned(t * 4) +
-                           aligned(l * hidden * act) + aligned(l * s.vocab_size * 4);
+  int64_t per_step = 0;
+  StepBuffers sizing;
+  MOE_RETURN_IF_ERROR(ForEachStepBuffer(s, b.activation_dtype(), t, l, &sizing,
+                                        [&](Tensor*, DType dtype, int64_t rows, int64_t cols) {
+                                          per_step += aligned(rows * cols * core::DTypeSize(dtype));
+                                          return absl::OkStatus();
+                                        }));
   // Inputs: ids, positions, row_seq, seq_start, seq_len, logit rows, and the block tables of as
   // many sequences as tokens, each long enough for the whole context.
   const int64_t max_blocks = BlocksFor(options_.max_context, kStagedBlockSize) + 1;
@@ -251,28 +288,12 @@ StepInputs Model::BuildInputs(const ForwardBatch& batch, const KvCache& cache, i
 
 absl::StatusOr<Model::StepBuffers> Model::TakeBuffers(int64_t t, int64_t l) {
   Backend& b = *backend_;
-  const ModelSpec& s = spec_;
-  const DType act = b.activation_dtype();
-  const int64_t hidden = s.hidden_size, q_width = int64_t{s.num_heads} * s.head_dim;
-  const int64_t qkv_width = q_width + 2 * int64_t{s.num_kv_heads} * s.head_dim;
-  const int64_t width = std::max<int64_t>({s.intermediate_size, s.shared_expert_intermediate_size, 1});
-  const int64_t experts = std::max(s.routing.num_experts, 1), top_k = std::max(s.routing.top_k, 1);
   StepBuffers buf;
-  MOE_ASSIGN_OR_RETURN(buf.x, b.Take(DType::kF32, t, hidden));
-  MOE_ASSIGN_OR_RETURN(buf.h, b.Take(act, t, hidden));
-  MOE_ASSIGN_OR_RETURN(buf.qkv, b.Take(act, t, qkv_width));
-  MOE_ASSIGN_OR_RETURN(buf.q, b.Take(act, t, q_width));
-  MOE_ASSIGN_OR_RETURN(buf.attn, b.Take(act, t, q_width));
-  MOE_ASSIGN_OR_RETURN(buf.delta, b.Take(DType::kF32, t, hidden));
-  MOE_ASSIGN_OR_RETURN(buf.ffn.gate_up, b.Take(act, t, 2 * width));
-  MOE_ASSIGN_OR_RETURN(buf.ffn.act, b.Take(act, t, width));
-  MOE_ASSIGN_OR_RETURN(buf.ffn.router_logits, b.Take(DType::kF32, t, experts));
-  MOE_ASSIGN_OR_RETURN(buf.ffn.ids, b.Take(DType::kI32, t, top_k));
-  MOE_ASSIGN_OR_RETURN(buf.ffn.weights, b.Take(DType::kF32, t, top_k));
-  MOE_ASSIGN_OR_RETURN(buf.ffn.shared, b.Take(DType::kF32, t, hidden));
-  MOE_ASSIGN_OR_RETURN(buf.ffn.shared_gate, b.Take(DType::kF32, t, 1));
-  MOE_ASSIGN_OR_RETURN(buf.last_h, b.Take(act, l, hidden));
-  MOE_ASSIGN_OR_RETURN(buf.logits, b.Take(DType::kF32, l, s.vocab_size));
+  MOE_RETURN_IF_ERROR(ForEachStepBuffer(spec_, b.activation_dtype(), t, l, &buf,
+                                        [&](Tensor* out, DType dtype, int64_t rows, int64_t cols) -> absl::Status {
+                                          MOE_ASSIGN_OR_RETURN(*out, b.Take(dtype, rows, cols));
+                                          return absl::OkStatus();
+                                        }));
   return buf;
 }
 

@@ -280,13 +280,14 @@ class CpuBackend : public Backend {
       const float* src = a.qkv.as<float>() + r * qkv_width;
       float* q = a.q.as<float>() + r * q_width;
       std::memcpy(q, src, q_width * sizeof(float));
-      std::vector<float> k(src + q_width, src + q_width + kv_width);
+      // Per-thread scratch: this runs per token and layer, so nothing is allocated per row.
+      thread_local std::vector<float> k;
+      k.assign(src + q_width, src + q_width + kv_width);
       if (q_norm != nullptr) {
         for (int h = 0; h < a.num_heads; ++h) NormRow(q + h * d, q_norm, a.eps, d, q + h * d);
         for (int h = 0; h < a.num_kv_heads; ++h) NormRow(k.data() + h * d, k_norm, a.eps, d, k.data() + h * d);
       }
-      Rotate(q, a.num_heads, d, a.rotary_dim, inv_freq, in.positions[r]);
-      Rotate(k.data(), a.num_kv_heads, d, a.rotary_dim, inv_freq, in.positions[r]);
+      RotateQk(q, a.num_heads, k.data(), a.num_kv_heads, d, a.rotary_dim, inv_freq, in.positions[r]);
       for (int h = 0; h < a.num_kv_heads; ++h) {
         std::memcpy(k_cache + slot_of(r, h), k.data() + h * d, d * sizeof(float));
         std::memcpy(v_cache + slot_of(r, h), src + q_width + kv_width + h * d, d * sizeof(float));
@@ -399,24 +400,32 @@ class CpuBackend : public Backend {
     const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
     for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * inv);
   }
-  // RoPE (NeoX half-split) of the first rotary_dim dims of each head, by position * inv_freq[i].
-  static void Rotate(float* x, int heads, int head_dim, int rotary_dim, const float* inv_freq, int32_t position) {
+  // RoPE (NeoX half-split) of the first rotary_dim dims of every q and k head of one row, by
+  // position * inv_freq[i]; the angles are computed once for both.
+  static void RotateQk(float* q, int q_heads, float* k, int k_heads, int head_dim, int rotary_dim,
+                       const float* inv_freq, int32_t position) {
     const int half = rotary_dim / 2;
-    std::vector<float> cos_v(half), sin_v(half);
+    thread_local std::vector<float> cos_v, sin_v;
+    cos_v.resize(half);
+    sin_v.resize(half);
     const float pos = static_cast<float>(position);
     for (int i = 0; i < half; ++i) {
       const float angle = pos * inv_freq[i];
       cos_v[i] = std::cos(angle);
       sin_v[i] = std::sin(angle);
     }
-    for (int h = 0; h < heads; ++h) {
-      float* v = x + static_cast<int64_t>(h) * head_dim;
-      for (int i = 0; i < half; ++i) {
-        const float a = v[i], b = v[i + half];
-        v[i] = a * cos_v[i] - b * sin_v[i];
-        v[i + half] = b * cos_v[i] + a * sin_v[i];
+    auto rotate = [&](float* x, int heads) {
+      for (int h = 0; h < heads; ++h) {
+        float* v = x + static_cast<int64_t>(h) * head_dim;
+        for (int i = 0; i < half; ++i) {
+          const float a = v[i], b = v[i + half];
+          v[i] = a * cos_v[i] - b * sin_v[i];
+          v[i + half] = b * cos_v[i] + a * sin_v[i];
+        }
       }
-    }
+    };
+    rotate(q, q_heads);
+    rotate(k, k_heads);
   }
 
   // An owned copy of `parts` stacked by rows: bf16 when every part is bf16, else f32.
