@@ -1,39 +1,53 @@
 #!/usr/bin/env bash
-# On a GPU machine: the gpu tests, compute-sanitizer, then the model benchmark at the
-# qwen3-30b-a3b 16-layer shape. BUNDLE_DIR holds bin/ (moeserve and the *cuda*_test binaries),
-# lib/ (the shared libraries that machine lacks) and env.sh (their library path), as
-# scripts/device-ctest.sh expects. Logs go to $OUT (or ./gpu-logs).
-#   scripts/gpu-check.sh BUNDLE_DIR [tests|sanitize|bench|all]
+# On a GPU machine: the gpu tests, compute-sanitizer, then the benchmarks at the qwen3-30b-a3b
+# 16-layer shape. BUNDLE_DIR holds bin/ (moeserve and the *cuda*_test binaries), lib/ (the shared
+# libraries that machine lacks) and env.sh (their library path), as scripts/device-ctest.sh
+# expects. Logs go to $LOGS (or ./gpu-logs); each phase has a time limit, so that a hung phase
+# leaves the others their time.
+#   scripts/gpu-check.sh BUNDLE_DIR [tests|sanitize|bench|serve|all ...]
 set -uo pipefail
-bundle=$(cd "$1" && pwd); what=${2:-all}
+bundle=$(cd "$1" && pwd); shift
+phases=" ${*:-all} "
+want() { [[ $phases == *" $1 "* || $phases == *" all "* ]]; }
 repo=$(cd "$(dirname "$0")/.." && pwd)
-out=${OUT:-$repo/gpu-logs}; mkdir -p "$out"
+out=${LOGS:-$repo/gpu-logs}; mkdir -p "$out"
 source "$bundle/env.sh"
+export MOE_TESTDATA_DIR="$repo/testdata"
+model=/tmp/qwen3-30b-a3b-16l
 nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.mem --format=csv,noheader
-if [[ $what == tests || $what == all ]]; then
-  "$repo/scripts/device-ctest.sh" "$bundle" -L gpu 2>&1 | tee "$out/ctest-gpu.log" | grep -E "tests passed|Failed|Skipped|Total Test" 
-  # The per-test details of every gpu binary, for the figures they print.
-  for t in "$bundle"/bin/*cuda*_test; do "$t" --gtest_brief=1 > "$out/$(basename "$t").log" 2>&1; done
-  grep -h -E "^\[ cuda goldens|GB/s|TFLOP/s|us a layer" "$out"/*_test.log | head -60
+make_model() {
+  [[ -d $model ]] && return
+  /usr/bin/time -f "make-model: %e s" timeout 200 "$bundle/bin/moeserve" make-model \
+    --preset qwen3-30b-a3b --layers 16 --vocab 32768 --out "$model" > "$out/make-model.log" 2>&1
+  tail -2 "$out/make-model.log"
+}
+if want tests; then
+  timeout 300 "$repo/scripts/device-ctest.sh" "$bundle" -L gpu -V > "$out/ctest-gpu.log" 2>&1
+  grep -E "tests passed|\(Failed\)|Not Run|Skipped|Total Test|FAILED  \]" "$out/ctest-gpu.log" | head -40
+  grep -h -E "cuda goldens|GB/s|TFLOP/s|us a layer" "$out/ctest-gpu.log" | head -40
 fi
-if [[ $what == sanitize || $what == all ]]; then
+if want bench; then
+  make_model
+  timeout 200 "$bundle/bin/moeserve" bench model --model "$model" --device cuda --batches 1,8,32 \
+    --prompts 512,2048 > "$out/bench-model.log" 2>&1; echo "bench model: exit $?"
+  cat "$out/bench-model.log" | tail -30
+  timeout 100 "$bundle/bin/moeserve" bench model --model "$model" --device cuda --eager --batches 1,32 \
+    --prompts 512 > "$out/bench-model-eager.log" 2>&1; echo "bench model --eager: exit $?"
+  grep -E "decode|prefill" "$out/bench-model-eager.log"
+fi
+if want serve; then
+  make_model
+  timeout 150 "$bundle/bin/moeserve" bench serve --model "$model" --device cuda --concurrency 1,32 \
+    --prompt-len 128 --output-len 128 > "$out/bench-serve.log" 2>&1; echo "bench serve: exit $?"
+  tail -12 "$out/bench-serve.log"
+fi
+if want sanitize; then
   # A whole-model prefill step and decode steps (eager and replayed from graphs) of the tiny
   # qwen3_moe and glm4_moe, under memcheck and racecheck.
-  export MOE_TESTDATA_DIR="$repo/testdata"
   for tool in memcheck racecheck; do
-    compute-sanitizer --tool $tool --error-exitcode 99 "$bundle/bin/cuda_goldens_test" \
+    timeout 200 compute-sanitizer --tool $tool --error-exitcode 99 "$bundle/bin/cuda_goldens_test" \
       --gtest_filter='Fixtures/CudaGoldensTest.GraphsGiveTheTokensOfEagerMode/*' > "$out/sanitizer-$tool.log" 2>&1
     echo "compute-sanitizer $tool: exit $? ($(grep -c -E '^========= (Invalid|Race|Error)' "$out/sanitizer-$tool.log") findings)"
     tail -3 "$out/sanitizer-$tool.log"
   done
-fi
-if [[ $what == bench || $what == all ]]; then
-  model=/tmp/qwen3-30b-a3b-16l
-  [[ -d $model ]] || /usr/bin/time -f "make-model: %e s" "$bundle/bin/moeserve" make-model --preset qwen3-30b-a3b \
-    --layers 16 --vocab 32768 --out "$model" > "$out/make-model.log" 2>&1
-  tail -2 "$out/make-model.log"
-  "$bundle/bin/moeserve" bench model --model "$model" --device cuda --batches 1,8,32 --prompts 512,2048 \
-    2>&1 | tee "$out/bench-model.log"
-  "$bundle/bin/moeserve" bench model --model "$model" --device cuda --eager --batches 1,32 --prompts 512 \
-    2>&1 | tee "$out/bench-model-eager.log" | grep -E "decode|prefill"
 fi
