@@ -66,6 +66,23 @@ double PrefillFlops(const runtime::ModelSpec& s, int tokens) {
   return 2.0 * per_token * tokens + attention + 2.0 * s.vocab_size * s.hidden_size;
 }
 
+void PrintStepBudget(const StepBudget& b, std::ostream& log) {
+  const double n = b.steps;
+  const double busy = b.ops.busy_seconds / n * 1e3;
+  log << absl::StrFormat("  step budget (device time per step, %d eager steps timed op by op):\n", b.steps);
+  for (const auto& op : b.ops.ops) {
+    log << absl::StrFormat("    %-28s %8.1f us %5.1f%%  %5.1f calls\n", op.op, op.seconds / n * 1e6,
+                           100 * op.seconds / b.ops.busy_seconds, op.calls / n);
+  }
+  log << absl::StrFormat("    %-28s %8.1f us\n", "operations", busy * 1e3);
+  log << absl::StrFormat("    eager: %.3f ms/step, %.3f ms of it between operations (launch gaps, host work)\n",
+                         b.eager_ms_per_step, b.eager_ms_per_step - busy);
+  if (b.graph_ms_per_step > 0) {
+    log << absl::StrFormat("    graphs: %.3f ms/step, %.3f ms of it between operations\n", b.graph_ms_per_step,
+                           b.graph_ms_per_step - busy);
+  }
+}
+
 void PrintModelBenchJson(const ModelBenchResult& result, const std::string& backend, std::ostream& out) {
   nlohmann::ordered_json j;
   j["backend"] = backend;
@@ -80,6 +97,17 @@ void PrintModelBenchJson(const ModelBenchResult& result, const std::string& back
                            {"weight_bytes_per_step", r.weight_bytes},
                            {"bound_tokens_per_s", r.bound_tokens_per_s},
                            {"ratio_to_bandwidth", r.ratio}});
+    if (r.budget) {
+      nlohmann::ordered_json ops = nlohmann::ordered_json::array();
+      for (const auto& op : r.budget->ops.ops) {
+        ops.push_back({{"op", op.op}, {"us_per_step", op.seconds / r.budget->steps * 1e6},
+                       {"calls_per_step", double(op.calls) / r.budget->steps}});
+      }
+      j["decode"].back()["budget"] = {{"ops", ops},
+                                      {"ops_ms_per_step", r.budget->ops.busy_seconds / r.budget->steps * 1e3},
+                                      {"eager_ms_per_step", r.budget->eager_ms_per_step},
+                                      {"graph_ms_per_step", r.budget->graph_ms_per_step}};
+    }
   }
   for (const auto& r : result.prefill) {
     j["prefill"].push_back(
@@ -102,7 +130,11 @@ absl::StatusOr<ModelBenchResult> RunModelBench(runtime::Model& model, const Mode
   const int block = 16;
 
   for (int batch : o.batches) {
-    const int per_seq = runtime::BlocksFor(o.decode_context + o.decode_steps + 8, block);
+    // Positions for the graph-timed steps, then (with a budget) the eager and the op-timed ones,
+    // each after 4 untimed steps.
+    const int budget_steps = std::max(4, o.decode_steps / 4);
+    const int decode_positions = (o.decode_steps + 4) + (o.budget ? o.decode_steps + 4 + budget_steps : 0);
+    const int per_seq = runtime::BlocksFor(o.decode_context + decode_positions + 1, block);
     MOE_ASSIGN_OR_RETURN(auto cache, model.NewKvCache(batch * per_seq, block));
     std::vector<std::vector<int32_t>> tables(batch);
     for (int s = 0; s < batch; ++s) {
@@ -129,10 +161,13 @@ absl::StatusOr<ModelBenchResult> RunModelBench(runtime::Model& model, const Mode
       ++position;
       return Step(model, *cache, b);
     };
-    for (int i = 0; i < 4; ++i) MOE_RETURN_IF_ERROR(decode_step());  // the first records the step's graph
-    const auto start = Clock::now();
-    for (int i = 0; i < o.decode_steps; ++i) MOE_RETURN_IF_ERROR(decode_step());
-    const double seconds = Seconds(start);
+    auto timed_steps = [&](int steps) -> absl::StatusOr<double> {
+      for (int i = 0; i < 4; ++i) MOE_RETURN_IF_ERROR(decode_step());  // the first records the step's graph
+      const auto start = Clock::now();
+      for (int i = 0; i < steps; ++i) MOE_RETURN_IF_ERROR(decode_step());
+      return Seconds(start);
+    };
+    MOE_ASSIGN_OR_RETURN(const double seconds, timed_steps(o.decode_steps));
     DecodeRow row;
     row.batch = batch;
     row.ms_per_step = seconds / o.decode_steps * 1e3;
@@ -145,6 +180,26 @@ absl::StatusOr<ModelBenchResult> RunModelBench(runtime::Model& model, const Mode
         "decode batch %3d: %8.1f tokens/s, %.3f ms/step, %.2f GB of weights/step, bound %.0f tokens/s, %.1f%% of "
         "the bandwidth\n",
         batch, row.tokens_per_s, row.ms_per_step, row.weight_bytes / 1e9, row.bound_tokens_per_s, 100 * row.ratio);
+    // A backend that times its operations says so by starting (this probe's timing is dropped).
+    if (o.budget && backend.BeginOpTiming().ok()) {
+      MOE_RETURN_IF_ERROR(backend.EndOpTiming().status());
+      StepBudget budget;
+      const bool graphs = model.options().graphs && backend.SupportsGraphs();
+      budget.graph_ms_per_step = graphs ? row.ms_per_step : 0;
+      model.set_graphs(false);
+      absl::StatusOr<double> eager = timed_steps(o.decode_steps);
+      absl::Status timed = eager.ok() ? backend.BeginOpTiming() : eager.status();
+      budget.steps = budget_steps;
+      for (int i = 0; timed.ok() && i < budget.steps; ++i) timed = decode_step();
+      absl::StatusOr<runtime::Backend::OpTiming> ops = backend.EndOpTiming();
+      model.set_graphs(graphs);
+      MOE_RETURN_IF_ERROR(timed);
+      MOE_RETURN_IF_ERROR(ops.status());
+      budget.eager_ms_per_step = (graphs ? *eager / o.decode_steps * 1e3 : row.ms_per_step);
+      budget.ops = std::move(*ops);
+      PrintStepBudget(budget, log);
+      row.budget = std::move(budget);
+    }
     result.decode.push_back(row);
   }
 

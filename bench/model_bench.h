@@ -4,6 +4,7 @@
 // bandwidth), prefill against the measured matrix rate.
 #pragma once
 
+#include <optional>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -20,6 +21,16 @@ struct ModelBenchOptions {
   int decode_steps = 64;     // timed steps per batch (after 4 untimed ones)
   int prefill_repeats = 3;
   int64_t copy_bytes = int64_t{2} << 30;  // the bandwidth measurement's buffer
+  bool budget = true;  // the step budget of each decode batch, where the backend times operations
+};
+
+// Where a decode step's time goes: device time per operation (eager steps, each operation
+// between two events), and the step time with graphs and without.
+struct StepBudget {
+  runtime::Backend::OpTiming ops;  // over `steps` eager steps
+  int steps = 0;
+  double eager_ms_per_step = 0;  // eager steps timed without the events
+  double graph_ms_per_step = 0;  // 0 where the backend has no graphs
 };
 
 struct DecodeRow {
@@ -29,6 +40,7 @@ struct DecodeRow {
   double weight_bytes = 0;    // read per step (routed experts: the expected distinct ones)
   double bound_tokens_per_s = 0;  // at the measured bandwidth
   double ratio = 0;           // achieved weight bandwidth / measured bandwidth
+  std::optional<StepBudget> budget;  // where the backend times its operations
 };
 
 struct PrefillRow {
@@ -50,6 +62,9 @@ struct ModelBenchResult {
 double DecodeWeightBytes(const runtime::ModelSpec& spec, int batch, int bytes_per_weight);
 // Multiply-adds x 2 of one prefill of `tokens` tokens (the routed experts' top-k, causal attention).
 double PrefillFlops(const runtime::ModelSpec& spec, int tokens);
+
+// The budget as a table, most time first.
+void PrintStepBudget(const StepBudget& budget, std::ostream& log);
 
 // One JSON object on `out`: the backend, both ceilings and every row.
 void PrintModelBenchJson(const ModelBenchResult& result, const std::string& backend, std::ostream& out);

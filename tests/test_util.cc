@@ -194,7 +194,9 @@ std::vector<std::vector<float>> FullForward(runtime::Model& model, const std::ve
   batch.logit_rows.resize(ids.size());
   std::iota(batch.logit_rows.begin(), batch.logit_rows.end(), 0);
   std::vector<float> logits;
-  EXPECT_TRUE(model.Forward(batch, **cache, &logits).ok());
+  const absl::Status st = model.Forward(batch, **cache, &logits);
+  EXPECT_TRUE(st.ok()) << st;
+  if (!st.ok()) return {};
   const int vocab = model.spec().vocab_size;
   std::vector<std::vector<float>> rows;
   for (size_t i = 0; i < ids.size(); ++i) rows.emplace_back(logits.begin() + i * vocab, logits.begin() + (i + 1) * vocab);

@@ -29,6 +29,22 @@ class BackendTest : public ::testing::TestWithParam<BackendKind> {
     if (!backend.ok()) GTEST_SKIP() << backend.status();
     b_ = std::move(*backend);
     ASSERT_TRUE(b_->ReserveArena(64 << 20, 1 << 20).ok());
+    // Scratch for the largest case of each test: Linear's 257 rows of 2048 biased outputs, the
+    // attention cases' heads and contexts, the MoE cases' experts.
+    Backend::StepLimits limits;
+    limits.max_tokens = 512;
+    limits.max_logit_rows = 64;
+    limits.max_context = 256;
+    limits.num_heads = 8;
+    limits.head_dim = 128;
+    limits.vocab = 1024;
+    limits.hidden = 64;
+    limits.num_experts = 8;
+    limits.top_k = 3;
+    limits.moe_intermediate = 40;
+    limits.max_bias_width = 2048;
+    const absl::Status scratch = b_->ReserveScratch(limits);
+    ASSERT_TRUE(scratch.ok()) << scratch;
   }
   bool bf16() const { return b_->activation_dtype() == DType::kBF16; }
   // Relative error bound for results in the activation dtype.
@@ -81,7 +97,8 @@ std::vector<float> AsInput(const std::vector<float>& v, DType dtype) {
 TEST_P(BackendTest, LinearMatchesReferenceForBf16AndF32Weights) {
   const DType act = b_->activation_dtype();
   for (int64_t rows : {1, 3, 40, 257}) {
-    for (auto [n, k] : {std::pair<int64_t, int64_t>{24, 40}, {64, 128}, {40, 2048}}) {
+    // n = 1 and 60: a shared expert's gate and a router of 60 experts (not multiples of 8).
+    for (auto [n, k] : {std::pair<int64_t, int64_t>{24, 40}, {64, 128}, {40, 2048}, {1, 64}, {60, 128}}) {
       for (DType wtype : {DType::kBF16, DType::kF32}) {
         for (bool f32_out : {true, false}) {
           std::vector<float> x = AsInput(Random(rows * k, 1), act), w = Random(n * k, 2, 0.1f), bias = Random(n, 3);

@@ -302,13 +302,20 @@ absl::Status Model::RunLayers(const StepTensors& step, const StepBuffers& buf, K
   Backend& b = *backend_;
   const Weights& w = *weights_;
   const Tensor inv_freq = rope_inv_freq_->tensor();
+  auto tap = [&](std::string_view what, int layer, const Tensor& t) {
+    if (tap_) tap_(what, layer, t);
+  };
   b.Embed(*w.embed, step, buf.x);
+  tap("embed", -1, buf.x);
   const Tensor* pending = nullptr;  // the last block's output, not yet added to the residual
   for (int layer = 0; layer < s.num_layers; ++layer) {
     const LayerWeights& lw = w.layers[layer];
     // Attention block.
     b.AddRmsNorm(buf.x, pending, *lw.input_norm, s.rms_norm_eps, buf.h);
+    tap("residual", layer, buf.x);
+    tap("input_norm", layer, buf.h);
     b.Linear(buf.h, *lw.qkv, lw.qkv_bias.get(), buf.qkv);
+    tap("qkv", layer, buf.qkv);
     AttentionArgs args;
     args.qkv = buf.qkv;
     args.q = buf.q;
@@ -325,22 +332,34 @@ absl::Status Model::RunLayers(const StepTensors& step, const StepBuffers& buf, K
     args.cache = &cache;
     args.layer = layer;
     b.Attention(args, step);
+    tap("attention", layer, buf.attn);
     b.Linear(buf.attn, *lw.o, nullptr, buf.delta);
+    tap("o_proj", layer, buf.delta);
     // FFN block: routed experts (plus shared ones) or a dense SwiGLU.
     b.AddRmsNorm(buf.x, &buf.delta, *lw.post_attention_norm, s.rms_norm_eps, buf.h);
+    tap("post_attention_norm", layer, buf.h);
     if (s.IsMoeLayer(layer)) {
       MOE_RETURN_IF_ERROR(core::Annotate(
           internal::RunMoe(b, s, lw, *routed_experts_, layer, buf.h, buf.ffn, buf.delta), absl::StrCat("layer ", layer)));
+      const int64_t rows = buf.h.rows;
+      tap("router_logits", layer, buf.ffn.router_logits.Rows(0, rows));
+      tap("expert_ids", layer, buf.ffn.ids.Rows(0, rows));
+      tap("expert_weights", layer, buf.ffn.weights.Rows(0, rows));
+      if (s.shared_expert_intermediate_size > 0) tap("shared_expert", layer, buf.ffn.shared.Rows(0, rows));
+      tap("moe", layer, buf.delta);
     } else {
       internal::RunFfn(b, lw.dense, buf.h, buf.ffn, buf.delta);
+      tap("ffn", layer, buf.delta);
     }
     pending = &buf.delta;
   }
   // Only the rows that want logits go through the final norm and the LM head.
   if (buf.logits.rows == 0) return absl::OkStatus();
   b.AddRmsNorm(buf.x, pending, *w.final_norm, s.rms_norm_eps, buf.h);
+  tap("final_norm", -1, buf.h);
   b.GatherRows(buf.h, step.logit_rows, buf.last_h);
   b.Linear(buf.last_h, *w.lm_head, nullptr, buf.logits);
+  tap("logits", -1, buf.logits);
   return absl::OkStatus();
 }
 
@@ -349,7 +368,7 @@ absl::StatusOr<Tensor> Model::ForwardOnDevice(const ForwardBatch& batch, KvCache
   Backend& b = *backend_;
   const int rows = static_cast<int>(batch.token_ids.size());
   // A decode step (one token per sequence, each wanting logits) is replayed from a graph.
-  bool decode = options_.graphs && b.SupportsGraphs() && batch.logit_rows.size() == batch.token_ids.size();
+  bool decode = options_.graphs && !tap_ && b.SupportsGraphs() && batch.logit_rows.size() == batch.token_ids.size();
   for (size_t i = 0; decode && i < batch.sequences.size(); ++i) {
     decode = batch.sequences[i].num_tokens == 1 && batch.logit_rows[i] == static_cast<int32_t>(i);
   }
@@ -366,6 +385,11 @@ absl::StatusOr<Tensor> Model::ForwardOnDevice(const ForwardBatch& batch, KvCache
   MOE_ASSIGN_OR_RETURN(StepTensors step, b.BeginStep(inputs_));
   MOE_ASSIGN_OR_RETURN(StepBuffers buf, TakeBuffers(step.num_tokens, static_cast<int64_t>(inputs_.logit_rows.size())));
   if (bucket > 0) {
+    const GraphCache target{cache.k(0), cache.v(0), cache.shape().num_blocks, cache.shape().block_size};
+    if (!(target == graph_cache_)) {
+      b.ClearGraphs();
+      graph_cache_ = target;
+    }
     const uint64_t key = (static_cast<uint64_t>(bucket) << 32) | static_cast<uint64_t>(kv_bucket);
     MOE_RETURN_IF_ERROR(b.RunGraph(key, [&] { return RunLayers(step, buf, cache); }));
   } else {

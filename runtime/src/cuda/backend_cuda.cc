@@ -68,11 +68,17 @@ class CudaEvent : public Event {
 };
 
 // A weight in device memory: bf16 matrices, fp32 vectors.
+// A matrix whose rows are not a multiple of 8 (a router of 60 experts, a shared expert's gate)
+// is stored with zero rows up to the next multiple, which cuBLASLt needs; its Linear writes the
+// padded width to scratch and keeps the real columns.
+int64_t PaddedRows(int64_t rows) { return (rows + 7) / 8 * 8; }
+
 class CudaWeight : public DeviceWeight {
  public:
   CudaWeight(std::unique_ptr<DeviceBuffer> buffer, core::Shape shape) : buffer_(std::move(buffer)) {
     shape_ = std::move(shape);
   }
+  bool padded() const { return shape_.size() == 2 && shape_[0] % 8 != 0; }
   int64_t bytes() const override { return buffer_->tensor().bytes(); }
   const void* data() const { return buffer_->tensor().data; }
   template <typename T>
@@ -103,6 +109,7 @@ class CudaBackend : public Backend {
     cudaSetDevice(device_);
     if (stream_ != nullptr) cudaStreamSynchronize(stream_);
     for (auto& [key, exec] : graphs_) cudaGraphExecDestroy(exec);
+    for (cudaEvent_t e : timing_events_) cudaEventDestroy(e);
     delete linear_;
     if (linear_workspace_ != nullptr) cudaFree(linear_workspace_);
     for (int i = 0; i < 2; ++i) {
@@ -186,8 +193,14 @@ class CudaBackend : public Backend {
     }
     const bool vector = parts[0].rank() == 1;
     const int64_t cols = vector ? 1 : parts[0].shape[1];
-    MOE_ASSIGN_OR_RETURN(auto buffer, Allocate(dtype, rows, cols));
+    const int64_t stored_rows = vector ? rows : PaddedRows(rows);
+    MOE_ASSIGN_OR_RETURN(auto buffer, Allocate(dtype, stored_rows, cols));
     char* dst = static_cast<char*>(buffer->tensor().data);
+    if (stored_rows != rows) {
+      const int64_t row_bytes = cols * core::DTypeSize(dtype);
+      MOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dst + rows * row_bytes, 0, (stored_rows - rows) * row_bytes, stream_));
+      max_padded_rows_ = std::max(max_padded_rows_, stored_rows);
+    }
     for (const auto& p : parts) {
       MOE_RETURN_IF_ERROR(Upload(p, dtype, dst));
       dst += p.numel() * core::DTypeSize(dtype);
@@ -239,8 +252,9 @@ class CudaBackend : public Backend {
                     rows * (4 + 4 + 4 + 2 * cuda::kMaxLogprobs * 4);
     MOE_ASSIGN_OR_RETURN(sample_host_, AllocateHost(sample_bytes_));
     MOE_ASSIGN_OR_RETURN(sample_dev_, Allocate(DType::kI8, 1, sample_bytes_));
-    if (l.max_bias_width > 0) {
-      MOE_ASSIGN_OR_RETURN(bias_out_, Allocate(DType::kF32, l.max_tokens, l.max_bias_width));
+    if (l.max_bias_width > 0 || max_padded_rows_ > 0) {
+      const int64_t width = std::max<int64_t>(l.max_bias_width, max_padded_rows_);
+      MOE_ASSIGN_OR_RETURN(bias_out_, Allocate(DType::kF32, l.max_tokens, width));
     }
     return absl::OkStatus();
   }
@@ -361,8 +375,10 @@ class CudaBackend : public Backend {
     int32_t* top_ids = reinterpret_cast<int32_t*>(logprob + rows);
     float* top_lp = reinterpret_cast<float*>(top_ids + rows * cuda::kMaxLogprobs);
     // The check reads the logits before the penalties change them.
+    Begin("FirstNonFinite");
     cuda::FirstNonFinite(logits.as<float>(), rows, logits.cols, non_finite, stream_);
     Launched("FirstNonFinite");
+    Begin("SampleRows");
     cuda::SampleRows(logits.as<float>(), rows, static_cast<int>(logits.cols),
                      reinterpret_cast<const cuda::SampleParamsGpu*>(dev), reinterpret_cast<const int32_t*>(dev + head),
                      sampling_ws_->tensor().data, tokens, any_logprobs ? logprob : nullptr,
@@ -394,10 +410,14 @@ class CudaBackend : public Backend {
 
   // ---- A step ----
   void CopyToHost(const Tensor& src, void* dst) override {
+    Begin("copy to host");
     MOE_CUDA_KEEP(cudaMemcpyAsync(dst, src.data, src.bytes(), cudaMemcpyDeviceToHost, stream_));
+    Ended();
   }
   void CopyFromHost(const void* src, const Tensor& dst) override {
+    Begin("copy from host");
     MOE_CUDA_KEEP(cudaMemcpyAsync(dst.data, src, dst.bytes(), cudaMemcpyHostToDevice, stream_));
+    Ended();
   }
 
   absl::Status Synchronize() override {
@@ -408,7 +428,15 @@ class CudaBackend : public Backend {
     return s;
   }
 
+  void ClearGraphs() override {
+    if (graphs_.empty()) return;
+    cudaStreamSynchronize(stream_);  // a replay in flight keeps its graph until it ends
+    for (auto& [key, exec] : graphs_) cudaGraphExecDestroy(exec);
+    graphs_.clear();
+  }
+
   absl::Status RunGraph(uint64_t key, absl::FunctionRef<absl::Status()> body) override {
+    if (timing_) return body();  // timed op by op
     if (auto it = graphs_.find(key); it != graphs_.end()) {
       MOE_CUDA_KEEP(cudaGraphLaunch(it->second, stream_));
       return absl::OkStatus();
@@ -434,21 +462,41 @@ class CudaBackend : public Backend {
 
   // ---- Operations ----
   void Embed(const DeviceWeight& table, const StepTensors& step, const Tensor& x) override {
+    Begin("Embed");
     cuda::Embed(AsCuda(table).as<uint16_t>(), step.token_ids.as<int32_t>(), step.num_tokens,
                 static_cast<int>(x.cols), x.as<float>(), stream_);
     Launched("Embed");
   }
 
   void AddRmsNorm(const Tensor& x, const Tensor* delta, const DeviceWeight& w, float eps, const Tensor& out) override {
+    Begin("AddRmsNorm");
     cuda::AddRmsNorm(x.as<float>(), delta != nullptr ? delta->as<float>() : nullptr, AsCuda(w).as<float>(), eps,
                      static_cast<int>(x.rows), static_cast<int>(x.cols), out.as<uint16_t>(), stream_);
     Launched("AddRmsNorm");
   }
 
   void Linear(const Tensor& x, const DeviceWeight& w, const DeviceWeight* bias, const Tensor& out) override {
+    if (timing_) Begin(absl::StrCat("Linear [", w.rows(), " x ", w.cols(), "]"));
     // A bias with a bf16 output goes through fp32: the bias is added before the one rounding, as
     // the CPU reference does (rounding the product, then the sum, loses up to an ulp of the
     // product where the bias cancels it).
+    const CudaWeight& cw = AsCuda(w);
+    if (cw.padded()) {
+      const int64_t wide = PaddedRows(w.rows());
+      if (bias_out_ == nullptr || x.rows * wide > bias_out_->tensor().numel()) {
+        if (pending_.ok()) pending_ = absl::FailedPreconditionError("Linear of a padded weight: no scratch reserved");
+        return;
+      }
+      const absl::Status s = linear_->Run(x.as<uint16_t>(), static_cast<int>(x.rows), cw.as<uint16_t>(),
+                                          static_cast<int>(wide), static_cast<int>(w.cols()), nullptr,
+                                          bias_out_->tensor().data, true, stream_);
+      if (!s.ok() && pending_.ok()) pending_ = core::Annotate(s, "Linear");
+      cuda::NarrowColumns(bias_out_->tensor().as<float>(), static_cast<int>(x.rows), static_cast<int>(wide),
+                          static_cast<int>(w.rows()), bias != nullptr ? AsCuda(*bias).as<float>() : nullptr, out.data,
+                          out.dtype == DType::kF32, stream_);
+      Launched("Linear");
+      return;
+    }
     const bool via_f32 = bias != nullptr && out.dtype != DType::kF32 && bias_out_ != nullptr &&
                          out.numel() <= bias_out_->tensor().numel();
     void* target = via_f32 ? bias_out_->tensor().data : out.data;
@@ -469,17 +517,21 @@ class CudaBackend : public Backend {
     kv.block_size = a.cache->shape().block_size;
     kv.kv_heads = a.num_kv_heads;
     kv.head_dim = a.head_dim;
+    Begin("QkNormRopeStoreKv");
     cuda::QkNormRopeStoreKv(a.qkv.as<uint16_t>(), meta, a.num_heads, kv,
                             a.q_norm != nullptr ? AsCuda(*a.q_norm).as<float>() : nullptr,
                             a.k_norm != nullptr ? AsCuda(*a.k_norm).as<float>() : nullptr, a.eps, a.rotary_dim,
                             a.inv_freq->as<float>(), a.q.as<uint16_t>(), stream_);
     Launched("QkNormRopeStoreKv");
+    if (!HasScratch(attention_ws_, "PagedAttention")) return;
+    Begin("PagedAttention");
     cuda::PagedAttention(a.q.as<uint16_t>(), meta, a.num_heads, kv, a.scale, attention_ws_->tensor().as<float>(),
                          a.out.as<uint16_t>(), stream_);
     Launched("PagedAttention");
   }
 
   void SiluMul(const Tensor& gate_up, const Tensor& out) override {
+    Begin("SiluMul");
     cuda::SiluMul(gate_up.as<uint16_t>(), static_cast<int>(out.rows), static_cast<int>(out.cols), out.as<uint16_t>(),
                   stream_);
     Launched("SiluMul");
@@ -496,6 +548,7 @@ class CudaBackend : public Backend {
     p.topk_group = spec.topk_group;
     p.routed_scaling_factor = spec.routed_scaling_factor;
     p.correction_bias = correction_bias != nullptr ? AsCuda(*correction_bias).as<float>() : nullptr;
+    Begin("RouteTopK");
     if (absl::Status s = cuda::CheckRouterParams(p); !s.ok() && pending_.ok()) pending_ = core::Annotate(s, "RouteTopK");
     cuda::RouteTopK(logits.as<float>(), static_cast<int>(logits.rows), p, ids.as<int32_t>(), weights.as<float>(),
                     stream_);
@@ -504,6 +557,8 @@ class CudaBackend : public Backend {
 
   void MoeExperts(const Tensor& x, const Tensor& ids, const Tensor& weights, const DeviceExperts& experts,
                   const Tensor& out) override {
+    if (!HasScratch(moe_ws_, "MoeExperts")) return;
+    Begin("MoeExperts");
     cuda::MoeExperts(x.as<uint16_t>(), static_cast<int>(x.rows), ids.as<int32_t>(), weights.as<float>(),
                      static_cast<int>(ids.cols), static_cast<const CudaExperts&>(experts).weights,
                      moe_ws_->tensor().data, out.as<float>(), stream_);
@@ -511,12 +566,14 @@ class CudaBackend : public Backend {
   }
 
   void AddSharedExpert(const Tensor& out, const Tensor& shared, const Tensor* gate) override {
+    Begin("AddSharedExpert");
     cuda::AddSharedExpert(out.as<float>(), shared.as<float>(), gate != nullptr ? gate->as<float>() : nullptr,
                           static_cast<int>(out.rows), static_cast<int>(out.cols), stream_);
     Launched("AddSharedExpert");
   }
 
   void GatherRows(const Tensor& src, const Tensor& rows, const Tensor& out) override {
+    Begin("GatherRows");
     cuda::GatherRowsBytes(src.data, src.cols * core::DTypeSize(src.dtype), rows.as<int32_t>(),
                           static_cast<int>(rows.rows), out.data, stream_);
     Launched("GatherRows");
@@ -577,9 +634,75 @@ class CudaBackend : public Backend {
     }
   }
 
+  // The workspace an operation needs exists only after ReserveScratch: without it the
+  // operation is skipped and the step fails at Synchronize.
+  bool HasScratch(const std::unique_ptr<DeviceBuffer>& ws, const char* op) {
+    if (ws != nullptr) return true;
+    if (pending_.ok()) {
+      pending_ = absl::FailedPreconditionError(
+          absl::StrCat(op, " on ", name_, ": no workspace; ReserveScratch was not called before the step"));
+    }
+    return false;
+  }
+
   void Launched(const char* op) {
+    Ended();
     if (capturing_) return;  // launch errors during capture show at cudaStreamEndCapture
     Keep(cudaGetLastError(), op);
+  }
+
+  // ---- Operation timing: an event before and after each operation ----
+  static constexpr int kTimedOps = 4096;
+  struct TimedOp {
+    std::string op;
+    int start, end;  // indices into timing_events_
+  };
+
+  absl::Status BeginOpTiming() override {
+    if (timing_events_.empty()) {
+      timing_events_.resize(2 * kTimedOps);
+      for (cudaEvent_t& e : timing_events_) MOE_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e));
+    }
+    timed_.clear();
+    timing_ = true;
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<OpTiming> EndOpTiming() override {
+    timing_ = false;
+    MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    OpTiming t;
+    if (timed_.empty()) return t;
+    std::map<std::string, OpTime> by_op;
+    for (const TimedOp& op : timed_) {
+      if (op.end < 0) continue;
+      float ms = 0;
+      MOE_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, timing_events_[op.start], timing_events_[op.end]));
+      OpTime& o = by_op[op.op];
+      o.op = op.op;
+      o.seconds += ms / 1e3;
+      ++o.calls;
+      t.busy_seconds += ms / 1e3;
+    }
+    float span = 0;
+    MOE_CUDA_RETURN_IF_ERROR(
+        cudaEventElapsedTime(&span, timing_events_[timed_.front().start], timing_events_[timed_.back().end]));
+    t.span_seconds = span / 1e3;
+    for (auto& [name, o] : by_op) t.ops.push_back(o);
+    std::sort(t.ops.begin(), t.ops.end(), [](const OpTime& a, const OpTime& b) { return a.seconds > b.seconds; });
+    return t;
+  }
+
+  void Begin(std::string op) {
+    if (!timing_ || capturing_ || timed_.size() >= kTimedOps) return;
+    const int i = static_cast<int>(timed_.size());
+    timed_.push_back(TimedOp{std::move(op), 2 * i, -1});
+    MOE_CUDA_KEEP(cudaEventRecord(timing_events_[2 * i], stream_));
+  }
+  void Ended() {
+    if (!timing_ || capturing_ || timed_.empty() || timed_.back().end >= 0) return;
+    timed_.back().end = timed_.back().start + 1;
+    MOE_CUDA_KEEP(cudaEventRecord(timing_events_[timed_.back().end], stream_));
   }
 
   void Keep(cudaError_t err, const char* what) {
@@ -604,7 +727,9 @@ class CudaBackend : public Backend {
   cudaEvent_t staging_done_[2] = {nullptr, nullptr};
   int next_staging_ = 0;
   std::unique_ptr<DeviceBuffer> attention_ws_, moe_ws_, sampling_ws_;
-  std::unique_ptr<DeviceBuffer> bias_out_;  // fp32 output of the biased Linears, then rounded
+  // fp32 output of the biased Linears, then rounded, and of the padded weights' Linears.
+  std::unique_ptr<DeviceBuffer> bias_out_;
+  int64_t max_padded_rows_ = 0;
   std::unique_ptr<HostBuffer> sample_host_;
   std::unique_ptr<DeviceBuffer> sample_dev_;
   int64_t sample_bytes_ = 0, history_capacity_ = 0;
@@ -612,6 +737,9 @@ class CudaBackend : public Backend {
   int max_logit_rows_ = 0;
   std::map<uint64_t, cudaGraphExec_t> graphs_;
   bool capturing_ = false;
+  bool timing_ = false;
+  std::vector<cudaEvent_t> timing_events_;
+  std::vector<TimedOp> timed_;
   absl::Status pending_;  // the first error since the last Synchronize
   absl::Status lost_;     // set once the context is lost: every later Synchronize fails
 };

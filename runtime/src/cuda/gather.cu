@@ -42,7 +42,30 @@ __global__ void F32ToBf16Kernel(const float* __restrict__ src, int64_t n, __nv_b
   }
 }
 
+__global__ void NarrowColumnsKernel(const float* __restrict__ src, int rows, int src_cols, int cols,
+                                    const float* __restrict__ bias, void* __restrict__ dst, bool dst_f32) {
+  const int64_t n = int64_t{rows} * cols;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t r = i / cols;
+    const int c = static_cast<int>(i % cols);
+    const float v = src[r * src_cols + c] + (bias != nullptr ? bias[c] : 0.0f);
+    if (dst_f32) {
+      static_cast<float*>(dst)[i] = v;
+    } else {
+      static_cast<__nv_bfloat16*>(dst)[i] = __float2bfloat16_rn(v);
+    }
+  }
+}
+
 }  // namespace
+
+void NarrowColumns(const float* src, int rows, int src_cols, int cols, const float* bias, void* dst, bool dst_f32,
+                   cudaStream_t stream) {
+  const int64_t n = int64_t{rows} * cols;
+  if (n == 0) return;
+  const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, 4096));
+  NarrowColumnsKernel<<<blocks, 256, 0, stream>>>(src, rows, src_cols, cols, bias, dst, dst_f32);
+}
 
 void F32ToBf16(const float* src, int64_t n, uint16_t* dst, cudaStream_t stream) {
   if (n == 0) return;

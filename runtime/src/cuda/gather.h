@@ -14,6 +14,11 @@ void GatherRowsBytes(const void* src, int64_t row_bytes, const int32_t* rows, in
 // dst[i] = bf16(src[i]) for i < n (round to nearest even).
 void F32ToBf16(const float* src, int64_t n, uint16_t* dst, cudaStream_t stream);
 
+// dst [rows x cols] = src [rows x src_cols] columns [0, cols) (+ bias [cols] when not null), as
+// fp32 or bf16: the output of a Linear whose weight rows were padded to a multiple of 8.
+void NarrowColumns(const float* src, int rows, int src_cols, int cols, const float* bias, void* dst, bool dst_f32,
+                   cudaStream_t stream);
+
 // first[r] = index of the first NaN or infinity in row r of x [rows x cols], or -1.
 void FirstNonFinite(const float* x, int rows, int64_t cols, int32_t* first, cudaStream_t stream);
 

@@ -346,6 +346,47 @@ TEST(CudaSamplingTest, MatchesTheCpuSamplerForEveryMix) {
   EXPECT_LT(tally.mismatches * 1000, tally.draws);
 }
 
+// The token min_p keeps is near the top: exp(z - max z) >= min_p, on wide, narrow and tied rows;
+// with min_p = 1 it is the argmax.
+TEST(CudaSamplingTest, MinPKeepsOnlyEntriesNearTheTop) {
+  if (VisibleDeviceCount() == 0) GTEST_SKIP() << "no GPU visible";
+  const int vocab = 1000, rows = 64;
+  Stream stream;
+  SamplingBuffers buffers(rows, vocab, kMaxHistory);
+  std::mt19937_64 rng(5);
+  for (float min_p : {1.0f, 0.5f, 0.05f}) {
+    for (int launch = 0; launch < 8; ++launch) {
+      std::vector<Row> batch;
+      for (int r = 0; r < rows; ++r) {
+        batch.push_back(RandomRow(vocab, Mix{"min_p", Params(1, 0, 1, min_p), 0}, rng));
+        batch.back().prompt.clear();
+        batch.back().output.clear();
+      }
+      buffers.Upload(batch, stream.get());
+      buffers.Launch(rows, stream.get());
+      const DeviceResult got = buffers.Download(rows, stream.get());
+      // The same rows greedy: the top entry that min_p measures against.
+      std::vector<Row> greedy = batch;
+      for (Row& row : greedy) row.params.temperature = 0;
+      buffers.Upload(greedy, stream.get());
+      buffers.Launch(rows, stream.get());
+      const DeviceResult argmax = buffers.Download(rows, stream.get());
+      for (int r = 0; r < rows; ++r) {
+        const std::vector<float>& z = batch[r].logits;
+        const int best = static_cast<int>(std::max_element(z.begin(), z.end()) - z.begin());
+        const int32_t token = got.tokens[r];
+        ASSERT_TRUE(token >= 0 && token < vocab) << token;
+        const float e = std::exp(z[token] - z[best]);
+        EXPECT_GE(e, min_p * (1 - 1e-5f)) << "min_p " << min_p << ", launch " << launch << " row " << r << ": token "
+                                          << token << " (z " << z[token] << ") against the top " << best << " (z "
+                                          << z[best] << "); greedy on the GPU: " << argmax.tokens[r];
+        EXPECT_EQ(argmax.tokens[r], best) << "launch " << launch << " row " << r;
+      }
+      if (HasFailure()) return;
+    }
+  }
+}
+
 TEST(CudaSamplingTest, ReplaysACapturedGraphWithNewLogitsAndPositions) {
   if (VisibleDeviceCount() == 0) GTEST_SKIP() << "no GPU visible";
   const int vocab = 1000, rows = 8;

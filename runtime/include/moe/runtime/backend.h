@@ -297,6 +297,24 @@ class Backend {
   };
   virtual absl::StatusOr<Roofline> MeasureRoofline(int64_t bytes) = 0;
 
+  // Device time per operation over the steps queued between BeginOpTiming and EndOpTiming, for a
+  // benchmark's step budget. While timing, RunGraph runs its body eagerly (a replayed graph is
+  // one launch, with nothing to time inside). `span_seconds` runs from the first operation's
+  // start to the last one's end; its excess over the sum of the operations is the device idle
+  // between them (launch gaps, host work). kUnimplemented where the backend has no device clock.
+  struct OpTime {
+    std::string op;  // the operation (a Linear by its weight's shape)
+    double seconds = 0;
+    int calls = 0;
+  };
+  struct OpTiming {
+    std::vector<OpTime> ops;  // most time first
+    double busy_seconds = 0;  // their sum
+    double span_seconds = 0;
+  };
+  virtual absl::Status BeginOpTiming() { return absl::UnimplementedError(name() + " does not time its operations"); }
+  virtual absl::StatusOr<OpTiming> EndOpTiming() { return absl::UnimplementedError(name() + " does not time its operations"); }
+
   // ---- A step ----
   // Resets the arena and uploads the step's inputs (one copy). `inputs` must stay valid until the
   // step's Synchronize.
@@ -316,6 +334,8 @@ class Backend {
   // operations on the same buffers: only their contents change). Others just run it.
   virtual absl::Status RunGraph(uint64_t key, absl::FunctionRef<absl::Status()> body) { return body(); }
   virtual bool SupportsGraphs() const { return false; }
+  // Forgets every recorded graph (their buffers, the KV cache's among them, are about to change).
+  virtual void ClearGraphs() {}
 
   // Samples every row of `logits` [rows x vocab] fp32 (modified: the penalties are applied in
   // place) on the backend, waiting for the result. kUnimplemented where the backend does not

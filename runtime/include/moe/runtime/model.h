@@ -10,9 +10,11 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -90,6 +92,9 @@ class Model {
 
   const ModelSpec& spec() const { return spec_; }
   const ModelOptions& options() const { return options_; }
+  // Decode steps from CUDA graphs (ModelOptions::graphs) from the next step on: a benchmark
+  // times both ways on one loaded model.
+  void set_graphs(bool on) { options_.graphs = on; }
   Backend& backend() { return *backend_; }
   // Bytes of weights on the backend (routed experts included when the backend runs them).
   int64_t weight_bytes() const;
@@ -109,6 +114,12 @@ class Model {
 
   // The CPU expert pool, or null when the backend runs the routed experts.
   experts::ExpertPool* expert_pool() { return pool_.get(); }
+
+  // Debugging: `tap` sees each intermediate tensor of a step as it is written (what, the layer or
+  // -1, the backend's tensor), so that two backends can be compared op by op. A tapped step runs
+  // eagerly; the tap may synchronize. Not for serving. An empty function turns it off.
+  using StepTap = std::function<void(std::string_view what, int layer, const Tensor& t)>;
+  void SetStepTap(StepTap tap) { tap_ = std::move(tap); }
 
   struct Weights;
   struct StepBuffers;
@@ -131,6 +142,17 @@ class Model {
   StepInputs inputs_;                            // the step in flight's inputs
   std::unique_ptr<experts::ExpertPool> pool_;
   std::unique_ptr<RoutedExperts> routed_experts_;  // the backend's or the pool's
+  StepTap tap_;
+  // The KV cache the backend's decode graphs were recorded on (they hold its addresses): a step
+  // on another cache records them anew.
+  struct GraphCache {
+    const void* k = nullptr;
+    const void* v = nullptr;
+    int num_blocks = 0;
+    int block_size = 0;
+    bool operator==(const GraphCache&) const = default;
+  };
+  GraphCache graph_cache_;
 };
 
 }  // namespace moe::runtime
