@@ -1,7 +1,10 @@
 // Routed experts of one MoE layer on the GPU (the MoeExperts contract of ops.h).
 //
-// Every call enqueues the same four kernels for the same (T, k, E, H, I), whatever the routing,
-// so a captured graph replays correctly with new ids:
+// Every call enqueues the same kernels for the same (T, k, E, H, I), whatever the routing, so a
+// captured graph replays correctly with new ids. A single token (decode at batch 1) takes two:
+// SingleTokenGateUpKernel reads each slot's expert from the ids directly (its k experts are
+// distinct, nothing to group), and SingleTokenDownKernel adds the weighted slots as it goes.
+// Otherwise four:
 //   1. GroupByExpertKernel (one CTA): a stable counting sort of the T*k (token, slot) pairs by
 //      expert into the workspace: per-expert offsets, the sorted pair list, each pair's sorted
 //      position, the list of experts that have tokens and the list of 64-row tiles over them.
@@ -380,6 +383,94 @@ __global__ void __launch_bounds__(kDecodeThreads)
   }
 }
 
+// ---- One token (decode at batch 1): no grouping, the combine fused into down ----
+
+// CTA (slot j, block of 8 gate rows) of expert ids[j]: act[j][rows] = silu(gate . x) * (up . x),
+// as DecodeExpertKernel<true> computes it for a token alone. A slot whose id is outside [0, E)
+// writes nothing; SingleTokenDownKernel skips it too.
+__global__ void __launch_bounds__(kDecodeThreads)
+    SingleTokenGateUpKernel(const bf16* __restrict__ x, const bf16* __restrict__ weights,
+                            const int32_t* __restrict__ ids, int num_experts, int hidden, int intermediate,
+                            int row_blocks, bf16* __restrict__ act) {
+  const int slot = blockIdx.x / row_blocks, row_block = blockIdx.x % row_blocks;
+  const int e = ids[slot];
+  if (e < 0 || e >= num_experts) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t = lane & 3;
+  const int row = row_block * kDecodeRowsGateUp + gid;  // < I: I is a multiple of 8
+  const bf16* expert = weights + static_cast<int64_t>(e) * 2 * intermediate * hidden;
+  const int steps = (hidden + 31) / 32;
+  const int per_warp = (steps + kDecodeWarps - 1) / kDecodeWarps;
+  const int s_begin = min(steps, warp * per_warp), s_end = min(steps, s_begin + per_warp);
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  // The mma's 8 tokens: only token 0 (lanes with gid 0 load it) is real.
+  WarpRowsTimesTokens(expert + static_cast<int64_t>(row) * hidden, true,
+                      expert + static_cast<int64_t>(intermediate + row) * hidden, true, x, gid == 0, hidden, s_begin,
+                      s_end, t, acc);
+  __shared__ float partial[kDecodeWarps - 1][32][2];
+  if (warp > 0) {
+    partial[warp - 1][lane][0] = acc[0];
+    partial[warp - 1][lane][1] = acc[2];
+  }
+  __syncthreads();
+  if (warp == 0 && t == 0) {
+    float gate = acc[0], up = acc[2];  // C[row][token 0] and C[row + 8][token 0]: gate and up
+    for (int w = 0; w < kDecodeWarps - 1; ++w) {
+      gate += partial[w][lane][0];
+      up += partial[w][lane][1];
+    }
+    act[static_cast<int64_t>(slot) * intermediate + row] = __float2bfloat16(Silu(gate) * up);
+  }
+}
+
+constexpr int kSingleDownWarps = 8;
+
+// CTA (block of 16 output rows): out[rows] = sum_j weights[j] * (down_{ids[j]} . act[j]) over the
+// token's slots. The warps take the slots (and, when there are fewer slots than warps, parts of
+// the reduction), each summing its share in slot order; the warps' sums are added in warp order,
+// so the result does not depend on scheduling.
+__global__ void __launch_bounds__(kSingleDownWarps * 32)
+    SingleTokenDownKernel(const bf16* __restrict__ act, const bf16* __restrict__ weights,
+                          const int32_t* __restrict__ ids, const float* __restrict__ route_weights, int top_k,
+                          int num_experts, int hidden, int intermediate, float* __restrict__ out) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t = lane & 3;
+  const int row = blockIdx.x * kDecodeRowsDown + gid;
+  const bool lo_ok = row < hidden, hi_ok = row + 8 < hidden;
+  const int parts = max(1, kSingleDownWarps / top_k);  // warps per slot, splitting the reduction
+  const int groups = kSingleDownWarps / parts;          // slots in flight at once
+  const int part = warp % parts;
+  const int steps = (intermediate + 31) / 32;
+  const int per_part = (steps + parts - 1) / parts;
+  const int s_begin = min(steps, part * per_part), s_end = min(steps, s_begin + per_part);
+  float sum_lo = 0.f, sum_hi = 0.f;
+  if (warp < groups * parts) {
+    for (int j = warp / parts; j < top_k; j += groups) {
+      const int e = ids[j];
+      if (e < 0 || e >= num_experts) continue;
+      const bf16* expert = weights + static_cast<int64_t>(e) * hidden * intermediate;
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+      WarpRowsTimesTokens(expert + static_cast<int64_t>(lo_ok ? row : 0) * intermediate, lo_ok,
+                          expert + static_cast<int64_t>(hi_ok ? row + 8 : 0) * intermediate, hi_ok,
+                          act + static_cast<int64_t>(j) * intermediate, gid == 0, intermediate, s_begin, s_end, t,
+                          acc);
+      const float w = route_weights[j];
+      sum_lo += w * acc[0];
+      sum_hi += w * acc[2];
+    }
+  }
+  __shared__ float partial[kSingleDownWarps][16];
+  if (t == 0) {
+    partial[warp][gid] = sum_lo;
+    partial[warp][gid + 8] = sum_hi;
+  }
+  __syncthreads();
+  if (threadIdx.x < 16) {
+    const int r = blockIdx.x * kDecodeRowsDown + threadIdx.x;
+    float total = 0.f;
+    for (int w = 0; w < kSingleDownWarps; ++w) total += partial[w][threadIdx.x];
+    if (r < hidden) out[r] = total;
+  }
+}
+
 // ---- 2, 3 (prefill). Grouped GEMM over tiles of each expert's sorted pairs ----
 
 // Byte offset of 16-byte chunk `chunk` (0..3) of row `row` in a [rows][kTileK] bf16 tile. The XOR
@@ -612,6 +703,15 @@ void MoeExpertsOnPath(MoePath path, const uint16_t* x, int num_tokens, const int
   const bf16* xb = reinterpret_cast<const bf16*>(x);
   const bf16* gate_up = reinterpret_cast<const bf16*>(w.gate_up);
   const bf16* down = reinterpret_cast<const bf16*>(w.down);
+
+  if (path == MoePath::kDecode && num_tokens == 1) {
+    const int gate_up_blocks = I / kDecodeRowsGateUp;
+    SingleTokenGateUpKernel<<<static_cast<unsigned>(top_k * gate_up_blocks), kDecodeThreads, 0, stream>>>(
+        xb, gate_up, ids, E, H, I, gate_up_blocks, act);
+    SingleTokenDownKernel<<<static_cast<unsigned>((H + kDecodeRowsDown - 1) / kDecodeRowsDown), kSingleDownWarps * 32,
+                            0, stream>>>(act, down, ids, weights, top_k, E, H, I, out);
+    return;
+  }
 
   const int grouping_warps = GroupingWarps(pairs, E);
   GroupByExpertKernel<<<1, grouping_warps * 32, GroupingSmemBytes(grouping_warps, E), stream>>>(

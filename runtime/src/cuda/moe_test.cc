@@ -410,6 +410,8 @@ std::vector<Case> SmallCases() {
   for (int t : {1, 2, 7, 32, 64, 300, 2048}) {
     cases.push_back({absl::StrCat("T", t), kSmall, t, Routing::kRandom});
   }
+  cases.push_back({"InvalidIdsT1", kSmall, 1, Routing::kInvalid});
+  cases.push_back({"RealShapeT1", kReal, 1, Routing::kRandom});
   for (int t : {5, 64, 2048}) {
     cases.push_back({absl::StrCat("HotExpertT", t), kSmall, t, Routing::kHotExpert});
     cases.push_back({absl::StrCat("EvenExpertsOnlyT", t), kSmall, t, Routing::kEvenOnly});
