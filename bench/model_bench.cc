@@ -69,12 +69,16 @@ double PrefillFlops(const runtime::ModelSpec& s, int tokens) {
 void PrintStepBudget(const StepBudget& b, std::ostream& log) {
   const double n = b.steps;
   const double busy = b.ops.busy_seconds / n * 1e3;
-  log << absl::StrFormat("  step budget (device time per step, %d eager steps timed op by op):\n", b.steps);
+  log << absl::StrFormat(
+      "  step budget (device time per step; %d eager steps, each queued whole before it runs, timed op by op):\n",
+      b.steps);
   for (const auto& op : b.ops.ops) {
     log << absl::StrFormat("    %-28s %8.1f us %5.1f%%  %5.1f calls\n", op.op, op.seconds / n * 1e6,
                            100 * op.seconds / b.ops.busy_seconds, op.calls / n);
   }
-  log << absl::StrFormat("    %-28s %8.1f us\n", "operations", busy * 1e3);
+  const double span = b.ops.span_seconds / n * 1e3;
+  log << absl::StrFormat("    %-28s %8.1f us (back to back: %.1f us from the first start to the last end)\n",
+                         "operations", busy * 1e3, span * 1e3);
   log << absl::StrFormat("    eager: %.3f ms/step, %.3f ms of it between operations (launch gaps, host work)\n",
                          b.eager_ms_per_step, b.eager_ms_per_step - busy);
   if (b.graph_ms_per_step > 0) {

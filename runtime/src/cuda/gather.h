@@ -19,6 +19,10 @@ void F32ToBf16(const float* src, int64_t n, uint16_t* dst, cudaStream_t stream);
 void NarrowColumns(const float* src, int rows, int src_cols, int cols, const float* bias, void* dst, bool dst_f32,
                    cudaStream_t stream);
 
+// Keeps the stream busy for about `ns` nanoseconds (one thread spinning on the global timer), so
+// that the operations queued behind it start back to back: the op timing of eager steps.
+void HoldStream(int64_t ns, cudaStream_t stream);
+
 // first[r] = index of the first NaN or infinity in row r of x [rows x cols], or -1.
 void FirstNonFinite(const float* x, int rows, int64_t cols, int32_t* first, cudaStream_t stream);
 

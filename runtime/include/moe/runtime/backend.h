@@ -299,9 +299,11 @@ class Backend {
 
   // Device time per operation over the steps queued between BeginOpTiming and EndOpTiming, for a
   // benchmark's step budget. While timing, RunGraph runs its body eagerly (a replayed graph is
-  // one launch, with nothing to time inside). `span_seconds` runs from the first operation's
-  // start to the last one's end; its excess over the sum of the operations is the device idle
-  // between them (launch gaps, host work). kUnimplemented where the backend has no device clock.
+  // one launch, with nothing to time inside), and a backend may hold each step until it is queued
+  // whole, so that its operations run back to back and their times exclude the host's launch
+  // latency. `span_seconds` adds each step's time from its first operation's start to its last
+  // one's end: its excess over the sum is the device idle between operations.
+  // kUnimplemented where the backend has no device clock.
   struct OpTime {
     std::string op;  // the operation (a Linear by its weight's shape)
     double seconds = 0;
