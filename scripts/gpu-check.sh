@@ -42,13 +42,24 @@ if want serve; then
     --prompt-len 128 --output-len 128 > "$out/bench-serve.log" 2>&1; echo "bench serve: exit $?"
   tail -12 "$out/bench-serve.log"
 fi
+if want profile; then
+  # Nsight Compute on the decode kernels of one token (the MoE layer's, then the GEMVs): time,
+  # DRAM bytes and DRAM throughput per kernel, the clocks as the card has them.
+  timeout 150 ncu --clock-control none --target-processes all \
+    -k regex:'SingleToken|DecodeExpert|GroupByExpert|CombineSlots|Gemv' -c 24 \
+    --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__grid_size \
+    "$bundle/bin/runtime_cuda_test" --gtest_filter='MoeRealShapeTest.PrintsBandwidthAndThroughput:LinearTimingTest.*' \
+    > "$out/ncu.log" 2>&1
+  echo "ncu: exit $?"
+  grep -E "SingleToken|DecodeExpert|GroupByExpert|Gemv|gpu__time_duration|dram__|launch__grid" "$out/ncu.log" | head -60
+fi
 if want sanitize; then
   # A prefill, a decode and a mixed step of each fixture (op by op), and graph replays of qwen3_moe,
   # under memcheck; the qwen3_moe steps under racecheck (slow: it checks every shared access).
   for tool in memcheck racecheck; do
     filter='Fixtures/CudaGoldensTest.EveryTensor*/*:Fixtures/CudaGoldensTest.GraphsGiveTheTokensOfEagerMode/qwen3_moe'
     [[ $tool == racecheck ]] && filter='Fixtures/CudaGoldensTest.EveryTensor*/qwen3_moe'
-    timeout 200 compute-sanitizer --tool $tool --error-exitcode 99 "$bundle/bin/cuda_goldens_test" \
+    timeout 150 compute-sanitizer --tool $tool --error-exitcode 99 "$bundle/bin/cuda_goldens_test" \
       --gtest_filter="$filter" > "$out/sanitizer-$tool.log" 2>&1
     echo "compute-sanitizer $tool: exit $? ($(grep -c -E '^========= (Invalid|Race|Error)' "$out/sanitizer-$tool.log") findings)"
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$out/sanitizer-$tool.log" | tail -3

@@ -160,6 +160,16 @@ __device__ __forceinline__ unsigned long long BlockSum(unsigned long long v, Sha
   return r;
 }
 
+__device__ __forceinline__ int BlockMinInt(int v, Shared& sh) {
+  for (int offset = 16; offset > 0; offset /= 2) v = min(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) sh.reduce_i[threadIdx.x / 32] = v;
+  __syncthreads();
+  int r = sh.reduce_i[0];
+  for (int w = 1; w < kWarps; ++w) r = min(r, sh.reduce_i[w]);
+  return r;
+}
+
 // The best (score desc, id asc) over the CTA.
 __device__ __forceinline__ ScoreId BlockBest(ScoreId v, Shared& sh) {
   for (int offset = 16; offset > 0; offset /= 2) {
@@ -443,14 +453,18 @@ __device__ int32_t GreedyToken(const float* row, int vocab, Shared& sh) {
 
 __device__ int32_t SampledToken(const float* row, int vocab, const SampleParamsGpu& p, Shared& sh) {
   const float temperature = p.temperature;
-  // The largest z, lowest id on ties: in K1 and in K2 (e = 1) always.
-  ScoreId top{-INFINITY, INT32_MAX};
-  ForEachEntry(row, vocab, [&](int i, float v, bool valid) {
-    const float z = ScaledLogit(v, temperature);
-    if (valid && Better(z, i, top.score, top.id)) top = ScoreId{z, i};
+  // The largest z, then the lowest id that has it: in K1 and in K2 (e = 1) always. Two plain
+  // reductions (a max of floats, a min of ints) rather than one of (score, id) pairs.
+  float local_max = -INFINITY;
+  ForEachEntry(row, vocab, [&](int, float v, bool valid) {
+    if (valid) local_max = fmaxf(local_max, ScaledLogit(v, temperature));
   });
-  top = BlockBest(top, sh);
-  const float z_max = top.score;
+  const float z_max = BlockMax(local_max, sh);
+  int local_id = INT32_MAX;
+  ForEachEntry(row, vocab, [&](int i, float v, bool valid) {
+    if (valid && ScaledLogit(v, temperature) == z_max) local_id = min(local_id, i);
+  });
+  const ScoreId top{z_max, BlockMinInt(local_id, sh)};
 
   // K1 = {key(z, i) >= k1}; 0 (everything) when top_k is off.
   uint64_t k1 = 0;

@@ -313,6 +313,9 @@ class Backend {
     std::vector<OpTime> ops;  // most time first
     double busy_seconds = 0;  // their sum
     double span_seconds = 0;
+    // What one operation's time includes for the timing itself (a pair of timing events around
+    // nothing, queued back to back), measured in the same run.
+    double overhead_seconds_per_op = 0;
   };
   virtual absl::Status BeginOpTiming() { return absl::UnimplementedError(name() + " does not time its operations"); }
   virtual absl::StatusOr<OpTiming> EndOpTiming() { return absl::UnimplementedError(name() + " does not time its operations"); }
