@@ -422,7 +422,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   }
 }
 
-constexpr int kSingleDownWarps = 16;  // one CTA per 16 output rows: the warps are what keeps loads in flight
+constexpr int kSingleDownWarps = 8;
 
 // CTA (block of 16 output rows): out[rows] = sum_j weights[j] * (down_{ids[j]} . act[j]) over the
 // token's slots. The warps take the slots (and, when there are fewer slots than warps, parts of
