@@ -5,6 +5,7 @@
 #include <cmath>
 #include <numeric>
 #include <random>
+#include <string>
 
 #include "absl/strings/str_format.h"
 #include "moe/core/status.h"
@@ -18,6 +19,11 @@ using runtime::ForwardBatch;
 using runtime::SequenceChunk;
 
 double Seconds(Clock::time_point since) { return std::chrono::duration<double>(Clock::now() - since).count(); }
+
+// "808.3 TFLOP/s" on a GPU, "52.4 GFLOP/s" on a small CPU.
+std::string FlopRate(double tflops) {
+  return tflops >= 1 ? absl::StrFormat("%.1f TFLOP/s", tflops) : absl::StrFormat("%.1f GFLOP/s", tflops * 1e3);
+}
 
 // Parameters of one layer that every token reads, routed experts aside.
 double DenseLayerParams(const runtime::ModelSpec& s, int layer) {
@@ -112,7 +118,8 @@ void PrintModelBenchJson(const ModelBenchResult& result, const std::string& back
     if (r.budget) {
       nlohmann::ordered_json ops = nlohmann::ordered_json::array();
       for (const auto& op : r.budget->ops.ops) {
-        ops.push_back({{"op", op.op}, {"us_per_step", op.seconds / r.budget->steps * 1e6},
+        ops.push_back({{"op", op.op},
+                       {"us_per_step", op.seconds / r.budget->steps * 1e6},
                        {"calls_per_step", double(op.calls) / r.budget->steps}});
       }
       j["decode"].back()["budget"] = {{"ops", ops},
@@ -134,8 +141,9 @@ absl::StatusOr<ModelBenchResult> RunModelBench(runtime::Model& model, const Mode
   runtime::Backend& backend = model.backend();
   ModelBenchResult result;
   MOE_ASSIGN_OR_RETURN(result.roofline, backend.MeasureRoofline(o.copy_bytes));
-  log << absl::StrFormat("bandwidth: %.0f GB/s (%s)\nmatrix rate: %.1f TFLOP/s (%s)\n", result.roofline.memory_gbps,
-                         result.roofline.memory_what, result.roofline.matmul_tflops, result.roofline.matmul_what);
+  log << absl::StrFormat("bandwidth: %.0f GB/s (%s)\nmatrix rate: %s (%s)\n", result.roofline.memory_gbps,
+                         result.roofline.memory_what, FlopRate(result.roofline.matmul_tflops),
+                         result.roofline.matmul_what);
   // The GPU keeps weights in bf16; the CPU reads bf16 checkpoints where they lie.
   const int weight_bytes = 2;
   std::mt19937 rng(7);
@@ -246,8 +254,8 @@ absl::StatusOr<ModelBenchResult> RunModelBench(runtime::Model& model, const Mode
     row.tokens_per_s = tokens / best;
     row.tflops = PrefillFlops(spec, tokens) / best / 1e12;
     row.ratio = row.tflops / result.roofline.matmul_tflops;
-    log << absl::StrFormat("prefill %5d tokens: %9.1f tokens/s, %.1f ms, %.1f TFLOP/s, %.1f%% of the matrix rate\n",
-                           tokens, row.tokens_per_s, best * 1e3, row.tflops, 100 * row.ratio);
+    log << absl::StrFormat("prefill %5d tokens: %9.1f tokens/s, %.1f ms, %s, %.1f%% of the matrix rate\n", tokens,
+                           row.tokens_per_s, best * 1e3, FlopRate(row.tflops), 100 * row.ratio);
     result.prefill.push_back(row);
   }
   return result;

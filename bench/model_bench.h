@@ -21,7 +21,7 @@ struct ModelBenchOptions {
   int decode_steps = 64;     // timed steps per batch (after 4 untimed ones)
   int prefill_repeats = 3;
   int64_t copy_bytes = int64_t{2} << 30;  // the bandwidth measurement's buffer
-  bool budget = true;  // the step budget of each decode batch, where the backend times operations
+  bool budget = true;                     // the step budget of each decode batch, where the backend times operations
 };
 
 // Where a decode step's time goes: device time per operation (eager steps, each operation

@@ -146,11 +146,12 @@ TEST_P(CudaGoldensTest, EveryTensorOfAStepIsNearTheCpuReference) {
           same_experts[r] = a == b;
           flips += !same_experts[r];
         }
-        std::cout << "[ tap ] " << at << ": " << flips << " of " << rows << " rows route to other experts\n";
+        if (flips > 0)
+          std::cout << "[ tap ] " << at << ": " << flips << " of " << rows << " rows route to other experts\n";
         continue;
       }
       const double err = RelativeError(g[i].values, c[i].values);
-      std::cout << "[ tap ] " << at << ": relative error " << err << "\n";
+      if (err > 1e-2 || g[i].what == "logits") std::cout << "[ tap ] " << at << ": relative error " << err << "\n";
       const bool flips_here = std::count(same_experts.begin(), same_experts.end(), false) > 0;
       if (g[i].what == "moe" && flips_here && !flipped) {
         // The rows whose experts agree must agree.
@@ -221,9 +222,8 @@ TEST_P(CudaGoldensTest, LogitsAreNearTransformersAndGreedyAgreesWhileConfident) 
       }
       ++compared;
       agreed += on_gpu->generated_ids[i] == want[i];
-      EXPECT_EQ(on_gpu->generated_ids[i], want[i])
-          << GetParam() << " case " << c << " step " << i << " (CPU margin " << margin << ", GPU-CPU logit difference "
-          << step_diff << ")";
+      EXPECT_EQ(on_gpu->generated_ids[i], want[i]) << GetParam() << " case " << c << " step " << i << " (CPU margin "
+                                                   << margin << ", GPU-CPU logit difference " << step_diff << ")";
       if (on_gpu->generated_ids[i] != want[i]) break;
     }
   }

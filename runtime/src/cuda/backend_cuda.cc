@@ -488,9 +488,9 @@ class CudaBackend : public Backend {
         if (pending_.ok()) pending_ = absl::FailedPreconditionError("Linear of a padded weight: no scratch reserved");
         return;
       }
-      const absl::Status s = linear_->Run(x.as<uint16_t>(), static_cast<int>(x.rows), cw.as<uint16_t>(),
-                                          static_cast<int>(wide), static_cast<int>(w.cols()), nullptr,
-                                          bias_out_->tensor().data, true, stream_);
+      const absl::Status s =
+          linear_->Run(x.as<uint16_t>(), static_cast<int>(x.rows), cw.as<uint16_t>(), static_cast<int>(wide),
+                       static_cast<int>(w.cols()), nullptr, bias_out_->tensor().data, true, stream_);
       if (!s.ok() && pending_.ok()) pending_ = core::Annotate(s, "Linear");
       cuda::NarrowColumns(bias_out_->tensor().as<float>(), static_cast<int>(x.rows), static_cast<int>(wide),
                           static_cast<int>(w.rows()), bias != nullptr ? AsCuda(*bias).as<float>() : nullptr, out.data,

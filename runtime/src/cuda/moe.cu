@@ -436,7 +436,7 @@ __global__ void __launch_bounds__(kSingleDownWarps * 32)
   const int row = blockIdx.x * kDecodeRowsDown + gid;
   const bool lo_ok = row < hidden, hi_ok = row + 8 < hidden;
   const int parts = max(1, kSingleDownWarps / top_k);  // warps per slot, splitting the reduction
-  const int groups = kSingleDownWarps / parts;          // slots in flight at once
+  const int groups = kSingleDownWarps / parts;         // slots in flight at once
   const int part = warp % parts;
   const int steps = (intermediate + 31) / 32;
   const int per_part = (steps + parts - 1) / parts;
@@ -450,8 +450,7 @@ __global__ void __launch_bounds__(kSingleDownWarps * 32)
       float acc[4] = {0.f, 0.f, 0.f, 0.f};
       WarpRowsTimesTokens(expert + static_cast<int64_t>(lo_ok ? row : 0) * intermediate, lo_ok,
                           expert + static_cast<int64_t>(hi_ok ? row + 8 : 0) * intermediate, hi_ok,
-                          act + static_cast<int64_t>(j) * intermediate, gid == 0, intermediate, s_begin, s_end, t,
-                          acc);
+                          act + static_cast<int64_t>(j) * intermediate, gid == 0, intermediate, s_begin, s_end, t, acc);
       const float w = route_weights[j];
       sum_lo += w * acc[0];
       sum_hi += w * acc[2];

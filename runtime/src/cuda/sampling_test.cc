@@ -377,9 +377,9 @@ TEST(CudaSamplingTest, MinPKeepsOnlyEntriesNearTheTop) {
         const int32_t token = got.tokens[r];
         ASSERT_TRUE(token >= 0 && token < vocab) << token;
         const float e = std::exp(z[token] - z[best]);
-        EXPECT_GE(e, min_p * (1 - 1e-5f)) << "min_p " << min_p << ", launch " << launch << " row " << r << ": token "
-                                          << token << " (z " << z[token] << ") against the top " << best << " (z "
-                                          << z[best] << "); greedy on the GPU: " << argmax.tokens[r];
+        EXPECT_GE(e, min_p * (1 - 1e-5f))
+            << "min_p " << min_p << ", launch " << launch << " row " << r << ": token " << token << " (z " << z[token]
+            << ") against the top " << best << " (z " << z[best] << "); greedy on the GPU: " << argmax.tokens[r];
         EXPECT_EQ(argmax.tokens[r], best) << "launch " << launch << " row " << r;
       }
       if (HasFailure()) return;

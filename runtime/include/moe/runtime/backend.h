@@ -318,7 +318,9 @@ class Backend {
     double overhead_seconds_per_op = 0;
   };
   virtual absl::Status BeginOpTiming() { return absl::UnimplementedError(name() + " does not time its operations"); }
-  virtual absl::StatusOr<OpTiming> EndOpTiming() { return absl::UnimplementedError(name() + " does not time its operations"); }
+  virtual absl::StatusOr<OpTiming> EndOpTiming() {
+    return absl::UnimplementedError(name() + " does not time its operations");
+  }
 
   // ---- A step ----
   // Resets the arena and uploads the step's inputs (one copy). `inputs` must stay valid until the
