@@ -1,0 +1,89 @@
+// Where each tensor of a checkpoint lives when a GPU runs the model beside the CPU (hybrid
+// execution), decided from its name by the rules users know from llama.cpp:
+//   --override-tensor REGEX=cpu|cuda[:N]  (repeatable; the first rule whose regex is found in the
+//                                          name wins, before any other rule)
+//   --cpu-moe                              every routed expert on the CPU
+//   --n-cpu-moe N                          the routed experts of the first N MoE layers on the CPU
+// Everything else goes to the GPU. Shared experts, the router, norms, attention, the embedding and
+// the LM head are read for every token, so a rule that puts one on the CPU is honoured with a
+// warning giving what it costs: its bytes, read from host memory for every token.
+//
+// Plain functions of names and sizes: nothing here loads or allocates.
+#pragma once
+
+#include <cstdint>
+#include <regex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "moe/runtime/device.h"
+#include "moe/runtime/model_spec.h"
+
+namespace moe::runtime {
+
+enum class TensorRole {
+  kEmbedding,
+  kNorm,
+  kAttention,
+  kRouter,        // the gate's weight and its correction bias
+  kSharedExpert,  // the shared expert(s) and their sigmoid gate
+  kRoutedExpert,
+  kDenseFfn,  // the FFN of a layer without experts
+  kLmHead,
+  kOther,
+};
+std::string_view TensorRoleName(TensorRole role);
+
+struct TensorKind {
+  TensorRole role = TensorRole::kOther;
+  int layer = -1;   // -1 outside the layers
+  int expert = -1;  // routed experts only
+};
+// The role of a checkpoint tensor of any supported architecture (Qwen2/3-MoE, Mixtral, GLM-4,
+// DeepSeek names), from its name alone.
+TensorKind ClassifyTensor(std::string_view name);
+
+struct OverrideRule {
+  std::string text;  // as given, for messages
+  std::regex pattern;
+  Device device;
+};
+// "REGEX=cpu", "REGEX=cuda" or "REGEX=cuda:N" (the last '=' splits). kInvalidArgument naming the
+// rule and what is wrong: no '=', an empty or invalid regex, a device other than cpu or cuda[:N].
+absl::StatusOr<OverrideRule> ParseOverrideRule(std::string_view text);
+
+struct PlacementOptions {
+  Device gpu{Device::Kind::kCuda, 0};
+  bool cpu_moe = false;
+  int n_cpu_moe = 0;
+  std::vector<OverrideRule> overrides;
+};
+
+struct TensorInfo {
+  std::string name;
+  int64_t bytes = 0;
+};
+
+struct TensorPlace {
+  std::string name;
+  TensorKind kind;
+  Device device;
+  int64_t bytes = 0;
+  std::string rule;  // what decided it: "--override-tensor R", "--cpu-moe", "--n-cpu-moe N", "default"
+};
+
+struct Placement {
+  std::vector<TensorPlace> tensors;  // in the order given
+  // One per (rule, role) that puts per-token tensors on the CPU, with their bytes.
+  std::vector<std::string> warnings;
+  int64_t BytesOn(Device::Kind kind) const;
+};
+
+// kInvalidArgument for n_cpu_moe outside [0, the model's MoE layers], or a cuda:N override
+// naming another GPU than options.gpu (one GPU per process for now).
+absl::StatusOr<Placement> PlaceTensors(const ModelSpec& spec, const std::vector<TensorInfo>& tensors,
+                                       const PlacementOptions& options);
+
+}  // namespace moe::runtime

@@ -1,0 +1,194 @@
+#include "moe/runtime/placement.h"
+
+#include <charconv>
+#include <map>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace moe::runtime {
+namespace {
+
+bool Contains(std::string_view s, std::string_view part) { return s.find(part) != std::string_view::npos; }
+
+// A non-negative decimal that is all of `s`, or -1.
+int Index(std::string_view s) {
+  int v = -1;
+  const auto [end, err] = std::from_chars(s.data(), s.data() + s.size(), v);
+  return err == std::errc() && end == s.data() + s.size() && v >= 0 ? v : -1;
+}
+
+// "model.layers.12.rest" -> 12 and "rest"; -1 for names outside the layers.
+int LayerOf(std::string_view name, std::string_view* rest) {
+  constexpr std::string_view kPrefix = "model.layers.";
+  if (!name.starts_with(kPrefix)) return -1;
+  name.remove_prefix(kPrefix.size());
+  const size_t dot = name.find('.');
+  if (dot == std::string_view::npos) return -1;
+  *rest = name.substr(dot + 1);
+  return Index(name.substr(0, dot));
+}
+
+// The expert of "experts.7.…" in `rest`, or -1.
+int ExpertOf(std::string_view rest) {
+  const size_t at = rest.find("experts.");
+  if (at == std::string_view::npos || (at > 0 && rest[at - 1] != '.')) return -1;
+  std::string_view tail = rest.substr(at + 8);
+  const size_t dot = tail.find('.');
+  return dot == std::string_view::npos ? -1 : Index(tail.substr(0, dot));
+}
+
+bool PerToken(TensorRole role) { return role != TensorRole::kRoutedExpert && role != TensorRole::kOther; }
+
+std::string MiB(int64_t bytes) { return absl::StrFormat("%.1f MiB", bytes / 1048576.0); }
+
+}  // namespace
+
+std::string_view TensorRoleName(TensorRole role) {
+  switch (role) {
+    case TensorRole::kEmbedding:
+      return "embedding";
+    case TensorRole::kNorm:
+      return "norm";
+    case TensorRole::kAttention:
+      return "attention";
+    case TensorRole::kRouter:
+      return "router";
+    case TensorRole::kSharedExpert:
+      return "shared expert";
+    case TensorRole::kRoutedExpert:
+      return "routed expert";
+    case TensorRole::kDenseFfn:
+      return "dense FFN";
+    case TensorRole::kLmHead:
+      return "LM head";
+    case TensorRole::kOther:
+      return "other";
+  }
+  return "other";
+}
+
+TensorKind ClassifyTensor(std::string_view name) {
+  TensorKind k;
+  if (name == "model.embed_tokens.weight") return {TensorRole::kEmbedding, -1, -1};
+  if (name == "lm_head.weight") return {TensorRole::kLmHead, -1, -1};
+  if (name == "model.norm.weight") return {TensorRole::kNorm, -1, -1};
+  std::string_view rest;
+  k.layer = LayerOf(name, &rest);
+  if (k.layer < 0) return k;
+  if (Contains(rest, "layernorm") || Contains(rest, "_norm.")) {
+    k.role = TensorRole::kNorm;
+  } else if (rest.starts_with("self_attn.")) {
+    k.role = TensorRole::kAttention;
+  } else if (Contains(rest, "shared_expert")) {  // shared_expert., shared_experts., shared_expert_gate.
+    k.role = TensorRole::kSharedExpert;
+  } else if ((k.expert = ExpertOf(rest)) >= 0) {
+    k.role = TensorRole::kRoutedExpert;
+  } else if (rest.starts_with("mlp.gate.") || rest.starts_with("block_sparse_moe.gate.")) {
+    k.role = TensorRole::kRouter;
+  } else if (rest.starts_with("mlp.")) {
+    k.role = TensorRole::kDenseFfn;
+  }
+  return k;
+}
+
+absl::StatusOr<OverrideRule> ParseOverrideRule(std::string_view view) {
+  const std::string text(view);
+  const size_t eq = text.rfind('=');
+  if (eq == std::string_view::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--override-tensor '", text, "': expected REGEX=DEVICE, e.g. 'exps=cpu' or 'blk\\.1\\.=cuda:0'"));
+  }
+  OverrideRule rule;
+  rule.text = text;
+  const std::string regex = text.substr(0, eq);
+  const std::string device = text.substr(eq + 1);
+  if (regex.empty())
+    return absl::InvalidArgumentError(absl::StrCat("--override-tensor '", text, "': the regex is empty"));
+  try {
+    rule.pattern = std::regex(regex, std::regex::ECMAScript);
+  } catch (const std::regex_error& e) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--override-tensor '", text, "': '", regex, "' is not a valid regex (", e.what(), ")"));
+  }
+  absl::StatusOr<Device> d = ParseDevice(device);
+  if (!d.ok() || d->kind == Device::Kind::kAuto) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--override-tensor '", text, "': the device '", device, "' is not cpu, cuda or cuda:N"));
+  }
+  rule.device = *d;
+  return rule;
+}
+
+int64_t Placement::BytesOn(Device::Kind kind) const {
+  int64_t total = 0;
+  for (const TensorPlace& t : tensors) total += t.device.kind == kind ? t.bytes : 0;
+  return total;
+}
+
+absl::StatusOr<Placement> PlaceTensors(const ModelSpec& spec, const std::vector<TensorInfo>& tensors,
+                                       const PlacementOptions& options) {
+  // MoE layers in order: --n-cpu-moe counts them, not the dense ones before.
+  std::vector<int> moe_index(spec.num_layers, -1);
+  int moe_layers = 0;
+  for (int l = 0; l < spec.num_layers; ++l) {
+    if (spec.IsMoeLayer(l)) moe_index[l] = moe_layers++;
+  }
+  if (options.n_cpu_moe < 0 || options.n_cpu_moe > moe_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("--n-cpu-moe ", options.n_cpu_moe, ": the model has ", moe_layers,
+                                                   " MoE layers, so it takes 0 to ", moe_layers));
+  }
+  for (const OverrideRule& r : options.overrides) {
+    if (r.device.kind == Device::Kind::kCuda && r.device.index != options.gpu.index) {
+      return absl::InvalidArgumentError(absl::StrCat("--override-tensor '", r.text, "': the model runs on ",
+                                                     options.gpu.ToString(), "; one process uses one GPU"));
+    }
+  }
+  const Device cpu{Device::Kind::kCpu, 0};
+  Placement plan;
+  // Per-token tensors a rule put on the CPU: (rule, role) -> bytes and count.
+  std::map<std::pair<std::string, TensorRole>, std::pair<int64_t, int>> moved;
+  for (const TensorInfo& t : tensors) {
+    TensorPlace p;
+    p.name = t.name;
+    p.bytes = t.bytes;
+    p.kind = ClassifyTensor(t.name);
+    p.device = options.gpu;
+    p.rule = "default";
+    bool decided = false;
+    for (const OverrideRule& r : options.overrides) {
+      if (std::regex_search(t.name, r.pattern)) {
+        p.device = r.device;
+        p.rule = absl::StrCat("--override-tensor ", r.text);
+        decided = true;
+        break;
+      }
+    }
+    if (!decided && p.kind.role == TensorRole::kRoutedExpert) {
+      if (options.cpu_moe) {
+        p.device = cpu;
+        p.rule = "--cpu-moe";
+      } else if (p.kind.layer < spec.num_layers && moe_index[p.kind.layer] >= 0 &&
+                 moe_index[p.kind.layer] < options.n_cpu_moe) {
+        p.device = cpu;
+        p.rule = absl::StrCat("--n-cpu-moe ", options.n_cpu_moe);
+      }
+    }
+    if (p.device.kind == Device::Kind::kCpu && PerToken(p.kind.role)) {
+      auto& [bytes, count] = moved[{p.rule, p.kind.role}];
+      bytes += p.bytes;
+      ++count;
+    }
+    plan.tensors.push_back(std::move(p));
+  }
+  for (const auto& [key, value] : moved) {
+    plan.warnings.push_back(absl::StrCat(
+        key.first, " puts ", value.second, " ", std::string(TensorRoleName(key.second)), " tensor",
+        value.second == 1 ? "" : "s", " on the CPU: every token then reads their ", MiB(value.first),
+        " from host memory and the GPU waits for it; keep shared experts, the router, norms and attention on the GPU"));
+  }
+  return plan;
+}
+
+}  // namespace moe::runtime
