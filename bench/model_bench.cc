@@ -153,7 +153,11 @@ absl::StatusOr<ModelBenchResult> RunModelBench(runtime::Model& model, const Mode
   for (int batch : o.batches) {
     // Positions for the graph-timed steps, then (with a budget) the eager and the op-timed ones,
     // each after 4 untimed steps.
-    const int budget_steps = std::max(4, o.decode_steps / 4);
+    // As many op-timed steps as the backend times whole: at most 16 operations a layer (norms,
+    // QKV, RoPE, attention, o_proj, router, top-k, routed and shared experts) and 8 outside.
+    const int ops_per_step = 16 * spec.num_layers + 8;
+    const int budget_steps =
+        std::clamp(o.decode_steps / 4, 1, std::max(1, runtime::Backend::kMaxTimedOperations / ops_per_step));
     const int decode_positions = (o.decode_steps + 4) + (o.budget ? o.decode_steps + 4 + budget_steps : 0);
     const int per_seq = runtime::BlocksFor(o.decode_context + decode_positions + 1, block);
     MOE_ASSIGN_OR_RETURN(auto cache, model.NewKvCache(batch * per_seq, block));

@@ -128,8 +128,10 @@ TEST_P(CudaGoldensTest, EveryTensorOfAStepIsNearTheCpuReference) {
   for (size_t k = 0; k < steps.size(); ++k) {
     const std::vector<Tapped> g = TraceStep(*gpu, steps[k], **gpu_cache), c = TraceStep(*cpu, steps[k], **cpu_cache);
     ASSERT_EQ(g.size(), c.size());
-    bool flipped = false;            // a routing flip earlier in this step
-    std::vector<bool> same_experts;  // per row, at the last MoE layer
+    bool flipped = false;                // a routing flip earlier in this step
+    std::vector<bool> same_experts;      // per row, at the last MoE layer
+    const Tapped* gpu_router = nullptr;  // this layer's router logits
+    const Tapped* cpu_router = nullptr;
     for (size_t i = 0; i < g.size(); ++i) {
       ASSERT_EQ(g[i].what, c[i].what);
       ASSERT_EQ(g[i].values.size(), c[i].values.size()) << g[i].what << " layer " << g[i].layer;
@@ -145,10 +147,32 @@ TEST_P(CudaGoldensTest, EveryTensorOfAStepIsNearTheCpuReference) {
           std::sort(b.begin(), b.end());
           same_experts[r] = a == b;
           flips += !same_experts[r];
+          // A flip is a near-tie of the CPU's own router: with softmax scoring the k-th and
+          // (k+1)-th logits of the row are within a few times what the GPU's logits differ by.
+          // (Sigmoid scoring with a correction bias and groups is not checked this way.)
+          if (!same_experts[r] && !flipped && cpu->spec().routing.scoring == runtime::ScoringFunction::kSoftmax &&
+              gpu_router != nullptr && cpu_router != nullptr) {
+            const int experts = cpu->spec().routing.num_experts;
+            std::vector<float> cl(cpu_router->values.begin() + r * experts,
+                                  cpu_router->values.begin() + (r + 1) * experts);
+            float diff = 0;
+            for (int e = 0; e < experts; ++e) {
+              diff = std::max(diff, std::abs(gpu_router->values[r * experts + e] - cl[e]));
+            }
+            std::sort(cl.begin(), cl.end(), std::greater<float>());
+            EXPECT_LE(cl[top_k - 1] - cl[top_k], 4 * diff + 1e-4f)
+                << at << ", row " << r << ": a flip where the CPU's router does not nearly tie";
+          }
         }
-        if (flips > 0)
-          std::cout << "[ tap ] " << at << ": " << flips << " of " << rows << " rows route to other experts\n";
+        if (!flipped) {
+          EXPECT_LE(flips * 4, static_cast<int>(rows)) << at << ": more than a quarter of the rows flip";
+        }
+        if (flips > 0) std::cout << "[ tap ] " << at << ": " << flips << " of " << rows << " rows route elsewhere\n";
         continue;
+      }
+      if (g[i].what == "router_logits") {
+        gpu_router = &g[i];
+        cpu_router = &c[i];
       }
       const double err = RelativeError(g[i].values, c[i].values);
       if (err > 1e-2 || g[i].what == "logits") std::cout << "[ tap ] " << at << ": relative error " << err << "\n";
@@ -161,6 +185,7 @@ TEST_P(CudaGoldensTest, EveryTensorOfAStepIsNearTheCpuReference) {
           ga.insert(ga.end(), g[i].values.begin() + r * hidden, g[i].values.begin() + (r + 1) * hidden);
           ca.insert(ca.end(), c[i].values.begin() + r * hidden, c[i].values.begin() + (r + 1) * hidden);
         }
+        EXPECT_FALSE(ga.empty()) << at << ": no row routes alike";
         const double agreeing = RelativeError(ga, ca);
         std::cout << "[ tap ] " << at << ": relative error " << agreeing << " over the rows routed alike\n";
         EXPECT_LT(agreeing, kBound) << at << ", over the rows routed alike";
@@ -233,7 +258,7 @@ TEST_P(CudaGoldensTest, LogitsAreNearTransformersAndGreedyAgreesWhileConfident) 
             << " cases stopped at a margin above 0.05 but under twice the step's GPU-CPU difference)\n";
   RecordProperty("worst_logit_error", std::to_string(worst));
   RecordProperty("relative_rms_error", std::to_string(rms));
-  EXPECT_LT(rms, 0.25);
+  EXPECT_LT(rms, 0.2);
 }
 
 TEST_P(CudaGoldensTest, GraphsGiveTheTokensOfEagerMode) {

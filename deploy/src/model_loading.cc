@@ -5,16 +5,14 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "moe/core/status.h"
+#include "moe/runtime/memory_plan.h"
 #include "moe/runtime/weight_source.h"
 
 namespace moe::deploy {
 namespace {
 
-std::string GiB(int64_t bytes) { return absl::StrFormat("%.1f GiB", static_cast<double>(bytes) / (1 << 30)); }
-
-// Memory a GPU keeps beyond the weights and the caller's extra: the CUDA context, cuBLASLt's
-// workspace, the kernels' scratch and the fragmentation of many allocations.
-constexpr int64_t kGpuHeadroomBytes = int64_t{2} << 30;
+using runtime::kGpuHeadroomBytes;
+std::string GiB(int64_t bytes) { return runtime::FormatGiB(bytes); }
 
 }  // namespace
 

@@ -90,6 +90,26 @@ absl::Status ForEachStepBuffer(const ModelSpec& s, DType act, int64_t t, int64_t
 
 Model::~Model() = default;
 
+Model::StepArena Model::StepArenaBytes(const ModelSpec& s, DType activation, int64_t max_tokens, int64_t max_logit_rows,
+                                       int max_context) {
+  auto aligned = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
+  StepArena arena;
+  int64_t per_step = 0;
+  StepBuffers sizing;
+  (void)ForEachStepBuffer(s, activation, max_tokens, max_logit_rows, &sizing,
+                          [&](Tensor*, DType dtype, int64_t rows, int64_t cols) {
+                            per_step += aligned(rows * cols * core::DTypeSize(dtype));
+                            return absl::OkStatus();
+                          });
+  // Inputs: ids, positions, row_seq, seq_start, seq_len, logit rows, and the block tables of as
+  // many sequences as tokens, each long enough for the whole context.
+  const int64_t max_blocks = BlocksFor(max_context, kStagedBlockSize) + 1;
+  arena.inputs = 7 * 256 + 4 * (5 * max_tokens + 1 + max_logit_rows) +
+                 4 * std::min<int64_t>(max_tokens, kMaxStagedSequences) * max_blocks;
+  arena.total = per_step + aligned(arena.inputs);
+  return arena;
+}
+
 std::vector<float> RopeInverseFrequencies(const ModelSpec& spec) {
   const int half = spec.rotary_dim / 2;
   std::vector<float> inv_freq(half);
@@ -150,19 +170,8 @@ absl::Status Model::ReserveStep() {
 
   const int64_t t = options_.max_step_tokens, l = options_.max_logit_rows;
   const int64_t qkv_width = int64_t{s.num_heads + 2 * s.num_kv_heads} * s.head_dim;
-  auto aligned = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
-  int64_t per_step = 0;
-  StepBuffers sizing;
-  MOE_RETURN_IF_ERROR(ForEachStepBuffer(s, b.activation_dtype(), t, l, &sizing,
-                                        [&](Tensor*, DType dtype, int64_t rows, int64_t cols) {
-                                          per_step += aligned(rows * cols * core::DTypeSize(dtype));
-                                          return absl::OkStatus();
-                                        }));
-  // Inputs: ids, positions, row_seq, seq_start, seq_len, logit rows, and the block tables of as
-  // many sequences as tokens, each long enough for the whole context.
-  const int64_t max_blocks = BlocksFor(options_.max_context, kStagedBlockSize) + 1;
-  const int64_t inputs = 7 * 256 + 4 * (5 * t + 1 + l) + 4 * std::min<int64_t>(t, kMaxStagedSequences) * max_blocks;
-  MOE_RETURN_IF_ERROR(b.ReserveArena(per_step + aligned(inputs), inputs));
+  const StepArena arena = StepArenaBytes(s, b.activation_dtype(), t, l, options_.max_context);
+  MOE_RETURN_IF_ERROR(b.ReserveArena(arena.total, arena.inputs));
   Backend::StepLimits limits;
   limits.max_tokens = static_cast<int>(t);
   limits.max_logit_rows = static_cast<int>(l);

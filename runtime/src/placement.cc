@@ -39,7 +39,10 @@ int ExpertOf(std::string_view rest) {
   return dot == std::string_view::npos ? -1 : Index(tail.substr(0, dot));
 }
 
-bool PerToken(TensorRole role) { return role != TensorRole::kRoutedExpert && role != TensorRole::kOther; }
+// Read whole for every token (an embedding lookup reads one row, a routed expert only when chosen).
+bool PerToken(TensorRole role) {
+  return role != TensorRole::kRoutedExpert && role != TensorRole::kOther && role != TensorRole::kEmbedding;
+}
 
 std::string MiB(int64_t bytes) { return absl::StrFormat("%.1f MiB", bytes / 1048576.0); }
 
@@ -153,6 +156,8 @@ absl::StatusOr<Placement> PlaceTensors(const ModelSpec& spec, const std::vector<
     TensorPlace p;
     p.name = t.name;
     p.bytes = t.bytes;
+    p.elements = t.elements > 0 ? t.elements : t.bytes / 2;
+    p.rank = t.rank;
     p.kind = ClassifyTensor(t.name);
     p.device = options.gpu;
     p.rule = "default";

@@ -32,7 +32,7 @@ Checkpoint Load(const std::string& arch) {
   for (const std::string& name : (*source)->Names()) {
     auto view = (*source)->Get(name);
     EXPECT_TRUE(view.ok());
-    c.tensors.push_back({name, view->bytes()});
+    c.tensors.push_back({name, view->bytes(), view->numel(), static_cast<int>(view->rank())});
   }
   return c;
 }

@@ -303,7 +303,9 @@ class Backend {
   // whole, so that its operations run back to back and their times exclude the host's launch
   // latency. `span_seconds` adds each step's time from its first operation's start to its last
   // one's end: its excess over the sum is the device idle between operations.
-  // kUnimplemented where the backend has no device clock.
+  // kUnimplemented where the backend has no device clock. A backend may time only the first
+  // kMaxTimedOperations operations (the CUDA backend does); time fewer steps than that holds.
+  static constexpr int kMaxTimedOperations = 4096;
   struct OpTime {
     std::string op;  // the operation (a Linear by its weight's shape)
     double seconds = 0;

@@ -99,6 +99,16 @@ class Model {
   // Bytes of weights on the backend (routed experts included when the backend runs them).
   int64_t weight_bytes() const;
 
+  // Bytes of the step arena ReserveStep reserves for steps of up to `max_tokens` tokens and
+  // `max_logit_rows` logit rows with activations in `activation` (what a memory plan counts
+  // before loading); `inputs` of them hold the step's uploaded inputs.
+  struct StepArena {
+    int64_t total = 0;
+    int64_t inputs = 0;
+  };
+  static StepArena StepArenaBytes(const ModelSpec& spec, core::DType activation, int64_t max_tokens,
+                                  int64_t max_logit_rows, int max_context);
+
   // A KV cache for this model with `num_blocks` blocks of `block_size` positions.
   absl::StatusOr<std::unique_ptr<KvCache>> NewKvCache(int num_blocks, int block_size = 16);
 

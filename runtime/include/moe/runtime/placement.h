@@ -4,9 +4,9 @@
 //                                          name wins, before any other rule)
 //   --cpu-moe                              every routed expert on the CPU
 //   --n-cpu-moe N                          the routed experts of the first N MoE layers on the CPU
-// Everything else goes to the GPU. Shared experts, the router, norms, attention, the embedding and
-// the LM head are read for every token, so a rule that puts one on the CPU is honoured with a
-// warning giving what it costs: its bytes, read from host memory for every token.
+// Everything else goes to the GPU. Shared experts, the router, norms, attention and the LM head
+// are read whole for every token, so a rule that puts one on the CPU is honoured with a warning
+// giving what it costs: its bytes, read from host memory for every token.
 //
 // Plain functions of names and sizes: nothing here loads or allocates.
 #pragma once
@@ -63,14 +63,18 @@ struct PlacementOptions {
 
 struct TensorInfo {
   std::string name;
-  int64_t bytes = 0;
+  int64_t bytes = 0;     // as stored in the checkpoint
+  int64_t elements = 0;  // 0: bytes / 2 (a bf16 checkpoint)
+  int rank = 2;
 };
 
 struct TensorPlace {
   std::string name;
   TensorKind kind;
   Device device;
-  int64_t bytes = 0;
+  int64_t bytes = 0;  // as stored
+  int64_t elements = 0;
+  int rank = 2;
   std::string rule;  // what decided it: "--override-tensor R", "--cpu-moe", "--n-cpu-moe N", "default"
 };
 
