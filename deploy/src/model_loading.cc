@@ -3,19 +3,11 @@
 #include <iostream>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "moe/core/status.h"
 #include "moe/runtime/memory_plan.h"
 #include "moe/runtime/weight_source.h"
 
 namespace moe::deploy {
-namespace {
-
-using runtime::kGpuHeadroomBytes;
-std::string GiB(int64_t bytes) { return runtime::FormatGiB(bytes); }
-
-}  // namespace
-
 void DeviceFlags::Add(CLI::App* app) {
   app->add_option("--device", device,
                   "where the model runs: auto (the GPU when one is visible and the model fits in its memory, else "
@@ -34,8 +26,7 @@ absl::StatusOr<int64_t> GpuWeightBytes(const std::string& model_dir) {
   return bytes;
 }
 
-absl::Status CheckModelFlags(const DeviceFlags& device_flags, const ExpertFlags& experts,
-                             const std::string& command) {
+absl::Status CheckModelFlags(const DeviceFlags& device_flags, const ExpertFlags& experts, const std::string& command) {
   auto device = runtime::ParseDevice(device_flags.device);
   if (!device.ok()) return device.status();
   runtime::ModelOptions options;
@@ -75,22 +66,22 @@ absl::StatusOr<runtime::Device> ResolveDevice(const DeviceFlags& flags, const st
   }
   MOE_ASSIGN_OR_RETURN(const int64_t weights, GpuWeightBytes(model_dir));
   MOE_ASSIGN_OR_RETURN(const auto memory, runtime::CudaMemoryInfo(0));
-  const int64_t need = weights + extra_bytes + kGpuHeadroomBytes;
+  const int64_t need = weights + extra_bytes + runtime::kGpuHeadroomBytes;
   if (need > memory.first) {
-    *why = absl::StrCat("the model needs ", GiB(need), " on a GPU (", GiB(weights), " of weights) and cuda:0 has ",
-                        GiB(memory.first), " free");
+    *why = absl::StrCat("the model needs ", runtime::FormatGiB(need), " on a GPU (", runtime::FormatGiB(weights),
+                        " of weights) and cuda:0 has ", runtime::FormatGiB(memory.first), " free");
     return runtime::Device{runtime::Device::Kind::kCpu, 0};
   }
-  *why = absl::StrCat("the model's ", GiB(weights), " of weights fit in ", GiB(memory.first), " free on ",
-                      runtime::CudaDeviceName(0));
+  *why = absl::StrCat("the model's ", runtime::FormatGiB(weights), " of weights fit in ",
+                      runtime::FormatGiB(memory.first), " free on ", runtime::CudaDeviceName(0));
   return runtime::Device{runtime::Device::Kind::kCuda, 0};
 }
 
 absl::StatusOr<std::unique_ptr<runtime::Model>> LoadModelForCommand(const std::string& model_dir,
                                                                     const DeviceFlags& device_flags,
                                                                     const ExpertFlags& experts,
-                                                                    runtime::ModelOptions options,
-                                                                    int64_t extra_bytes, const std::string& command) {
+                                                                    runtime::ModelOptions options, int64_t extra_bytes,
+                                                                    const std::string& command) {
   MOE_RETURN_IF_ERROR(experts.Apply(&options, command));
   DeviceFlags resolved = device_flags;
   resolved.experts_pool = experts.mode == "pool";
