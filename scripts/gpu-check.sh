@@ -4,7 +4,7 @@
 # libraries that machine lacks) and env.sh (their library path), as scripts/device-ctest.sh
 # expects. Logs go to $LOGS (or ./gpu-logs); each phase has a time limit, so that a hung phase
 # leaves the others their time.
-#   scripts/gpu-check.sh BUNDLE_DIR [tests|sanitize|bench|serve|all ...]
+#   scripts/gpu-check.sh BUNDLE_DIR [tests|cpu|sanitize|bench|serve|profile|all ...]
 set -uo pipefail
 bundle=$(cd "$1" && pwd); shift
 phases=" ${*:-all} "
@@ -26,6 +26,19 @@ if want tests; then
   grep -E "^[0-9]+: \[ tap \]" "$out/ctest-gpu.log" | awk '$NF+0 > 0.02' | head -20
   grep -E "tests passed|\(Failed\)|Not Run|Skipped|Total Test|FAILED  \]" "$out/ctest-gpu.log" | head -40
   grep -h -E "cuda goldens|GB/s|TFLOP/s|us a layer" "$out/ctest-gpu.log" | head -40
+fi
+if want cpu; then
+  # The CPU kernels on this machine's cores (AMX among them), the expert pool against the read
+  # bandwidth, and the whole model on the CPU backend.
+  timeout 200 "$bundle/bin/experts_test" > "$out/experts-test.log" 2>&1; echo "experts_test: exit $?"
+  grep -E "PASSED|FAILED|SKIPPED|tests ran" "$out/experts-test.log" | head -20
+  timeout 120 "$bundle/bin/moeserve" bench experts --formats int8,int4 --batches 1,16,512 --layers 8 \
+    > "$out/bench-experts.log" 2>&1; echo "bench experts: exit $?"
+  grep -v "^loading" "$out/bench-experts.log" | tail -40
+  make_model
+  timeout 200 "$bundle/bin/moeserve" bench model --model "$model" --device cpu --expert-format int8 --batches 1,8 \
+    --prompts 512 --decode-steps 16 > "$out/bench-model-cpu.log" 2>&1; echo "bench model cpu: exit $?"
+  grep -v "^loading" "$out/bench-model-cpu.log" | tail -40
 fi
 if want bench; then
   make_model

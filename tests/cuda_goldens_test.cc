@@ -6,6 +6,7 @@
 #include <cmath>
 #include <iostream>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -26,13 +27,20 @@ using runtime::SequenceChunk;
 
 constexpr float kSmallMargin = 0.05f;
 
-std::unique_ptr<Model> LoadOn(const std::string& arch, bool gpu, bool graphs = true) {
+// On the GPU (`gpu`) or the CPU reference. `pool_layers`, on the GPU: hybrid execution, the routed
+// experts of those layers (every MoE layer when empty) in the CPU pool.
+std::unique_ptr<Model> LoadOn(const std::string& arch, bool gpu, bool graphs = true,
+                              std::optional<std::vector<int>> pool_layers = std::nullopt) {
   runtime::ModelOptions options;
   options.pool.progress = false;
   options.graphs = graphs;
   std::shared_ptr<runtime::Backend> backend;
   if (gpu) {
     options.experts = runtime::RoutedExpertsMode::kBackend;
+    if (pool_layers) {
+      options.experts = runtime::RoutedExpertsMode::kPool;
+      if (!pool_layers->empty()) options.pool_layers = *pool_layers;
+    }
     auto b = runtime::CreateBackend(runtime::Device{runtime::Device::Kind::kCuda, 0});
     EXPECT_TRUE(b.ok()) << b.status();
     if (!b.ok()) return nullptr;
@@ -164,8 +172,10 @@ TEST_P(CudaGoldensTest, EveryTensorOfAStepIsNearTheCpuReference) {
                 << at << ", row " << r << ": a flip where the CPU's router does not nearly tie";
           }
         }
+        // A step of a row or two (decode) may flip its one row at a near-tie; more rows flip a
+        // quarter of them at most.
         if (!flipped) {
-          EXPECT_LE(flips * 4, static_cast<int>(rows)) << at << ": more than a quarter of the rows flip";
+          EXPECT_LE(flips, std::max<int>(1, static_cast<int>(rows) / 4)) << at << ": more than a quarter of the rows flip";
         }
         if (flips > 0) std::cout << "[ tap ] " << at << ": " << flips << " of " << rows << " rows route elsewhere\n";
         continue;
@@ -185,7 +195,11 @@ TEST_P(CudaGoldensTest, EveryTensorOfAStepIsNearTheCpuReference) {
           ga.insert(ga.end(), g[i].values.begin() + r * hidden, g[i].values.begin() + (r + 1) * hidden);
           ca.insert(ca.end(), c[i].values.begin() + r * hidden, c[i].values.begin() + (r + 1) * hidden);
         }
-        EXPECT_FALSE(ga.empty()) << at << ": no row routes alike";
+        if (ga.empty()) {  // the step's one row flipped (a near-tie, checked above)
+          EXPECT_EQ(same_experts.size(), 1u) << at << ": no row routes alike";
+          flipped = true;
+          continue;
+        }
         const double agreeing = RelativeError(ga, ca);
         std::cout << "[ tap ] " << at << ": relative error " << agreeing << " over the rows routed alike\n";
         EXPECT_LT(agreeing, kBound) << at << ", over the rows routed alike";
@@ -201,11 +215,10 @@ TEST_P(CudaGoldensTest, EveryTensorOfAStepIsNearTheCpuReference) {
   }
 }
 
-TEST_P(CudaGoldensTest, LogitsAreNearTransformersAndGreedyAgreesWhileConfident) {
-  auto gpu = LoadOn(GetParam(), true);
-  auto cpu = LoadOn(GetParam(), false);
-  ASSERT_TRUE(gpu && cpu);
-  const nlohmann::json golden = testing::LoadGolden(GetParam());
+// The GPU model's logits against transformers' (relative RMS), and its greedy tokens against the
+// goldens while the CPU reference is confident.
+void ExpectNearTheGoldens(const std::string& arch, const std::string& label, Model& gpu, Model& cpu) {
+  const nlohmann::json golden = testing::LoadGolden(arch);
   float worst = 0;
   double sq_err = 0, sq_ref = 0;
   int compared = 0, agreed = 0, widened = 0;
@@ -213,7 +226,7 @@ TEST_P(CudaGoldensTest, LogitsAreNearTransformersAndGreedyAgreesWhileConfident) 
     const auto& gc = golden["cases"][c];
     const std::vector<int32_t> prompt = gc["prompt_ids"];
     const std::vector<int32_t> want = gc["greedy_ids"];
-    const auto rows = FullForward(*gpu, prompt);
+    const auto rows = FullForward(gpu, prompt);
     ASSERT_EQ(rows.size(), prompt.size()) << "the prefill of case " << c << " failed";
     const size_t from = gc["logits_from_position"];
     for (size_t r = 0; r < gc["logits"].size(); ++r) {
@@ -229,12 +242,12 @@ TEST_P(CudaGoldensTest, LogitsAreNearTransformersAndGreedyAgreesWhileConfident) 
     options.max_new_tokens = static_cast<int>(want.size());
     options.stop_at_eos = false;
     options.step_logits = true;
-    auto on_gpu = runtime::Generate(*gpu, prompt, options);
-    auto on_cpu = runtime::Generate(*cpu, prompt, options);
+    auto on_gpu = runtime::Generate(gpu, prompt, options);
+    auto on_cpu = runtime::Generate(cpu, prompt, options);
     ASSERT_TRUE(on_gpu.ok() && on_cpu.ok()) << on_gpu.status() << on_cpu.status();
     ASSERT_EQ(on_cpu->generated_ids, want) << "the CPU reference itself must match the goldens";
     ASSERT_FALSE(on_gpu->generated_ids.empty());
-    EXPECT_EQ(on_gpu->generated_ids[0], want[0]) << GetParam() << " case " << c << ": the first greedy token";
+    EXPECT_EQ(on_gpu->generated_ids[0], want[0]) << label << " case " << c << ": the first greedy token";
     for (size_t i = 0; i < want.size() && i < on_gpu->generated_ids.size(); ++i) {
       // bf16 may pick the runner-up from a step whose top-1 margin (by the CPU) is small: below
       // 0.05, or below twice what this step's GPU logits differ from the CPU's (routing near-ties
@@ -247,18 +260,63 @@ TEST_P(CudaGoldensTest, LogitsAreNearTransformersAndGreedyAgreesWhileConfident) 
       }
       ++compared;
       agreed += on_gpu->generated_ids[i] == want[i];
-      EXPECT_EQ(on_gpu->generated_ids[i], want[i]) << GetParam() << " case " << c << " step " << i << " (CPU margin "
+      EXPECT_EQ(on_gpu->generated_ids[i], want[i]) << label << " case " << c << " step " << i << " (CPU margin "
                                                    << margin << ", GPU-CPU logit difference " << step_diff << ")";
       if (on_gpu->generated_ids[i] != want[i]) break;
     }
   }
   const double rms = std::sqrt(sq_err / std::max(sq_ref, 1e-30));
-  std::cout << "[ cuda goldens ] " << GetParam() << ": worst logit error " << worst << ", relative rms error " << rms
+  std::cout << "[ cuda goldens ] " << label << ": worst logit error " << worst << ", relative rms error " << rms
             << "; greedy " << agreed << "/" << compared << " confident steps agree (" << widened
             << " cases stopped at a margin above 0.05 but under twice the step's GPU-CPU difference)\n";
-  RecordProperty("worst_logit_error", std::to_string(worst));
-  RecordProperty("relative_rms_error", std::to_string(rms));
-  EXPECT_LT(rms, 0.2);
+  ::testing::Test::RecordProperty("worst_logit_error", std::to_string(worst));
+  ::testing::Test::RecordProperty("relative_rms_error", std::to_string(rms));
+  EXPECT_LT(rms, 0.2) << label;
+}
+
+TEST_P(CudaGoldensTest, LogitsAreNearTransformersAndGreedyAgreesWhileConfident) {
+  auto gpu = LoadOn(GetParam(), true);
+  auto cpu = LoadOn(GetParam(), false);
+  ASSERT_TRUE(gpu && cpu);
+  ExpectNearTheGoldens(GetParam(), GetParam(), *gpu, *cpu);
+}
+
+// Hybrid execution: the routed experts of every MoE layer (--cpu-moe), or of the first two
+// (--n-cpu-moe 2), in the CPU pool beside the GPU, from graphs and eagerly: the same bf16
+// tolerance against the goldens as the GPU alone, and graphs give the tokens of eager mode.
+TEST_P(CudaGoldensTest, HybridExecutionIsNearTheGoldensWithAndWithoutGraphs) {
+  auto cpu = LoadOn(GetParam(), false);
+  ASSERT_TRUE(cpu);
+  std::vector<int> moe_layers;
+  for (int l = 0; l < cpu->spec().num_layers; ++l) {
+    if (cpu->spec().IsMoeLayer(l)) moe_layers.push_back(l);
+  }
+  const std::vector<int> first_two(moe_layers.begin(), moe_layers.begin() + std::min<size_t>(2, moe_layers.size()));
+  const nlohmann::json golden = testing::LoadGolden(GetParam());
+  for (const bool all : {true, false}) {
+    std::vector<std::vector<int32_t>> tokens;
+    for (const bool graphs : {true, false}) {
+      auto hybrid = LoadOn(GetParam(), true, graphs, all ? std::vector<int>{} : first_two);
+      ASSERT_TRUE(hybrid);
+      ASSERT_NE(hybrid->expert_pool(), nullptr);
+      EXPECT_EQ(hybrid->pool_layers(), all ? moe_layers : first_two);
+      const std::string label =
+          absl::StrCat(GetParam(), all ? " --cpu-moe" : " --n-cpu-moe 2", graphs ? "" : " --eager");
+      ExpectNearTheGoldens(GetParam(), label, *hybrid, *cpu);
+      const runtime::HostExpertsTiming timing = hybrid->host_experts_timing();
+      EXPECT_GT(timing.calls, 0) << label << ": the pool computed nothing";
+      std::cout << "[ hybrid ] " << label << ": " << timing.calls << " host calls, "
+                << 1e6 * timing.compute_seconds / std::max<int64_t>(timing.calls, 1) << " us each\n";
+      runtime::GenerateOptions options;
+      options.max_new_tokens = 24;
+      options.stop_at_eos = false;
+      auto out = runtime::Generate(*hybrid, golden["cases"][0]["prompt_ids"].get<std::vector<int32_t>>(), options);
+      ASSERT_TRUE(out.ok()) << label << ": " << out.status();
+      tokens.push_back(out->generated_ids);
+    }
+    EXPECT_EQ(tokens[0], tokens[1]) << GetParam() << (all ? " --cpu-moe" : " --n-cpu-moe 2")
+                                    << ": graphs and eager mode differ";
+  }
 }
 
 TEST_P(CudaGoldensTest, GraphsGiveTheTokensOfEagerMode) {

@@ -132,6 +132,44 @@ TEST_P(GoldensTest, ReferenceExpertsMatchToo) {
   EXPECT_LT(worst, 1e-3f);
 }
 
+// The pool may hold some layers' routed experts only (--n-cpu-moe on a GPU); the others run on
+// the backend. On the CPU backend that mix matches the goldens as each path does alone.
+TEST_P(GoldensTest, PoolForSomeLayersTheBackendForTheRest) {
+  auto probe = LoadFixture(GetParam());
+  ASSERT_NE(probe, nullptr);
+  int first_moe = -1;
+  for (int l = 0; l < probe->spec().num_layers && first_moe < 0; ++l) {
+    if (probe->spec().IsMoeLayer(l)) first_moe = l;
+  }
+  probe.reset();
+  runtime::ModelOptions options;
+  options.pool_layers = std::vector<int>{first_moe};
+  auto model = LoadFixture(GetParam(), options);
+  ASSERT_NE(model, nullptr);
+  ASSERT_NE(model->expert_pool(), nullptr);
+  EXPECT_EQ(model->expert_pool()->shape().num_layers, 1);
+  EXPECT_EQ(model->pool_layers(), std::vector<int>{first_moe});
+  const nlohmann::json golden = testing::LoadGolden(GetParam());
+  const auto& gc = golden["cases"][3];
+  const std::vector<int32_t> prompt = gc["prompt_ids"];
+  const auto rows = FullForward(*model, prompt);
+  const size_t from = gc["logits_from_position"];
+  float worst = 0;
+  for (size_t r = 0; r < gc["logits"].size(); ++r) worst = std::max(worst, MaxAbsDiff(rows[from + r], gc["logits"][r]));
+  EXPECT_LT(worst, 1e-3f);
+}
+
+// A layer without routed experts cannot be put in the pool: the error names it.
+TEST(PoolLayersTest, ALayerWithoutExpertsIsRefused) {
+  runtime::ModelOptions options;
+  options.pool.progress = false;
+  options.pool_layers = std::vector<int>{7};
+  auto model = Model::Load(testing::FixtureDir("qwen3_moe"), options);
+  ASSERT_FALSE(model.ok());
+  EXPECT_EQ(model.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(model.status().message().find("not in layer 7"), std::string::npos) << model.status();
+}
+
 // On the CPU backend the pool's threads do not stay awake between MoE layers (the backend's own
 // threads need the cores then) unless asked to; lingering or not, the logits are the same bits.
 TEST_P(GoldensTest, PoolThreadsLingerOnlyWhenAskedOnTheCpuBackend) {

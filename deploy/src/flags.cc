@@ -142,6 +142,18 @@ void ExpertFlags::Add(CLI::App* app) {
                   "reference (the CPU backend's plain path)")
       ->check(CLI::IsMember({"auto", "pool", "gpu", "reference"}))
       ->capture_default_str();
+  app->add_flag("--cpu-moe", cpu_moe,
+                "on a GPU: every routed expert in the CPU pool, computed by the CPU cores from host memory; "
+                "attention, shared experts, the router and the KV cache stay on the GPU (hybrid execution)");
+  app->add_option("--n-cpu-moe", n_cpu_moe,
+                  "on a GPU: the routed experts of the first N MoE layers in the CPU pool, the rest on the GPU")
+      ->check(IntIn(0, 100000));
+  app->add_option("--override-tensor", override_tensor,
+                  "REGEX=cpu|cuda[:N], repeatable: the checkpoint's tensors whose name the regex finds go there, the first "
+                  "matching rule winning over every other rule (as llama.cpp's -ot does), e.g. 'experts=cpu' or "
+                  "'layers\\.[0-9]\\.mlp\\.experts\\.=cpu'. Only routed experts can run on the CPU beside a GPU")
+      ->expected(1)
+      ->take_all();
   app->add_option("--expert-format", format, "packed format of the expert pool's weights: bf16, int8 or int4")
       ->capture_default_str();
   app->add_option("--expert-group", group, "int4 scale group size: 32, 64 or 128")

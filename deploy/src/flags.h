@@ -50,7 +50,8 @@ int AvailableCores();
 void WarnIfMoreThreadsThanCores(int threads, const std::string& flag, const std::string& command);
 
 // The expert-pool flags shared by the commands that load a model: --experts, --expert-format,
-// --expert-group, --expert-kernel, --expert-threads, --expert-linger-us, --expert-shm.
+// --expert-group, --expert-kernel, --expert-threads, --expert-linger-us, --expert-shm, and the
+// placement of routed experts beside a GPU: --cpu-moe, --n-cpu-moe, --override-tensor.
 struct ExpertFlags {
   std::string mode = "auto";
   std::string format = "bf16";
@@ -59,7 +60,13 @@ struct ExpertFlags {
   int threads = 0;
   std::optional<int64_t> linger_us;
   std::string shm;
+  // Hybrid execution on a GPU: which layers' routed experts stay in the CPU pool.
+  bool cpu_moe = false;
+  int n_cpu_moe = 0;
+  std::vector<std::string> override_tensor;
 
+  // True when a placement flag asks for routed experts in the CPU pool beside a GPU.
+  bool Hybrid() const { return mode == "pool" || cpu_moe || n_cpu_moe > 0 || !override_tensor.empty(); }
   void Add(CLI::App* app);
   // kInvalidArgument naming the flag for a value the pool cannot take.
   absl::Status Apply(runtime::ModelOptions* options, const std::string& command) const;

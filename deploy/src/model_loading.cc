@@ -1,10 +1,13 @@
 #include "model_loading.h"
 
+#include <algorithm>
 #include <iostream>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "moe/core/status.h"
 #include "moe/runtime/memory_plan.h"
+#include "moe/runtime/model_spec.h"
 #include "moe/runtime/weight_source.h"
 
 namespace moe::deploy {
@@ -31,11 +34,19 @@ absl::Status CheckModelFlags(const DeviceFlags& device_flags, const ExpertFlags&
   if (!device.ok()) return device.status();
   runtime::ModelOptions options;
   MOE_RETURN_IF_ERROR(experts.Apply(&options, command));
-  if (device->kind == runtime::Device::Kind::kCuda && experts.mode == "pool") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--experts pool with --device ", device->ToString(),
-        ": routed experts in the CPU pool beside a GPU (hybrid execution) is not supported yet; use --experts "
-        "auto (on the GPU) or --device cpu"));
+  for (const std::string& rule : experts.override_tensor) {
+    if (auto parsed = runtime::ParseOverrideRule(rule); !parsed.ok()) return parsed.status();
+  }
+  const bool placement = experts.cpu_moe || experts.n_cpu_moe > 0 || !experts.override_tensor.empty();
+  if (placement && device->kind == runtime::Device::Kind::kCpu) {
+    return absl::InvalidArgumentError(
+        "--cpu-moe, --n-cpu-moe and --override-tensor place routed experts beside a GPU; with --device cpu every "
+        "tensor is on the CPU already");
+  }
+  if (placement && (experts.mode == "gpu" || experts.mode == "reference")) {
+    return absl::InvalidArgumentError(absl::StrCat("--experts ", experts.mode,
+                                                   " keeps every routed expert off the CPU pool, which --cpu-moe, "
+                                                   "--n-cpu-moe and --override-tensor put there; drop one of them"));
   }
   if (device->kind == runtime::Device::Kind::kCpu && experts.mode == "gpu") {
     return absl::InvalidArgumentError("--experts gpu needs a GPU: --device cuda or auto");
@@ -43,8 +54,26 @@ absl::Status CheckModelFlags(const DeviceFlags& device_flags, const ExpertFlags&
   return absl::OkStatus();
 }
 
+absl::StatusOr<HybridPlan> PlanHybrid(const std::string& model_dir, const ExpertFlags& experts) {
+  MOE_ASSIGN_OR_RETURN(const runtime::ModelSpec spec, runtime::LoadModelSpec(model_dir));
+  MOE_ASSIGN_OR_RETURN(auto source, runtime::OpenSafetensors(model_dir));
+  MOE_ASSIGN_OR_RETURN(const std::vector<runtime::TensorInfo> tensors, runtime::CheckpointTensors(*source));
+  runtime::PlacementOptions options;
+  options.cpu_moe = experts.cpu_moe || experts.mode == "pool";
+  options.n_cpu_moe = experts.n_cpu_moe;
+  for (const std::string& text : experts.override_tensor) {
+    MOE_ASSIGN_OR_RETURN(runtime::OverrideRule rule, runtime::ParseOverrideRule(text));
+    options.overrides.push_back(std::move(rule));
+  }
+  HybridPlan plan;
+  MOE_ASSIGN_OR_RETURN(plan.placement, runtime::PlaceTensors(spec, tensors, options));
+  MOE_ASSIGN_OR_RETURN(plan.pool_layers, runtime::CpuExpertLayers(plan.placement));
+  plan.moe_layers = spec.num_moe_layers();
+  return plan;
+}
+
 absl::StatusOr<runtime::Device> ResolveDevice(const DeviceFlags& flags, const std::string& model_dir,
-                                              int64_t extra_bytes, std::string* why) {
+                                              int64_t extra_bytes, int64_t host_bytes, std::string* why) {
   auto device = runtime::ParseDevice(flags.device);
   if (!device.ok()) return device.status();
   if (device->kind == runtime::Device::Kind::kCpu) {
@@ -60,16 +89,15 @@ absl::StatusOr<runtime::Device> ResolveDevice(const DeviceFlags& flags, const st
     *why = "no GPU is visible";
     return runtime::Device{runtime::Device::Kind::kCpu, 0};
   }
-  if (flags.experts_pool) {
-    *why = "--experts pool runs the routed experts on the CPU";
-    return runtime::Device{runtime::Device::Kind::kCpu, 0};
-  }
-  MOE_ASSIGN_OR_RETURN(const int64_t weights, GpuWeightBytes(model_dir));
+  MOE_ASSIGN_OR_RETURN(const int64_t all_weights, GpuWeightBytes(model_dir));
+  // The routed experts in the CPU pool are bf16 in the checkpoint's count too.
+  const int64_t weights = std::max<int64_t>(all_weights - host_bytes, 0);
   MOE_ASSIGN_OR_RETURN(const auto memory, runtime::CudaMemoryInfo(0));
   const int64_t need = weights + extra_bytes + runtime::kGpuHeadroomBytes;
   if (need > memory.first) {
     *why = absl::StrCat("the model needs ", runtime::FormatGiB(need), " on a GPU (", runtime::FormatGiB(weights),
-                        " of weights) and cuda:0 has ", runtime::FormatGiB(memory.first), " free");
+                        " of weights) and cuda:0 has ", runtime::FormatGiB(memory.first), " free",
+                        host_bytes == 0 ? "; --cpu-moe or --n-cpu-moe N keep routed experts in host memory" : "");
     return runtime::Device{runtime::Device::Kind::kCpu, 0};
   }
   *why = absl::StrCat("the model's ", runtime::FormatGiB(weights), " of weights fit in ",
@@ -83,18 +111,44 @@ absl::StatusOr<std::unique_ptr<runtime::Model>> LoadModelForCommand(const std::s
                                                                     runtime::ModelOptions options, int64_t extra_bytes,
                                                                     const std::string& command) {
   MOE_RETURN_IF_ERROR(experts.Apply(&options, command));
-  DeviceFlags resolved = device_flags;
-  resolved.experts_pool = experts.mode == "pool";
+  const auto parsed = runtime::ParseDevice(device_flags.device);
+  if (!parsed.ok()) return parsed.status();
+  // Hybrid execution: which routed experts stay in the CPU pool, decided before the device (auto
+  // counts only the GPU's share).
+  std::optional<HybridPlan> hybrid;
+  if (experts.Hybrid() && parsed->kind != runtime::Device::Kind::kCpu) {
+    MOE_ASSIGN_OR_RETURN(hybrid, PlanHybrid(model_dir, experts));
+  }
+  const int64_t host_bytes = hybrid ? hybrid->placement.BytesOn(runtime::Device::Kind::kCpu) : 0;
   std::string why;
-  auto device = ResolveDevice(resolved, model_dir, extra_bytes, &why);
+  auto device = ResolveDevice(device_flags, model_dir, extra_bytes, host_bytes, &why);
   if (!device.ok()) return device.status();
   const bool gpu = device->kind == runtime::Device::Kind::kCuda;
-  if (gpu) options.experts = runtime::RoutedExpertsMode::kBackend;
+  std::vector<std::string> notes;  // printed after the device line
+  if (gpu && hybrid) {
+    for (const std::string& warning : hybrid->placement.warnings) notes.push_back("warning: " + warning);
+    if (hybrid->pool_layers.empty()) {
+      notes.push_back("the placement flags leave every routed expert on the GPU");
+    } else {
+      notes.push_back(absl::StrCat("routed experts of ", hybrid->pool_layers.size(), " of ", hybrid->moe_layers,
+                                   " MoE layers in the CPU pool (", runtime::FormatGiB(host_bytes),
+                                   " in the checkpoint), the rest of the model on the GPU"));
+    }
+  }
+  if (gpu && hybrid && !hybrid->pool_layers.empty()) {
+    options.experts = runtime::RoutedExpertsMode::kPool;
+    options.pool_layers = hybrid->pool_layers;
+  } else if (gpu) {
+    options.experts = runtime::RoutedExpertsMode::kBackend;
+  } else if (experts.Hybrid() && experts.mode != "pool") {
+    notes.push_back("the placement flags have no GPU to place routed experts beside: everything runs on the CPU");
+  }
   options.graphs = !device_flags.eager;
   options.progress = gpu;
   auto backend = runtime::CreateBackend(*device, options.threads);
   if (!backend.ok()) return backend.status();
   std::cerr << "moeserve " << command << ": device " << (*backend)->name() << ": " << why << "\n";
+  for (const std::string& note : notes) std::cerr << "moeserve " << command << ": " << note << "\n";
   return runtime::Model::Load(model_dir, options, std::shared_ptr<runtime::Backend>(std::move(*backend)));
 }
 

@@ -5,12 +5,14 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "CLI/CLI.hpp"
 #include "absl/status/statusor.h"
 #include "flags.h"
 #include "moe/runtime/device.h"
 #include "moe/runtime/model.h"
+#include "moe/runtime/placement.h"
 
 namespace moe::deploy {
 
@@ -18,21 +20,31 @@ namespace moe::deploy {
 struct DeviceFlags {
   std::string device = "auto";
   bool eager = false;
-  bool experts_pool = false;  // --experts pool: auto then means the CPU
   void Add(CLI::App* app);
 };
 
 // Bytes a model's weights take on a GPU (bf16), from its checkpoint's headers.
 absl::StatusOr<int64_t> GpuWeightBytes(const std::string& model_dir);
 
-// The device for `flags.device`: auto picks cuda:0 when a GPU is visible and the weights plus
-// `extra_bytes` (KV cache, step buffers) fit in its free memory, else the CPU. `why` says why.
+// The device for `flags.device`: auto picks cuda:0 when a GPU is visible and the weights but the
+// `host_bytes` of routed experts kept in the CPU pool (hybrid execution), plus `extra_bytes` (KV
+// cache, step buffers), fit in its free memory, else the CPU. `why` says why.
 absl::StatusOr<runtime::Device> ResolveDevice(const DeviceFlags& flags, const std::string& model_dir,
-                                              int64_t extra_bytes, std::string* why);
+                                              int64_t extra_bytes, int64_t host_bytes, std::string* why);
 
-// The flags' usage errors, before anything loads (exit 2): a malformed --device, --experts pool
-// with a GPU device (hybrid execution is not supported yet), --experts gpu on the CPU, and the
-// expert pool's own flags.
+// Hybrid execution: where the placement flags put the checkpoint's tensors, and the model layers
+// whose routed experts that leaves in the CPU pool (what the runtime can run of it: see
+// runtime::CpuExpertLayers). --experts pool counts as --cpu-moe.
+struct HybridPlan {
+  runtime::Placement placement;
+  std::vector<int> pool_layers;
+  int moe_layers = 0;
+};
+absl::StatusOr<HybridPlan> PlanHybrid(const std::string& model_dir, const ExpertFlags& experts);
+
+// The flags' usage errors, before anything loads (exit 2): a malformed --device or
+// --override-tensor rule, placement flags with --device cpu or with --experts gpu|reference,
+// --experts gpu on the CPU, and the expert pool's own flags.
 absl::Status CheckModelFlags(const DeviceFlags& device, const ExpertFlags& experts, const std::string& command);
 
 // Resolves the device, prints "moeserve COMMAND: device ...: why" on stderr, and loads the model

@@ -140,22 +140,42 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& model_dir,
   model->backend_ = backend != nullptr ? std::move(backend) : std::shared_ptr<Backend>(CreateCpuBackend(options.threads));
   Backend& b = *model->backend_;
   MOE_ASSIGN_OR_RETURN(model->source_, OpenSafetensors(model_dir));
-  const bool pool = options.experts == RoutedExpertsMode::kPool && spec.num_moe_layers() > 0;
-  if (pool && (!b.HostAddressable() || b.activation_dtype() != DType::kF32)) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "routed experts in the CPU expert pool need the CPU backend; on ", b.name(),
-        " the backend runs them (--experts backend)"));
+  std::vector<int>& pool_layers = model->pool_layers_;
+  if (options.experts == RoutedExpertsMode::kPool) {
+    if (options.pool_layers) {
+      pool_layers = *options.pool_layers;
+      std::sort(pool_layers.begin(), pool_layers.end());
+      pool_layers.erase(std::unique(pool_layers.begin(), pool_layers.end()), pool_layers.end());
+      for (int l : pool_layers) {
+        if (l < 0 || l >= spec.num_layers || !spec.IsMoeLayer(l)) {
+          return absl::InvalidArgumentError(absl::StrCat("routed experts of layer ", l, " in the CPU pool: the model's ",
+                                                         spec.num_layers, " layers have routed experts in ",
+                                                         spec.num_moe_layers(), " of them, and not in layer ", l));
+        }
+      }
+    } else {
+      for (int l = 0; l < spec.num_layers; ++l) {
+        if (spec.IsMoeLayer(l)) pool_layers.push_back(l);
+      }
+    }
   }
-  MOE_ASSIGN_OR_RETURN(model->weights_, internal::LoadWeights(spec, *model->source_, b,
-                                                              /*prepare_routed_experts=*/!pool, options.progress));
+  const bool pool = !pool_layers.empty();
+  if (pool && b.HostAddressable() && b.activation_dtype() != DType::kF32) {
+    return absl::FailedPreconditionError(absl::StrCat("routed experts in the CPU expert pool need fp32 activations; ",
+                                                      b.name(), " has ", core::DTypeName(b.activation_dtype())));
+  }
+  std::vector<bool> backend_experts(spec.num_layers, true);
+  for (int l : pool_layers) backend_experts[l] = false;
+  MOE_ASSIGN_OR_RETURN(model->weights_,
+                       internal::LoadWeights(spec, *model->source_, b, backend_experts, options.progress));
   if (pool) {
     experts::ExpertPoolOptions pool_options = options.pool;
     pool_options.linger_us = options.expert_linger_us.value_or(b.ComputesOnHostCores() ? 0 : pool_options.linger_us);
-    MOE_ASSIGN_OR_RETURN(model->pool_, internal::CreatePool(spec, *model->source_, pool_options, model_dir));
-    model->routed_experts_ = internal::PoolRoutedExperts(*model->pool_, spec);
-  } else {
-    model->routed_experts_ = internal::BackendRoutedExperts(b, *model->weights_);
+    MOE_ASSIGN_OR_RETURN(model->pool_,
+                         internal::CreatePool(spec, *model->source_, pool_options, model_dir, pool_layers));
   }
+  model->routed_experts_ =
+      internal::MakeRoutedExperts(b, *model->weights_, spec, model->pool_.get(), pool_layers);
   MOE_RETURN_IF_ERROR(model->ReserveStep());
   MOE_LOG(kDebug) << "loaded " << spec.Summary() << " on " << b.name();
   return model;
@@ -184,6 +204,7 @@ absl::Status Model::ReserveStep() {
   limits.top_k = s.routing.top_k;
   limits.moe_intermediate = s.moe_intermediate_size;
   limits.max_bias_width = s.qkv_bias ? static_cast<int>(qkv_width) : 0;
+  limits.host_experts = !pool_layers_.empty() && !b.HostAddressable();
   MOE_RETURN_IF_ERROR(b.ReserveScratch(limits));
   MOE_ASSIGN_OR_RETURN(host_logits_, b.AllocateHost(l * s.vocab_size * 4));
   return b.Synchronize();

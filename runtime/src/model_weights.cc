@@ -8,6 +8,7 @@
 #include "moe/core/logging.h"
 #include "moe/core/progress.h"
 #include "moe/core/status.h"
+#include "moe/runtime/placement.h"
 
 namespace moe::runtime::internal {
 namespace {
@@ -206,12 +207,16 @@ absl::Status LoadMoe(const ModelSpec& s, const std::string& p, WeightLoader& w, 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Model::Weights>> LoadWeights(const ModelSpec& s, const WeightSource& source,
-                                                            Backend& backend, bool prepare_routed_experts,
-                                                            bool progress) {
-  // What goes to the backend: every tensor but the routed experts when the pool holds them.
+                                                            Backend& backend,
+                                                            const std::vector<bool>& backend_experts, bool progress) {
+  // What goes to the backend: every tensor but the routed experts of the layers the pool holds.
   int64_t total = 0;
   for (const std::string& name : source.Names()) {
-    if (!prepare_routed_experts && name.find(".experts.") != std::string::npos) continue;
+    const TensorKind kind = ClassifyTensor(name);
+    if (kind.role == TensorRole::kRoutedExpert && kind.layer >= 0 &&
+        kind.layer < static_cast<int>(backend_experts.size()) && !backend_experts[kind.layer]) {
+      continue;
+    }
     auto view = source.Get(name);
     if (view.ok()) total += view->bytes();
   }
@@ -236,7 +241,7 @@ absl::StatusOr<std::unique_ptr<Model::Weights>> LoadWeights(const ModelSpec& s, 
     LayerWeights& l = weights->layers[layer];
     MOE_RETURN_IF_ERROR(LoadAttention(s, p, w, l));
     if (s.IsMoeLayer(layer)) {
-      MOE_RETURN_IF_ERROR(LoadMoe(s, p, w, prepare_routed_experts, l));
+      MOE_RETURN_IF_ERROR(LoadMoe(s, p, w, backend_experts[layer], l));
     } else {
       MOE_RETURN_IF_ERROR(w.LoadFfn(p + "mlp.", "gate_proj", "up_proj", "down_proj", h, s.intermediate_size,
                                     absl::StrCat("intermediate_size=", s.intermediate_size, " (dense layer)"),

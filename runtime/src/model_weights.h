@@ -36,11 +36,11 @@ struct LayerWeights {
 
 // Loads every tensor the spec needs. Errors name the tensor, its file, the expected and the
 // found shape or dtype, and the config key the expectation comes from. Routed experts are always
-// checked, but handed to the backend only when `prepare_routed_experts` (the expert pool holds
-// them otherwise). Progress (bytes and GB/s) goes to stderr when `progress`.
+// checked, but handed to the backend only for the layers where `backend_experts[layer]` (the
+// expert pool holds the others). Progress (bytes and GB/s) goes to stderr when `progress`.
 absl::StatusOr<std::unique_ptr<Model::Weights>> LoadWeights(const ModelSpec& spec, const WeightSource& source,
-                                                            Backend& backend, bool prepare_routed_experts,
-                                                            bool progress);
+                                                            Backend& backend,
+                                                            const std::vector<bool>& backend_experts, bool progress);
 
 }  // namespace internal
 

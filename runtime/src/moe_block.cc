@@ -1,47 +1,101 @@
 #include "moe_block.h"
 
+#include <chrono>
 #include <filesystem>
+#include <mutex>
+#include <optional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "moe/core/status.h"
 
 namespace moe::runtime::internal {
 namespace {
 
-class BackendExperts : public RoutedExperts {
+// Each MoE layer's routed experts where the load put them: in the pool (the layers of
+// `pool_layers`, which the pool numbers consecutively) or on the backend (MoeExperts). A pool
+// layer runs on the caller's thread and the pool's when the backend's tensors are host memory (the
+// CPU backend), and through the backend's host calls otherwise (a GPU: hybrid execution).
+class LayerExperts : public RoutedExperts, public HostExperts {
  public:
-  BackendExperts(Backend& backend, const Model::Weights& weights) : backend_(backend), weights_(weights) {}
+  LayerExperts(Backend& backend, const Model::Weights& weights, const ModelSpec& spec, experts::ExpertPool* pool,
+               const std::vector<int>& pool_layers)
+      : backend_(backend), weights_(weights), pool_(pool), pool_index_(spec.num_layers, -1) {
+    for (size_t i = 0; i < pool_layers.size(); ++i) pool_index_[pool_layers[i]] = static_cast<int>(i);
+  }
+
   absl::Status Start(int layer, const Tensor& hidden, const Tensor& ids, const Tensor& weights,
                      const Tensor& out) override {
-    backend_.MoeExperts(hidden, ids, weights, *weights_.layers[layer].experts, out);
+    mode_ = pool_index_[layer] < 0 ? Mode::kBackend : backend_.HostAddressable() ? Mode::kPool : Mode::kHost;
+    switch (mode_) {
+      case Mode::kBackend:
+        backend_.MoeExperts(hidden, ids, weights, *weights_.layers[layer].experts, out);
+        return absl::OkStatus();
+      case Mode::kPool: {
+        MOE_ASSIGN_OR_RETURN(ticket_, pool_->Submit(pool_index_[layer], hidden.as<float>(), hidden.rows,
+                                                    ids.as<int32_t>(), weights.as<float>(), out.as<float>()));
+        return absl::OkStatus();
+      }
+      case Mode::kHost:
+        return backend_.StartHostExperts(*this, layer, hidden, ids, weights, out);
+    }
     return absl::OkStatus();
   }
-  absl::Status Finish() override { return absl::OkStatus(); }
+
+  absl::Status Finish() override {
+    switch (mode_) {
+      case Mode::kBackend:
+        return absl::OkStatus();
+      case Mode::kPool:
+        return pool_->Wait(ticket_);
+      case Mode::kHost:
+        return backend_.FinishHostExperts();
+    }
+    return absl::OkStatus();
+  }
+
+  // On the backend's host thread, in stream order.
+  absl::Status Compute(int layer, const float* hidden, int64_t rows, const int32_t* ids, const float* weights,
+                       float* out) override {
+    const auto start = std::chrono::steady_clock::now();
+    absl::Status s = pool_->Compute(pool_index_[layer], hidden, rows, ids, weights, out);
+    const auto end = std::chrono::steady_clock::now();
+    std::lock_guard<std::mutex> lock(timing_mu_);
+    ++timing_.calls;
+    timing_.compute_seconds += std::chrono::duration<double>(end - start).count();
+    if (layer > last_layer_ && last_end_) {
+      timing_.between_seconds += std::chrono::duration<double>(start - *last_end_).count();
+      ++timing_.betweens;
+    }
+    last_layer_ = layer;
+    last_end_ = end;
+    return s;
+  }
+
+  HostExpertsTiming timing() const override {
+    std::lock_guard<std::mutex> lock(timing_mu_);
+    return timing_;
+  }
+  void ResetTiming() override {
+    std::lock_guard<std::mutex> lock(timing_mu_);
+    timing_ = HostExpertsTiming{};
+    last_layer_ = -1;
+    last_end_.reset();
+  }
 
  private:
+  enum class Mode { kBackend, kPool, kHost };
   Backend& backend_;
   const Model::Weights& weights_;
-};
-
-// The pool numbers MoE layers consecutively.
-class PoolExperts : public RoutedExperts {
- public:
-  PoolExperts(experts::ExpertPool& pool, const ModelSpec& spec) : pool_(pool) {
-    for (int l = 0, moe = 0; l < spec.num_layers; ++l) moe_index_.push_back(spec.IsMoeLayer(l) ? moe++ : -1);
-  }
-  absl::Status Start(int layer, const Tensor& hidden, const Tensor& ids, const Tensor& weights,
-                     const Tensor& out) override {
-    MOE_ASSIGN_OR_RETURN(ticket_, pool_.Submit(moe_index_[layer], hidden.as<float>(), hidden.rows,
-                                               ids.as<int32_t>(), weights.as<float>(), out.as<float>()));
-    return absl::OkStatus();
-  }
-  absl::Status Finish() override { return pool_.Wait(ticket_); }
-
- private:
-  experts::ExpertPool& pool_;
-  std::vector<int> moe_index_;
+  experts::ExpertPool* pool_;
+  std::vector<int> pool_index_;  // per model layer: its index in the pool, or -1
+  Mode mode_ = Mode::kBackend;
   experts::ExpertPool::Ticket ticket_;
+  mutable std::mutex timing_mu_;
+  HostExpertsTiming timing_;
+  int last_layer_ = -1;
+  std::optional<std::chrono::steady_clock::time_point> last_end_;
 };
 
 // Names of one routed expert's tensors in the checkpoint.
@@ -91,21 +145,16 @@ absl::Status RunMoe(Backend& b, const ModelSpec& spec, const LayerWeights& lw, R
   return absl::OkStatus();
 }
 
-std::unique_ptr<RoutedExperts> BackendRoutedExperts(Backend& backend, const Model::Weights& weights) {
-  return std::make_unique<BackendExperts>(backend, weights);
-}
-
-std::unique_ptr<RoutedExperts> PoolRoutedExperts(experts::ExpertPool& pool, const ModelSpec& spec) {
-  return std::make_unique<PoolExperts>(pool, spec);
+std::unique_ptr<RoutedExperts> MakeRoutedExperts(Backend& backend, const Model::Weights& weights,
+                                                const ModelSpec& spec, experts::ExpertPool* pool,
+                                                const std::vector<int>& pool_layers) {
+  return std::make_unique<LayerExperts>(backend, weights, spec, pool, pool_layers);
 }
 
 absl::StatusOr<std::unique_ptr<experts::ExpertPool>> CreatePool(const ModelSpec& spec, const WeightSource& source,
                                                                 experts::ExpertPoolOptions options,
-                                                                const std::string& model_dir) {
-  std::vector<int> moe_layers;
-  for (int l = 0; l < spec.num_layers; ++l) {
-    if (spec.IsMoeLayer(l)) moe_layers.push_back(l);
-  }
+                                                                const std::string& model_dir,
+                                                                const std::vector<int>& moe_layers) {
   experts::ExpertShape shape;
   shape.num_layers = static_cast<int>(moe_layers.size());
   shape.num_experts = spec.routing.num_experts;
@@ -115,6 +164,10 @@ absl::StatusOr<std::unique_ptr<experts::ExpertPool>> CreatePool(const ModelSpec&
   std::error_code ec;
   const auto canonical = std::filesystem::weakly_canonical(model_dir, ec);
   options.model_id = ec ? model_dir : canonical.string();
+  // A pool of some layers only is another segment than the whole model's.
+  if (static_cast<int>(moe_layers.size()) != spec.num_moe_layers()) {
+    options.model_id += " layers " + absl::StrJoin(moe_layers, ",");
+  }
   return experts::ExpertPool::Create(
       shape, options, [&](int moe_layer, int expert) -> absl::StatusOr<experts::ExpertWeights> {
         const ExpertTensorNames names = ExpertNames(spec, moe_layers[moe_layer], expert);

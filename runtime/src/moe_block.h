@@ -4,6 +4,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "model_weights.h"
@@ -32,16 +33,17 @@ void RunFfn(Backend& b, const FfnWeights& w, const Tensor& x, const FfnBuffers& 
 absl::Status RunMoe(Backend& b, const ModelSpec& spec, const LayerWeights& lw, RoutedExperts& routed, int layer,
                     const Tensor& x, const FfnBuffers& buf, const Tensor& out);
 
-// Routed experts through the backend's MoeExperts (the CPU backend's reference path, the GPU).
-std::unique_ptr<RoutedExperts> BackendRoutedExperts(Backend& backend, const Model::Weights& weights);
+// Routed experts of every MoE layer: the layers of `pool_layers` (model layer indexes, in the
+// pool's order) in `pool`, the others on the backend (MoeExperts). On a backend whose memory the
+// CPU cannot address, the pool's layers go through its host calls (StartHostExperts).
+std::unique_ptr<RoutedExperts> MakeRoutedExperts(Backend& backend, const Model::Weights& weights,
+                                                const ModelSpec& spec, experts::ExpertPool* pool,
+                                                const std::vector<int>& pool_layers);
 
-// Routed experts through the CPU expert pool; the backend must be host-addressable with fp32
-// activations (the CPU backend).
-std::unique_ptr<RoutedExperts> PoolRoutedExperts(experts::ExpertPool& pool, const ModelSpec& spec);
-
-// Packs the checkpoint's routed experts into a new CPU expert pool.
+// Packs the routed experts of the model layers `moe_layers` into a new CPU expert pool.
 absl::StatusOr<std::unique_ptr<experts::ExpertPool>> CreatePool(const ModelSpec& spec, const WeightSource& source,
                                                                 experts::ExpertPoolOptions options,
-                                                                const std::string& model_dir);
+                                                                const std::string& model_dir,
+                                                                const std::vector<int>& moe_layers);
 
 }  // namespace moe::runtime::internal

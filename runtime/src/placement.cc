@@ -1,5 +1,6 @@
 #include "moe/runtime/placement.h"
 
+#include <cctype>
 #include <charconv>
 #include <map>
 #include <utility>
@@ -101,12 +102,13 @@ absl::StatusOr<OverrideRule> ParseOverrideRule(std::string_view view) {
   const size_t eq = text.rfind('=');
   if (eq == std::string_view::npos) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--override-tensor '", text, "': expected REGEX=DEVICE, e.g. 'exps=cpu' or 'blk\\.1\\.=cuda:0'"));
+        absl::StrCat("--override-tensor '", text, "': expected REGEX=DEVICE, e.g. 'experts=cpu' or 'layers\\.1\\.=cuda:0'"));
   }
   OverrideRule rule;
   rule.text = text;
   const std::string regex = text.substr(0, eq);
-  const std::string device = text.substr(eq + 1);
+  std::string device = text.substr(eq + 1);
+  for (char& c : device) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));  // llama.cpp's CPU
   if (regex.empty())
     return absl::InvalidArgumentError(absl::StrCat("--override-tensor '", text, "': the regex is empty"));
   try {
@@ -152,6 +154,7 @@ absl::StatusOr<Placement> PlaceTensors(const ModelSpec& spec, const std::vector<
   Placement plan;
   // Per-token tensors a rule put on the CPU: (rule, role) -> bytes and count.
   std::map<std::pair<std::string, TensorRole>, std::pair<int64_t, int>> moved;
+  std::vector<int> matched(options.overrides.size(), 0);
   for (const TensorInfo& t : tensors) {
     TensorPlace p;
     p.name = t.name;
@@ -162,8 +165,10 @@ absl::StatusOr<Placement> PlaceTensors(const ModelSpec& spec, const std::vector<
     p.device = options.gpu;
     p.rule = "default";
     bool decided = false;
-    for (const OverrideRule& r : options.overrides) {
+    for (size_t i = 0; i < options.overrides.size(); ++i) {
+      const OverrideRule& r = options.overrides[i];
       if (std::regex_search(t.name, r.pattern)) {
+        ++matched[i];
         p.device = r.device;
         p.rule = absl::StrCat("--override-tensor ", r.text);
         decided = true;
@@ -193,7 +198,58 @@ absl::StatusOr<Placement> PlaceTensors(const ModelSpec& spec, const std::vector<
         value.second == 1 ? "" : "s", " on the CPU: every token then reads their ", MiB(value.first),
         " from host memory and the GPU waits for it; keep shared experts, the router, norms and attention on the GPU"));
   }
+  std::string example = tensors.empty() ? std::string("(none)") : tensors.front().name;
+  for (const TensorPlace& t : plan.tensors) {
+    if (t.kind.role == TensorRole::kRoutedExpert) {
+      example = t.name;
+      break;
+    }
+  }
+  for (size_t i = 0; i < options.overrides.size(); ++i) {
+    if (matched[i] > 0) continue;
+    plan.warnings.push_back(absl::StrCat("--override-tensor ", options.overrides[i].text,
+                                         " matches no tensor of the checkpoint, whose names read like ", example,
+                                         " (Hugging Face names, where GGUF's read blk.N.ffn_up_exps)"));
+  }
   return plan;
+}
+
+absl::StatusOr<std::vector<TensorInfo>> CheckpointTensors(const WeightSource& source) {
+  std::vector<TensorInfo> out;
+  for (const std::string& name : source.Names()) {
+    absl::StatusOr<core::TensorView> view = source.Get(name);
+    if (!view.ok()) return view.status();
+    out.push_back({name, view->bytes(), view->numel(), static_cast<int>(view->rank())});
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<int>> CpuExpertLayers(const Placement& placement) {
+  std::map<int, std::pair<const TensorPlace*, const TensorPlace*>> layers;  // a tensor on the CPU, one on the GPU
+  for (const TensorPlace& t : placement.tensors) {
+    const bool cpu = t.device.kind == Device::Kind::kCpu;
+    if (t.kind.role != TensorRole::kRoutedExpert) {
+      if (cpu) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            t.rule, " puts ", t.name, " (", std::string(TensorRoleName(t.kind.role)),
+            ") on the CPU: only routed experts run on the CPU beside a GPU; leave the rest on the GPU"));
+      }
+      continue;
+    }
+    auto& [on_cpu, on_gpu] = layers[t.kind.layer];
+    (cpu ? on_cpu : on_gpu) = &t;
+  }
+  std::vector<int> out;
+  for (const auto& [layer, where] : layers) {
+    const auto [on_cpu, on_gpu] = where;
+    if (on_cpu != nullptr && on_gpu != nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "layer ", layer, "'s routed experts are split: ", on_cpu->name, " on the CPU (", on_cpu->rule, "), ",
+          on_gpu->name, " on the GPU (", on_gpu->rule, "); a layer's routed experts run in one place"));
+    }
+    if (on_cpu != nullptr) out.push_back(layer);
+  }
+  return out;
 }
 
 }  // namespace moe::runtime

@@ -29,11 +29,9 @@ Checkpoint Load(const std::string& arch) {
   c.spec = *spec;
   auto source = OpenSafetensors(Fixture(arch));
   EXPECT_TRUE(source.ok()) << source.status();
-  for (const std::string& name : (*source)->Names()) {
-    auto view = (*source)->Get(name);
-    EXPECT_TRUE(view.ok());
-    c.tensors.push_back({name, view->bytes(), view->numel(), static_cast<int>(view->rank())});
-  }
+  auto tensors = CheckpointTensors(**source);
+  EXPECT_TRUE(tensors.ok()) << tensors.status();
+  c.tensors = std::move(*tensors);
   return c;
 }
 
@@ -169,6 +167,62 @@ TEST(PlacementTest, BadRulesSayWhatIsWrong) {
   auto p = PlaceTensors(c.spec, c.tensors, o);
   ASSERT_FALSE(p.ok());
   EXPECT_NE(p.status().message().find("one process uses one GPU"), std::string::npos) << p.status();
+  PlacementOptions too_many = Options();
+  too_many.n_cpu_moe = 99;
+  auto q = PlaceTensors(c.spec, c.tensors, too_many);
+  ASSERT_FALSE(q.ok());
+  EXPECT_NE(q.status().message().find("--n-cpu-moe 99: the model has 4 MoE layers, so it takes 0 to 4"),
+            std::string::npos)
+      << q.status();
+}
+
+}  // namespace
+}  // namespace moe::runtime
+
+namespace moe::runtime {
+namespace {
+
+// What runs of a placement: the layers whose experts are all on the CPU; a split layer or another
+// tensor on the CPU is an error naming the tensor and the rule.
+TEST(PlacementTest, CpuExpertLayersAreWhatThePoolHolds) {
+  const Checkpoint c = Load("qwen3_moe");
+  PlacementOptions o = Options();
+  o.n_cpu_moe = 2;
+  auto p = PlaceTensors(c.spec, c.tensors, o);
+  ASSERT_TRUE(p.ok()) << p.status();
+  auto layers = CpuExpertLayers(*p);
+  ASSERT_TRUE(layers.ok()) << layers.status();
+  EXPECT_EQ(*layers, (std::vector<int>{0, 1}));
+  o.n_cpu_moe = 0;
+  auto none = PlaceTensors(c.spec, c.tensors, o);
+  ASSERT_TRUE(none.ok());
+  EXPECT_TRUE(CpuExpertLayers(*none)->empty());
+
+  o.overrides = {*ParseOverrideRule(R"(layers\.3\.mlp\.experts\.5\.=cpu)")};
+  auto split = PlaceTensors(c.spec, c.tensors, o);
+  ASSERT_TRUE(split.ok());
+  auto refused = CpuExpertLayers(*split);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("layer 3's routed experts are split"), std::string::npos)
+      << refused.status();
+
+  o.overrides = {*ParseOverrideRule("exps=CPU")};  // a GGUF name: nothing matches, and a warning says so
+  auto gguf = PlaceTensors(c.spec, c.tensors, o);
+  ASSERT_TRUE(gguf.ok());
+  ASSERT_EQ(gguf->warnings.size(), 1u);
+  EXPECT_NE(gguf->warnings[0].find("--override-tensor exps=CPU matches no tensor of the checkpoint, whose names read "
+                                   "like model.layers."),
+            std::string::npos)
+      << gguf->warnings[0];
+  EXPECT_TRUE(CpuExpertLayers(*gguf)->empty());
+
+  o.overrides = {*ParseOverrideRule("self_attn=cpu")};
+  auto attention = PlaceTensors(c.spec, c.tensors, o);
+  ASSERT_TRUE(attention.ok());
+  auto no = CpuExpertLayers(*attention);
+  ASSERT_FALSE(no.ok());
+  EXPECT_NE(no.status().message().find("--override-tensor self_attn=cpu puts model.layers."), std::string::npos)
+      << no.status();
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <mutex>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -108,8 +109,13 @@ class CudaBackend : public Backend {
   ~CudaBackend() override {
     cudaSetDevice(device_);
     if (stream_ != nullptr) cudaStreamSynchronize(stream_);
-    for (auto& [key, exec] : graphs_) cudaGraphExecDestroy(exec);
+    if (host_stream_ != nullptr) cudaStreamSynchronize(host_stream_);
+    for (auto& [key, graph] : graphs_) cudaGraphExecDestroy(graph.exec);
     for (cudaEvent_t e : timing_events_) cudaEventDestroy(e);
+    for (cudaEvent_t e : {host_fork_, host_join_}) {
+      if (e != nullptr) cudaEventDestroy(e);
+    }
+    if (host_stream_ != nullptr) cudaStreamDestroy(host_stream_);
     delete linear_;
     if (linear_workspace_ != nullptr) cudaFree(linear_workspace_);
     for (int i = 0; i < 2; ++i) {
@@ -256,6 +262,7 @@ class CudaBackend : public Backend {
       const int64_t width = std::max<int64_t>(l.max_bias_width, max_padded_rows_);
       MOE_ASSIGN_OR_RETURN(bias_out_, Allocate(DType::kF32, l.max_tokens, width));
     }
+    if (l.host_experts) MOE_RETURN_IF_ERROR(ReserveHostExperts(l));
     return absl::OkStatus();
   }
 
@@ -424,6 +431,14 @@ class CudaBackend : public Backend {
     step_held_ = false;
     if (!lost_.ok()) return lost_;
     Keep(cudaStreamSynchronize(stream_), "the step's kernels (cudaStreamSynchronize)");
+    if (host_stream_ != nullptr) {
+      Keep(cudaStreamSynchronize(host_stream_), "the host experts' copies (cudaStreamSynchronize)");
+      eager_host_calls_.clear();  // every call queued eagerly has run
+      host_in_flight_ = false;
+      std::lock_guard<std::mutex> lock(host_mu_);
+      if (!host_error_.ok() && pending_.ok()) pending_ = host_error_;
+      host_error_ = absl::OkStatus();
+    }
     absl::Status s = std::move(pending_);
     pending_ = absl::OkStatus();
     return s;
@@ -432,32 +447,84 @@ class CudaBackend : public Backend {
   void ClearGraphs() override {
     if (graphs_.empty()) return;
     cudaStreamSynchronize(stream_);  // a replay in flight keeps its graph until it ends
-    for (auto& [key, exec] : graphs_) cudaGraphExecDestroy(exec);
+    for (auto& [key, graph] : graphs_) cudaGraphExecDestroy(graph.exec);
     graphs_.clear();
+  }
+
+  // ---- Hybrid execution: a layer's routed experts on the host ----
+  // On a stream of its own, forked from the main one and joined back by FinishHostExperts: the
+  // inputs packed into mapped pinned memory (one kernel), a host function that runs the experts
+  // there, and the sum copied back; the main stream runs the shared experts meanwhile. Each call's
+  // parameters live in a HostCall that the host function reads: eager calls are freed at the next
+  // Synchronize, recorded ones with their graph.
+  absl::Status StartHostExperts(HostExperts& host, int layer, const Tensor& x, const Tensor& ids,
+                                const Tensor& weights, const Tensor& out) override {
+    if (host_stream_ == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "routed experts on the host on ", name_, ": no host buffers; ReserveScratch was not told of them"));
+    }
+    if (host_in_flight_) return absl::FailedPreconditionError("a host experts call is already in flight");
+    if (x.rows > host_rows_ || ids.cols != host_top_k_ || x.cols != host_hidden_ || x.dtype != DType::kBF16) {
+      return absl::InvalidArgumentError(absl::StrCat("routed experts on the host: [", x.rows, " x ", x.cols,
+                                                     "] tokens with top-", ids.cols, "; the buffers hold [",
+                                                     host_rows_, " x ", host_hidden_, "] with top-", host_top_k_));
+    }
+    auto call = std::make_unique<HostCall>(HostCall{this, &host, layer, x.rows});
+    MOE_CUDA_KEEP(cudaEventRecord(host_fork_, stream_));
+    MOE_CUDA_KEEP(cudaStreamWaitEvent(host_stream_, host_fork_, 0));
+    cuda::PackHostExpertInputs(x.as<uint16_t>(), static_cast<int>(x.rows), static_cast<int>(x.cols),
+                               ids.as<int32_t>(), weights.as<float>(), static_cast<int>(ids.cols), host_x_dev_,
+                               host_ids_dev_, host_weights_dev_, host_stream_);
+    Launched("PackHostExpertInputs");
+    MOE_CUDA_KEEP(cudaLaunchHostFunc(host_stream_, &CudaBackend::RunHostCall, call.get()));
+    MOE_CUDA_KEEP(cudaMemcpyAsync(out.data, host_out_, x.rows * x.cols * sizeof(float), cudaMemcpyHostToDevice,
+                                  host_stream_));
+    MOE_CUDA_KEEP(cudaEventRecord(host_join_, host_stream_));
+    (capturing_ ? captured_host_calls_ : eager_host_calls_).push_back(std::move(call));
+    host_in_flight_ = true;
+    return absl::OkStatus();
+  }
+
+  absl::Status FinishHostExperts() override {
+    if (!host_in_flight_) return absl::FailedPreconditionError("FinishHostExperts without StartHostExperts");
+    host_in_flight_ = false;
+    MOE_CUDA_KEEP(cudaStreamWaitEvent(stream_, host_join_, 0));
+    return absl::OkStatus();
   }
 
   absl::Status RunGraph(uint64_t key, absl::FunctionRef<absl::Status()> body) override {
     if (timing_) return body();  // timed op by op
     if (auto it = graphs_.find(key); it != graphs_.end()) {
-      MOE_CUDA_KEEP(cudaGraphLaunch(it->second, stream_));
+      MOE_CUDA_KEEP(cudaGraphLaunch(it->second.exec, stream_));
       return absl::OkStatus();
     }
     // The first step of a shape runs eagerly (cuBLASLt picks its algorithms, modules load), and
     // is recorded for the next ones.
     MOE_RETURN_IF_ERROR(body());
     cudaGraph_t graph = nullptr;
+    // A step that failed in its eager run (pending_ holds why) is not recorded: its graph could
+    // miss the operation that failed.
+    if (!pending_.ok()) return absl::OkStatus();
     MOE_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
     capturing_ = true;
+    captured_host_calls_.clear();
     const absl::Status recorded = body();
     capturing_ = false;
     const cudaError_t end = cudaStreamEndCapture(stream_, &graph);
+    host_in_flight_ = false;
+    std::vector<std::unique_ptr<HostCall>> calls = std::move(captured_host_calls_);
+    captured_host_calls_.clear();
     MOE_RETURN_IF_ERROR(recorded);
     MOE_CUDA_RETURN_IF_ERROR(end);
     cudaGraphExec_t exec = nullptr;
     const cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
     cudaGraphDestroy(graph);
     MOE_CUDA_RETURN_IF_ERROR(inst);
-    graphs_[key] = exec;
+    if (!pending_.ok()) {  // an operation of the recording failed
+      cudaGraphExecDestroy(exec);
+      return absl::OkStatus();
+    }
+    graphs_[key] = Graph{exec, std::move(calls)};
     return absl::OkStatus();
   }
 
@@ -595,6 +662,52 @@ class CudaBackend : public Backend {
     m.max_q_len = step.max_q_len;
     m.max_kv_len = step.max_kv_len;
     return m;
+  }
+
+  // One host experts call, as its host function sees it.
+  struct HostCall {
+    CudaBackend* backend;
+    HostExperts* host;
+    int layer;
+    int64_t rows;
+  };
+  static void RunHostCall(void* p) {
+    const HostCall& c = *static_cast<const HostCall*>(p);
+    CudaBackend& b = *c.backend;
+    absl::Status s = c.host->Compute(c.layer, b.host_x_, c.rows, b.host_ids_, b.host_weights_, b.host_out_);
+    if (s.ok()) return;
+    std::lock_guard<std::mutex> lock(b.host_mu_);
+    if (b.host_error_.ok()) b.host_error_ = core::Annotate(s, absl::StrCat("routed experts on the host, layer ", c.layer));
+  }
+
+  // Mapped pinned memory for a step's worth of a MoE layer's inputs and output, the stream the
+  // host calls queue on, and its fork and join events.
+  absl::Status ReserveHostExperts(const StepLimits& l) {
+    host_rows_ = l.max_tokens;
+    host_hidden_ = l.hidden;
+    host_top_k_ = l.top_k;
+    const int64_t x_bytes = int64_t{host_rows_} * host_hidden_ * 4, k_bytes = int64_t{host_rows_} * host_top_k_ * 4;
+    const int64_t bytes = 2 * x_bytes + 2 * k_bytes;
+    void* p = nullptr;
+    MOE_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&p, bytes, cudaHostAllocMapped));
+    host_io_ = std::make_unique<PinnedBuffer>(p, bytes);
+    char* base = static_cast<char*>(p);
+    host_x_ = reinterpret_cast<float*>(base);
+    host_out_ = reinterpret_cast<float*>(base + x_bytes);
+    host_ids_ = reinterpret_cast<int32_t*>(base + 2 * x_bytes);
+    host_weights_ = reinterpret_cast<float*>(base + 2 * x_bytes + k_bytes);
+    void* dev = nullptr;
+    MOE_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(&dev, p, 0));
+    char* dbase = static_cast<char*>(dev);
+    host_x_dev_ = reinterpret_cast<float*>(dbase);
+    host_ids_dev_ = reinterpret_cast<int32_t*>(dbase + 2 * x_bytes);
+    host_weights_dev_ = reinterpret_cast<float*>(dbase + 2 * x_bytes + k_bytes);
+    if (host_stream_ == nullptr) {
+      MOE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&host_stream_, cudaStreamNonBlocking));
+      MOE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&host_fork_, cudaEventDisableTiming));
+      MOE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&host_join_, cudaEventDisableTiming));
+    }
+    return absl::OkStatus();
   }
 
   // Copies `host` to `dst` as `dtype` through the pinned staging buffers, two in flight.
@@ -770,7 +883,24 @@ class CudaBackend : public Backend {
   int64_t sample_bytes_ = 0, history_capacity_ = 0;
   int64_t vocab_ = 0;
   int max_logit_rows_ = 0;
-  std::map<uint64_t, cudaGraphExec_t> graphs_;
+  struct Graph {
+    cudaGraphExec_t exec = nullptr;
+    std::vector<std::unique_ptr<HostCall>> host_calls;  // what its host function nodes read
+  };
+  std::map<uint64_t, Graph> graphs_;
+  // Hybrid execution (ReserveHostExperts).
+  cudaStream_t host_stream_ = nullptr;
+  cudaEvent_t host_fork_ = nullptr, host_join_ = nullptr;
+  std::unique_ptr<HostBuffer> host_io_;
+  float *host_x_ = nullptr, *host_out_ = nullptr, *host_weights_ = nullptr;
+  int32_t* host_ids_ = nullptr;
+  float *host_x_dev_ = nullptr, *host_weights_dev_ = nullptr;  // the same memory, as the GPU sees it
+  int32_t* host_ids_dev_ = nullptr;
+  int host_rows_ = 0, host_hidden_ = 0, host_top_k_ = 0;
+  bool host_in_flight_ = false;
+  std::vector<std::unique_ptr<HostCall>> eager_host_calls_, captured_host_calls_;
+  std::mutex host_mu_;
+  absl::Status host_error_;  // the first failed host call since the last Synchronize
   bool capturing_ = false;
   bool timing_ = false;
   bool step_held_ = false;  // this step's operations are queued behind a hold (timing)

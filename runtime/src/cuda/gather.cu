@@ -57,6 +57,29 @@ __global__ void NarrowColumnsKernel(const float* __restrict__ src, int rows, int
   }
 }
 
+// One block per row: the row's hidden state widened to fp32 (pairs of bf16 to float2 where the
+// width is even), then its top-k ids and weights.
+__global__ void PackHostExpertInputsKernel(const __nv_bfloat16* __restrict__ x, int hidden,
+                                           const int32_t* __restrict__ ids, const float* __restrict__ weights,
+                                           int top_k, float* __restrict__ host_x, int32_t* __restrict__ host_ids,
+                                           float* __restrict__ host_weights) {
+  const int64_t r = blockIdx.x;
+  const __nv_bfloat16* row = x + r * hidden;
+  float* to = host_x + r * hidden;
+  if (hidden % 2 == 0) {
+    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(row);
+    for (int i = threadIdx.x; i < hidden / 2; i += blockDim.x) {
+      reinterpret_cast<float2*>(to)[i] = __bfloat1622float2(pairs[i]);
+    }
+  } else {
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) to[i] = __bfloat162float(row[i]);
+  }
+  for (int j = threadIdx.x; j < top_k; j += blockDim.x) {
+    host_ids[r * top_k + j] = ids[r * top_k + j];
+    host_weights[r * top_k + j] = weights[r * top_k + j];
+  }
+}
+
 __global__ void HoldKernel(unsigned long long ns) {
   unsigned long long start, now;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
@@ -89,6 +112,13 @@ void F32ToBf16(const float* src, int64_t n, uint16_t* dst, cudaStream_t stream) 
 void GatherRowsBytes(const void* src, int64_t row_bytes, const int32_t* rows, int n, void* dst, cudaStream_t stream) {
   if (n == 0) return;
   GatherRowsKernel<<<n, 128, 0, stream>>>(static_cast<const char*>(src), row_bytes, rows, static_cast<char*>(dst));
+}
+
+void PackHostExpertInputs(const uint16_t* x, int rows, int hidden, const int32_t* ids, const float* weights,
+                          int top_k, float* host_x, int32_t* host_ids, float* host_weights, cudaStream_t stream) {
+  if (rows == 0) return;
+  PackHostExpertInputsKernel<<<rows, 256, 0, stream>>>(reinterpret_cast<const __nv_bfloat16*>(x), hidden, ids,
+                                                       weights, top_k, host_x, host_ids, host_weights);
 }
 
 void FirstNonFinite(const float* x, int rows, int64_t cols, int32_t* first, cudaStream_t stream) {

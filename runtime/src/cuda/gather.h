@@ -23,6 +23,12 @@ void NarrowColumns(const float* src, int rows, int src_cols, int cols, const flo
 // that the operations queued behind it start back to back: the op timing of eager steps.
 void HoldStream(int64_t ns, cudaStream_t stream);
 
+// Hybrid execution: a MoE layer's inputs for the host, in one kernel: x bf16 [rows x hidden] to
+// host_x fp32, ids int32 and weights fp32 [rows x top_k] to host_ids and host_weights. The host_*
+// pointers are pinned, mapped host memory (written over PCIe).
+void PackHostExpertInputs(const uint16_t* x, int rows, int hidden, const int32_t* ids, const float* weights,
+                          int top_k, float* host_x, int32_t* host_ids, float* host_weights, cudaStream_t stream);
+
 // first[r] = index of the first NaN or infinity in row r of x [rows x cols], or -1.
 void FirstNonFinite(const float* x, int rows, int64_t cols, int32_t* first, cudaStream_t stream);
 

@@ -230,6 +230,17 @@ struct AttentionArgs {
   int layer = 0;
 };
 
+// Routed experts computed on the host beside a device's stream (hybrid execution): the CPU expert
+// pool behind an interface the backend calls from a host thread, in stream order.
+class HostExperts {
+ public:
+  virtual ~HostExperts() = default;
+  // hidden [rows x H] fp32, ids and weights [rows x top_k]; out [rows x H] fp32, overwritten.
+  // Host memory, valid for the call only. An error fails the step (at Synchronize).
+  virtual absl::Status Compute(int layer, const float* hidden, int64_t rows, const int32_t* ids,
+                               const float* weights, float* out) = 0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -281,6 +292,7 @@ class Backend {
     int top_k = 0;
     int moe_intermediate = 0;
     int max_bias_width = 0;  // the widest Linear with a bias (the fused QKV), 0 when none has one
+    bool host_experts = false;  // some layers' routed experts run on the host (StartHostExperts)
   };
   virtual absl::Status ReserveScratch(const StepLimits& limits) { return absl::OkStatus(); }
   // Bytes of device memory free now (the host's available memory for the CPU backend).
@@ -376,6 +388,20 @@ class Backend {
   // out [T x H] fp32 = sum_j weights[t][j] * expert_{ids[t][j]}(x[t]); x activation dtype.
   virtual void MoeExperts(const Tensor& x, const Tensor& ids, const Tensor& weights, const DeviceExperts& experts,
                           const Tensor& out) {}
+  // Routed experts on the host for a backend whose memory the CPU cannot address (hybrid
+  // execution): x (activation dtype), ids and weights go to pinned host memory, `host` computes
+  // `layer` there, and its sum lands in out [T x H] fp32. Queued beside the stream, so that the
+  // operations queued before FinishHostExperts (the shared experts) overlap it; FinishHostExperts
+  // makes the stream wait for it. One call in flight; recorded into graphs like any operation, so
+  // `host` must outlive the backend's graphs. kUnimplemented where the backend computes on the host
+  // (the pool reads its tensors directly) or reserved no host buffers (StepLimits::host_experts).
+  virtual absl::Status StartHostExperts(HostExperts& host, int layer, const Tensor& x, const Tensor& ids,
+                                        const Tensor& weights, const Tensor& out) {
+    return absl::UnimplementedError(name() + " runs no routed experts on the host");
+  }
+  virtual absl::Status FinishHostExperts() {
+    return absl::UnimplementedError(name() + " runs no routed experts on the host");
+  }
   // out += sigmoid(gate) * shared per row (gate null: out += shared); fp32.
   virtual void AddSharedExpert(const Tensor& out, const Tensor& shared, const Tensor* gate) = 0;
   // out[i] = src[rows[i]]; rows int32 [n x 1].

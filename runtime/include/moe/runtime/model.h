@@ -40,6 +40,16 @@ struct ForwardBatch {
   std::vector<int32_t> logit_rows;  // rows of token_ids whose logits are returned, in this order
 };
 
+// What the routed experts computed on the host beside a GPU (hybrid execution) took: the pool's
+// calls, and the time from one layer's call ending to the next layer's starting within a step
+// (the GPU's work between them, the copies and the host calls' latency).
+struct HostExpertsTiming {
+  int64_t calls = 0;
+  double compute_seconds = 0;
+  int64_t betweens = 0;
+  double between_seconds = 0;
+};
+
 // Computes the weighted sum of each token's routed experts for one MoE layer, in two phases so
 // that the caller can run the shared experts in between. Tensors are the backend's.
 class RoutedExperts {
@@ -51,6 +61,9 @@ class RoutedExperts {
                              const Tensor& out) = 0;
   // Waits for the call Start began.
   virtual absl::Status Finish() = 0;
+  // Hybrid execution's host calls since the last reset.
+  virtual HostExpertsTiming timing() const { return {}; }
+  virtual void ResetTiming() {}
 };
 
 // Where routed experts run: on the backend (the CPU backend's plain reference path, or the GPU),
@@ -61,6 +74,10 @@ struct ModelOptions {
   int threads = 0;  // CPU backend threads; 0: all cores
   RoutedExpertsMode experts = RoutedExpertsMode::kPool;
   experts::ExpertPoolOptions pool;  // used with kPool; model_id is filled in by Load
+  // With kPool: the model layers whose routed experts the pool holds (unset: every MoE layer); the
+  // others' run on the backend. On a GPU backend the pool's layers run on the host beside it
+  // (hybrid execution: --cpu-moe, --n-cpu-moe, --override-tensor).
+  std::optional<std::vector<int>> pool_layers;
   // The pool's ExpertPoolOptions::linger_us. Unset: 0 on a backend that computes on the host's
   // cores (between MoE layers they are its own), pool.linger_us otherwise.
   std::optional<int64_t> expert_linger_us;
@@ -124,6 +141,11 @@ class Model {
 
   // The CPU expert pool, or null when the backend runs the routed experts.
   experts::ExpertPool* expert_pool() { return pool_.get(); }
+  // The model layers whose routed experts the pool holds (empty without a pool).
+  const std::vector<int>& pool_layers() const { return pool_layers_; }
+  // Hybrid execution: the host calls of the routed experts since the last reset (benchmarks).
+  HostExpertsTiming host_experts_timing() const { return routed_experts_->timing(); }
+  void ResetHostExpertsTiming() { routed_experts_->ResetTiming(); }
 
   // Debugging: `tap` sees each intermediate tensor of a step as it is written (what, the layer or
   // -1, the backend's tensor), so that two backends can be compared op by op. A tapped step runs
@@ -151,7 +173,8 @@ class Model {
   std::unique_ptr<HostBuffer> host_logits_;      // [max_logit_rows x vocab] fp32
   StepInputs inputs_;                            // the step in flight's inputs
   std::unique_ptr<experts::ExpertPool> pool_;
-  std::unique_ptr<RoutedExperts> routed_experts_;  // the backend's or the pool's
+  std::vector<int> pool_layers_;
+  std::unique_ptr<RoutedExperts> routed_experts_;  // per layer, the backend's or the pool's
   StepTap tap_;
   // The KV cache the backend's decode graphs were recorded on (they hold its addresses): a step
   // on another cache records them anew.

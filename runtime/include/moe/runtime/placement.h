@@ -20,6 +20,7 @@
 #include "absl/status/statusor.h"
 #include "moe/runtime/device.h"
 #include "moe/runtime/model_spec.h"
+#include "moe/runtime/weight_source.h"
 
 namespace moe::runtime {
 
@@ -85,9 +86,18 @@ struct Placement {
   int64_t BytesOn(Device::Kind kind) const;
 };
 
+// Every tensor of a checkpoint, by its header (nothing is read).
+absl::StatusOr<std::vector<TensorInfo>> CheckpointTensors(const WeightSource& source);
+
 // kInvalidArgument for n_cpu_moe outside [0, the model's MoE layers], or a cuda:N override
 // naming another GPU than options.gpu (one GPU per process for now).
 absl::StatusOr<Placement> PlaceTensors(const ModelSpec& spec, const std::vector<TensorInfo>& tensors,
                                        const PlacementOptions& options);
+
+// What the runtime can run of a placement: the model layers whose routed experts it puts on the
+// CPU (ModelOptions::pool_layers), in order. kInvalidArgument naming the tensor and the rule for
+// what it cannot run that way yet: a tensor other than a routed expert on the CPU, or a layer
+// whose routed experts are split between the CPU and the GPU.
+absl::StatusOr<std::vector<int>> CpuExpertLayers(const Placement& placement);
 
 }  // namespace moe::runtime
