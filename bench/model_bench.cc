@@ -49,16 +49,24 @@ absl::Status Step(runtime::Model& model, runtime::KvCache& cache, const ForwardB
 
 }  // namespace
 
-double DecodeWeightBytes(const runtime::ModelSpec& s, int batch, int bytes_per_weight) {
+DecodeReads DecodeWeightReads(const runtime::ModelSpec& s, int batch, int bytes_per_weight,
+                              const std::vector<int>& pool_layers, double pool_expert_bytes) {
   double params = double(s.vocab_size) * s.hidden_size + s.hidden_size;  // LM head, final norm
+  DecodeReads reads;
   for (int l = 0; l < s.num_layers; ++l) {
     params += DenseLayerParams(s, l);
     if (s.IsMoeLayer(l)) {
       const double e = s.routing.num_experts, k = s.routing.top_k;
-      params += e * (1 - std::pow(1 - k / e, batch)) * ExpertParams(s);
+      const double touched = e * (1 - std::pow(1 - k / e, batch));
+      if (std::find(pool_layers.begin(), pool_layers.end(), l) != pool_layers.end()) {
+        reads.host += touched * pool_expert_bytes;
+      } else {
+        params += touched * ExpertParams(s);
+      }
     }
   }
-  return params * bytes_per_weight;
+  reads.backend = params * bytes_per_weight;
+  return reads;
 }
 
 double PrefillFlops(const runtime::ModelSpec& s, int tokens) {
@@ -108,13 +116,21 @@ void PrintModelBenchJson(const ModelBenchResult& result, const std::string& back
   j["bandwidth_measured_as"] = result.roofline.memory_what;
   j["matmul_tflops"] = result.roofline.matmul_tflops;
   j["matmul_measured_as"] = result.roofline.matmul_what;
+  if (result.host_read_gbps > 0) j["host_read_gbps"] = result.host_read_gbps;
   for (const auto& r : result.decode) {
     j["decode"].push_back({{"batch", r.batch},
                            {"tokens_per_s", r.tokens_per_s},
                            {"ms_per_step", r.ms_per_step},
                            {"weight_bytes_per_step", r.weight_bytes},
+                           {"host_expert_bytes_per_step", r.host_expert_bytes},
                            {"bound_tokens_per_s", r.bound_tokens_per_s},
-                           {"ratio_to_bandwidth", r.ratio}});
+                           {"ratio_to_bound", r.ratio}});
+    if (r.host) {
+      j["decode"].back()["host_experts"] = {{"calls_per_step", r.host->calls_per_step},
+                                            {"compute_us_per_call", r.host->compute_us_per_call},
+                                            {"between_us", r.host->between_us},
+                                            {"gpu_ops_us_per_layer", r.host->gpu_ops_us_per_layer}};
+    }
     if (r.budget) {
       nlohmann::ordered_json ops = nlohmann::ordered_json::array();
       for (const auto& op : r.budget->ops.ops) {
@@ -130,8 +146,11 @@ void PrintModelBenchJson(const ModelBenchResult& result, const std::string& back
     }
   }
   for (const auto& r : result.prefill) {
-    j["prefill"].push_back(
-        {{"tokens", r.tokens}, {"tokens_per_s", r.tokens_per_s}, {"tflops", r.tflops}, {"ratio_to_matmul", r.ratio}});
+    j["prefill"].push_back({{"tokens", r.tokens},
+                            {"tokens_per_s", r.tokens_per_s},
+                            {"tflops", r.tflops},
+                            {"ratio_to_matmul", r.ratio},
+                            {"experts_path", r.experts_path}});
   }
   out << j.dump() << std::endl;
 }
@@ -144,8 +163,17 @@ absl::StatusOr<ModelBenchResult> RunModelBench(runtime::Model& model, const Mode
   log << absl::StrFormat("bandwidth: %.0f GB/s (%s)\nmatrix rate: %s (%s)\n", result.roofline.memory_gbps,
                          result.roofline.memory_what, FlopRate(result.roofline.matmul_tflops),
                          result.roofline.matmul_what);
-  // The GPU keeps weights in bf16; the CPU reads bf16 checkpoints where they lie.
+  // The GPU keeps weights in bf16; the CPU reads bf16 checkpoints where they lie. The pool's
+  // routed experts are read in its packed format, at the bandwidth its own threads measure.
   const int weight_bytes = 2;
+  experts::ExpertPool* pool = model.expert_pool();
+  const bool hybrid = pool != nullptr && !backend.HostAddressable();
+  if (pool != nullptr) {
+    result.host_read_gbps = pool->MeasureReadBandwidth(static_cast<size_t>(o.copy_bytes));
+    log << absl::StrFormat("host read bandwidth: %.0f GB/s (the expert pool's %d threads); %s\n",
+                           result.host_read_gbps, pool->threads(), pool->Describe());
+  }
+  const double pool_expert_bytes = pool != nullptr ? static_cast<double>(pool->expert_bytes()) : 0;
   std::mt19937 rng(7);
   std::uniform_int_distribution<int32_t> token(0, spec.vocab_size - 1);
   const int block = 16;
@@ -158,7 +186,7 @@ absl::StatusOr<ModelBenchResult> RunModelBench(runtime::Model& model, const Mode
     const int ops_per_step = 16 * spec.num_layers + 8;
     const int budget_steps =
         std::clamp(o.decode_steps / 4, 1, std::max(1, runtime::Backend::kMaxTimedOperations / ops_per_step));
-    const int decode_positions = (o.decode_steps + 4) + (o.budget ? o.decode_steps + 4 + budget_steps : 0);
+    const int decode_positions = (o.decode_steps + 8) + (o.budget ? o.decode_steps + 4 + budget_steps : 0);
     const int per_seq = runtime::BlocksFor(o.decode_context + decode_positions + 1, block);
     MOE_ASSIGN_OR_RETURN(auto cache, model.NewKvCache(batch * per_seq, block));
     std::vector<std::vector<int32_t>> tables(batch);
@@ -192,19 +220,47 @@ absl::StatusOr<ModelBenchResult> RunModelBench(runtime::Model& model, const Mode
       for (int i = 0; i < steps; ++i) MOE_RETURN_IF_ERROR(decode_step());
       return Seconds(start);
     };
+    for (int i = 0; i < 4; ++i) MOE_RETURN_IF_ERROR(decode_step());  // graphs recorded, pool warm
+    model.ResetHostExpertsTiming();
     MOE_ASSIGN_OR_RETURN(const double seconds, timed_steps(o.decode_steps));
+    const runtime::HostExpertsTiming host_timing = model.host_experts_timing();
     DecodeRow row;
     row.batch = batch;
     row.ms_per_step = seconds / o.decode_steps * 1e3;
     row.tokens_per_s = batch * o.decode_steps / seconds;
-    row.weight_bytes = DecodeWeightBytes(spec, batch, weight_bytes);
-    const double bound_s = row.weight_bytes / (result.roofline.memory_gbps * 1e9);
+    const DecodeReads reads = DecodeWeightReads(spec, batch, weight_bytes, model.pool_layers(), pool_expert_bytes);
+    row.weight_bytes = reads.total();
+    row.host_expert_bytes = reads.host;
+    // The bound reads the backend's weights at its bandwidth and the pool's at the host's, one
+    // after the other (a layer's experts need its attention's output).
+    const double bound_s = reads.backend / (result.roofline.memory_gbps * 1e9) +
+                           (reads.host > 0 ? reads.host / (result.host_read_gbps * 1e9) : 0);
     row.bound_tokens_per_s = batch / bound_s;
-    row.ratio = row.weight_bytes / (row.ms_per_step / 1e3) / (result.roofline.memory_gbps * 1e9);
-    log << absl::StrFormat(
-        "decode batch %3d: %8.1f tokens/s, %.3f ms/step, %.2f GB of weights/step, bound %.0f tokens/s, %.1f%% of "
-        "the bandwidth\n",
-        batch, row.tokens_per_s, row.ms_per_step, row.weight_bytes / 1e9, row.bound_tokens_per_s, 100 * row.ratio);
+    row.ratio = bound_s / (row.ms_per_step / 1e3);
+    if (reads.host > 0) {
+      log << absl::StrFormat(
+          "decode batch %3d: %8.1f tokens/s, %.3f ms/step; reads %.3f GB on %s and %.3f GB of %s experts from host "
+          "memory; bound %.0f tokens/s, %.1f%% of it\n",
+          batch, row.tokens_per_s, row.ms_per_step, reads.backend / 1e9, hybrid ? "the GPU" : "the CPU",
+          reads.host / 1e9, experts::FormatName(pool->options().format), row.bound_tokens_per_s, 100 * row.ratio);
+    } else {
+      log << absl::StrFormat(
+          "decode batch %3d: %8.1f tokens/s, %.3f ms/step, %.2f GB of weights/step, bound %.0f tokens/s, %.1f%% of "
+          "the bandwidth\n",
+          batch, row.tokens_per_s, row.ms_per_step, row.weight_bytes / 1e9, row.bound_tokens_per_s, 100 * row.ratio);
+    }
+    if (hybrid && host_timing.calls > 0) {
+      HostExpertsRow h;
+      const double steps = 4 + o.decode_steps;  // timed_steps' own warm-up steps are counted too
+      h.calls_per_step = host_timing.calls / steps;
+      h.compute_us_per_call = 1e6 * host_timing.compute_seconds / host_timing.calls;
+      h.between_us = host_timing.betweens > 0 ? 1e6 * host_timing.between_seconds / host_timing.betweens : 0;
+      log << absl::StrFormat(
+          "  per MoE layer on the CPU: %.1f us in the pool, %.1f us from one layer's pool call to the next one's "
+          "(the GPU's work, the copies, the host call's latency)\n",
+          h.compute_us_per_call, h.between_us);
+      row.host = h;
+    }
     // A backend that times its operations says so by starting (this probe's timing is dropped).
     if (o.budget && backend.BeginOpTiming().ok()) {
       MOE_RETURN_IF_ERROR(backend.EndOpTiming().status());
@@ -223,6 +279,17 @@ absl::StatusOr<ModelBenchResult> RunModelBench(runtime::Model& model, const Mode
       budget.eager_ms_per_step = (graphs ? *eager / o.decode_steps * 1e3 : row.ms_per_step);
       budget.ops = std::move(*ops);
       PrintStepBudget(budget, log);
+      if (row.host) {
+        // The GPU's own work between two pool calls, and what is left: copies and host-call latency.
+        int calls = 0;
+        for (const auto& op : budget.ops.ops) calls += op.calls;
+        const double own = budget.ops.busy_seconds - budget.ops.overhead_seconds_per_op * calls;
+        row.host->gpu_ops_us_per_layer = 1e6 * own / budget.steps / spec.num_layers;
+        log << absl::StrFormat(
+            "  per layer: GPU operations %.1f us (eager, op-timed), so the host path adds about %.1f us a layer "
+            "beyond the pool's own time\n",
+            row.host->gpu_ops_us_per_layer, row.host->between_us - row.host->gpu_ops_us_per_layer);
+      }
       row.budget = std::move(budget);
     }
     result.decode.push_back(row);
@@ -258,8 +325,18 @@ absl::StatusOr<ModelBenchResult> RunModelBench(runtime::Model& model, const Mode
     row.tokens_per_s = tokens / best;
     row.tflops = PrefillFlops(spec, tokens) / best / 1e12;
     row.ratio = row.tflops / result.roofline.matmul_tflops;
-    log << absl::StrFormat("prefill %5d tokens: %9.1f tokens/s, %.1f ms, %s, %.1f%% of the matrix rate\n", tokens,
-                           row.tokens_per_s, best * 1e3, FlopRate(row.tflops), 100 * row.ratio);
+    if (pool != nullptr) {
+      // Every pool layer takes the same path: the kernel for the chunk's tokens per expert.
+      const int64_t per_expert =
+          std::max<int64_t>(1, int64_t{std::min(chunk, tokens)} * spec.routing.top_k / spec.routing.num_experts);
+      row.experts_path = absl::StrFormat("%zu layers' routed experts on the CPU (%s kernel, ~%d tokens per expert)",
+                                         model.pool_layers().size(), experts::KernelName(pool->KernelFor(per_expert)),
+                                         per_expert);
+    } else {
+      row.experts_path = "routed experts on " + backend.name();
+    }
+    log << absl::StrFormat("prefill %5d tokens: %9.1f tokens/s, %.1f ms, %s, %.1f%% of the matrix rate; %s\n", tokens,
+                           row.tokens_per_s, best * 1e3, FlopRate(row.tflops), 100 * row.ratio, row.experts_path);
     result.prefill.push_back(row);
   }
   return result;

@@ -33,14 +33,24 @@ struct StepBudget {
   double graph_ms_per_step = 0;  // 0 where the backend has no graphs
 };
 
+// The routed experts the CPU pool computes beside a GPU (hybrid execution), per decode step.
+struct HostExpertsRow {
+  double calls_per_step = 0;
+  double compute_us_per_call = 0;  // the pool's own time in a MoE layer
+  double between_us = 0;           // from one layer's pool call ending to the next one's starting
+  double gpu_ops_us_per_layer = 0;  // the GPU's operations a layer (eager, op-timed), with the budget
+};
+
 struct DecodeRow {
   int batch = 0;
   double tokens_per_s = 0;
   double ms_per_step = 0;
   double weight_bytes = 0;    // read per step (routed experts: the expected distinct ones)
-  double bound_tokens_per_s = 0;  // at the measured bandwidth
-  double ratio = 0;           // achieved weight bandwidth / measured bandwidth
+  double host_expert_bytes = 0;  // of them, the routed experts the CPU pool reads from host memory
+  double bound_tokens_per_s = 0;  // at the measured bandwidths
+  double ratio = 0;           // the bound's step time / the step time
   std::optional<StepBudget> budget;  // where the backend times its operations
+  std::optional<HostExpertsRow> host;  // hybrid execution
 };
 
 struct PrefillRow {
@@ -48,18 +58,27 @@ struct PrefillRow {
   double tokens_per_s = 0;
   double tflops = 0;
   double ratio = 0;  // / the measured matrix rate
+  std::string experts_path;  // where the routed experts ran, and how
 };
 
 struct ModelBenchResult {
   runtime::Backend::Roofline roofline;
+  double host_read_gbps = 0;  // the expert pool's threads reading host memory, where the model has a pool
   std::vector<DecodeRow> decode;
   std::vector<PrefillRow> prefill;
 };
 
 // Bytes of weights one decode step of `batch` sequences reads: everything but the routed experts,
 // plus the routed experts a batch touches when routing is uniform, E (1 - (1 - k/E)^batch) per
-// layer, in the backend's weight dtype (bf16 on a GPU).
-double DecodeWeightBytes(const runtime::ModelSpec& spec, int batch, int bytes_per_weight);
+// layer. The backend reads its weights at `bytes_per_weight` (bf16 on a GPU); the routed experts
+// of `pool_layers` are the CPU pool's, `pool_expert_bytes` each, read from host memory.
+struct DecodeReads {
+  double backend = 0;
+  double host = 0;
+  double total() const { return backend + host; }
+};
+DecodeReads DecodeWeightReads(const runtime::ModelSpec& spec, int batch, int bytes_per_weight,
+                              const std::vector<int>& pool_layers, double pool_expert_bytes);
 // Multiply-adds x 2 of one prefill of `tokens` tokens (the routed experts' top-k, causal attention).
 double PrefillFlops(const runtime::ModelSpec& spec, int tokens);
 

@@ -4,7 +4,7 @@
 # libraries that machine lacks) and env.sh (their library path), as scripts/device-ctest.sh
 # expects. Logs go to $LOGS (or ./gpu-logs); each phase has a time limit, so that a hung phase
 # leaves the others their time.
-#   scripts/gpu-check.sh BUNDLE_DIR [tests|cpu|sanitize|bench|serve|profile|all ...]
+#   scripts/gpu-check.sh BUNDLE_DIR [tests|cpu|sanitize|bench|hybrid|serve|profile|all ...]
 set -uo pipefail
 bundle=$(cd "$1" && pwd); shift
 phases=" ${*:-all} "
@@ -49,6 +49,19 @@ if want bench; then
     --prompts 512 > "$out/bench-model-eager.log" 2>&1; echo "bench model --eager: exit $?"
   grep -E "decode|prefill" "$out/bench-model-eager.log"
 fi
+if want hybrid; then
+  # Every routed expert in the CPU pool beside the GPU: int8 and int4 decode, prefill.
+  make_model
+  for fmt in int8 int4; do
+    batches=1,4,16; prompts=512,2048
+    [[ $fmt == int4 ]] && batches=1,4 && prompts=512
+    timeout 200 "$bundle/bin/moeserve" bench model --model "$model" --device cuda --cpu-moe --expert-format $fmt \
+      --batches $batches --prompts $prompts --decode-steps 32 > "$out/bench-hybrid-$fmt.log" 2>&1
+    echo "bench model --cpu-moe --expert-format $fmt: exit $?"
+    grep -E "^(moeserve|model|bandwidth|host read|decode|prefill)|per MoE layer|per layer|^    (operations|eager|graphs)" \
+      "$out/bench-hybrid-$fmt.log" | head -40
+  done
+fi
 if want serve; then
   make_model
   timeout 150 "$bundle/bin/moeserve" bench serve --model "$model" --device cuda --concurrency 1,32 \
@@ -70,7 +83,7 @@ if want sanitize; then
   # A prefill, a decode and a mixed step of each fixture (op by op), and graph replays of qwen3_moe,
   # under memcheck; the qwen3_moe steps under racecheck (slow: it checks every shared access).
   for tool in memcheck racecheck; do
-    filter='Fixtures/CudaGoldensTest.EveryTensor*/*:Fixtures/CudaGoldensTest.GraphsGiveTheTokensOfEagerMode/qwen3_moe'
+    filter='Fixtures/CudaGoldensTest.EveryTensor*/*:Fixtures/CudaGoldensTest.GraphsGiveTheTokensOfEagerMode/qwen3_moe:Fixtures/CudaGoldensTest.HybridExecution*/qwen3_moe'
     [[ $tool == racecheck ]] && filter='Fixtures/CudaGoldensTest.EveryTensor*/qwen3_moe'
     timeout 150 compute-sanitizer --tool $tool --error-exitcode 99 "$bundle/bin/cuda_goldens_test" \
       --gtest_filter="$filter" > "$out/sanitizer-$tool.log" 2>&1

@@ -202,13 +202,19 @@ TEST(CliTest, BenchModelReportsDecodeAndPrefillAgainstTheirCeilings) {
   for (const auto& row : j["decode"]) {
     EXPECT_GT(row["tokens_per_s"].get<double>(), 0);
     EXPECT_GT(row["weight_bytes_per_step"].get<double>(), 0);
-    EXPECT_GT(row["ratio_to_bandwidth"].get<double>(), 0);
+    EXPECT_GT(row["ratio_to_bound"].get<double>(), 0);
+    // The pool's routed experts are read from host memory, in its packed format.
+    EXPECT_GT(row["host_expert_bytes_per_step"].get<double>(), 0);
+    EXPECT_LT(row["host_expert_bytes_per_step"].get<double>(), row["weight_bytes_per_step"].get<double>());
   }
+  EXPECT_GT(j["host_read_gbps"].get<double>(), 0);
   // Three routed experts of 16 touched at batch 3 read more than one of batch 1 does.
   EXPECT_GT(j["decode"][1]["weight_bytes_per_step"].get<double>(), j["decode"][0]["weight_bytes_per_step"].get<double>());
   ASSERT_EQ(j["prefill"].size(), 1u);
   EXPECT_EQ(j["prefill"][0]["tokens"], 9);
   EXPECT_GT(j["prefill"][0]["tflops"].get<double>(), 0);
+  EXPECT_NE(j["prefill"][0]["experts_path"].get<std::string>().find("4 layers' routed experts on the CPU"),
+            std::string::npos);
 }
 
 TEST(CliTest, HelpExplainsTheCommands) {
@@ -451,6 +457,80 @@ TEST(CliBenchTest, ServingBenchReportsLatenciesPerConcurrency) {
   r = testing::RunMoeserve({"bench", "serve", "--target", "127.0.0.1:1", "--concurrency", "1"});
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_THAT(r.err, HasSubstr("no server answers at 127.0.0.1:1"));
+}
+
+}  // namespace
+}  // namespace moe
+
+namespace moe {
+namespace {
+
+// inspect on a checkpoint: where each group goes under --cpu-moe, the plan for a 24 GB GPU that
+// is not there, and the decode bound from the host memory the experts read.
+TEST(InspectTest, PlansAFixtureForA24GbGpuWithItsExpertsOnTheCpu) {
+  auto r = testing::RunMoeserve({"inspect", "--model", testing::FixtureDir("qwen3_moe"), "--gpu-memory-gb", "24",
+                                 "--cpu-moe", "--expert-format", "int8", "--read-gbps", "100", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_NE(j["tensors"].get<std::string>().find("from the checkpoint's headers"), std::string::npos);
+  ASSERT_EQ(j["layers"].size(), 1u);  // four layers placed alike
+  EXPECT_EQ(j["layers"][0]["last"], 3);
+  EXPECT_NE(j["layers"][0]["placed"].get<std::string>().find("routed expert CPU (--cpu-moe)"), std::string::npos);
+  EXPECT_NE(j["layers"][0]["placed"].get<std::string>().find("router GPU"), std::string::npos);
+  EXPECT_TRUE(j["gpu"]["fits"].get<bool>());
+  EXPECT_EQ(j["gpu"]["free_bytes"].get<int64_t>(), int64_t{24} << 30);
+  EXPECT_EQ(j["refusal"], "");
+  // 4 of 16 experts in each of 4 layers, int8: at 100 GB/s the bound is 1e11 over those bytes.
+  const double per_token = j["decode"]["host_bytes_per_token"].get<double>();
+  EXPECT_GT(per_token, 4 * 4 * 3 * 128 * 64);  // int8 weights, plus their scales
+  EXPECT_NEAR(j["decode"]["bound_tokens_per_s"].get<double>(), 100e9 / per_token, 1);
+  EXPECT_EQ(j["decode"]["cpu_expert_layers"], 4);
+}
+
+// From config.json alone (the weights not downloaded), the same plan; and the bandwidth measured.
+TEST(InspectTest, PlansFromConfigAloneAndMeasuresTheHostBandwidth) {
+  testing::ScratchDir dir;
+  std::filesystem::copy_file(testing::FixtureDir("qwen3_moe") + "/config.json", dir / "config.json");
+  auto r = testing::RunMoeserve({"inspect", "--model", dir.path().string(), "--gpu-memory-gb", "24", "--n-cpu-moe",
+                                 "2", "--expert-threads", "2"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("231 tensors expected from config.json"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("layers 0-1: attention GPU, norm GPU, routed expert CPU (--n-cpu-moe 2), router GPU"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("layers 2-3: attention GPU, norm GPU, routed expert GPU, router GPU"), std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("GB/s of host read bandwidth (measured now, 2 threads over 1 GiB)"), std::string::npos) << r.out;
+}
+
+// The seeds' trap: Qwen3-30B-A3B at its full 262144 context on a 24 GB GPU, experts on the CPU:
+// refused before anything loads, with the context that fits.
+TEST(InspectTest, TheFullContextOnA24GbGpuIsRefusedWithWhatFits) {
+  testing::ScratchDir dir;
+  std::ofstream(dir / "config.json") << R"({"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
+    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+    "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "intermediate_size": 6144,
+    "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "rope_theta": 10000000.0, "norm_topk_prob": true,
+    "tie_word_embeddings": false})";
+  auto r = testing::RunMoeserve(
+      {"inspect", "--model", dir.path().string(), "--gpu-memory-gb", "24", "--cpu-moe", "--read-gbps", "100"});
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_NE(r.out.find("does NOT fit"), std::string::npos) << r.out;
+  EXPECT_NE(r.err.find("ctx 262,144 x 1 sequence needs 24.0 GiB of KV cache"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("the largest context that fits is 20"), std::string::npos) << r.err;
+  // A context that fits is then planned without complaint.
+  auto ok = testing::RunMoeserve({"inspect", "--model", dir.path().string(), "--gpu-memory-gb", "24", "--cpu-moe",
+                                  "--read-gbps", "100", "--ctx", "131072"});
+  EXPECT_EQ(ok.exit_code, 0) << ok.err;
+}
+
+// Placement the runtime cannot run is an error in inspect too, naming the tensor and the rule.
+TEST(InspectTest, AttentionOnTheCpuIsRefusedNamingTheRule) {
+  auto r = testing::RunMoeserve({"inspect", "--model", testing::FixtureDir("qwen3_moe"), "--gpu-memory-gb", "24",
+                                 "--override-tensor", "self_attn=cpu", "--read-gbps", "100"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("warning: --override-tensor self_attn=cpu puts"), std::string::npos) << r.out;
+  EXPECT_NE(r.err.find("only routed experts run on the CPU beside a GPU"), std::string::npos) << r.err;
 }
 
 }  // namespace

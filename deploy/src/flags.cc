@@ -138,8 +138,9 @@ int FailCommand(const std::string& command, const absl::Status& status, int code
 
 void ExpertFlags::Add(CLI::App* app) {
   app->add_option("--experts", mode,
-                  "where routed experts run: auto (the CPU expert pool on the CPU, the GPU on a GPU), pool, gpu, or "
-                  "reference (the CPU backend's plain path)")
+                  "where routed experts run: auto (the CPU expert pool on the CPU, the GPU on a GPU), pool (on a GPU: "
+                  "every routed expert in the CPU pool beside it, as --cpu-moe), gpu, or reference (the CPU backend's "
+                  "plain path)")
       ->check(CLI::IsMember({"auto", "pool", "gpu", "reference"}))
       ->capture_default_str();
   app->add_flag("--cpu-moe", cpu_moe,

@@ -69,6 +69,7 @@ int RunMoeserve(int argc, char** argv) {
   AddBenchCommand(root, &selected);
   AddChatTemplateCommand(root, &selected);
   AddTokenizeCommand(root, &selected);
+  AddInspectCommand(root, &selected);
   root.add_subcommand("version", "print the version")->callback([&selected] {
     selected = [] {
       std::cout << "moeserve " << kVersion << "\n";

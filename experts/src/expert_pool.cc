@@ -187,6 +187,19 @@ std::string ExpertPool::PhaseReport() const { return impl_->times.Report(); }
 
 void ExpertPool::ResetPhases() { impl_->times.Reset(); }
 
+double MeasureHostReadBandwidth(int threads, size_t bytes, int repeats) {
+  const std::vector<int> cpus = internal::AllowedCpus();
+  const int n = threads > 0 ? threads : std::max<int>(1, static_cast<int>(cpus.size()));
+  internal::WorkerThreads workers(n, /*linger_us=*/0, /*pin=*/true, cpus);
+  return internal::MeasureReadBandwidth(workers, n, bytes, repeats);
+}
+
+absl::StatusOr<int64_t> PackedExpertBytes(const ExpertShape& shape, ExpertFormat format, int group) {
+  auto experts = internal::LayOutExperts(shape, format, group);
+  if (!experts.ok()) return experts.status();
+  return experts->expert_bytes;
+}
+
 double ExpertPool::MeasureReadBandwidth(size_t bytes, int repeats) {
   if (in_flight_) return 0.0;
   impl_->workers.crew().Park();  // the lingering threads would hold the arena's slots

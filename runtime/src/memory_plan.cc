@@ -2,10 +2,13 @@
 
 #include <algorithm>
 #include <map>
+#include <set>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "moe/core/dtype.h"
+#include "moe/experts/expert_pool.h"
 #include "moe/runtime/kv_cache.h"
 #include "moe/runtime/model.h"
 
@@ -51,16 +54,51 @@ absl::StatusOr<MemoryPlan> PlanMemory(const ModelSpec& spec, const Placement& pl
   plan.host.free = o.host_free_bytes;
 
   std::map<TensorRole, int64_t> gpu_by_role;
-  int64_t host_experts = 0;
+  std::set<std::pair<int, int>> cpu_experts;  // (layer, expert)
+  std::set<int> cpu_layers, gpu_expert_layers;
+  int64_t host_other = 0, gpu_experts = 0;
   for (const TensorPlace& t : placement.tensors) {
+    const bool expert = t.kind.role == TensorRole::kRoutedExpert;
     if (t.device.kind == Device::Kind::kCpu) {
-      host_experts += t.elements * 2;  // the pool's bf16 packing
-    } else {
-      gpu_by_role[t.kind.role] += GpuBytes(t);
+      if (expert) {
+        cpu_experts.insert({t.kind.layer, t.kind.expert});
+        cpu_layers.insert(t.kind.layer);
+      } else {
+        host_other += t.bytes;
+      }
+      continue;
+    }
+    gpu_by_role[t.kind.role] += GpuBytes(t);
+    if (expert) {
+      gpu_experts += GpuBytes(t);
+      gpu_expert_layers.insert(t.kind.layer);
+    } else if (t.kind.role != TensorRole::kEmbedding) {
+      plan.gpu_read_per_token += GpuBytes(t);
     }
   }
   for (const auto& [role, bytes] : gpu_by_role)
     Add(&plan.gpu, absl::StrCat("weights: ", std::string(TensorRoleName(role))), bytes);
+  // Per token, each layer reads its top-k routed experts: an average GPU-held expert's bf16
+  // bytes, or the pool's packed ones.
+  const int k = spec.routing.top_k;
+  if (!gpu_expert_layers.empty() && spec.routing.num_experts > 0) {
+    plan.gpu_read_per_token += gpu_experts / static_cast<int64_t>(gpu_expert_layers.size()) /
+                               spec.routing.num_experts * k * static_cast<int64_t>(gpu_expert_layers.size());
+  }
+  int64_t pool_bytes = 0;
+  if (!cpu_experts.empty()) {
+    experts::ExpertShape shape;
+    shape.num_layers = 1;
+    shape.num_experts = spec.routing.num_experts;
+    shape.top_k = k;
+    shape.hidden = spec.hidden_size;
+    shape.intermediate = spec.moe_intermediate_size;
+    absl::StatusOr<int64_t> per_expert = experts::PackedExpertBytes(shape, o.host_format, o.host_group);
+    if (!per_expert.ok()) return per_expert.status();
+    pool_bytes = *per_expert * static_cast<int64_t>(cpu_experts.size());
+    plan.host_read_per_token = *per_expert * k * static_cast<int64_t>(cpu_layers.size());
+  }
+  plan.cpu_expert_layers = static_cast<int>(cpu_layers.size());
 
   plan.kv_bytes_per_token =
       int64_t{spec.num_layers} * 2 * spec.num_kv_heads * spec.head_dim * core::DTypeSize(core::DType::kBF16);
@@ -81,8 +119,17 @@ absl::StatusOr<MemoryPlan> PlanMemory(const ModelSpec& spec, const Placement& pl
   Add(&plan.gpu, absl::StrCat("step activations: ", o.max_batch_tokens, " tokens"), arena_bytes(context));
   Add(&plan.gpu, "CUDA context, cuBLASLt workspace, graphs and scratch (allowance)", kGpuHeadroomBytes);
 
-  Add(&plan.host, "routed experts on the CPU (bf16 arena)", host_experts);
+  Add(&plan.host,
+      absl::StrCat("routed experts on the CPU: ", cpu_experts.size(), " in the pool's ",
+                   experts::FormatName(o.host_format), " arena"),
+      pool_bytes);
+  Add(&plan.host, "other tensors placed on the CPU (as stored)", host_other);
   Add(&plan.host, "pinned logits", int64_t{logit_rows} * spec.vocab_size * 4);
+  if (!cpu_experts.empty()) {
+    // A step's hidden states and sums (fp32) and its top-k ids and weights, mapped for the GPU.
+    Add(&plan.host, "pinned buffers of the routed experts on the CPU",
+        int64_t{o.max_batch_tokens} * (2 * spec.hidden_size * 4 + 2 * k * 4));
+  }
 
   if (!plan.gpu.fits()) {
     const int64_t block = o.kv_block_size;

@@ -4,6 +4,7 @@
 #include <iostream>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "moe/runtime/model.h"
 #include "moe/runtime/model_spec.h"
@@ -24,21 +25,13 @@ ModelSpec Qwen3Shape() {
   return *spec;
 }
 
-// One routed expert matrix per (layer, expert) is enough to weigh the experts: 3 x 2048 x 768.
+// The model's tensors (from its config alone), its routed experts on `where`.
 Placement ExpertsOn(const ModelSpec& spec, Device::Kind where) {
-  Placement p;
-  for (int l = 0; l < spec.num_layers; ++l) {
-    for (int e = 0; e < spec.routing.num_experts; ++e) {
-      TensorPlace t;
-      t.name = "model.layers." + std::to_string(l) + ".mlp.experts." + std::to_string(e) + ".fused";
-      t.kind = ClassifyTensor("model.layers.0.mlp.experts.0.up_proj.weight");
-      t.elements = 3 * 2048 * 768;
-      t.bytes = t.elements * 2;
-      t.device = Device{where, 0};
-      p.tensors.push_back(t);
-    }
-  }
-  return p;
+  PlacementOptions o;
+  o.cpu_moe = where == Device::Kind::kCpu;
+  auto p = PlaceTensors(spec, ExpectedTensors(spec), o);
+  EXPECT_TRUE(p.ok()) << p.status();
+  return *p;
 }
 
 constexpr int64_t kGiB = int64_t{1} << 30;
@@ -127,6 +120,155 @@ TEST(MemoryPlanTest, BadSizesAreErrors) {
   o.context = 1024;
   o.max_seqs = 0;
   EXPECT_FALSE(PlanMemory(spec, Placement{}, o).ok());
+}
+
+// Real shapes, written here from their config.json, and the figures of each worked out by hand
+// below (bf16 matrices, fp32 vectors on the GPU).
+struct RealModel {
+  std::string name;
+  std::string config;
+  int64_t experts;       // routed experts, bf16
+  int64_t other;         // every other tensor on the GPU
+  int64_t kv_per_token;  // K and V of every layer, bf16
+  int64_t expert_int8;   // one routed expert in the pool's int8 arena
+};
+
+std::vector<RealModel> RealModels() {
+  std::vector<RealModel> m;
+  {
+    // Qwen3-30B-A3B-Instruct-2507: 48 layers, hidden 2048, q 32 x 128, kv 4 x 128, 128 experts of 768.
+    const int64_t L = 48, h = 2048, q = 4096, kv = 512, E = 128, I = 768, V = 151936;
+    m.push_back({"Qwen3-30B-A3B",
+                 R"({"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 48,
+                    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+                    "num_experts_per_tok": 8, "moe_intermediate_size": 768, "intermediate_size": 6144,
+                    "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "rope_theta": 10000000.0,
+                    "norm_topk_prob": true, "tie_word_embeddings": false})",
+                 L * E * 3 * h * I * 2,
+                 2 * V * h * 2 + h * 4 + L * ((q + 2 * kv) * h * 2 + h * q * 2 + 2 * 128 * 4 + 2 * h * 4 + E * h * 2),
+                 L * 2 * kv * 2, (2 * I * h + h * I) + (2 * I + h) * 4});
+  }
+  {
+    // Qwen3-235B-A22B-Instruct-2507: 94 layers, hidden 4096, q 64 x 128, kv 4 x 128, 128 experts of 1536.
+    const int64_t L = 94, h = 4096, q = 8192, kv = 512, E = 128, I = 1536, V = 151936;
+    m.push_back({"Qwen3-235B-A22B",
+                 R"({"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 4096, "num_hidden_layers": 94,
+                    "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+                    "num_experts_per_tok": 8, "moe_intermediate_size": 1536, "intermediate_size": 12288,
+                    "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "rope_theta": 5000000.0,
+                    "norm_topk_prob": true, "tie_word_embeddings": false})",
+                 L * E * 3 * h * I * 2,
+                 2 * V * h * 2 + h * 4 + L * ((q + 2 * kv) * h * 2 + h * q * 2 + 2 * 128 * 4 + 2 * h * 4 + E * h * 2),
+                 L * 2 * kv * 2, (2 * I * h + h * I) + (2 * I + h) * 4});
+  }
+  {
+    // GLM-4.5-Air: 46 layers (the first dense, FFN 10944), hidden 4096, q 96 x 128 and kv 8 x 128
+    // with biases, 128 experts of 1408 and one shared expert of 1408, a correction bias per expert.
+    // (Its checkpoint's next-token-prediction layer 46 is not loaded and not counted.)
+    const int64_t L = 46, h = 4096, q = 12288, kv = 1024, E = 128, I = 1408, V = 151552, F = 10944;
+    m.push_back({"GLM-4.5-Air",
+                 R"({"model_type": "glm4_moe", "vocab_size": 151552, "hidden_size": 4096, "num_hidden_layers": 46,
+                    "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128, "n_routed_experts": 128,
+                    "n_shared_experts": 1, "num_experts_per_tok": 8, "moe_intermediate_size": 1408,
+                    "intermediate_size": 10944, "first_k_dense_replace": 1, "attention_bias": true,
+                    "use_qk_norm": false, "partial_rotary_factor": 0.5, "n_group": 1, "topk_group": 1,
+                    "routed_scaling_factor": 1.0, "norm_topk_prob": true, "max_position_embeddings": 131072,
+                    "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "tie_word_embeddings": false})",
+                 (L - 1) * E * 3 * h * I * 2,
+                 2 * V * h * 2 + h * 4 + L * ((q + 2 * kv) * h * 2 + h * q * 2 + (q + 2 * kv) * 4 + 2 * h * 4) +
+                     3 * h * F * 2 + (L - 1) * (E * h * 2 + E * 4 + 3 * h * I * 2),
+                 L * 2 * kv * 2, (2 * I * h + h * I) + (2 * I + h) * 4});
+  }
+  {
+    // Mixtral-8x7B: 32 layers, hidden 4096, q 32 x 128, kv 8 x 128, 8 experts of 14336.
+    const int64_t L = 32, h = 4096, q = 4096, kv = 1024, E = 8, I = 14336, V = 32000;
+    m.push_back({"Mixtral-8x7B",
+                 R"({"model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096, "num_hidden_layers": 32,
+                    "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+                    "num_experts_per_tok": 2, "intermediate_size": 14336, "max_position_embeddings": 32768,
+                    "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "tie_word_embeddings": false})",
+                 L * E * 3 * h * I * 2, 2 * V * h * 2 + h * 4 + L * ((q + 2 * kv) * h * 2 + h * q * 2 + 2 * h * 4 + E * h * 2),
+                 L * 2 * kv * 2, (2 * I * h + h * I) + (2 * I + h) * 4});
+  }
+  return m;
+}
+
+int64_t LineBytes(const DevicePlan& d, const std::string& prefix) {
+  int64_t total = 0;
+  for (const MemoryLine& line : d.lines) {
+    if (line.what.rfind(prefix, 0) == 0) total += line.bytes;
+  }
+  return total;
+}
+
+// Each real model on a 24 GB and an 80 GB GPU, all on the GPU and with --cpu-moe (int8 experts),
+// at a 32768-token context (or the model's) for 4 sequences: the plan's lines are the figures
+// above, and it fits exactly when their sum does.
+TEST(MemoryPlanTest, RealModelsOnA24And80GbGpuMatchTheFiguresWorkedOutByHand) {
+  for (const RealModel& m : RealModels()) {
+    auto spec = ParseModelSpec(m.config, m.name);
+    ASSERT_TRUE(spec.ok()) << m.name << ": " << spec.status();
+    for (const int64_t gib : {24, 80}) {
+      for (const bool cpu_moe : {false, true}) {
+        MemoryPlanOptions o;
+        o.context = std::min(32768, spec->max_position_embeddings);
+        o.max_seqs = 4;
+        o.gpu_free_bytes = gib * kGiB;
+        o.host_format = experts::ExpertFormat::kInt8;
+        auto plan = PlanMemory(*spec, ExpertsOn(*spec, cpu_moe ? Device::Kind::kCpu : Device::Kind::kCuda), o);
+        ASSERT_TRUE(plan.ok()) << m.name << ": " << plan.status();
+        const std::string at = absl::StrCat(m.name, " on ", gib, " GiB", cpu_moe ? " --cpu-moe" : "");
+        EXPECT_EQ(plan->kv_bytes_per_token, m.kv_per_token) << at;
+        EXPECT_EQ(LineBytes(plan->gpu, "weights: routed expert"), cpu_moe ? 0 : m.experts) << at;
+        EXPECT_EQ(LineBytes(plan->gpu, "weights: "), m.other + (cpu_moe ? 0 : m.experts)) << at;
+        const int64_t experts_count = m.experts / (3 * spec->hidden_size * spec->moe_intermediate_size * 2);
+        EXPECT_EQ(LineBytes(plan->host, "routed experts on the CPU"), cpu_moe ? experts_count * m.expert_int8 : 0)
+            << at;
+        const int64_t kv = (o.max_seqs * (o.context / 16) + 1) * 16 * m.kv_per_token;
+        const int64_t arena = Model::StepArenaBytes(*spec, core::DType::kBF16, 2048, 256, o.context).total;
+        const int64_t total = m.other + (cpu_moe ? 0 : m.experts) + kv + arena + kGpuHeadroomBytes;
+        EXPECT_EQ(plan->gpu.total, total) << at;
+        EXPECT_EQ(plan->gpu.fits(), total <= gib * kGiB) << at;
+        EXPECT_EQ(plan->refusal.empty(), total <= gib * kGiB) << at;
+        std::cout << "[ plan ] " << at << ": GPU " << FormatGiB(plan->gpu.total) << " of " << gib << " GiB"
+                  << (plan->gpu.fits() ? " fits" : ": " + plan->refusal) << "\n";
+      }
+    }
+  }
+}
+
+// The seeds' trap: Qwen3-30B-A3B with --cpu-moe on a 24 GB GPU at its full 262144 context is
+// refused, and the longest context it names is what the memory left for the KV cache holds.
+TEST(MemoryPlanTest, TheFullContextOnA24GbGpuIsRefusedWithWhatFits) {
+  const RealModel m = RealModels()[0];
+  auto spec = ParseModelSpec(m.config, m.name);
+  ASSERT_TRUE(spec.ok());
+  MemoryPlanOptions o;
+  o.context = 262144;
+  o.max_seqs = 1;
+  o.gpu_free_bytes = 24 * kGiB;
+  auto plan = PlanMemory(*spec, ExpertsOn(*spec, Device::Kind::kCpu), o);
+  ASSERT_TRUE(plan.ok());
+  ASSERT_FALSE(plan->gpu.fits());
+  // 262144 positions of 98304 bytes are 24 GiB of KV cache on their own.
+  EXPECT_NE(plan->refusal.find("ctx 262,144 x 1 sequence needs 24.0 GiB of KV cache"), std::string::npos)
+      << plan->refusal;
+  const size_t at = plan->refusal.find("fits is ");
+  ASSERT_NE(at, std::string::npos) << plan->refusal;
+  std::string digits;
+  for (char ch : plan->refusal.substr(at + 8)) {
+    if (ch == ',') continue;
+    if (ch < '0' || ch > '9') break;
+    digits += ch;
+  }
+  const int64_t longest = std::stoll(digits);
+  // By hand: what the GPU has left after the weights, the step arena (its block tables sized for
+  // that context) and the headroom, in whole 16-position blocks, one of them the cache's scratch.
+  const int64_t left = 24 * kGiB - m.other - kGpuHeadroomBytes -
+                       Model::StepArenaBytes(*spec, core::DType::kBF16, 2048, 256, static_cast<int>(longest)).total;
+  EXPECT_EQ(longest, (left / (16 * m.kv_per_token) - 1) * 16) << plan->refusal;
+  EXPECT_GT(longest, 200000);  // about 18.7 GiB of 96 KiB positions
+  std::cout << "[ plan ] " << plan->refusal << "\n";
 }
 
 }  // namespace

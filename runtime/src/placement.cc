@@ -161,6 +161,7 @@ absl::StatusOr<Placement> PlaceTensors(const ModelSpec& spec, const std::vector<
     p.bytes = t.bytes;
     p.elements = t.elements > 0 ? t.elements : t.bytes / 2;
     p.rank = t.rank;
+    p.rows = t.rows;
     p.kind = ClassifyTensor(t.name);
     p.device = options.gpu;
     p.rule = "default";
@@ -219,8 +220,66 @@ absl::StatusOr<std::vector<TensorInfo>> CheckpointTensors(const WeightSource& so
   for (const std::string& name : source.Names()) {
     absl::StatusOr<core::TensorView> view = source.Get(name);
     if (!view.ok()) return view.status();
-    out.push_back({name, view->bytes(), view->numel(), static_cast<int>(view->rank())});
+    out.push_back({name, view->bytes(), view->numel(), static_cast<int>(view->rank()),
+                   view->rank() > 0 ? view->shape[0] : 1});
   }
+  return out;
+}
+
+std::vector<TensorInfo> ExpectedTensors(const ModelSpec& s) {
+  std::vector<TensorInfo> out;
+  auto add = [&](std::string name, int64_t rows, int64_t cols = 0) {
+    const int64_t elements = cols > 0 ? rows * cols : rows;
+    out.push_back({std::move(name), 2 * elements, elements, cols > 0 ? 2 : 1, rows});
+  };
+  const int64_t h = s.hidden_size, qw = int64_t{s.num_heads} * s.head_dim, kvw = int64_t{s.num_kv_heads} * s.head_dim;
+  add("model.embed_tokens.weight", s.vocab_size, h);
+  for (int l = 0; l < s.num_layers; ++l) {
+    const std::string p = absl::StrCat("model.layers.", l, ".");
+    const std::string a = p + "self_attn.";
+    add(a + "q_proj.weight", qw, h);
+    add(a + "k_proj.weight", kvw, h);
+    add(a + "v_proj.weight", kvw, h);
+    add(a + "o_proj.weight", h, qw);
+    if (s.qkv_bias) {
+      add(a + "q_proj.bias", qw);
+      add(a + "k_proj.bias", kvw);
+      add(a + "v_proj.bias", kvw);
+    }
+    if (s.qk_norm) {
+      add(a + "q_norm.weight", s.head_dim);
+      add(a + "k_norm.weight", s.head_dim);
+    }
+    add(p + "input_layernorm.weight", h);
+    add(p + "post_attention_layernorm.weight", h);
+    if (!s.IsMoeLayer(l)) {
+      add(p + "mlp.gate_proj.weight", s.intermediate_size, h);
+      add(p + "mlp.up_proj.weight", s.intermediate_size, h);
+      add(p + "mlp.down_proj.weight", h, s.intermediate_size);
+      continue;
+    }
+    const bool mixtral = s.arch == Architecture::kMixtral;
+    const std::string block = p + (mixtral ? "block_sparse_moe." : "mlp.");
+    const int e = s.routing.num_experts;
+    const int64_t w = s.moe_intermediate_size;
+    add(block + "gate.weight", e, h);
+    if (s.routing.has_correction_bias) add(block + "gate.e_score_correction_bias", e);
+    for (int i = 0; i < e; ++i) {
+      const std::string ep = absl::StrCat(block, "experts.", i, ".");
+      add(ep + (mixtral ? "w1.weight" : "gate_proj.weight"), w, h);
+      add(ep + (mixtral ? "w2.weight" : "down_proj.weight"), h, w);
+      add(ep + (mixtral ? "w3.weight" : "up_proj.weight"), w, h);
+    }
+    if (s.shared_expert_intermediate_size > 0) {
+      const std::string sp = block + (s.arch == Architecture::kQwen2Moe ? "shared_expert." : "shared_experts.");
+      add(sp + "gate_proj.weight", s.shared_expert_intermediate_size, h);
+      add(sp + "up_proj.weight", s.shared_expert_intermediate_size, h);
+      add(sp + "down_proj.weight", h, s.shared_expert_intermediate_size);
+      if (s.shared_expert_gate) add(block + "shared_expert_gate.weight", 1, h);
+    }
+  }
+  add("model.norm.weight", h);
+  if (!s.tie_word_embeddings) add("lm_head.weight", s.vocab_size, h);
   return out;
 }
 

@@ -227,3 +227,25 @@ TEST(PlacementTest, CpuExpertLayersAreWhatThePoolHolds) {
 
 }  // namespace
 }  // namespace moe::runtime
+
+namespace moe::runtime {
+namespace {
+
+// Planning from config.json alone lists the tensors the checkpoint holds, with their sizes.
+TEST(PlacementTest, ExpectedTensorsAreTheCheckpointsOwn) {
+  for (const std::string arch : {"qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"}) {
+    const Checkpoint c = Load(arch);
+    const std::vector<TensorInfo> expected = ExpectedTensors(c.spec);
+    EXPECT_EQ(expected.size(), c.tensors.size()) << arch;
+    for (const TensorInfo& e : expected) {
+      auto it = std::find_if(c.tensors.begin(), c.tensors.end(), [&](const TensorInfo& t) { return t.name == e.name; });
+      ASSERT_NE(it, c.tensors.end()) << arch << ": " << e.name << " is not in the checkpoint";
+      EXPECT_EQ(e.elements, it->elements) << arch << ": " << e.name;
+      EXPECT_EQ(e.rank, it->rank) << arch << ": " << e.name;
+      EXPECT_EQ(e.rows, it->rows) << arch << ": " << e.name;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace moe::runtime

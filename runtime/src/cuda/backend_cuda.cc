@@ -112,7 +112,7 @@ class CudaBackend : public Backend {
     if (host_stream_ != nullptr) cudaStreamSynchronize(host_stream_);
     for (auto& [key, graph] : graphs_) cudaGraphExecDestroy(graph.exec);
     for (cudaEvent_t e : timing_events_) cudaEventDestroy(e);
-    for (cudaEvent_t e : {host_fork_, host_join_}) {
+    for (cudaEvent_t e : {host_fork_, host_join_, host_step_done_}) {
       if (e != nullptr) cudaEventDestroy(e);
     }
     if (host_stream_ != nullptr) cudaStreamDestroy(host_stream_);
@@ -430,6 +430,12 @@ class CudaBackend : public Backend {
   absl::Status Synchronize() override {
     step_held_ = false;
     if (!lost_.ok()) return lost_;
+    if (host_stream_ != nullptr) {
+      // With the pool's threads on every core but one, this thread sleeps rather than spin on a
+      // core they need: a blocking-sync event wakes it when the step ends.
+      Keep(cudaEventRecord(host_step_done_, stream_), "the step's end (cudaEventRecord)");
+      Keep(cudaEventSynchronize(host_step_done_), "the step's kernels (cudaEventSynchronize)");
+    }
     Keep(cudaStreamSynchronize(stream_), "the step's kernels (cudaStreamSynchronize)");
     if (host_stream_ != nullptr) {
       Keep(cudaStreamSynchronize(host_stream_), "the host experts' copies (cudaStreamSynchronize)");
@@ -706,6 +712,8 @@ class CudaBackend : public Backend {
       MOE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&host_stream_, cudaStreamNonBlocking));
       MOE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&host_fork_, cudaEventDisableTiming));
       MOE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&host_join_, cudaEventDisableTiming));
+      MOE_CUDA_RETURN_IF_ERROR(
+          cudaEventCreateWithFlags(&host_step_done_, cudaEventDisableTiming | cudaEventBlockingSync));
     }
     return absl::OkStatus();
   }
@@ -890,7 +898,7 @@ class CudaBackend : public Backend {
   std::map<uint64_t, Graph> graphs_;
   // Hybrid execution (ReserveHostExperts).
   cudaStream_t host_stream_ = nullptr;
-  cudaEvent_t host_fork_ = nullptr, host_join_ = nullptr;
+  cudaEvent_t host_fork_ = nullptr, host_join_ = nullptr, host_step_done_ = nullptr;
   std::unique_ptr<HostBuffer> host_io_;
   float *host_x_ = nullptr, *host_out_ = nullptr, *host_weights_ = nullptr;
   int32_t* host_ids_ = nullptr;

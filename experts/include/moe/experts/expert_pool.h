@@ -142,4 +142,13 @@ class ExpertPool {
   bool in_flight_ = false;
 };
 
+// The host read bandwidth `threads` pinned threads (0: every core this process may use) reach
+// over a `bytes` buffer, best of `repeats`, in GB/s: what ExpertPool::MeasureReadBandwidth gives,
+// without a pool (planning before anything loads). 0 if the buffer cannot be had.
+double MeasureHostReadBandwidth(int threads, size_t bytes, int repeats = 3);
+
+// Bytes the pool's arena takes for one expert of `shape` in `format` (its fused gate+up and its
+// down, packed): what one routed expert reads per token.
+absl::StatusOr<int64_t> PackedExpertBytes(const ExpertShape& shape, ExpertFormat format, int group = 32);
+
 }  // namespace moe::experts

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "moe/experts/packed.h"
 #include "moe/runtime/model_spec.h"
 #include "moe/runtime/placement.h"
 
@@ -27,6 +28,9 @@ struct MemoryPlanOptions {
   int kv_block_size = 16;
   int64_t gpu_free_bytes = 0;   // free memory of the GPU the plan is for (--gpu-memory-gb)
   int64_t host_free_bytes = 0;  // 0: the host is not checked
+  // The CPU pool's packed format for the routed experts the placement puts there.
+  experts::ExpertFormat host_format = experts::ExpertFormat::kBF16;
+  int host_group = 32;
 };
 
 struct MemoryLine {
@@ -46,15 +50,22 @@ struct MemoryPlan {
   DevicePlan gpu;
   DevicePlan host;
   int64_t kv_bytes_per_token = 0;  // one position of one sequence, every layer, K and V
+  // Weights one decode token reads (batch 1: its top-k routed experts of each layer): from host
+  // memory (the pool's, in its format) and from the GPU's (bf16; the embedding row aside).
+  int64_t host_read_per_token = 0;
+  int64_t gpu_read_per_token = 0;
+  int cpu_expert_layers = 0;  // layers whose routed experts the pool holds
   // When the GPU does not fit: why, with the largest context (at max_seqs) and the most sequences
   // (at context) that would. Empty when it fits.
   std::string refusal;
 };
 
 // GPU: weights by role (from `placement`), the bf16 KV cache for context x max_seqs, the step
-// arena at max_batch_tokens, and the backend's fixed workspaces; host: routed experts placed on
-// the CPU and the pinned buffers. kInvalidArgument for a context above the model's or
-// non-positive sizes.
+// arena at max_batch_tokens, and the backend's fixed workspaces; host: the pool's arena for the
+// routed experts placed on the CPU (in options.host_format) and the pinned buffers. Only routed
+// experts run on the CPU beside a GPU: other tensors placed there are counted in host memory
+// (as runtime::CpuExpertLayers refuses them). kInvalidArgument for a context above the model's
+// or non-positive sizes.
 absl::StatusOr<MemoryPlan> PlanMemory(const ModelSpec& spec, const Placement& placement,
                                       const MemoryPlanOptions& options);
 

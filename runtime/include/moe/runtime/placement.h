@@ -67,6 +67,7 @@ struct TensorInfo {
   int64_t bytes = 0;     // as stored in the checkpoint
   int64_t elements = 0;  // 0: bytes / 2 (a bf16 checkpoint)
   int rank = 2;
+  int64_t rows = 0;  // the first dimension (0: unknown)
 };
 
 struct TensorPlace {
@@ -76,6 +77,7 @@ struct TensorPlace {
   int64_t bytes = 0;  // as stored
   int64_t elements = 0;
   int rank = 2;
+  int64_t rows = 0;
   std::string rule;  // what decided it: "--override-tensor R", "--cpu-moe", "--n-cpu-moe N", "default"
 };
 
@@ -88,6 +90,9 @@ struct Placement {
 
 // Every tensor of a checkpoint, by its header (nothing is read).
 absl::StatusOr<std::vector<TensorInfo>> CheckpointTensors(const WeightSource& source);
+// The tensors the model loader reads from a bf16 checkpoint of `spec`, from config.json alone
+// (planning before the weights are downloaded).
+std::vector<TensorInfo> ExpectedTensors(const ModelSpec& spec);
 
 // kInvalidArgument for n_cpu_moe outside [0, the model's MoE layers], or a cuda:N override
 // naming another GPU than options.gpu (one GPU per process for now).
