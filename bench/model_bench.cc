@@ -186,7 +186,8 @@ absl::StatusOr<ModelBenchResult> RunModelBench(runtime::Model& model, const Mode
     const int ops_per_step = 16 * spec.num_layers + 8;
     const int budget_steps =
         std::clamp(o.decode_steps / 4, 1, std::max(1, runtime::Backend::kMaxTimedOperations / ops_per_step));
-    const int decode_positions = (o.decode_steps + 8) + (o.budget ? o.decode_steps + 4 + budget_steps : 0);
+    const int decode_positions =
+        (o.decode_steps + 8) + (hybrid ? o.decode_steps + 4 : 0) + (o.budget ? o.decode_steps + 4 + budget_steps : 0);
     const int per_seq = runtime::BlocksFor(o.decode_context + decode_positions + 1, block);
     MOE_ASSIGN_OR_RETURN(auto cache, model.NewKvCache(batch * per_seq, block));
     std::vector<std::vector<int32_t>> tables(batch);
@@ -255,11 +256,30 @@ absl::StatusOr<ModelBenchResult> RunModelBench(runtime::Model& model, const Mode
       h.calls_per_step = host_timing.calls / steps;
       h.compute_us_per_call = 1e6 * host_timing.compute_seconds / host_timing.calls;
       h.between_us = host_timing.betweens > 0 ? 1e6 * host_timing.between_seconds / host_timing.betweens : 0;
+      auto handoff_name = [](runtime::Backend::HostHandoff m) {
+        return m == runtime::Backend::HostHandoff::kMappedFlags ? "mapped flags" : "host-function nodes";
+      };
+      const runtime::Backend::HostHandoff handoff = backend.host_handoff();
       log << absl::StrFormat(
           "  per MoE layer on the CPU: %.1f us in the pool, %.1f us from one layer's pool call to the next one's "
-          "(the GPU's work, the copies, the host call's latency)\n",
-          h.compute_us_per_call, h.between_us);
+          "(the GPU's work, the copies, the hand-off's latency; by %s)\n",
+          h.compute_us_per_call, h.between_us, handoff_name(handoff));
       row.host = h;
+      // The other hand-off, the same steps.
+      const runtime::Backend::HostHandoff other = handoff == runtime::Backend::HostHandoff::kMappedFlags
+                                                      ? runtime::Backend::HostHandoff::kHostFunction
+                                                      : runtime::Backend::HostHandoff::kMappedFlags;
+      MOE_RETURN_IF_ERROR(backend.SetHostHandoff(other));
+      model.ResetHostExpertsTiming();
+      absl::StatusOr<double> other_seconds = timed_steps(o.decode_steps);
+      const runtime::HostExpertsTiming other_timing = model.host_experts_timing();
+      MOE_RETURN_IF_ERROR(backend.SetHostHandoff(handoff));
+      MOE_RETURN_IF_ERROR(other_seconds.status());
+      log << absl::StrFormat(
+          "  by %s instead: %.1f tokens/s, %.1f us in the pool, %.1f us from one layer's pool call to the next\n",
+          handoff_name(other), batch * o.decode_steps / *other_seconds,
+          1e6 * other_timing.compute_seconds / std::max<int64_t>(other_timing.calls, 1),
+          other_timing.betweens > 0 ? 1e6 * other_timing.between_seconds / other_timing.betweens : 0.0);
     }
     // A backend that times its operations says so by starting (this probe's timing is dropped).
     if (o.budget && backend.BeginOpTiming().ok()) {

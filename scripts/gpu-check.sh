@@ -50,15 +50,21 @@ if want bench; then
   grep -E "decode|prefill" "$out/bench-model-eager.log"
 fi
 if want hybrid; then
-  # Every routed expert in the CPU pool beside the GPU: int8 and int4 decode, prefill.
+  # Every routed expert in the CPU pool beside the GPU: int8 and int4 decode, prefill; and the pool
+  # alone at the model's shape, back to back and with a forward's gap between calls.
   make_model
+  for gap in 0 100; do
+    timeout 60 "$bundle/bin/moeserve" bench experts --formats int8 --batches 1 --layers 16 --gap-us $gap \
+      --stream-tokens 0 > "$out/bench-experts-gap$gap.log" 2>&1; echo "bench experts --gap-us $gap: exit $?"
+    grep -E "batch     1|read bandwidth" "$out/bench-experts-gap$gap.log" | head -8
+  done
   for fmt in int8 int4; do
     batches=1,4,16; prompts=512,2048
     [[ $fmt == int4 ]] && batches=1,4 && prompts=512
     timeout 200 "$bundle/bin/moeserve" bench model --model "$model" --device cuda --cpu-moe --expert-format $fmt \
       --batches $batches --prompts $prompts --decode-steps 32 > "$out/bench-hybrid-$fmt.log" 2>&1
     echo "bench model --cpu-moe --expert-format $fmt: exit $?"
-    grep -E "^(moeserve|model|bandwidth|host read|decode|prefill)|per MoE layer|per layer|^    (operations|eager|graphs)" \
+    grep -E "^(moeserve|model|bandwidth|host read|decode|prefill)|per MoE layer|per layer|  by |^    (operations|eager|graphs)" \
       "$out/bench-hybrid-$fmt.log" | head -40
   done
 fi

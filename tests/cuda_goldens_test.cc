@@ -310,9 +310,16 @@ TEST_P(CudaGoldensTest, HybridExecutionIsNearTheGoldensWithAndWithoutGraphs) {
       runtime::GenerateOptions options;
       options.max_new_tokens = 24;
       options.stop_at_eos = false;
-      auto out = runtime::Generate(*hybrid, golden["cases"][0]["prompt_ids"].get<std::vector<int32_t>>(), options);
+      const std::vector<int32_t> prompt = golden["cases"][0]["prompt_ids"];
+      auto out = runtime::Generate(*hybrid, prompt, options);
       ASSERT_TRUE(out.ok()) << label << ": " << out.status();
       tokens.push_back(out->generated_ids);
+      // The other hand-off between the stream and the host computes the same.
+      ASSERT_EQ(hybrid->backend().host_handoff(), runtime::Backend::HostHandoff::kMappedFlags);
+      ASSERT_TRUE(hybrid->backend().SetHostHandoff(runtime::Backend::HostHandoff::kHostFunction).ok());
+      auto by_host_function = runtime::Generate(*hybrid, prompt, options);
+      ASSERT_TRUE(by_host_function.ok()) << label << ": " << by_host_function.status();
+      EXPECT_EQ(by_host_function->generated_ids, out->generated_ids) << label << ": the hand-offs differ";
     }
     EXPECT_EQ(tokens[0], tokens[1]) << GetParam() << (all ? " --cpu-moe" : " --n-cpu-moe 2")
                                     << ": graphs and eager mode differ";

@@ -2,10 +2,18 @@
 
 #include <cuda_runtime.h>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <new>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -110,6 +118,10 @@ class CudaBackend : public Backend {
     cudaSetDevice(device_);
     if (stream_ != nullptr) cudaStreamSynchronize(stream_);
     if (host_stream_ != nullptr) cudaStreamSynchronize(host_stream_);
+    if (host_thread_.joinable()) {
+      host_stop_.store(true);
+      host_thread_.join();
+    }
     for (auto& [key, graph] : graphs_) cudaGraphExecDestroy(graph.exec);
     for (cudaEvent_t e : timing_events_) cudaEventDestroy(e);
     for (cudaEvent_t e : {host_fork_, host_join_, host_step_done_}) {
@@ -475,21 +487,43 @@ class CudaBackend : public Backend {
                                                      "] tokens with top-", ids.cols, "; the buffers hold [",
                                                      host_rows_, " x ", host_hidden_, "] with top-", host_top_k_));
     }
-    auto call = std::make_unique<HostCall>(HostCall{this, &host, layer, x.rows});
     MOE_CUDA_KEEP(cudaEventRecord(host_fork_, stream_));
     MOE_CUDA_KEEP(cudaStreamWaitEvent(host_stream_, host_fork_, 0));
     cuda::PackHostExpertInputs(x.as<uint16_t>(), static_cast<int>(x.rows), static_cast<int>(x.cols),
                                ids.as<int32_t>(), weights.as<float>(), static_cast<int>(ids.cols), host_x_dev_,
                                host_ids_dev_, host_weights_dev_, host_stream_);
     Launched("PackHostExpertInputs");
-    MOE_CUDA_KEEP(cudaLaunchHostFunc(host_stream_, &CudaBackend::RunHostCall, call.get()));
+    if (handoff_ == HostHandoff::kMappedFlags) {
+      polled_host_.store(&host);
+      cuda::PostHostRequest(host_counter_, mailbox_dev_, layer, x.rows, host_stream_);
+      Launched("PostHostRequest");
+      cuda::WaitHostDone(host_counter_, mailbox_dev_, host_stream_);
+      Launched("WaitHostDone");
+    } else {
+      auto call = std::make_unique<HostCall>(HostCall{this, &host, layer, x.rows});
+      MOE_CUDA_KEEP(cudaLaunchHostFunc(host_stream_, &CudaBackend::RunHostCall, call.get()));
+      (capturing_ ? captured_host_calls_ : eager_host_calls_).push_back(std::move(call));
+    }
     MOE_CUDA_KEEP(cudaMemcpyAsync(out.data, host_out_, x.rows * x.cols * sizeof(float), cudaMemcpyHostToDevice,
                                   host_stream_));
     MOE_CUDA_KEEP(cudaEventRecord(host_join_, host_stream_));
-    (capturing_ ? captured_host_calls_ : eager_host_calls_).push_back(std::move(call));
     host_in_flight_ = true;
     return absl::OkStatus();
   }
+
+  absl::Status SetHostHandoff(HostHandoff handoff) override {
+    if (host_stream_ == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat(name_, " reserved no host buffers for routed experts"));
+    }
+    if (handoff != handoff_) {
+      ClearGraphs();  // they hold the other hand-off's nodes
+      MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+      MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(host_stream_));
+      handoff_ = handoff;
+    }
+    return absl::OkStatus();
+  }
+  HostHandoff host_handoff() const override { return handoff_; }
 
   absl::Status FinishHostExperts() override {
     if (!host_in_flight_) return absl::FailedPreconditionError("FinishHostExperts without StartHostExperts");
@@ -686,6 +720,46 @@ class CudaBackend : public Backend {
     if (b.host_error_.ok()) b.host_error_ = core::Annotate(s, absl::StrCat("routed experts on the host, layer ", c.layer));
   }
 
+  // The mapped-flags hand-off's host side: polls the mailbox for a request, runs it, answers. It
+  // spins (pausing) for a while after each request, as the pool's threads linger, then sleeps
+  // between polls so that an idle server costs no core.
+  void PollHostRequests() {
+    constexpr auto kSpin = std::chrono::milliseconds(20);
+    constexpr auto kIdlePoll = std::chrono::microseconds(50);
+    volatile cuda::HostMailbox* m = mailbox_;
+    uint32_t seen = 0;
+    auto last = std::chrono::steady_clock::now();
+    int polls = 0;
+    while (!host_stop_.load(std::memory_order_relaxed)) {
+      const uint32_t request = m->request;
+      if (request != seen) {
+        std::atomic_thread_fence(std::memory_order_acquire);
+        seen = request;
+        HostExperts* host = polled_host_.load();
+        absl::Status s = host != nullptr
+                             ? host->Compute(m->layer, host_x_, m->rows, host_ids_, host_weights_, host_out_)
+                             : absl::InternalError("a host experts request with no experts to run it");
+        if (!s.ok()) {
+          std::lock_guard<std::mutex> lock(host_mu_);
+          if (host_error_.ok()) {
+            host_error_ = core::Annotate(s, absl::StrCat("routed experts on the host, layer ", m->layer));
+          }
+        }
+        std::atomic_thread_fence(std::memory_order_seq_cst);  // the sums before the answer
+        m->done = request;
+        last = std::chrono::steady_clock::now();
+        continue;
+      }
+      if (++polls % 64 != 0) {
+#if defined(__x86_64__)
+        _mm_pause();
+#endif
+        continue;
+      }
+      if (std::chrono::steady_clock::now() - last > kSpin) std::this_thread::sleep_for(kIdlePoll);
+    }
+  }
+
   // Mapped pinned memory for a step's worth of a MoE layer's inputs and output, the stream the
   // host calls queue on, and its fork and join events.
   absl::Status ReserveHostExperts(const StepLimits& l) {
@@ -709,6 +783,17 @@ class CudaBackend : public Backend {
     host_ids_dev_ = reinterpret_cast<int32_t*>(dbase + 2 * x_bytes);
     host_weights_dev_ = reinterpret_cast<float*>(dbase + 2 * x_bytes + k_bytes);
     if (host_stream_ == nullptr) {
+      void* m = nullptr;
+      MOE_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&m, sizeof(cuda::HostMailbox), cudaHostAllocMapped));
+      mailbox_io_ = std::make_unique<PinnedBuffer>(m, sizeof(cuda::HostMailbox));
+      mailbox_ = new (m) cuda::HostMailbox{};
+      void* mdev = nullptr;
+      MOE_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(&mdev, m, 0));
+      mailbox_dev_ = static_cast<cuda::HostMailbox*>(mdev);
+      MOE_ASSIGN_OR_RETURN(counter_buffer_, Allocate(DType::kI32, 1, 1));
+      host_counter_ = counter_buffer_->tensor().as<uint32_t>();
+      MOE_CUDA_RETURN_IF_ERROR(cudaMemset(host_counter_, 0, sizeof(uint32_t)));
+      host_thread_ = std::thread([this] { PollHostRequests(); });
       MOE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&host_stream_, cudaStreamNonBlocking));
       MOE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&host_fork_, cudaEventDisableTiming));
       MOE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&host_join_, cudaEventDisableTiming));
@@ -906,7 +991,17 @@ class CudaBackend : public Backend {
   int32_t* host_ids_dev_ = nullptr;
   int host_rows_ = 0, host_hidden_ = 0, host_top_k_ = 0;
   bool host_in_flight_ = false;
-  std::vector<std::unique_ptr<HostCall>> eager_host_calls_, captured_host_calls_;
+  HostHandoff handoff_ = HostHandoff::kMappedFlags;
+  std::vector<std::unique_ptr<HostCall>> eager_host_calls_, captured_host_calls_;  // host-function nodes
+  // The mapped-flags hand-off: the mailbox, the GPU's request counter, the polling thread.
+  std::unique_ptr<HostBuffer> mailbox_io_;
+  cuda::HostMailbox* mailbox_ = nullptr;
+  cuda::HostMailbox* mailbox_dev_ = nullptr;
+  std::unique_ptr<DeviceBuffer> counter_buffer_;
+  uint32_t* host_counter_ = nullptr;
+  std::atomic<HostExperts*> polled_host_{nullptr};
+  std::atomic<bool> host_stop_{false};
+  std::thread host_thread_;
   std::mutex host_mu_;
   absl::Status host_error_;  // the first failed host call since the last Synchronize
   bool capturing_ = false;

@@ -78,6 +78,25 @@ __global__ void PackHostExpertInputsKernel(const __nv_bfloat16* __restrict__ x, 
     host_ids[r * top_k + j] = ids[r * top_k + j];
     host_weights[r * top_k + j] = weights[r * top_k + j];
   }
+  __threadfence_system();  // before a request the host polls for is posted
+}
+
+__global__ void PostHostRequestKernel(uint32_t* counter, HostMailbox* mailbox, int layer, long long rows) {
+  const uint32_t seq = *counter + 1;
+  *counter = seq;
+  volatile HostMailbox* m = mailbox;
+  m->layer = layer;
+  m->rows = rows;
+  __threadfence_system();
+  m->request = seq;
+  __threadfence_system();
+}
+
+__global__ void WaitHostDoneKernel(const uint32_t* counter, const HostMailbox* mailbox) {
+  const uint32_t seq = *counter;
+  const volatile uint32_t* done = &mailbox->done;
+  while (*done != seq) __nanosleep(200);
+  __threadfence_system();
 }
 
 __global__ void HoldKernel(unsigned long long ns) {
@@ -119,6 +138,14 @@ void PackHostExpertInputs(const uint16_t* x, int rows, int hidden, const int32_t
   if (rows == 0) return;
   PackHostExpertInputsKernel<<<rows, 256, 0, stream>>>(reinterpret_cast<const __nv_bfloat16*>(x), hidden, ids,
                                                        weights, top_k, host_x, host_ids, host_weights);
+}
+
+void PostHostRequest(uint32_t* counter, HostMailbox* mailbox, int layer, int64_t rows, cudaStream_t stream) {
+  PostHostRequestKernel<<<1, 1, 0, stream>>>(counter, mailbox, layer, static_cast<long long>(rows));
+}
+
+void WaitHostDone(const uint32_t* counter, const HostMailbox* mailbox, cudaStream_t stream) {
+  WaitHostDoneKernel<<<1, 1, 0, stream>>>(counter, mailbox);
 }
 
 void FirstNonFinite(const float* x, int rows, int64_t cols, int32_t* first, cudaStream_t stream) {

@@ -29,6 +29,19 @@ void HoldStream(int64_t ns, cudaStream_t stream);
 void PackHostExpertInputs(const uint16_t* x, int rows, int hidden, const int32_t* ids, const float* weights,
                           int top_k, float* host_x, int32_t* host_ids, float* host_weights, cudaStream_t stream);
 
+// Hybrid execution's hand-off through mapped pinned memory, for a host thread that polls it: the
+// GPU posts a request (the next sequence number of `counter`, a device word, with the layer and
+// row count), and later waits until the host has answered that number in `done`. Each word on its
+// own cache line.
+struct HostMailbox {
+  alignas(64) uint32_t request;
+  int32_t layer;
+  int64_t rows;
+  alignas(64) uint32_t done;
+};
+void PostHostRequest(uint32_t* counter, HostMailbox* mailbox, int layer, int64_t rows, cudaStream_t stream);
+void WaitHostDone(const uint32_t* counter, const HostMailbox* mailbox, cudaStream_t stream);
+
 // first[r] = index of the first NaN or infinity in row r of x [rows x cols], or -1.
 void FirstNonFinite(const float* x, int rows, int64_t cols, int32_t* first, cudaStream_t stream);
 

@@ -402,6 +402,15 @@ class Backend {
   virtual absl::Status FinishHostExperts() {
     return absl::UnimplementedError(name() + " runs no routed experts on the host");
   }
+  // How the stream hands a layer to the host and waits for its answer: host-function nodes (the
+  // driver's callback thread runs the experts), or mapped flags (a kernel posts a request that a
+  // pinned host thread polls for, another kernel polls for its answer). Changing it forgets the
+  // recorded graphs.
+  enum class HostHandoff { kHostFunction, kMappedFlags };
+  virtual absl::Status SetHostHandoff(HostHandoff handoff) {
+    return absl::UnimplementedError(name() + " runs no routed experts on the host");
+  }
+  virtual HostHandoff host_handoff() const { return HostHandoff::kHostFunction; }
   // out += sigmoid(gate) * shared per row (gate null: out += shared); fp32.
   virtual void AddSharedExpert(const Tensor& out, const Tensor& shared, const Tensor* gate) = 0;
   // out[i] = src[rows[i]]; rows int32 [n x 1].
