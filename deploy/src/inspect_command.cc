@@ -98,9 +98,9 @@ nlohmann::ordered_json DeviceJson(const runtime::DevicePlan& d) {
 void PrintDevice(const runtime::DevicePlan& d, const std::string& title) {
   std::cout << "  " << title << ":\n";
   for (const runtime::MemoryLine& line : d.lines) {
-    std::cout << absl::StrFormat("    %-62s %10s\n", line.what, runtime::FormatGiB(line.bytes));
+    std::cout << absl::StrFormat("    %-66s %10s\n", line.what, runtime::FormatGiB(line.bytes));
   }
-  std::cout << absl::StrFormat("    %-62s %10s", "total", runtime::FormatGiB(d.total));
+  std::cout << absl::StrFormat("    %-66s %10s", "total", runtime::FormatGiB(d.total));
   if (d.free > 0) std::cout << " of " << runtime::FormatGiB(d.free) << (d.fits() ? ": fits" : ": does NOT fit");
   std::cout << "\n";
 }
