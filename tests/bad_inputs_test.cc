@@ -99,6 +99,12 @@ TEST(BadFlagsTest, NumbersOutOfRangeAreRefusedBeforeAnythingRuns) {
       {{"serve", "--model", model, "--override-tensor", "experts=tpu"},
        2,
        "--override-tensor 'experts=tpu': the device 'tpu' is not cpu, cuda or cuda:N"},
+      {{"generate", "--model", model, "--prompt-ids", "1", "--device", "cpu", "--gpu-experts-per-layer", "4"},
+       2,
+       "--gpu-experts-per-layer holds some of the CPU layers' experts on a GPU: it needs a GPU device"},
+      {{"generate", "--model", model, "--prompt-ids", "1", "--cpu-moe", "--gpu-experts-per-layer", "4"},
+       2,
+       "--gpu-experts-per-layer needs --expert-profile FILE"},
       {{"serve", "--model", model, "--device", "cpu", "--experts", "gpu"}, 2, "--experts gpu needs a GPU"},
   };
   for (const FlagCase& c : cases) {

@@ -535,3 +535,46 @@ TEST(InspectTest, AttentionOnTheCpuIsRefusedNamingTheRule) {
 
 }  // namespace
 }  // namespace moe
+
+namespace moe {
+namespace {
+
+// profile-experts counts every pick of every prompt token; the profile ranks each layer's experts.
+TEST(ProfileExpertsTest, CountsEveryPickOfEveryPromptToken) {
+  testing::ScratchDir dir;
+  std::ofstream(dir / "prompts.txt") << "The quick brown fox jumps over the lazy dog.\n\nHello world, how are you?\n";
+  std::ofstream(dir / "ids.txt") << "1, 2, 3, 4\n5,6\n";
+  for (const std::string flag : {"--prompt-file", "--prompt-ids-file"}) {
+    const std::string file = flag == "--prompt-file" ? "prompts.txt" : "ids.txt";
+    auto r = testing::RunMoeserve({"profile-experts", "--model", testing::FixtureDir("qwen3_moe"), flag, dir / file,
+                                   "--out", dir / "profile.json", "--device", "cpu", "--top", "4"});
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_NE(r.out.find("the 4 most used experts of a layer take"), std::string::npos) << r.out;
+    std::ifstream in(dir / "profile.json");
+    const nlohmann::json j = nlohmann::json::parse(in);
+    EXPECT_EQ(j["format"], "moeserve routing profile");
+    const int64_t tokens = j["tokens"];
+    if (flag == "--prompt-ids-file") {
+      EXPECT_EQ(tokens, 6);
+    }
+    EXPECT_GT(tokens, 2);
+    ASSERT_EQ(j["layers"].size(), 4u);
+    for (const auto& layer : j["layers"]) {
+      int64_t picks = 0;
+      for (int64_t c : layer["counts"]) picks += c;
+      EXPECT_EQ(picks, tokens * 4) << "layer " << layer["layer"];  // top-4 of 16
+    }
+  }
+  auto neither = testing::RunMoeserve(
+      {"profile-experts", "--model", testing::FixtureDir("qwen3_moe"), "--out", dir / "p.json", "--device", "cpu"});
+  EXPECT_EQ(neither.exit_code, 2);
+  EXPECT_NE(neither.err.find("give exactly one of --prompt-file and --prompt-ids-file"), std::string::npos);
+  std::ofstream(dir / "bad.txt") << "1, 2, 99999\n";
+  auto bad = testing::RunMoeserve({"profile-experts", "--model", testing::FixtureDir("qwen3_moe"), "--prompt-ids-file",
+                                   dir / "bad.txt", "--out", dir / "p.json", "--device", "cpu"});
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_NE(bad.err.find("line 1: token id 99999 outside the vocabulary [0, 512)"), std::string::npos) << bad.err;
+}
+
+}  // namespace
+}  // namespace moe

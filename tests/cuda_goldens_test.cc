@@ -16,6 +16,7 @@
 #include "moe/runtime/device.h"
 #include "moe/runtime/generate.h"
 #include "moe/runtime/model.h"
+#include "moe/runtime/model_spec.h"
 #include "test_util.h"
 
 namespace moe {
@@ -30,7 +31,8 @@ constexpr float kSmallMargin = 0.05f;
 // On the GPU (`gpu`) or the CPU reference. `pool_layers`, on the GPU: hybrid execution, the routed
 // experts of those layers (every MoE layer when empty) in the CPU pool.
 std::unique_ptr<Model> LoadOn(const std::string& arch, bool gpu, bool graphs = true,
-                              std::optional<std::vector<int>> pool_layers = std::nullopt) {
+                              std::optional<std::vector<int>> pool_layers = std::nullopt,
+                              const std::vector<int>& gpu_experts = {}) {
   runtime::ModelOptions options;
   options.pool.progress = false;
   options.graphs = graphs;
@@ -40,6 +42,15 @@ std::unique_ptr<Model> LoadOn(const std::string& arch, bool gpu, bool graphs = t
     if (pool_layers) {
       options.experts = runtime::RoutedExpertsMode::kPool;
       if (!pool_layers->empty()) options.pool_layers = *pool_layers;
+      if (!gpu_experts.empty()) {
+        auto spec = runtime::LoadModelSpec(testing::FixtureDir(arch));
+        EXPECT_TRUE(spec.ok());
+        for (int l = 0; spec.ok() && l < spec->num_layers; ++l) {
+          const bool in_pool = pool_layers->empty() ||
+                               std::find(pool_layers->begin(), pool_layers->end(), l) != pool_layers->end();
+          if (spec->IsMoeLayer(l) && in_pool) options.backend_experts[l] = gpu_experts;
+        }
+      }
     }
     auto b = runtime::CreateBackend(runtime::Device{runtime::Device::Kind::kCuda, 0});
     EXPECT_TRUE(b.ok()) << b.status();
@@ -281,9 +292,10 @@ TEST_P(CudaGoldensTest, LogitsAreNearTransformersAndGreedyAgreesWhileConfident) 
   ExpectNearTheGoldens(GetParam(), GetParam(), *gpu, *cpu);
 }
 
-// Hybrid execution: the routed experts of every MoE layer (--cpu-moe), or of the first two
-// (--n-cpu-moe 2), in the CPU pool beside the GPU, from graphs and eagerly: the same bf16
-// tolerance against the goldens as the GPU alone, and graphs give the tokens of eager mode.
+// Hybrid execution: the routed experts of every MoE layer (--cpu-moe), of the first two
+// (--n-cpu-moe 2), or of every layer with four of each held by the GPU too
+// (--gpu-experts-per-layer 4), in the CPU pool beside the GPU, from graphs and eagerly: the same
+// bf16 tolerance against the goldens as the GPU alone, and graphs give the tokens of eager mode.
 TEST_P(CudaGoldensTest, HybridExecutionIsNearTheGoldensWithAndWithoutGraphs) {
   auto cpu = LoadOn(GetParam(), false);
   ASSERT_TRUE(cpu);
@@ -293,15 +305,19 @@ TEST_P(CudaGoldensTest, HybridExecutionIsNearTheGoldensWithAndWithoutGraphs) {
   }
   const std::vector<int> first_two(moe_layers.begin(), moe_layers.begin() + std::min<size_t>(2, moe_layers.size()));
   const nlohmann::json golden = testing::LoadGolden(GetParam());
-  for (const bool all : {true, false}) {
+  // --cpu-moe, --n-cpu-moe 2, and --cpu-moe with 4 experts of each layer on the GPU too
+  // (--gpu-experts-per-layer 4).
+  for (const int config : {0, 1, 2}) {
+    const bool all = config != 1;
+    const std::vector<int> gpu_experts = config == 2 ? std::vector<int>{7, 0, 3, 5} : std::vector<int>{};
+    const std::string name = config == 0 ? " --cpu-moe" : config == 1 ? " --n-cpu-moe 2" : " --gpu-experts-per-layer 4";
     std::vector<std::vector<int32_t>> tokens;
     for (const bool graphs : {true, false}) {
-      auto hybrid = LoadOn(GetParam(), true, graphs, all ? std::vector<int>{} : first_two);
+      auto hybrid = LoadOn(GetParam(), true, graphs, all ? std::vector<int>{} : first_two, gpu_experts);
       ASSERT_TRUE(hybrid);
       ASSERT_NE(hybrid->expert_pool(), nullptr);
       EXPECT_EQ(hybrid->pool_layers(), all ? moe_layers : first_two);
-      const std::string label =
-          absl::StrCat(GetParam(), all ? " --cpu-moe" : " --n-cpu-moe 2", graphs ? "" : " --eager");
+      const std::string label = absl::StrCat(GetParam(), name, graphs ? "" : " --eager");
       ExpectNearTheGoldens(GetParam(), label, *hybrid, *cpu);
       const runtime::HostExpertsTiming timing = hybrid->host_experts_timing();
       EXPECT_GT(timing.calls, 0) << label << ": the pool computed nothing";
@@ -321,8 +337,7 @@ TEST_P(CudaGoldensTest, HybridExecutionIsNearTheGoldensWithAndWithoutGraphs) {
       ASSERT_TRUE(by_host_function.ok()) << label << ": " << by_host_function.status();
       EXPECT_EQ(by_host_function->generated_ids, out->generated_ids) << label << ": the hand-offs differ";
     }
-    EXPECT_EQ(tokens[0], tokens[1]) << GetParam() << (all ? " --cpu-moe" : " --n-cpu-moe 2")
-                                    << ": graphs and eager mode differ";
+    EXPECT_EQ(tokens[0], tokens[1]) << GetParam() << name << ": graphs and eager mode differ";
   }
 }
 

@@ -159,6 +159,41 @@ TEST_P(GoldensTest, PoolForSomeLayersTheBackendForTheRest) {
   EXPECT_LT(worst, 1e-3f);
 }
 
+// Each pool layer's experts 0, 3, 5 and 7 held by the backend too (--gpu-experts-per-layer on the
+// CPU backend's reference path): every pick goes to one side, and the sum matches the goldens.
+TEST_P(GoldensTest, SomeOfAPoolLayersExpertsOnTheBackendToo) {
+  auto probe = LoadFixture(GetParam());
+  ASSERT_NE(probe, nullptr);
+  runtime::ModelOptions options;
+  for (int l = 0; l < probe->spec().num_layers; ++l) {
+    if (probe->spec().IsMoeLayer(l)) options.backend_experts[l] = {7, 0, 3, 5};
+  }
+  probe.reset();
+  auto model = LoadFixture(GetParam(), options);
+  ASSERT_NE(model, nullptr);
+  const nlohmann::json golden = testing::LoadGolden(GetParam());
+  float worst = 0;
+  for (const int c : {0, 3}) {
+    const auto& gc = golden["cases"][c];
+    const std::vector<int32_t> prompt = gc["prompt_ids"];
+    const auto rows = FullForward(*model, prompt);
+    const size_t from = gc["logits_from_position"];
+    for (size_t r = 0; r < gc["logits"].size(); ++r) {
+      worst = std::max(worst, MaxAbsDiff(rows[from + r], gc["logits"][r]));
+    }
+  }
+  EXPECT_LT(worst, 1e-3f);
+  // A layer that is not in the pool cannot have experts on the backend "too".
+  runtime::ModelOptions wrong;
+  wrong.pool_layers = std::vector<int>{};
+  wrong.backend_experts[1] = {0};
+  wrong.pool.progress = false;
+  auto refused = Model::Load(testing::FixtureDir(GetParam()), wrong);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("experts of layer 1 held on the backend too"), std::string::npos)
+      << refused.status();
+}
+
 // A layer without routed experts cannot be put in the pool: the error names it.
 TEST(PoolLayersTest, ALayerWithoutExpertsIsRefused) {
   runtime::ModelOptions options;

@@ -14,6 +14,7 @@ void AddServeCommand(CLI::App& root, CommandRun* selected);
 void AddChatTemplateCommand(CLI::App& root, CommandRun* selected);
 void AddTokenizeCommand(CLI::App& root, CommandRun* selected);
 void AddInspectCommand(CLI::App& root, CommandRun* selected);
+void AddProfileExpertsCommand(CLI::App& root, CommandRun* selected);
 // `bench model`, declared under `bench` by AddBenchCommand.
 void AddBenchModel(CLI::App& bench, CommandRun* selected);
 

@@ -155,6 +155,13 @@ void ExpertFlags::Add(CLI::App* app) {
                   "'layers\\.[0-9]\\.mlp\\.experts\\.=cpu'. Only routed experts can run on the CPU beside a GPU")
       ->expected(1)
       ->take_all();
+  app->add_option("--gpu-experts-per-layer", gpu_experts_per_layer,
+                  "on a GPU, with routed experts in the CPU pool: the N most used experts of each CPU layer (by "
+                  "--expert-profile) are held on the GPU too, and the tokens routed to them run there")
+      ->check(IntIn(0, 4096));
+  app->add_option("--expert-profile", expert_profile,
+                  "routing profile (from moeserve profile-experts) that ranks each layer's experts for "
+                  "--gpu-experts-per-layer");
   app->add_option("--expert-format", format, "packed format of the expert pool's weights: bf16, int8 or int4")
       ->capture_default_str();
   app->add_option("--expert-group", group, "int4 scale group size: 32, 64 or 128")

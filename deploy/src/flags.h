@@ -64,6 +64,8 @@ struct ExpertFlags {
   bool cpu_moe = false;
   int n_cpu_moe = 0;
   std::vector<std::string> override_tensor;
+  int gpu_experts_per_layer = 0;
+  std::string expert_profile;
 
   // True when a placement flag asks for routed experts in the CPU pool beside a GPU.
   bool Hybrid() const { return mode == "pool" || cpu_moe || n_cpu_moe > 0 || !override_tensor.empty(); }

@@ -23,6 +23,7 @@
 #include "moe/runtime/memory_plan.h"
 #include "moe/runtime/model_spec.h"
 #include "moe/runtime/placement.h"
+#include "moe/runtime/routing_profile.h"
 #include "moe/runtime/weight_source.h"
 #include "nlohmann/json.hpp"
 
@@ -162,6 +163,24 @@ int RunInspect(const InspectFlags& f) {
   plan_options.max_logit_rows = std::min(256, f.max_batch_tokens);
   plan_options.host_format = *experts::ParseFormat(f.experts.format);
   plan_options.host_group = f.experts.group;
+  plan_options.gpu_experts_per_layer = f.experts.gpu_experts_per_layer;
+  std::string share_note;
+  if (f.experts.gpu_experts_per_layer > 0 && !f.experts.expert_profile.empty()) {
+    auto profile = runtime::LoadRoutingProfile(f.experts.expert_profile, *spec);
+    if (!profile.ok()) return FailCommand(command, profile.status(), 2);
+    double share = 0;
+    int layers = 0;
+    for (const auto& [layer, counts] : profile->counts) {
+      share += runtime::ShareOfPicks(*profile, layer,
+                                     runtime::MostUsedExperts(*profile, layer, f.experts.gpu_experts_per_layer));
+      ++layers;
+    }
+    plan_options.gpu_experts_share = layers > 0 ? share / layers : 0;
+    share_note = absl::StrFormat(" (%.1f%% of the picks run on the GPU, by %s)", 100 * *plan_options.gpu_experts_share,
+                                 f.experts.expert_profile);
+  } else if (f.experts.gpu_experts_per_layer > 0) {
+    share_note = " (the GPU's share of the picks taken as if routing were uniform: give --expert-profile)";
+  }
   std::string gpu_what;
   if (f.gpu_memory_gb) {
     plan_options.gpu_free_bytes = static_cast<int64_t>(*f.gpu_memory_gb * (1 << 30));
@@ -234,7 +253,7 @@ int RunInspect(const InspectFlags& f) {
     if (plan->host_read_per_token > 0) {
       std::cout << ", " << MiB(plan->host_read_per_token) << " of routed experts from host memory ("
                 << spec->routing.top_k << " experts x " << plan->cpu_expert_layers << " layers, "
-                << experts::FormatName(plan_options.host_format) << ")\n";
+                << experts::FormatName(plan_options.host_format) << ")" << share_note << "\n";
       std::cout << absl::StrFormat(
           "decode bound from host memory: %.0f tokens/s at %.1f GB/s of host read bandwidth (%s); the GPU's share "
           "and the copies come on top\n",

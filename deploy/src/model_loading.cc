@@ -5,9 +5,11 @@
 #include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "moe/core/status.h"
 #include "moe/runtime/memory_plan.h"
 #include "moe/runtime/model_spec.h"
+#include "moe/runtime/routing_profile.h"
 #include "moe/runtime/weight_source.h"
 
 namespace moe::deploy {
@@ -50,6 +52,18 @@ absl::Status CheckModelFlags(const DeviceFlags& device_flags, const ExpertFlags&
   }
   if (device->kind == runtime::Device::Kind::kCpu && experts.mode == "gpu") {
     return absl::InvalidArgumentError("--experts gpu needs a GPU: --device cuda or auto");
+  }
+  if (experts.gpu_experts_per_layer > 0) {
+    if (device->kind == runtime::Device::Kind::kCpu || !experts.Hybrid()) {
+      return absl::InvalidArgumentError(
+          "--gpu-experts-per-layer holds some of the CPU layers' experts on a GPU: it needs a GPU device and routed "
+          "experts on the CPU (--cpu-moe, --n-cpu-moe or --override-tensor)");
+    }
+    if (experts.expert_profile.empty()) {
+      return absl::InvalidArgumentError(
+          "--gpu-experts-per-layer needs --expert-profile FILE (write one with moeserve profile-experts); choosing "
+          "the experts from counts gathered while serving is not built yet");
+    }
   }
   return absl::OkStatus();
 }
@@ -138,6 +152,24 @@ absl::StatusOr<std::unique_ptr<runtime::Model>> LoadModelForCommand(const std::s
   if (gpu && hybrid && !hybrid->pool_layers.empty()) {
     options.experts = runtime::RoutedExpertsMode::kPool;
     options.pool_layers = hybrid->pool_layers;
+    if (experts.gpu_experts_per_layer > 0) {
+      MOE_ASSIGN_OR_RETURN(const runtime::ModelSpec spec, runtime::LoadModelSpec(model_dir));
+      if (experts.gpu_experts_per_layer > spec.routing.num_experts) {
+        return absl::InvalidArgumentError(absl::StrCat("--gpu-experts-per-layer ", experts.gpu_experts_per_layer,
+                                                       ": the model's layers have ", spec.routing.num_experts,
+                                                       " experts"));
+      }
+      MOE_ASSIGN_OR_RETURN(const runtime::RoutingProfile profile,
+                           runtime::LoadRoutingProfile(experts.expert_profile, spec));
+      double share = 0;
+      for (int layer : hybrid->pool_layers) {
+        options.backend_experts[layer] = runtime::MostUsedExperts(profile, layer, experts.gpu_experts_per_layer);
+        share += runtime::ShareOfPicks(profile, layer, options.backend_experts[layer]);
+      }
+      notes.push_back(absl::StrFormat(
+          "the %d most used experts of each CPU layer held on the GPU too (%s): %.1f%% of the profile's picks",
+          experts.gpu_experts_per_layer, experts.expert_profile, 100 * share / hybrid->pool_layers.size()));
+    }
   } else if (gpu) {
     options.experts = runtime::RoutedExpertsMode::kBackend;
   } else if (experts.Hybrid() && experts.mode != "pool") {

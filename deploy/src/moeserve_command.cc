@@ -70,6 +70,7 @@ int RunMoeserve(int argc, char** argv) {
   AddChatTemplateCommand(root, &selected);
   AddTokenizeCommand(root, &selected);
   AddInspectCommand(root, &selected);
+  AddProfileExpertsCommand(root, &selected);
   root.add_subcommand("version", "print the version")->callback([&selected] {
     selected = [] {
       std::cout << "moeserve " << kVersion << "\n";

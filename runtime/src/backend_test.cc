@@ -272,6 +272,50 @@ TEST_P(BackendTest, RouteMatchesTheRoutingFunctions) {
   }
 }
 
+// The split of each row's picks between the host and the backend's copies of some experts: the
+// picks of each side keep their weights, the others become weight-0 slots of an expert that side
+// reads for the row anyway. Rows with picks on both sides, on one side only, and repeated experts.
+TEST_P(BackendTest, SplitRoutingSendsEachPickToOneSide) {
+  const int64_t e = 16, k = 4;
+  std::vector<int32_t> index(e, -1);
+  index[3] = 0;
+  index[7] = 1;
+  index[12] = 2;
+  const std::vector<int32_t> ids = {3, 5, 7, 9,  0, 1, 2, 4,  3, 7, 12, 3,  12, 6, 6, 1};
+  std::vector<float> weights(ids.size());
+  for (size_t i = 0; i < weights.size(); ++i) weights[i] = 0.1f * static_cast<float>(i + 1);
+  const int64_t rows = static_cast<int64_t>(ids.size()) / k;
+  Tensor host_ids = PutInts(std::vector<int32_t>(rows * k, -5), rows, k);
+  Tensor backend_ids = PutInts(std::vector<int32_t>(rows * k, -5), rows, k);
+  Tensor host_w = Poisoned(rows, k, DType::kF32), backend_w = Poisoned(rows, k, DType::kF32);
+  b_->SplitRouting(PutInts(ids, rows, k), Put(weights, rows, k, DType::kF32), PutInts(index, 1, e), host_ids, host_w,
+                   backend_ids, backend_w);
+  std::vector<int32_t> got_host(rows * k), got_backend(rows * k);
+  b_->CopyToHost(host_ids, got_host.data());
+  b_->CopyToHost(backend_ids, got_backend.data());
+  ASSERT_TRUE(b_->Synchronize().ok());
+  const std::vector<float> got_hw = Get(host_w), got_bw = Get(backend_w);
+  // By hand: row 0 has host picks 5, 9 and backend picks 3 (index 0), 7 (index 1).
+  EXPECT_EQ(std::vector<int32_t>(got_host.begin(), got_host.begin() + 4), (std::vector<int32_t>{5, 5, 5, 9}));
+  EXPECT_EQ(std::vector<int32_t>(got_backend.begin(), got_backend.begin() + 4), (std::vector<int32_t>{0, 0, 1, 0}));
+  EXPECT_EQ(std::vector<float>(got_hw.begin(), got_hw.begin() + 4), (std::vector<float>{0, 0.2f, 0, 0.4f}));
+  // Row 2 is all on the backend: the host keeps its experts at weight 0.
+  EXPECT_EQ(std::vector<int32_t>(got_host.begin() + 8, got_host.begin() + 12), (std::vector<int32_t>{3, 7, 12, 3}));
+  EXPECT_EQ(std::vector<float>(got_hw.begin() + 8, got_hw.begin() + 12), (std::vector<float>{0, 0, 0, 0}));
+  // Every row as the CPU's SplitPicks has it.
+  for (int64_t r = 0; r < rows; ++r) {
+    int32_t hi[4], bi[4];
+    float hw[4], bw[4];
+    SplitPicks(ids.data() + r * k, weights.data() + r * k, k, index.data(), hi, hw, bi, bw);
+    for (int j = 0; j < k; ++j) {
+      EXPECT_EQ(got_host[r * k + j], hi[j]) << "row " << r;
+      EXPECT_EQ(got_backend[r * k + j], bi[j]) << "row " << r;
+      EXPECT_EQ(got_hw[r * k + j], hw[j]) << "row " << r;
+      EXPECT_EQ(got_bw[r * k + j], bw[j]) << "row " << r;
+    }
+  }
+}
+
 TEST_P(BackendTest, MoeExpertsWeightTheChosenExperts) {
   const DType act = b_->activation_dtype();
   const int e = 8, k = 3, h = 64, width = 40;

@@ -99,6 +99,16 @@ absl::StatusOr<MemoryPlan> PlanMemory(const ModelSpec& spec, const Placement& pl
     plan.host_read_per_token = *per_expert * k * static_cast<int64_t>(cpu_layers.size());
   }
   plan.cpu_expert_layers = static_cast<int>(cpu_layers.size());
+  if (o.gpu_experts_per_layer > 0 && !cpu_layers.empty() && spec.routing.num_experts > 0) {
+    const int n = std::min(o.gpu_experts_per_layer, spec.routing.num_experts);
+    const int64_t expert_bf16 = 3 * int64_t{spec.hidden_size} * spec.moe_intermediate_size * 2;
+    Add(&plan.gpu, absl::StrCat("weights: routed experts held on the GPU too (", n, " of each CPU layer)"),
+        expert_bf16 * n * static_cast<int64_t>(cpu_layers.size()));
+    const double share = o.gpu_experts_share.value_or(static_cast<double>(n) / spec.routing.num_experts);
+    const int64_t moved = static_cast<int64_t>(share * static_cast<double>(plan.host_read_per_token));
+    plan.host_read_per_token -= moved;
+    plan.gpu_read_per_token += static_cast<int64_t>(share * k * static_cast<double>(cpu_layers.size()) * expert_bf16);
+  }
 
   plan.kv_bytes_per_token =
       int64_t{spec.num_layers} * 2 * spec.num_kv_heads * spec.head_dim * core::DTypeSize(core::DType::kBF16);

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 
 #include "absl/strings/str_cat.h"
 #include "model_weights.h"
@@ -79,6 +80,11 @@ absl::Status ForEachStepBuffer(const ModelSpec& s, DType act, int64_t t, int64_t
       {&buf->ffn.weights, DType::kF32, t, top_k},
       {&buf->ffn.shared, DType::kF32, t, hidden},
       {&buf->ffn.shared_gate, DType::kF32, t, 1},
+      {&buf->ffn.split_host_ids, DType::kI32, t, top_k},
+      {&buf->ffn.split_host_weights, DType::kF32, t, top_k},
+      {&buf->ffn.split_backend_ids, DType::kI32, t, top_k},
+      {&buf->ffn.split_backend_weights, DType::kF32, t, top_k},
+      {&buf->ffn.split_out, DType::kF32, t, hidden},
       {&buf->last_h, act, l, hidden},
       {&buf->logits, DType::kF32, l, s.vocab_size},
   };
@@ -164,8 +170,30 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& model_dir,
     return absl::FailedPreconditionError(absl::StrCat("routed experts in the CPU expert pool need fp32 activations; ",
                                                       b.name(), " has ", core::DTypeName(b.activation_dtype())));
   }
-  std::vector<bool> backend_experts(spec.num_layers, true);
-  for (int l : pool_layers) backend_experts[l] = false;
+  // The routed experts each layer's backend holds: all of them, or for a pool layer the ones
+  // options.backend_experts names (--gpu-experts-per-layer).
+  std::vector<std::vector<int>> backend_experts(spec.num_layers);
+  for (int l = 0; l < spec.num_layers; ++l) {
+    backend_experts[l].resize(spec.routing.num_experts);
+    std::iota(backend_experts[l].begin(), backend_experts[l].end(), 0);
+  }
+  for (int l : pool_layers) backend_experts[l].clear();
+  for (const auto& [layer, ids] : options.backend_experts) {
+    if (std::find(pool_layers.begin(), pool_layers.end(), layer) == pool_layers.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("experts of layer ", layer,
+                                                     " held on the backend too: the layer's experts are not in the "
+                                                     "CPU pool"));
+    }
+    std::vector<int> sorted = ids;
+    std::sort(sorted.begin(), sorted.end());
+    if (std::unique(sorted.begin(), sorted.end()) != sorted.end() || sorted.empty() || sorted.front() < 0 ||
+        sorted.back() >= spec.routing.num_experts) {
+      return absl::InvalidArgumentError(absl::StrCat("experts of layer ", layer,
+                                                     " held on the backend too: distinct ids in [0, ",
+                                                     spec.routing.num_experts, ") expected"));
+    }
+    backend_experts[layer] = ids;
+  }
   MOE_ASSIGN_OR_RETURN(model->weights_,
                        internal::LoadWeights(spec, *model->source_, b, backend_experts, options.progress));
   if (pool) {

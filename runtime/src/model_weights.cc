@@ -1,5 +1,6 @@
 #include "model_weights.h"
 
+#include <algorithm>
 #include <optional>
 #include <set>
 
@@ -160,7 +161,8 @@ absl::Status LoadAttention(const ModelSpec& s, const std::string& p, WeightLoade
   return absl::OkStatus();
 }
 
-absl::Status LoadMoe(const ModelSpec& s, const std::string& p, WeightLoader& w, bool prepare_experts, LayerWeights& l) {
+absl::Status LoadMoe(const ModelSpec& s, const std::string& p, WeightLoader& w, const std::vector<int>& on_backend,
+                     Backend& backend, LayerWeights& l) {
   const int64_t h = s.hidden_size;
   const int e = s.routing.num_experts;
   const bool mixtral = s.arch == Architecture::kMixtral;
@@ -180,14 +182,26 @@ absl::Status LoadMoe(const ModelSpec& s, const std::string& p, WeightLoader& w, 
     up.push_back(ep + (mixtral ? "w3.weight" : "up_proj.weight"));
     down.push_back(ep + (mixtral ? "w2.weight" : "down_proj.weight"));
   }
-  if (prepare_experts) {
+  for (int i = 0; i < e; ++i) {
+    MOE_RETURN_IF_ERROR(w.CheckOnly(gate[i], {s.moe_intermediate_size, h}, width));
+    MOE_RETURN_IF_ERROR(w.CheckOnly(up[i], {s.moe_intermediate_size, h}, width));
+    MOE_RETURN_IF_ERROR(w.CheckOnly(down[i], {h, s.moe_intermediate_size}, width));
+  }
+  if (static_cast<int>(on_backend.size()) == e) {
     MOE_ASSIGN_OR_RETURN(l.experts, w.LoadExperts(gate, up, down, h, s.moe_intermediate_size, width));
-  } else {
-    for (int i = 0; i < e; ++i) {
-      MOE_RETURN_IF_ERROR(w.CheckOnly(gate[i], {s.moe_intermediate_size, h}, width));
-      MOE_RETURN_IF_ERROR(w.CheckOnly(up[i], {s.moe_intermediate_size, h}, width));
-      MOE_RETURN_IF_ERROR(w.CheckOnly(down[i], {h, s.moe_intermediate_size}, width));
+  } else if (!on_backend.empty()) {
+    // Some of a pool layer's experts on the backend too, in the order given.
+    std::vector<std::string> g, u, d;
+    l.backend_index_host.assign(e, -1);
+    for (size_t i = 0; i < on_backend.size(); ++i) {
+      g.push_back(gate[on_backend[i]]);
+      u.push_back(up[on_backend[i]]);
+      d.push_back(down[on_backend[i]]);
+      l.backend_index_host[on_backend[i]] = static_cast<int32_t>(i);
     }
+    MOE_ASSIGN_OR_RETURN(l.experts, w.LoadExperts(g, u, d, h, s.moe_intermediate_size, width));
+    MOE_ASSIGN_OR_RETURN(l.backend_index, backend.Allocate(core::DType::kI32, 1, e));
+    backend.CopyFromHost(l.backend_index_host.data(), l.backend_index->tensor());
   }
   if (s.shared_expert_intermediate_size > 0) {
     const bool qwen2 = s.arch == Architecture::kQwen2Moe;
@@ -208,13 +222,16 @@ absl::Status LoadMoe(const ModelSpec& s, const std::string& p, WeightLoader& w, 
 
 absl::StatusOr<std::unique_ptr<Model::Weights>> LoadWeights(const ModelSpec& s, const WeightSource& source,
                                                             Backend& backend,
-                                                            const std::vector<bool>& backend_experts, bool progress) {
+                                                            const std::vector<std::vector<int>>& backend_experts,
+                                                            bool progress) {
   // What goes to the backend: every tensor but the routed experts of the layers the pool holds.
   int64_t total = 0;
   for (const std::string& name : source.Names()) {
     const TensorKind kind = ClassifyTensor(name);
     if (kind.role == TensorRole::kRoutedExpert && kind.layer >= 0 &&
-        kind.layer < static_cast<int>(backend_experts.size()) && !backend_experts[kind.layer]) {
+        kind.layer < static_cast<int>(backend_experts.size()) &&
+        std::find(backend_experts[kind.layer].begin(), backend_experts[kind.layer].end(), kind.expert) ==
+            backend_experts[kind.layer].end()) {
       continue;
     }
     auto view = source.Get(name);
@@ -241,7 +258,7 @@ absl::StatusOr<std::unique_ptr<Model::Weights>> LoadWeights(const ModelSpec& s, 
     LayerWeights& l = weights->layers[layer];
     MOE_RETURN_IF_ERROR(LoadAttention(s, p, w, l));
     if (s.IsMoeLayer(layer)) {
-      MOE_RETURN_IF_ERROR(LoadMoe(s, p, w, backend_experts[layer], l));
+      MOE_RETURN_IF_ERROR(LoadMoe(s, p, w, backend_experts[layer], backend, l));
     } else {
       MOE_RETURN_IF_ERROR(w.LoadFfn(p + "mlp.", "gate_proj", "up_proj", "down_proj", h, s.intermediate_size,
                                     absl::StrCat("intermediate_size=", s.intermediate_size, " (dense layer)"),

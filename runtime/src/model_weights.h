@@ -29,18 +29,24 @@ struct LayerWeights {
   FfnWeights dense;                            // dense layers
   std::unique_ptr<DeviceWeight> router;        // [experts x hidden]
   std::unique_ptr<DeviceWeight> correction_bias;  // [experts], sigmoid routers
-  std::unique_ptr<DeviceExperts> experts;      // when the backend runs the routed experts
+  std::unique_ptr<DeviceExperts> experts;      // when the backend runs the routed experts (or some)
+  // [1 x experts] int32: each expert's index in `experts`, or -1; only when the backend holds
+  // some of a pool layer's experts.
+  std::unique_ptr<DeviceBuffer> backend_index;
+  std::vector<int32_t> backend_index_host;
   FfnWeights shared;                           // when spec has a shared expert
   std::unique_ptr<DeviceWeight> shared_gate;   // [1 x hidden]
 };
 
 // Loads every tensor the spec needs. Errors name the tensor, its file, the expected and the
 // found shape or dtype, and the config key the expectation comes from. Routed experts are always
-// checked, but handed to the backend only for the layers where `backend_experts[layer]` (the
-// expert pool holds the others). Progress (bytes and GB/s) goes to stderr when `progress`.
+// checked, but handed to the backend only as `backend_experts[layer]` lists them: every expert,
+// none (the expert pool holds the layer), or some (the pool holds the layer, the backend these
+// too, with a backend_index to find them). Progress (bytes and GB/s) goes to stderr when `progress`.
 absl::StatusOr<std::unique_ptr<Model::Weights>> LoadWeights(const ModelSpec& spec, const WeightSource& source,
                                                             Backend& backend,
-                                                            const std::vector<bool>& backend_experts, bool progress);
+                                                            const std::vector<std::vector<int>>& backend_experts,
+                                                            bool progress);
 
 }  // namespace internal
 

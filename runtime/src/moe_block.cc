@@ -129,8 +129,20 @@ absl::Status RunMoe(Backend& b, const ModelSpec& spec, const LayerWeights& lw, R
   const Tensor weights = buf.weights.Rows(0, rows);
   b.Linear(x, *lw.router, nullptr, logits);
   b.Route(logits, spec.routing, lw.correction_bias.get(), ids, weights);
-  // The routed experts start; the shared expert runs meanwhile, into its own buffer.
-  MOE_RETURN_IF_ERROR(routed.Start(layer, x, ids, weights, out));
+  // The routed experts start; the shared expert runs meanwhile, into its own buffer. A pool layer
+  // whose most used experts the backend holds too sends each pick to one side, both at once.
+  const bool split = lw.backend_index != nullptr;
+  const Tensor split_out = buf.split_out.Rows(0, rows);
+  if (split) {
+    const Tensor host_ids = buf.split_host_ids.Rows(0, rows), host_weights = buf.split_host_weights.Rows(0, rows);
+    const Tensor backend_ids = buf.split_backend_ids.Rows(0, rows);
+    const Tensor backend_weights = buf.split_backend_weights.Rows(0, rows);
+    b.SplitRouting(ids, weights, lw.backend_index->tensor(), host_ids, host_weights, backend_ids, backend_weights);
+    MOE_RETURN_IF_ERROR(routed.Start(layer, x, host_ids, host_weights, out));
+    b.MoeExperts(x, backend_ids, backend_weights, *lw.experts, split_out);
+  } else {
+    MOE_RETURN_IF_ERROR(routed.Start(layer, x, ids, weights, out));
+  }
   const bool shared = spec.shared_expert_intermediate_size > 0;
   const Tensor shared_out = buf.shared.Rows(0, rows);
   if (shared) {
@@ -138,6 +150,7 @@ absl::Status RunMoe(Backend& b, const ModelSpec& spec, const LayerWeights& lw, R
     if (lw.shared_gate != nullptr) b.Linear(x, *lw.shared_gate, nullptr, buf.shared_gate.Rows(0, rows));
   }
   MOE_RETURN_IF_ERROR(routed.Finish());
+  if (split) b.AddSharedExpert(out, split_out, nullptr);
   if (shared) {
     const Tensor gate = buf.shared_gate.Rows(0, rows);
     b.AddSharedExpert(out, shared_out, lw.shared_gate != nullptr ? &gate : nullptr);

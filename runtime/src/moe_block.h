@@ -24,6 +24,10 @@ struct FfnBuffers {
   Tensor weights;        // [T x top_k] fp32
   Tensor shared;         // [T x hidden] fp32
   Tensor shared_gate;    // [T x 1] fp32
+  // A pool layer with some experts on the backend too: each side's picks, and the backend's sum.
+  Tensor split_host_ids, split_backend_ids;          // [T x top_k] int32
+  Tensor split_host_weights, split_backend_weights;  // [T x top_k] fp32
+  Tensor split_out;                                  // [T x hidden] fp32
 };
 
 // out [T x hidden] fp32 = down(silu(gate(x)) * up(x)); x activation dtype.

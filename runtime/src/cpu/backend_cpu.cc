@@ -345,6 +345,16 @@ class CpuBackend : public Backend {
                 weights.as<float>());
   }
 
+  void SplitRouting(const Tensor& ids, const Tensor& weights, const Tensor& backend_index, const Tensor& host_ids,
+                    const Tensor& host_weights, const Tensor& backend_ids, const Tensor& backend_weights) override {
+    const int64_t k = ids.cols;
+    for (int64_t r = 0; r < ids.rows; ++r) {
+      SplitPicks(ids.as<int32_t>() + r * k, weights.as<float>() + r * k, static_cast<int>(k),
+                 backend_index.as<int32_t>(), host_ids.as<int32_t>() + r * k, host_weights.as<float>() + r * k,
+                 backend_ids.as<int32_t>() + r * k, backend_weights.as<float>() + r * k);
+    }
+  }
+
   // The plain routed-expert path: tokens grouped by expert, each expert's FFN run on its rows,
   // outputs added back with their routing weights.
   void MoeExperts(const Tensor& x, const Tensor& ids, const Tensor& weights, const DeviceExperts& experts,

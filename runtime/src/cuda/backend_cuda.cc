@@ -663,6 +663,15 @@ class CudaBackend : public Backend {
     Launched("RouteTopK");
   }
 
+  void SplitRouting(const Tensor& ids, const Tensor& weights, const Tensor& backend_index, const Tensor& host_ids,
+                    const Tensor& host_weights, const Tensor& backend_ids, const Tensor& backend_weights) override {
+    Begin("SplitRouting");
+    cuda::SplitRouting(ids.as<int32_t>(), weights.as<float>(), static_cast<int>(ids.rows), static_cast<int>(ids.cols),
+                       backend_index.as<int32_t>(), host_ids.as<int32_t>(), host_weights.as<float>(),
+                       backend_ids.as<int32_t>(), backend_weights.as<float>(), stream_);
+    Launched("SplitRouting");
+  }
+
   void MoeExperts(const Tensor& x, const Tensor& ids, const Tensor& weights, const DeviceExperts& experts,
                   const Tensor& out) override {
     if (!HasScratch(moe_ws_, "MoeExperts")) return;

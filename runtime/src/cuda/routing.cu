@@ -282,4 +282,39 @@ void RouteTopK(const float* logits, int num_tokens, const RouterParams& params, 
   LaunchRoute<16>(logits, num_tokens, p, ids, weights, stream);
 }
 
+namespace {
+
+__global__ void SplitRoutingKernel(const int32_t* __restrict__ ids, const float* __restrict__ weights, int rows,
+                                   int top_k, const int32_t* __restrict__ backend_index, int32_t* __restrict__ host_ids,
+                                   float* __restrict__ host_weights, int32_t* __restrict__ backend_ids,
+                                   float* __restrict__ backend_weights) {
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= rows) return;
+  const int64_t base = static_cast<int64_t>(r) * top_k;
+  int32_t host_fill = -1, backend_fill = -1;
+  for (int j = 0; j < top_k; ++j) {
+    const int32_t local = backend_index[ids[base + j]];
+    if (local >= 0 && backend_fill < 0) backend_fill = local;
+    if (local < 0 && host_fill < 0) host_fill = ids[base + j];
+  }
+  for (int j = 0; j < top_k; ++j) {
+    const int32_t id = ids[base + j];
+    const int32_t local = backend_index[id];
+    host_ids[base + j] = local < 0 ? id : host_fill >= 0 ? host_fill : id;
+    host_weights[base + j] = local < 0 ? weights[base + j] : 0.0f;
+    backend_ids[base + j] = local >= 0 ? local : backend_fill >= 0 ? backend_fill : 0;
+    backend_weights[base + j] = local >= 0 ? weights[base + j] : 0.0f;
+  }
+}
+
+}  // namespace
+
+void SplitRouting(const int32_t* ids, const float* weights, int rows, int top_k, const int32_t* backend_index,
+                  int32_t* host_ids, float* host_weights, int32_t* backend_ids, float* backend_weights,
+                  cudaStream_t stream) {
+  if (rows == 0) return;
+  SplitRoutingKernel<<<(rows + 127) / 128, 128, 0, stream>>>(ids, weights, rows, top_k, backend_index, host_ids,
+                                                             host_weights, backend_ids, backend_weights);
+}
+
 }  // namespace moe::runtime::cuda

@@ -19,4 +19,11 @@ inline constexpr int kRouterMaxGroups = 16;
 // (memory-safe for the expert kernels, and loud in the logits) instead of routing.
 absl::Status CheckRouterParams(const RouterParams& params);
 
+// Each row's top_k picks split between the host and the GPU's copies of some experts, as the CPU's
+// SplitPicks (routing.h of the runtime) does: backend_index [num_experts] int32 (-1: on the host
+// only); all arrays [rows x top_k]. One thread a row.
+void SplitRouting(const int32_t* ids, const float* weights, int rows, int top_k, const int32_t* backend_index,
+                  int32_t* host_ids, float* host_weights, int32_t* backend_ids, float* backend_weights,
+                  cudaStream_t stream);
+
 }  // namespace moe::runtime::cuda

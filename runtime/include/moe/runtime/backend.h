@@ -411,6 +411,12 @@ class Backend {
     return absl::UnimplementedError(name() + " runs no routed experts on the host");
   }
   virtual HostHandoff host_handoff() const { return HostHandoff::kHostFunction; }
+  // Each row's picks split between the host and the backend's own copies of some experts, as
+  // SplitPicks (routing.h) does: ids/weights [T x k], backend_index [1 x E] int32 (-1: not on the
+  // backend); the outputs [T x k] each.
+  virtual void SplitRouting(const Tensor& ids, const Tensor& weights, const Tensor& backend_index,
+                            const Tensor& host_ids, const Tensor& host_weights, const Tensor& backend_ids,
+                            const Tensor& backend_weights) = 0;
   // out += sigmoid(gate) * shared per row (gate null: out += shared); fp32.
   virtual void AddSharedExpert(const Tensor& out, const Tensor& shared, const Tensor* gate) = 0;
   // out[i] = src[rows[i]]; rows int32 [n x 1].

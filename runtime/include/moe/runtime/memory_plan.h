@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -31,6 +32,10 @@ struct MemoryPlanOptions {
   // The CPU pool's packed format for the routed experts the placement puts there.
   experts::ExpertFormat host_format = experts::ExpertFormat::kBF16;
   int host_group = 32;
+  // --gpu-experts-per-layer: experts of each CPU layer held on the GPU too (bf16), and the share
+  // of the picks they take (by a routing profile; unset: as if routing were uniform).
+  int gpu_experts_per_layer = 0;
+  std::optional<double> gpu_experts_share;
 };
 
 struct MemoryLine {

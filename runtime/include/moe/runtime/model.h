@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -78,6 +79,9 @@ struct ModelOptions {
   // others' run on the backend. On a GPU backend the pool's layers run on the host beside it
   // (hybrid execution: --cpu-moe, --n-cpu-moe, --override-tensor).
   std::optional<std::vector<int>> pool_layers;
+  // Of the pool's layers, experts the backend holds too (--gpu-experts-per-layer): each token's
+  // picks of them run on the backend while the pool computes the rest.
+  std::map<int, std::vector<int>> backend_experts;
   // The pool's ExpertPoolOptions::linger_us. Unset: 0 on a backend that computes on the host's
   // cores (between MoE layers they are its own), pool.linger_us otherwise.
   std::optional<int64_t> expert_linger_us;
