@@ -4,7 +4,7 @@
 # libraries that machine lacks) and env.sh (their library path), as scripts/device-ctest.sh
 # expects. Logs go to $LOGS (or ./gpu-logs); each phase has a time limit, so that a hung phase
 # leaves the others their time.
-#   scripts/gpu-check.sh BUNDLE_DIR [tests|cpu|sanitize|bench|hybrid|serve|profile|all ...]
+#   scripts/gpu-check.sh BUNDLE_DIR [tests|cpu|sanitize|bench|hybrid|gpuexperts|serve|profile|all ...]
 set -uo pipefail
 bundle=$(cd "$1" && pwd); shift
 phases=" ${*:-all} "
@@ -66,6 +66,23 @@ if want hybrid; then
     echo "bench model --cpu-moe --expert-format $fmt: exit $?"
     grep -E "^(moeserve|model|bandwidth|host read|decode|prefill)|per MoE layer|per layer|  by |^    (operations|eager|graphs)" \
       "$out/bench-hybrid-$fmt.log" | head -40
+  done
+fi
+if want gpuexperts; then
+  # A routing profile over random-id prompts, then decode with each CPU layer's 32 most used
+  # experts held on the GPU too, against none, every routed expert on the CPU (int8).
+  make_model
+  awk 'BEGIN { srand(1); for (p = 0; p < 64; p++) { s = ""; for (i = 0; i < 128; i++) s = s (i ? "," : "") int(rand() * 32768); print s } }' \
+    > /tmp/prompt-ids.txt
+  timeout 120 "$bundle/bin/moeserve" profile-experts --model "$model" --prompt-ids-file /tmp/prompt-ids.txt \
+    --out /tmp/profile.json --device cuda --cpu-moe --expert-format int8 > "$out/profile-experts.log" 2>&1
+  echo "profile-experts: exit $?"; grep -v "^loading" "$out/profile-experts.log" | tail -3
+  for n in 0 32; do
+    extra=(); [[ $n -gt 0 ]] && extra=(--gpu-experts-per-layer $n --expert-profile /tmp/profile.json)
+    timeout 150 "$bundle/bin/moeserve" bench model --model "$model" --device cuda --cpu-moe --expert-format int8 \
+      --batches 1,4 --prompts 512 --decode-steps 32 "${extra[@]}" > "$out/bench-gpu-experts-$n.log" 2>&1
+    echo "bench model --gpu-experts-per-layer $n: exit $?"
+    grep -E "^(moeserve|decode|prefill)|per MoE layer|per layer" "$out/bench-gpu-experts-$n.log" | head -12
   done
 fi
 if want serve; then
