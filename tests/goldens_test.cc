@@ -183,6 +183,17 @@ TEST_P(GoldensTest, SomeOfAPoolLayersExpertsOnTheBackendToo) {
     }
   }
   EXPECT_LT(worst, 1e-3f);
+  // Decoding (one token a step: the pool's decode schedule) gives the goldens' greedy tokens.
+  for (size_t c = 0; c < golden["cases"].size(); ++c) {
+    const auto& gc = golden["cases"][c];
+    const std::vector<int32_t> want = gc["greedy_ids"];
+    runtime::GenerateOptions generate;
+    generate.max_new_tokens = static_cast<int>(want.size());
+    generate.stop_at_eos = false;
+    auto out = runtime::Generate(*model, gc["prompt_ids"].get<std::vector<int32_t>>(), generate);
+    ASSERT_TRUE(out.ok()) << out.status();
+    EXPECT_EQ(out->generated_ids, want) << GetParam() << " case " << c;
+  }
   // A layer that is not in the pool cannot have experts on the backend "too".
   runtime::ModelOptions wrong;
   wrong.pool_layers = std::vector<int>{};

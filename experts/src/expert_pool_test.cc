@@ -331,6 +331,45 @@ TEST_F(ExpertPoolBehaviour, ThreadCountDoesNotChangeTheResult) {
   EXPECT_EQ(one, four);
 }
 
+// A row may name an expert more than once (hybrid execution fills the picks it sends to the GPU
+// with weight-0 copies of one the row reads anyway): each slot counts once, with its own weight,
+// in both schedules and for every format.
+TEST_F(ExpertPoolBehaviour, RepeatedExpertsInARowCountOncePerSlot) {
+  const ExpertShape shape = SmallShape();  // top-3 of 8
+  for (ExpertFormat format : {ExpertFormat::kBF16, ExpertFormat::kInt8, ExpertFormat::kInt4}) {
+    for (int64_t tokens : {1, 4, 40}) {
+      Routing r = RandomRouting(shape, tokens, 50 + tokens);
+      for (int64_t t = 0; t < tokens; ++t) {
+        // Slots 0 and 2 repeat slot 1's expert; slot 0 at weight 0, slot 2 at its own weight.
+        r.ids[t * 3 + 0] = r.ids[t * 3 + 1];
+        r.w[t * 3 + 0] = 0.0f;
+        if (t % 2 == 1) r.ids[t * 3 + 2] = r.ids[t * 3 + 1];
+      }
+      const std::vector<double> want = experts_.Reference(0, r.x, r.ids, r.w);
+      for (int64_t decode_max : {int64_t{0}, int64_t{64}}) {
+        ExpertPoolOptions options;
+        options.format = format;
+        options.threads = 3;
+        options.progress = false;
+        options.decode_max_tokens = decode_max;
+        auto pool = ExpertPool::Create(shape, options, experts_.Source());
+        ASSERT_TRUE(pool.ok()) << pool.status();
+        std::vector<float> out(r.x.size(), -1.0f);
+        ASSERT_TRUE((*pool)->Compute(0, r.x.data(), tokens, r.ids.data(), r.w.data(), out.data()).ok());
+        double signal = 0, noise = 0;
+        for (size_t i = 0; i < want.size(); ++i) {
+          signal += want[i] * want[i];
+          noise += (out[i] - want[i]) * (out[i] - want[i]);
+        }
+        // int4 at one token: two experts' quantization noise, not averaged over many.
+        const double tolerance = format == ExpertFormat::kBF16 ? 1e-4 : format == ExpertFormat::kInt8 ? 3e-2 : 0.3;
+        EXPECT_LT(std::sqrt(noise / signal), tolerance)
+            << FormatName(format) << ", " << tokens << " tokens, decode_max_tokens " << decode_max;
+      }
+    }
+  }
+}
+
 TEST_F(ExpertPoolBehaviour, DecodeAndBatchSchedulesAgreeExactly) {
   // The same kernels over the same blocks, cut differently: bit-identical results, whatever the
   // thread count. The second shape has a hidden size of two reduce chunks in both schedules (the

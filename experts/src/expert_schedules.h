@@ -78,9 +78,16 @@ struct ExpertCall {
   // (by expert), the order the batch schedule sums in too.
   void Reduce(int64_t t, int64_t c0, int64_t c1);
 
-  // The slot of expert e's input activations: with one token every expert shares the first
-  // active expert's.
-  int InputSlot(int e) const { return num_tokens == 1 ? grouping.active()[0] : e; }
+  // The slot of expert e's input activations: with one token every expert that has it once
+  // shares the first such expert's (one row). An expert a row names more than once (hybrid
+  // execution fills the slots it hands to the GPU with an expert the row reads anyway) has its own.
+  int InputSlot(int e) const {
+    if (num_tokens != 1 || g.count[e] != 1) return e;
+    for (int a : grouping.active()) {
+      if (g.count[a] == 1) return a;
+    }
+    return e;
+  }
 
   const ExpertPool& pool;
   const PackedExperts& experts;
