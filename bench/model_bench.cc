@@ -174,6 +174,7 @@ absl::StatusOr<ModelBenchResult> RunModelBench(runtime::Model& model, const Mode
                            result.host_read_gbps, pool->threads(), pool->Describe());
   }
   const double pool_expert_bytes = pool != nullptr ? static_cast<double>(pool->expert_bytes()) : 0;
+  if (!model.prefill_offload_note().empty()) log << model.prefill_offload_note() << "\n";
   std::mt19937 rng(7);
   std::uniform_int_distribution<int32_t> token(0, spec.vocab_size - 1);
   const int block = 16;
@@ -335,17 +336,27 @@ absl::StatusOr<ModelBenchResult> RunModelBench(runtime::Model& model, const Mode
     };
     MOE_RETURN_IF_ERROR(prefill());  // warm-up
     double best = 1e30;
+    const int64_t streamed_before = backend.streamed_calls();
     for (int r = 0; r < o.prefill_repeats; ++r) {
       const auto start = Clock::now();
       MOE_RETURN_IF_ERROR(prefill());
       best = std::min(best, Seconds(start));
     }
+    // Layers streamed a step, on average.
+    const double streamed = static_cast<double>(backend.streamed_calls() - streamed_before) / o.prefill_repeats /
+                            ((tokens + chunk - 1) / chunk);
     PrefillRow row;
     row.tokens = tokens;
     row.tokens_per_s = tokens / best;
     row.tflops = PrefillFlops(spec, tokens) / best / 1e12;
     row.ratio = row.tflops / result.roofline.matmul_tflops;
-    if (pool != nullptr) {
+    if (pool != nullptr && streamed > 0) {
+      row.experts_path = absl::StrFormat(
+          "%zu layers' routed experts streamed to the GPU and run there (%.1f of %zu a step: chunks of %d tokens, "
+          "streaming from %d)",
+          model.pool_layers().size(), streamed, model.pool_layers().size(), std::min(chunk, tokens),
+          model.prefill_offload_tokens());
+    } else if (pool != nullptr) {
       // Every pool layer takes the same path: the kernel for the chunk's tokens per expert.
       const int64_t per_expert =
           std::max<int64_t>(1, int64_t{std::min(chunk, tokens)} * spec.routing.top_k / spec.routing.num_experts);

@@ -4,7 +4,7 @@
 # libraries that machine lacks) and env.sh (their library path), as scripts/device-ctest.sh
 # expects. Logs go to $LOGS (or ./gpu-logs); each phase has a time limit, so that a hung phase
 # leaves the others their time.
-#   scripts/gpu-check.sh BUNDLE_DIR [tests|cpu|sanitize|bench|hybrid|gpuexperts|serve|profile|all ...]
+#   scripts/gpu-check.sh BUNDLE_DIR [tests|experts|cpu|sanitize|bench|hybrid|gpuexperts|serve|profile|all ...]
 set -uo pipefail
 bundle=$(cd "$1" && pwd); shift
 phases=" ${*:-all} "
@@ -26,6 +26,10 @@ if want tests; then
   grep -E "^[0-9]+: \[ tap \]" "$out/ctest-gpu.log" | awk '$NF+0 > 0.02' | head -20
   grep -E "tests passed|\(Failed\)|Not Run|Skipped|Total Test|FAILED  \]" "$out/ctest-gpu.log" | head -40
   grep -h -E "cuda goldens|GB/s|TFLOP/s|us a layer" "$out/ctest-gpu.log" | head -40
+fi
+if want experts; then
+  timeout 200 "$bundle/bin/experts_test" > "$out/experts-test.log" 2>&1; echo "experts_test: exit $?"
+  grep -E "PASSED|FAILED|SKIPPED" "$out/experts-test.log" | head -20
 fi
 if want cpu; then
   # The CPU kernels on this machine's cores (AMX among them), the expert pool against the read
@@ -67,6 +71,10 @@ if want hybrid; then
     grep -E "^(moeserve|model|bandwidth|host read|decode|prefill)|per MoE layer|per layer|  by |^    (operations|eager|graphs)" \
       "$out/bench-hybrid-$fmt.log" | head -40
   done
+  # Prefill with the experts kept on the CPU, for the streamed path's comparison.
+  timeout 100 "$bundle/bin/moeserve" bench model --model "$model" --device cuda --cpu-moe --expert-format int8 \
+    --batches 1 --decode-steps 8 --prompts 2048 --prefill-offload-tokens 0 > "$out/bench-hybrid-cpu-prefill.log" 2>&1
+  echo "bench model --prefill-offload-tokens 0: exit $?"; grep -E "^prefill" "$out/bench-hybrid-cpu-prefill.log"
 fi
 if want gpuexperts; then
   # A routing profile over random-id prompts, then decode with each CPU layer's 32 most used
@@ -106,7 +114,7 @@ if want sanitize; then
   # A prefill, a decode and a mixed step of each fixture (op by op), and graph replays of qwen3_moe,
   # under memcheck; the qwen3_moe steps under racecheck (slow: it checks every shared access).
   for tool in memcheck racecheck; do
-    filter='Fixtures/CudaGoldensTest.EveryTensor*/*:Fixtures/CudaGoldensTest.GraphsGiveTheTokensOfEagerMode/qwen3_moe:Fixtures/CudaGoldensTest.HybridExecution*/qwen3_moe'
+    filter='Fixtures/CudaGoldensTest.EveryTensor*/*:Fixtures/CudaGoldensTest.GraphsGiveTheTokensOfEagerMode/qwen3_moe:Fixtures/CudaGoldensTest.HybridExecution*/qwen3_moe:Fixtures/CudaGoldensTest.StreamedExperts*/qwen3_moe'
     [[ $tool == racecheck ]] && filter='Fixtures/CudaGoldensTest.EveryTensor*/qwen3_moe'
     timeout 150 compute-sanitizer --tool $tool --error-exitcode 99 "$bundle/bin/cuda_goldens_test" \
       --gtest_filter="$filter" > "$out/sanitizer-$tool.log" 2>&1

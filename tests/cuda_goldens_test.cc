@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "backend_test_util.h"
 #include "gtest/gtest.h"
+#include "moe/experts/packed.h"
 #include "moe/runtime/device.h"
 #include "moe/runtime/generate.h"
 #include "moe/runtime/model.h"
@@ -32,8 +33,9 @@ constexpr float kSmallMargin = 0.05f;
 // experts of those layers (every MoE layer when empty) in the CPU pool.
 std::unique_ptr<Model> LoadOn(const std::string& arch, bool gpu, bool graphs = true,
                               std::optional<std::vector<int>> pool_layers = std::nullopt,
-                              const std::vector<int>& gpu_experts = {}) {
+                              const std::vector<int>& gpu_experts = {}, int prefill_offload_tokens = 0) {
   runtime::ModelOptions options;
+  options.prefill_offload_tokens = prefill_offload_tokens;
   options.pool.progress = false;
   options.graphs = graphs;
   std::shared_ptr<runtime::Backend> backend;
@@ -338,6 +340,51 @@ TEST_P(CudaGoldensTest, HybridExecutionIsNearTheGoldensWithAndWithoutGraphs) {
       EXPECT_EQ(by_host_function->generated_ids, out->generated_ids) << label << ": the hand-offs differ";
     }
     EXPECT_EQ(tokens[0], tokens[1]) << GetParam() << name << ": graphs and eager mode differ";
+  }
+}
+
+// Hybrid prefill: every step of at least one token (so every prefill, and eager decode steps)
+// streams the pool's packed experts (bf16, int8, int4) to the GPU and runs them there; the same
+// tolerance against the goldens, with the GPU's bf16 reading of the packed values.
+TEST_P(CudaGoldensTest, StreamedExpertsAreNearTheGoldens) {
+  auto cpu = LoadOn(GetParam(), false);
+  ASSERT_TRUE(cpu);
+  for (const auto format : {experts::ExpertFormat::kBF16, experts::ExpertFormat::kInt8}) {
+    runtime::ModelOptions options;
+    options.pool.progress = false;
+    options.pool.format = format;
+    options.prefill_offload_tokens = 1;
+    options.graphs = false;
+    auto backend = runtime::CreateBackend(runtime::Device{runtime::Device::Kind::kCuda, 0});
+    ASSERT_TRUE(backend.ok()) << backend.status();
+    auto model = Model::Load(testing::FixtureDir(GetParam()), options, std::move(*backend));
+    ASSERT_TRUE(model.ok()) << model.status();
+    ASSERT_EQ((*model)->prefill_offload_tokens(), 1);
+    const std::string label = absl::StrCat(GetParam(), " --prefill-offload-tokens 1 --expert-format ",
+                                           experts::FormatName(format), " --eager");
+    if (format == experts::ExpertFormat::kBF16) {
+      ExpectNearTheGoldens(GetParam(), label, **model, *cpu);
+    } else {
+      // int8 against the CPU pool's own int8 (the same quantized values, read on the GPU in bf16).
+      runtime::ModelOptions cpu_int8;
+      cpu_int8.pool.progress = false;
+      cpu_int8.pool.format = format;
+      auto reference = Model::Load(testing::FixtureDir(GetParam()), cpu_int8);
+      ASSERT_TRUE(reference.ok());
+      const std::vector<int32_t> prompt = testing::LoadGolden(GetParam())["cases"][0]["prompt_ids"];
+      const auto got = FullForward(**model, prompt), want = FullForward(**reference, prompt);
+      double sq_err = 0, sq_ref = 0;
+      for (size_t r = 0; r < want.size(); ++r) {
+        for (size_t i = 0; i < want[r].size(); ++i) {
+          sq_err += double(got[r][i] - want[r][i]) * (got[r][i] - want[r][i]);
+          sq_ref += double(want[r][i]) * want[r][i];
+        }
+      }
+      const double rms = std::sqrt(sq_err / sq_ref);
+      std::cout << "[ streamed ] " << label << ": relative rms error " << rms << " against the CPU's int8\n";
+      EXPECT_LT(rms, 0.2) << label;
+    }
+    EXPECT_GT((*model)->backend().streamed_calls(), 0) << label << ": nothing streamed";
   }
 }
 

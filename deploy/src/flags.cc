@@ -159,6 +159,11 @@ void ExpertFlags::Add(CLI::App* app) {
                   "on a GPU, with routed experts in the CPU pool: the N most used experts of each CPU layer (by "
                   "--expert-profile) are held on the GPU too, and the tokens routed to them run there")
       ->check(IntIn(0, 4096));
+  app->add_option("--prefill-offload-tokens", prefill_offload_tokens,
+                  "on a GPU, with routed experts on the CPU: steps of at least N tokens stream each CPU layer's "
+                  "packed experts to the GPU over PCIe and compute them there; 0: never (default: measured at load, "
+                  "one layer both ways)")
+      ->check(IntIn(0, 1 << 20));
   app->add_option("--expert-profile", expert_profile,
                   "routing profile (from moeserve profile-experts) that ranks each layer's experts for "
                   "--gpu-experts-per-layer");
@@ -194,6 +199,7 @@ absl::Status ExpertFlags::Apply(runtime::ModelOptions* options, const std::strin
     MOE_ASSIGN_OR_RETURN(pool.kernel, experts::ParseKernel(kernel));
   }
   pool.shm_name = shm;
+  if (prefill_offload_tokens) options->prefill_offload_tokens = *prefill_offload_tokens;
   return absl::OkStatus();
 }
 

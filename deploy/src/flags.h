@@ -65,6 +65,7 @@ struct ExpertFlags {
   int n_cpu_moe = 0;
   std::vector<std::string> override_tensor;
   int gpu_experts_per_layer = 0;
+  std::optional<int> prefill_offload_tokens;
   std::string expert_profile;
 
   // True when a placement flag asks for routed experts in the CPU pool beside a GPU.

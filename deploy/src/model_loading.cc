@@ -181,7 +181,11 @@ absl::StatusOr<std::unique_ptr<runtime::Model>> LoadModelForCommand(const std::s
   if (!backend.ok()) return backend.status();
   std::cerr << "moeserve " << command << ": device " << (*backend)->name() << ": " << why << "\n";
   for (const std::string& note : notes) std::cerr << "moeserve " << command << ": " << note << "\n";
-  return runtime::Model::Load(model_dir, options, std::shared_ptr<runtime::Backend>(std::move(*backend)));
+  auto model = runtime::Model::Load(model_dir, options, std::shared_ptr<runtime::Backend>(std::move(*backend)));
+  if (model.ok() && !(*model)->prefill_offload_note().empty()) {
+    std::cerr << "moeserve " << command << ": " << (*model)->prefill_offload_note() << "\n";
+  }
+  return model;
 }
 
 }  // namespace moe::deploy

@@ -200,6 +200,10 @@ absl::StatusOr<int64_t> PackedExpertBytes(const ExpertShape& shape, ExpertFormat
   return experts->expert_bytes;
 }
 
+ExpertPool::ArenaLayout ExpertPool::arena_layout() const {
+  return ArenaLayout{impl_->experts.data, impl_->experts.expert_bytes, impl_->experts.gate_up, impl_->experts.down};
+}
+
 double ExpertPool::MeasureReadBandwidth(size_t bytes, int repeats) {
   if (in_flight_) return 0.0;
   impl_->workers.crew().Park();  // the lingering threads would hold the arena's slots

@@ -1,11 +1,14 @@
 #include "moe/runtime/model.h"
 
 #include <algorithm>
+#include <chrono>
+#include <random>
 #include <cmath>
 #include <cstring>
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "model_weights.h"
 #include "moe/core/logging.h"
 #include "moe/core/status.h"
@@ -205,8 +208,93 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& model_dir,
   model->routed_experts_ =
       internal::MakeRoutedExperts(b, *model->weights_, spec, model->pool_.get(), pool_layers);
   MOE_RETURN_IF_ERROR(model->ReserveStep());
+  if (pool && !b.HostAddressable() && options.prefill_offload_tokens != 0) {
+    MOE_RETURN_IF_ERROR(model->SetUpStreamedExperts());
+  }
   MOE_LOG(kDebug) << "loaded " << spec.Summary() << " on " << b.name();
   return model;
+}
+
+absl::Status Model::SetUpStreamedExperts() {
+  Backend& b = *backend_;
+  const ModelSpec& s = spec_;
+  const experts::ExpertPool::ArenaLayout a = pool_->arena_layout();
+  Backend::StreamedExperts e;
+  e.data = a.data;
+  e.num_layers = static_cast<int>(pool_layers_.size());
+  e.num_experts = s.routing.num_experts;
+  e.expert_bytes = a.expert_bytes;
+  e.bytes = int64_t{e.num_layers} * e.num_experts * a.expert_bytes;
+  e.gate_up = a.gate_up;
+  e.down = a.down;
+  e.intermediate = s.moe_intermediate_size;
+  e.min_tokens = options_.prefill_offload_tokens;
+  absl::Status set = b.SetStreamedExperts(e);
+  if (absl::IsUnimplemented(set) || absl::IsFailedPrecondition(set)) {
+    prefill_offload_note_ = absl::StrCat("prefill keeps the routed experts on the CPU: ", set.message());
+    return absl::OkStatus();
+  }
+  MOE_RETURN_IF_ERROR(set);
+  prefill_offload_tokens_ = options_.prefill_offload_tokens;
+  if (prefill_offload_tokens_ > 0) return absl::OkStatus();
+  // Measured: one layer of `t` random tokens on the pool, then streamed to the GPU and computed
+  // there (its copy not overlapped: the first layer of a step). The CPU's time grows with the
+  // tokens, the stream's hardly: the threshold is where they cross.
+  const int t = std::min(512, options_.max_step_tokens);
+  const int k = s.routing.top_k, h = s.hidden_size;
+  std::mt19937 rng(5);
+  std::vector<float> x(int64_t{t} * h), weights(int64_t{t} * k, 1.0f / k), out(int64_t{t} * h);
+  std::normal_distribution<float> normal;
+  for (float& v : x) v = normal(rng);
+  std::vector<int32_t> ids(int64_t{t} * k), all(s.routing.num_experts);
+  std::iota(all.begin(), all.end(), 0);
+  for (int r = 0; r < t; ++r) {
+    std::shuffle(all.begin(), all.end(), rng);
+    std::copy(all.begin(), all.begin() + k, ids.begin() + int64_t{r} * k);
+  }
+  auto seconds = [](auto&& f) {
+    const auto start = std::chrono::steady_clock::now();
+    f();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  absl::Status cpu_status;
+  const double cpu = seconds([&] {
+    cpu_status = pool_->Compute(0, x.data(), t, ids.data(), weights.data(), out.data());
+  });
+  MOE_RETURN_IF_ERROR(cpu_status);
+  std::vector<uint16_t> xb(x.size());
+  for (size_t i = 0; i < x.size(); ++i) xb[i] = core::FloatToBf16(x[i]);
+  MOE_ASSIGN_OR_RETURN(auto dx, b.Allocate(DType::kBF16, t, h));
+  MOE_ASSIGN_OR_RETURN(auto dids, b.Allocate(DType::kI32, t, k));
+  MOE_ASSIGN_OR_RETURN(auto dw, b.Allocate(DType::kF32, t, k));
+  MOE_ASSIGN_OR_RETURN(auto dout, b.Allocate(DType::kF32, t, h));
+  b.CopyFromHost(xb.data(), dx->tensor());
+  b.CopyFromHost(ids.data(), dids->tensor());
+  b.CopyFromHost(weights.data(), dw->tensor());
+  MOE_RETURN_IF_ERROR(b.Synchronize());
+  auto* host = dynamic_cast<HostExperts*>(routed_experts_.get());
+  if (host == nullptr) return absl::InternalError("the routed experts cannot run on the host");
+  b.SetStreamTokens(1);
+  // The last pool layer, twice (the first run loads the kernels): nothing after it is prefetched.
+  const int last = e.num_layers - 1;
+  absl::Status gpu_status;
+  double gpu = 0;
+  for (int run = 0; run < 2 && gpu_status.ok(); ++run) {
+    gpu = seconds([&] {
+      gpu_status = b.StartHostExperts(*host, pool_layers_[last], last, dx->tensor(), dids->tensor(), dw->tensor(),
+                                      dout->tensor());
+      if (gpu_status.ok()) gpu_status = b.FinishHostExperts();
+      if (gpu_status.ok()) gpu_status = b.Synchronize();
+    });
+  }
+  MOE_RETURN_IF_ERROR(gpu_status);
+  prefill_offload_tokens_ = std::max(32, static_cast<int>(std::ceil(t * gpu / std::max(cpu, 1e-9))));
+  b.SetStreamTokens(prefill_offload_tokens_);
+  prefill_offload_note_ = absl::StrFormat(
+      "prefill: a CPU layer's experts stream to the GPU and run there in %.1f ms, the CPU pool takes %.1f ms for %d "
+      "tokens: steps of at least %d tokens stream them (--prefill-offload-tokens)",
+      gpu * 1e3, cpu * 1e3, t, prefill_offload_tokens_);
+  return absl::OkStatus();
 }
 
 absl::Status Model::ReserveStep() {

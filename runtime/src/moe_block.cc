@@ -38,7 +38,7 @@ class LayerExperts : public RoutedExperts, public HostExperts {
         return absl::OkStatus();
       }
       case Mode::kHost:
-        return backend_.StartHostExperts(*this, layer, hidden, ids, weights, out);
+        return backend_.StartHostExperts(*this, layer, pool_index_[layer], hidden, ids, weights, out);
     }
     return absl::OkStatus();
   }

@@ -22,6 +22,7 @@
 #include "cuda/gather.h"
 #include "cuda/ops.h"
 #include "cuda/routing.h"
+#include "cuda/streamed_experts.h"
 #include "moe/core/dtype.h"
 #include "moe/core/logging.h"
 #include "moe/core/status.h"
@@ -122,6 +123,13 @@ class CudaBackend : public Backend {
       host_stop_.store(true);
       host_thread_.join();
     }
+    if (copy_stream_ != nullptr) cudaStreamSynchronize(copy_stream_);
+    if (streamed_.data != nullptr) cudaHostUnregister(const_cast<uint8_t*>(streamed_.data));
+    for (int i = 0; i < 2; ++i) {
+      if (staged_[i] != nullptr) cudaEventDestroy(staged_[i]);
+      if (staging_free_[i] != nullptr) cudaEventDestroy(staging_free_[i]);
+    }
+    if (copy_stream_ != nullptr) cudaStreamDestroy(copy_stream_);
     for (auto& [key, graph] : graphs_) cudaGraphExecDestroy(graph.exec);
     for (cudaEvent_t e : timing_events_) cudaEventDestroy(e);
     for (cudaEvent_t e : {host_fork_, host_join_, host_step_done_}) {
@@ -475,7 +483,7 @@ class CudaBackend : public Backend {
   // there, and the sum copied back; the main stream runs the shared experts meanwhile. Each call's
   // parameters live in a HostCall that the host function reads: eager calls are freed at the next
   // Synchronize, recorded ones with their graph.
-  absl::Status StartHostExperts(HostExperts& host, int layer, const Tensor& x, const Tensor& ids,
+  absl::Status StartHostExperts(HostExperts& host, int layer, int pool_layer, const Tensor& x, const Tensor& ids,
                                 const Tensor& weights, const Tensor& out) override {
     if (host_stream_ == nullptr) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -486,6 +494,14 @@ class CudaBackend : public Backend {
       return absl::InvalidArgumentError(absl::StrCat("routed experts on the host: [", x.rows, " x ", x.cols,
                                                      "] tokens with top-", ids.cols, "; the buffers hold [",
                                                      host_rows_, " x ", host_hidden_, "] with top-", host_top_k_));
+    }
+    // A long chunk (not a graph's step): the layer's experts come over PCIe and run here.
+    if (stream_tokens_ > 0 && x.rows >= stream_tokens_ && !in_graph_ && pool_layer >= 0 &&
+        pool_layer < streamed_.num_layers) {
+      StreamLayer(pool_layer, x, ids, weights, out);
+      host_in_flight_ = true;
+      streaming_in_flight_ = true;
+      return absl::OkStatus();
     }
     MOE_CUDA_KEEP(cudaEventRecord(host_fork_, stream_));
     MOE_CUDA_KEEP(cudaStreamWaitEvent(host_stream_, host_fork_, 0));
@@ -528,11 +544,52 @@ class CudaBackend : public Backend {
   absl::Status FinishHostExperts() override {
     if (!host_in_flight_) return absl::FailedPreconditionError("FinishHostExperts without StartHostExperts");
     host_in_flight_ = false;
+    if (streaming_in_flight_) {  // computed on the stream itself
+      streaming_in_flight_ = false;
+      return absl::OkStatus();
+    }
     MOE_CUDA_KEEP(cudaStreamWaitEvent(stream_, host_join_, 0));
     return absl::OkStatus();
   }
 
+  absl::Status SetStreamedExperts(const StreamedExperts& e) override {
+    if (streamed_.data != nullptr) return absl::FailedPreconditionError("streamed experts are already set");
+    const int64_t h = e.down.n, inter = e.intermediate;
+    if (inter % 16 != 0 || e.gate_up.n != 2 * inter || e.gate_up.k != h || e.down.k != inter ||
+        int64_t{e.num_layers} * e.num_experts * e.expert_bytes > e.bytes) {
+      return absl::FailedPreconditionError(absl::StrCat("streaming experts of intermediate size ", inter,
+                                                        " (a multiple of 16 is needed) or a layout that does not "
+                                                        "match: not supported"));
+    }
+    const int64_t layer_bytes = int64_t{e.num_experts} * e.expert_bytes;
+    for (int i = 0; i < 2; ++i) {
+      MOE_ASSIGN_OR_RETURN(staging_layer_[i], Allocate(DType::kI8, 1, layer_bytes));
+    }
+    MOE_ASSIGN_OR_RETURN(streamed_gate_up_, Allocate(DType::kBF16, int64_t{e.num_experts} * 2 * inter, h));
+    MOE_ASSIGN_OR_RETURN(streamed_down_, Allocate(DType::kBF16, int64_t{e.num_experts} * h, inter));
+    MOE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
+    for (int i = 0; i < 2; ++i) {
+      MOE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&staged_[i], cudaEventDisableTiming));
+      MOE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&staging_free_[i], cudaEventDisableTiming));
+    }
+    // Page-locked, so that the copies run at the link's speed without staging.
+    MOE_CUDA_RETURN_IF_ERROR(cudaHostRegister(const_cast<uint8_t*>(e.data), e.bytes, cudaHostRegisterDefault));
+    streamed_ = e;
+    stream_tokens_ = e.min_tokens;
+    return absl::OkStatus();
+  }
+  void SetStreamTokens(int min_tokens) override { stream_tokens_ = streamed_.data != nullptr ? min_tokens : 0; }
+  int64_t streamed_calls() const override { return streamed_calls_; }
+
   absl::Status RunGraph(uint64_t key, absl::FunctionRef<absl::Status()> body) override {
+    // A graph's steps never stream experts: its eager run and its recording take the same path.
+    in_graph_ = true;
+    const absl::Status s = RunGraphBody(key, body);
+    in_graph_ = false;
+    return s;
+  }
+
+  absl::Status RunGraphBody(uint64_t key, absl::FunctionRef<absl::Status()> body) {
     if (timing_) return body();  // timed op by op
     if (auto it = graphs_.find(key); it != graphs_.end()) {
       MOE_CUDA_KEEP(cudaGraphLaunch(it->second.exec, stream_));
@@ -711,6 +768,61 @@ class CudaBackend : public Backend {
     m.max_q_len = step.max_q_len;
     m.max_kv_len = step.max_kv_len;
     return m;
+  }
+
+  // Streams pool layer `l`'s packed experts into a staging slot (unless the last call prefetched
+  // them), unpacks them to bf16 and runs the layer here; queues the next layer's copy meanwhile.
+  void StreamLayer(int l, const Tensor& x, const Tensor& ids, const Tensor& weights, const Tensor& out) {
+    int slot = staged_layer_[0] == l ? 0 : staged_layer_[1] == l ? 1 : -1;
+    if (slot < 0) {
+      slot = next_stage_;
+      QueueLayerCopy(l, slot);
+    }
+    next_stage_ = slot ^ 1;
+    MOE_CUDA_KEEP(cudaStreamWaitEvent(stream_, staged_[slot], 0));
+    const int inter = streamed_.intermediate, h = static_cast<int>(streamed_.down.n);
+    Begin("UnpackExperts");
+    cuda::UnpackExperts(staging_layer_[slot]->tensor().as<uint8_t>(), streamed_.num_experts, streamed_.expert_bytes,
+                        Packed(streamed_.gate_up), streamed_.gate_up.bytes(), Packed(streamed_.down), inter,
+                        streamed_gate_up_->tensor().as<uint16_t>(), streamed_down_->tensor().as<uint16_t>(), stream_);
+    Launched("UnpackExperts");
+    MOE_CUDA_KEEP(cudaEventRecord(staging_free_[slot], stream_));
+    staged_layer_[slot] = -1;
+    if (l + 1 < streamed_.num_layers && staged_layer_[slot ^ 1] != l + 1) QueueLayerCopy(l + 1, slot ^ 1);
+    cuda::ExpertWeights w;
+    w.gate_up = streamed_gate_up_->tensor().as<uint16_t>();
+    w.down = streamed_down_->tensor().as<uint16_t>();
+    w.num_experts = streamed_.num_experts;
+    w.hidden = h;
+    w.intermediate = inter;
+    if (!HasScratch(moe_ws_, "MoeExperts (streamed)")) return;
+    Begin("MoeExperts (streamed)");
+    cuda::MoeExperts(x.as<uint16_t>(), static_cast<int>(x.rows), ids.as<int32_t>(), weights.as<float>(),
+                     static_cast<int>(ids.cols), w, moe_ws_->tensor().data, out.as<float>(), stream_);
+    Launched("MoeExperts (streamed)");
+    ++streamed_calls_;
+  }
+
+  void QueueLayerCopy(int l, int slot) {
+    const int64_t layer_bytes = int64_t{streamed_.num_experts} * streamed_.expert_bytes;
+    MOE_CUDA_KEEP(cudaStreamWaitEvent(copy_stream_, staging_free_[slot], 0));
+    MOE_CUDA_KEEP(cudaMemcpyAsync(staging_layer_[slot]->tensor().data, streamed_.data + l * layer_bytes, layer_bytes,
+                                  cudaMemcpyHostToDevice, copy_stream_));
+    MOE_CUDA_KEEP(cudaEventRecord(staged_[slot], copy_stream_));
+    staged_layer_[slot] = l;
+  }
+
+  static cuda::PackedMatrixLayout Packed(const experts::MatrixLayout& m) {
+    cuda::PackedMatrixLayout p;
+    p.format = m.format == experts::ExpertFormat::kBF16 ? 0 : m.format == experts::ExpertFormat::kInt8 ? 1 : 2;
+    p.n = m.n;
+    p.k = m.k;
+    p.n_pad = m.n_pad;
+    p.k_pad = m.k_pad;
+    p.group = m.group;
+    p.block_bytes = m.block_bytes();
+    p.weight_bytes = m.weight_bytes();
+    return p;
   }
 
   // One host experts call, as its host function sees it.
@@ -1013,6 +1125,18 @@ class CudaBackend : public Backend {
   std::thread host_thread_;
   std::mutex host_mu_;
   absl::Status host_error_;  // the first failed host call since the last Synchronize
+  // Streaming the host's experts for long chunks (SetStreamedExperts): two staging slots for a
+  // layer's packed bytes, the layer unpacked to bf16, the copies' stream and events.
+  StreamedExperts streamed_;
+  int stream_tokens_ = 0;
+  bool in_graph_ = false;
+  bool streaming_in_flight_ = false;
+  cudaStream_t copy_stream_ = nullptr;
+  std::unique_ptr<DeviceBuffer> staging_layer_[2], streamed_gate_up_, streamed_down_;
+  cudaEvent_t staged_[2] = {nullptr, nullptr}, staging_free_[2] = {nullptr, nullptr};
+  int staged_layer_[2] = {-1, -1};
+  int next_stage_ = 0;
+  int64_t streamed_calls_ = 0;
   bool capturing_ = false;
   bool timing_ = false;
   bool step_held_ = false;  // this step's operations are queued behind a hold (timing)

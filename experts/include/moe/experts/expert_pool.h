@@ -95,6 +95,16 @@ class ExpertPool {
   const ExpertPoolOptions& options() const { return options_; }
   int threads() const { return threads_; }
   const HostArena& arena() const { return *arena_; }
+  // The packed experts as they lie in the arena (packed.h): expert e of layer l at
+  // data + (l * num_experts + e) * expert_bytes, its fused gate+up matrix (16-row blocks that
+  // alternate gate and up rows of 16 intermediate units) and then its down matrix; a layer's
+  // experts are contiguous. For streaming them to a GPU.
+  struct ArenaLayout {
+    const uint8_t* data = nullptr;
+    int64_t expert_bytes = 0;
+    MatrixLayout gate_up, down;
+  };
+  ArenaLayout arena_layout() const;
   int64_t expert_bytes() const { return expert_bytes_; }
   double load_seconds() const { return load_seconds_; }
   int64_t loaded_bytes() const { return loaded_bytes_; }  // checkpoint bytes read (0 when attached)

@@ -33,6 +33,7 @@
 #include "moe/core/dtype.h"
 #include "moe/core/tensor.h"
 #include "moe/runtime/model_spec.h"
+#include "moe/experts/packed.h"
 #include "moe/runtime/sampler.h"
 
 namespace moe::runtime {
@@ -395,8 +396,9 @@ class Backend {
   // makes the stream wait for it. One call in flight; recorded into graphs like any operation, so
   // `host` must outlive the backend's graphs. kUnimplemented where the backend computes on the host
   // (the pool reads its tensors directly) or reserved no host buffers (StepLimits::host_experts).
-  virtual absl::Status StartHostExperts(HostExperts& host, int layer, const Tensor& x, const Tensor& ids,
-                                        const Tensor& weights, const Tensor& out) {
+  // `pool_layer` is the layer's index among the host's (for SetStreamedExperts).
+  virtual absl::Status StartHostExperts(HostExperts& host, int layer, int pool_layer, const Tensor& x,
+                                        const Tensor& ids, const Tensor& weights, const Tensor& out) {
     return absl::UnimplementedError(name() + " runs no routed experts on the host");
   }
   virtual absl::Status FinishHostExperts() {
@@ -407,6 +409,28 @@ class Backend {
   // pinned host thread polls for, another kernel polls for its answer). Changing it forgets the
   // recorded graphs.
   enum class HostHandoff { kHostFunction, kMappedFlags };
+  // Hybrid prefill: the host's packed experts (the expert pool's arena, experts/packed.h), which
+  // a StartHostExperts call of at least `min_tokens` rows streams to the backend over PCIe (a
+  // layer at a time, the next one's copy overlapping this one's compute) and computes there
+  // instead of on the host. The memory must stay mapped while the backend lives; it is pinned
+  // (page-locked) here. min_tokens 0: never.
+  struct StreamedExperts {
+    const uint8_t* data = nullptr;
+    int64_t bytes = 0;
+    int num_layers = 0;
+    int num_experts = 0;
+    int64_t expert_bytes = 0;
+    experts::MatrixLayout gate_up, down;
+    int intermediate = 0;
+    int min_tokens = 0;
+  };
+  virtual absl::Status SetStreamedExperts(const StreamedExperts& experts) {
+    return absl::UnimplementedError(name() + " does not stream experts from the host");
+  }
+  // Changes SetStreamedExperts' threshold (0: never stream).
+  virtual void SetStreamTokens(int min_tokens) {}
+  // Host experts calls that streamed their layer, since the backend was made (benchmarks).
+  virtual int64_t streamed_calls() const { return 0; }
   virtual absl::Status SetHostHandoff(HostHandoff handoff) {
     return absl::UnimplementedError(name() + " runs no routed experts on the host");
   }

@@ -82,6 +82,10 @@ struct ModelOptions {
   // Of the pool's layers, experts the backend holds too (--gpu-experts-per-layer): each token's
   // picks of them run on the backend while the pool computes the rest.
   std::map<int, std::vector<int>> backend_experts;
+  // Hybrid prefill: a step of at least this many tokens streams each pool layer's packed experts to
+  // the GPU over PCIe and computes them there (--prefill-offload-tokens). -1: measured at load
+  // (one layer both ways); 0: never.
+  int prefill_offload_tokens = -1;
   // The pool's ExpertPoolOptions::linger_us. Unset: 0 on a backend that computes on the host's
   // cores (between MoE layers they are its own), pool.linger_us otherwise.
   std::optional<int64_t> expert_linger_us;
@@ -147,6 +151,10 @@ class Model {
   experts::ExpertPool* expert_pool() { return pool_.get(); }
   // The model layers whose routed experts the pool holds (empty without a pool).
   const std::vector<int>& pool_layers() const { return pool_layers_; }
+  // Hybrid prefill: the tokens from which a step streams the pool's experts to the GPU (0: never),
+  // and what the load measured to choose it ("" when set by hand or off).
+  int prefill_offload_tokens() const { return prefill_offload_tokens_; }
+  const std::string& prefill_offload_note() const { return prefill_offload_note_; }
   // Hybrid execution: the host calls of the routed experts since the last reset (benchmarks).
   HostExpertsTiming host_experts_timing() const { return routed_experts_->timing(); }
   void ResetHostExpertsTiming() { routed_experts_->ResetTiming(); }
@@ -178,6 +186,9 @@ class Model {
   StepInputs inputs_;                            // the step in flight's inputs
   std::unique_ptr<experts::ExpertPool> pool_;
   std::vector<int> pool_layers_;
+  int prefill_offload_tokens_ = 0;
+  std::string prefill_offload_note_;
+  absl::Status SetUpStreamedExperts();
   std::unique_ptr<RoutedExperts> routed_experts_;  // per layer, the backend's or the pool's
   StepTap tap_;
   // The KV cache the backend's decode graphs were recorded on (they hold its addresses): a step
