@@ -31,6 +31,19 @@ using testing::MaxAbsDiff;
 
 class GoldensTest : public ::testing::TestWithParam<std::string> {};
 
+// The largest difference from transformers' logits over the golden cases `cases` of `arch`.
+float WorstGoldenError(Model& model, const std::string& arch, std::initializer_list<int> cases) {
+  const nlohmann::json golden = testing::LoadGolden(arch);
+  float worst = 0;
+  for (const int c : cases) {
+    const auto& gc = golden["cases"][c];
+    const auto rows = FullForward(model, gc["prompt_ids"].get<std::vector<int32_t>>());
+    const size_t from = gc["logits_from_position"];
+    for (size_t r = 0; r < gc["logits"].size(); ++r) worst = std::max(worst, MaxAbsDiff(rows[from + r], gc["logits"][r]));
+  }
+  return worst;
+}
+
 TEST_P(GoldensTest, LogitsAndGreedyIdsMatchTransformers) {
   auto model = LoadFixture(GetParam());
   ASSERT_NE(model, nullptr);
@@ -122,14 +135,7 @@ TEST_P(GoldensTest, ReferenceExpertsMatchToo) {
   auto model = LoadFixture(GetParam(), options);
   ASSERT_NE(model, nullptr);
   ASSERT_EQ(model->expert_pool(), nullptr);
-  const nlohmann::json golden = testing::LoadGolden(GetParam());
-  const auto& gc = golden["cases"][3];
-  const std::vector<int32_t> prompt = gc["prompt_ids"];
-  const auto rows = FullForward(*model, prompt);
-  const size_t from = gc["logits_from_position"];
-  float worst = 0;
-  for (size_t r = 0; r < gc["logits"].size(); ++r) worst = std::max(worst, MaxAbsDiff(rows[from + r], gc["logits"][r]));
-  EXPECT_LT(worst, 1e-3f);
+  EXPECT_LT(WorstGoldenError(*model, GetParam(), {3}), 1e-3f);
 }
 
 // The pool may hold some layers' routed experts only (--n-cpu-moe on a GPU); the others run on
@@ -149,14 +155,7 @@ TEST_P(GoldensTest, PoolForSomeLayersTheBackendForTheRest) {
   ASSERT_NE(model->expert_pool(), nullptr);
   EXPECT_EQ(model->expert_pool()->shape().num_layers, 1);
   EXPECT_EQ(model->pool_layers(), std::vector<int>{first_moe});
-  const nlohmann::json golden = testing::LoadGolden(GetParam());
-  const auto& gc = golden["cases"][3];
-  const std::vector<int32_t> prompt = gc["prompt_ids"];
-  const auto rows = FullForward(*model, prompt);
-  const size_t from = gc["logits_from_position"];
-  float worst = 0;
-  for (size_t r = 0; r < gc["logits"].size(); ++r) worst = std::max(worst, MaxAbsDiff(rows[from + r], gc["logits"][r]));
-  EXPECT_LT(worst, 1e-3f);
+  EXPECT_LT(WorstGoldenError(*model, GetParam(), {3}), 1e-3f);
 }
 
 // Each pool layer's experts 0, 3, 5 and 7 held by the backend too (--gpu-experts-per-layer on the
@@ -171,18 +170,8 @@ TEST_P(GoldensTest, SomeOfAPoolLayersExpertsOnTheBackendToo) {
   probe.reset();
   auto model = LoadFixture(GetParam(), options);
   ASSERT_NE(model, nullptr);
+  EXPECT_LT(WorstGoldenError(*model, GetParam(), {0, 3}), 1e-3f);
   const nlohmann::json golden = testing::LoadGolden(GetParam());
-  float worst = 0;
-  for (const int c : {0, 3}) {
-    const auto& gc = golden["cases"][c];
-    const std::vector<int32_t> prompt = gc["prompt_ids"];
-    const auto rows = FullForward(*model, prompt);
-    const size_t from = gc["logits_from_position"];
-    for (size_t r = 0; r < gc["logits"].size(); ++r) {
-      worst = std::max(worst, MaxAbsDiff(rows[from + r], gc["logits"][r]));
-    }
-  }
-  EXPECT_LT(worst, 1e-3f);
   // Decoding (one token a step: the pool's decode schedule) gives the goldens' greedy tokens.
   for (size_t c = 0; c < golden["cases"].size(); ++c) {
     const auto& gc = golden["cases"][c];

@@ -36,6 +36,19 @@ Placement ExpertsOn(const ModelSpec& spec, Device::Kind where) {
 
 constexpr int64_t kGiB = int64_t{1} << 30;
 
+// The context a refusal names ("... the largest context that fits is 178,144 (--ctx)"), or -1.
+int64_t LongestContextIn(const std::string& refusal) {
+  const size_t at = refusal.find("fits is ");
+  if (at == std::string::npos) return -1;
+  std::string digits;
+  for (char ch : refusal.substr(at + 8)) {
+    if (ch == ',') continue;
+    if (ch < '0' || ch > '9') break;
+    digits += ch;
+  }
+  return digits.empty() ? -1 : std::stoll(digits);
+}
+
 TEST(MemoryPlanTest, CountsTheKvCacheTheArenaAndTheWeights) {
   const ModelSpec spec = Qwen3Shape();
   MemoryPlanOptions o;
@@ -78,15 +91,8 @@ TEST(MemoryPlanTest, ALongContextThatDoesNotFitIsRefusedWithTheLongestThatDoes) 
   ASSERT_FALSE(hybrid->gpu.fits()) << "262144 x 4 positions of KV are 16 GiB";
   const std::string& why = hybrid->refusal;
   std::cout << "refused: " << why << "\n";
-  const size_t at = why.find("fits is ");
-  ASSERT_NE(at, std::string::npos) << why;
-  std::string digits;
-  for (char ch : why.substr(at + 8)) {
-    if (ch == ',') continue;
-    if (ch < '0' || ch > '9') break;
-    digits += ch;
-  }
-  const int64_t longest = std::stoll(digits);
+  const int64_t longest = LongestContextIn(why);
+  ASSERT_GT(longest, 0) << why;
   EXPECT_EQ(longest % 16, 0);
   MemoryPlanOptions fit = o;
   fit.context = longest;
@@ -253,15 +259,8 @@ TEST(MemoryPlanTest, TheFullContextOnA24GbGpuIsRefusedWithWhatFits) {
   // 262144 positions of 98304 bytes are 24 GiB of KV cache on their own.
   EXPECT_NE(plan->refusal.find("ctx 262,144 x 1 sequence needs 24.0 GiB of KV cache"), std::string::npos)
       << plan->refusal;
-  const size_t at = plan->refusal.find("fits is ");
-  ASSERT_NE(at, std::string::npos) << plan->refusal;
-  std::string digits;
-  for (char ch : plan->refusal.substr(at + 8)) {
-    if (ch == ',') continue;
-    if (ch < '0' || ch > '9') break;
-    digits += ch;
-  }
-  const int64_t longest = std::stoll(digits);
+  const int64_t longest = LongestContextIn(plan->refusal);
+  ASSERT_GT(longest, 0) << plan->refusal;
   // By hand: what the GPU has left after the weights, the step arena (its block tables sized for
   // that context) and the headroom, in whole 16-position blocks, one of them the cache's scratch.
   const int64_t left = 24 * kGiB - m.other - kGpuHeadroomBytes -

@@ -22,7 +22,7 @@
 #include "cuda/gather.h"
 #include "cuda/ops.h"
 #include "cuda/routing.h"
-#include "cuda/streamed_experts.h"
+#include "cuda/streamed_layout.h"
 #include "moe/core/dtype.h"
 #include "moe/core/logging.h"
 #include "moe/core/status.h"
@@ -783,7 +783,7 @@ class CudaBackend : public Backend {
     const int inter = streamed_.intermediate, h = static_cast<int>(streamed_.down.n);
     Begin("UnpackExperts");
     cuda::UnpackExperts(staging_layer_[slot]->tensor().as<uint8_t>(), streamed_.num_experts, streamed_.expert_bytes,
-                        Packed(streamed_.gate_up), streamed_.gate_up.bytes(), Packed(streamed_.down), inter,
+                        cuda::ToPackedMatrixLayout(streamed_.gate_up), streamed_.gate_up.bytes(), cuda::ToPackedMatrixLayout(streamed_.down), inter,
                         streamed_gate_up_->tensor().as<uint16_t>(), streamed_down_->tensor().as<uint16_t>(), stream_);
     Launched("UnpackExperts");
     MOE_CUDA_KEEP(cudaEventRecord(staging_free_[slot], stream_));
@@ -810,19 +810,6 @@ class CudaBackend : public Backend {
                                   cudaMemcpyHostToDevice, copy_stream_));
     MOE_CUDA_KEEP(cudaEventRecord(staged_[slot], copy_stream_));
     staged_layer_[slot] = l;
-  }
-
-  static cuda::PackedMatrixLayout Packed(const experts::MatrixLayout& m) {
-    cuda::PackedMatrixLayout p;
-    p.format = m.format == experts::ExpertFormat::kBF16 ? 0 : m.format == experts::ExpertFormat::kInt8 ? 1 : 2;
-    p.n = m.n;
-    p.k = m.k;
-    p.n_pad = m.n_pad;
-    p.k_pad = m.k_pad;
-    p.group = m.group;
-    p.block_bytes = m.block_bytes();
-    p.weight_bytes = m.weight_bytes();
-    return p;
   }
 
   // One host experts call, as its host function sees it.

@@ -1,6 +1,6 @@
 // The GPU's unpacking of the CPU pool's packed experts: every value as experts::UnpackValue
 // reads it (rounded to bf16), for every format, gate and up rows de-interleaved.
-#include "cuda/streamed_experts.h"
+#include "cuda/streamed_layout.h"
 
 #include <cuda_runtime.h>
 
@@ -14,19 +14,6 @@
 
 namespace moe::runtime::cuda {
 namespace {
-
-PackedMatrixLayout Packed(const experts::MatrixLayout& m) {
-  PackedMatrixLayout p;
-  p.format = m.format == experts::ExpertFormat::kBF16 ? 0 : m.format == experts::ExpertFormat::kInt8 ? 1 : 2;
-  p.n = m.n;
-  p.k = m.k;
-  p.n_pad = m.n_pad;
-  p.k_pad = m.k_pad;
-  p.group = m.group;
-  p.block_bytes = m.block_bytes();
-  p.weight_bytes = m.weight_bytes();
-  return p;
-}
 
 TEST(StreamedExpertsTest, UnpacksEveryValueAsTheCpuReadsIt) {
   int count = 0;
@@ -62,7 +49,7 @@ TEST(StreamedExpertsTest, UnpacksEveryValueAsTheCpuReadsIt) {
     ASSERT_EQ(cudaMalloc(&gate_up, e_count * 2 * inter * h * 2), cudaSuccess);
     ASSERT_EQ(cudaMalloc(&down, e_count * h * inter * 2), cudaSuccess);
     ASSERT_EQ(cudaMemcpy(src, a.data + layer * layer_bytes, layer_bytes, cudaMemcpyHostToDevice), cudaSuccess);
-    UnpackExperts(src, e_count, a.expert_bytes, Packed(a.gate_up), a.gate_up.bytes(), Packed(a.down), inter, gate_up,
+    UnpackExperts(src, e_count, a.expert_bytes, ToPackedMatrixLayout(a.gate_up), a.gate_up.bytes(), ToPackedMatrixLayout(a.down), inter, gate_up,
                   down, nullptr);
     std::vector<uint16_t> gu(e_count * 2 * inter * h), dn(e_count * h * inter);
     ASSERT_EQ(cudaMemcpy(gu.data(), gate_up, gu.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
