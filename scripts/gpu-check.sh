@@ -4,7 +4,7 @@
 # libraries that machine lacks) and env.sh (their library path), as scripts/device-ctest.sh
 # expects. Logs go to $LOGS (or ./gpu-logs); each phase has a time limit, so that a hung phase
 # leaves the others their time.
-#   scripts/gpu-check.sh BUNDLE_DIR [tests|experts|cpu|sanitize|bench|hybrid|gpuexperts|serve|profile|all ...]
+#   scripts/gpu-check.sh BUNDLE_DIR [tests|experts|cpu|sanitize|bench|hybrid|gpuexperts|prefill|serve|profile|all ...]
 set -uo pipefail
 bundle=$(cd "$1" && pwd); shift
 phases=" ${*:-all} "
@@ -92,6 +92,13 @@ if want gpuexperts; then
     echo "bench model --gpu-experts-per-layer $n: exit $?"
     grep -E "^(moeserve|decode|prefill)|per MoE layer|per layer" "$out/bench-gpu-experts-$n.log" | head -12
   done
+fi
+if want prefill; then
+  # Hybrid prefill at both lengths with the threshold measured at load (int8 experts).
+  make_model
+  timeout 120 "$bundle/bin/moeserve" bench model --model "$model" --device cuda --cpu-moe --expert-format int8 \
+    --batches 1 --decode-steps 8 --prompts 512,2048 > "$out/bench-hybrid-prefill.log" 2>&1
+  echo "bench model prefill: exit $?"; grep -E "^prefill|^decode" "$out/bench-hybrid-prefill.log"
 fi
 if want serve; then
   make_model

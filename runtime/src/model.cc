@@ -257,10 +257,14 @@ absl::Status Model::SetUpStreamedExperts() {
     f();
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   };
+  // The pool's best of three calls (the first wakes its threads and faults its scratch in).
   absl::Status cpu_status;
-  const double cpu = seconds([&] {
-    cpu_status = pool_->Compute(0, x.data(), t, ids.data(), weights.data(), out.data());
-  });
+  double cpu = 1e30;
+  for (int run = 0; run < 3 && cpu_status.ok(); ++run) {
+    cpu = std::min(cpu, seconds([&] {
+      cpu_status = pool_->Compute(run % e.num_layers, x.data(), t, ids.data(), weights.data(), out.data());
+    }));
+  }
   MOE_RETURN_IF_ERROR(cpu_status);
   std::vector<uint16_t> xb(x.size());
   for (size_t i = 0; i < x.size(); ++i) xb[i] = core::FloatToBf16(x[i]);
