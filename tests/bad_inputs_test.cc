@@ -105,6 +105,9 @@ TEST(BadFlagsTest, NumbersOutOfRangeAreRefusedBeforeAnythingRuns) {
       {{"generate", "--model", model, "--prompt-ids", "1", "--cpu-moe", "--gpu-experts-per-layer", "4"},
        2,
        "--gpu-experts-per-layer needs --expert-profile FILE"},
+      {{"serve", "--model", model, "--cpu-moe", "--prefill-offload-tokens", "-1"},
+       2,
+       "--prefill-offload-tokens: -1 is not an integer in [0, 1048576]"},
       {{"serve", "--model", model, "--device", "cpu", "--experts", "gpu"}, 2, "--experts gpu needs a GPU"},
   };
   for (const FlagCase& c : cases) {
