@@ -167,6 +167,12 @@ void ExpertFlags::Add(CLI::App* app) {
   app->add_option("--expert-profile", expert_profile,
                   "routing profile (from moeserve profile-experts) that ranks each layer's experts for "
                   "--gpu-experts-per-layer");
+  app->add_option("--weight-format", weight_format,
+                  "on the CPU backend, every Linear's weights (attention, shared experts, dense layers, an untied LM "
+                  "head): bf16 (as stored, fp32 math: the reference), or int8 or int4 packed and run by the expert "
+                  "pool's kernels (int4 in groups of --expert-group)")
+      ->check(CLI::IsMember({"bf16", "int8", "int4"}))
+      ->capture_default_str();
   app->add_option("--expert-format", format, "packed format of the expert pool's weights: bf16, int8 or int4")
       ->capture_default_str();
   app->add_option("--expert-group", group, "int4 scale group size: 32, 64 or 128")
@@ -199,6 +205,8 @@ absl::Status ExpertFlags::Apply(runtime::ModelOptions* options, const std::strin
     MOE_ASSIGN_OR_RETURN(pool.kernel, experts::ParseKernel(kernel));
   }
   pool.shm_name = shm;
+  MOE_ASSIGN_OR_RETURN(options->weight_format, experts::ParseFormat(weight_format));
+  options->weight_group = group;
   if (prefill_offload_tokens) options->prefill_offload_tokens = *prefill_offload_tokens;
   return absl::OkStatus();
 }

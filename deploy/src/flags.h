@@ -65,6 +65,7 @@ struct ExpertFlags {
   int n_cpu_moe = 0;
   std::vector<std::string> override_tensor;
   int gpu_experts_per_layer = 0;
+  std::string weight_format = "bf16";
   std::optional<int> prefill_offload_tokens;
   std::string expert_profile;
 

@@ -53,6 +53,11 @@ absl::Status CheckModelFlags(const DeviceFlags& device_flags, const ExpertFlags&
   if (device->kind == runtime::Device::Kind::kCpu && experts.mode == "gpu") {
     return absl::InvalidArgumentError("--experts gpu needs a GPU: --device cuda or auto");
   }
+  if (experts.weight_format != "bf16" && device->kind == runtime::Device::Kind::kCuda) {
+    return absl::InvalidArgumentError(absl::StrCat("--weight-format ", experts.weight_format,
+                                                   " packs the CPU backend's weights; on a GPU they are bf16 (use "
+                                                   "--device cpu, or --expert-format for the experts in the CPU pool)"));
+  }
   if (experts.gpu_experts_per_layer > 0) {
     if (device->kind == runtime::Device::Kind::kCpu || !experts.Hybrid()) {
       return absl::InvalidArgumentError(
@@ -177,7 +182,7 @@ absl::StatusOr<std::unique_ptr<runtime::Model>> LoadModelForCommand(const std::s
   }
   options.graphs = !device_flags.eager;
   options.progress = gpu;
-  auto backend = runtime::CreateBackend(*device, options.threads);
+  auto backend = runtime::CreateBackend(*device, options.threads, options.weight_format, options.weight_group);
   if (!backend.ok()) return backend.status();
   std::cerr << "moeserve " << command << ": device " << (*backend)->name() << ": " << why << "\n";
   for (const std::string& note : notes) std::cerr << "moeserve " << command << ": " << note << "\n";

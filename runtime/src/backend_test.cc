@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "backend_test_util.h"
+#include "moe/runtime/backend_cpu.h"
 #include "gtest/gtest.h"
 #include "moe/core/dtype.h"
 #include "moe/runtime/routing.h"
@@ -122,6 +123,43 @@ TEST_P(BackendTest, LinearMatchesReferenceForBf16AndF32Weights) {
               << "rows=" << rows << " n=" << n << " k=" << k << " weights " << core::DTypeName(wtype);
         }
       }
+    }
+  }
+}
+
+// The CPU backend with --weight-format int8/int4: each Linear through the expert pool's packed
+// kernels, on odd shapes (a last block of 16 rows cut short, columns not a multiple of 64), for one
+// token and many, with a bias and fused parts, against the fp32 product.
+TEST(PackedLinearTest, PackedLinearWeightsMatchTheFp32Product) {
+  for (const auto format : {experts::ExpertFormat::kInt8, experts::ExpertFormat::kInt4}) {
+    auto b = CreateCpuBackend(2, format, 32);
+    for (const auto [rows, n, k] : {std::tuple<int64_t, int64_t, int64_t>{1, 60, 100}, {37, 257, 192}, {3, 16, 64}}) {
+      const std::vector<float> w = Random(n * k, 7), x = Random(rows * k, 8), bias = Random(n, 9);
+      const std::vector<uint8_t> wh = testing_util::HostTensor(w, DType::kBF16);
+      // Two parts stacked (as a fused QKV is): the first half of the rows, then the rest.
+      const int64_t n0 = n / 2;
+      auto weight = b->PrepareFusedWeight({core::TensorView{wh.data(), DType::kBF16, {n0, k}},
+                                           core::TensorView{wh.data() + n0 * k * 2, DType::kBF16, {n - n0, k}}},
+                                          WeightUse::kMatrix);
+      ASSERT_TRUE(weight.ok()) << weight.status();
+      const std::vector<uint8_t> bh = testing_util::HostTensor(bias, DType::kF32);
+      auto bw = b->PrepareWeight(core::TensorView{bh.data(), DType::kF32, {n}}, WeightUse::kVector);
+      ASSERT_TRUE(bw.ok());
+      std::vector<float> out(rows * n, NAN), xs = x;
+      b->Linear(Tensor{xs.data(), DType::kF32, rows, k}, **weight, bw->get(), Tensor{out.data(), DType::kF32, rows, n});
+      double err = 0, ref = 0;
+      for (int64_t t = 0; t < rows; ++t) {
+        for (int64_t j = 0; j < n; ++j) {
+          double want = bias[j];
+          for (int64_t c = 0; c < k; ++c) want += double(core::Bf16ToFloat(core::FloatToBf16(w[j * k + c]))) * x[t * k + c];
+          err += (out[t * n + j] - want) * (out[t * n + j] - want);
+          ref += want * want;
+        }
+      }
+      const double rel = std::sqrt(err / ref);
+      // int4 in groups of 32 (q in [-8, 7]) as the expert pool's own test bounds it.
+      EXPECT_LT(rel, format == experts::ExpertFormat::kInt8 ? 2e-2 : 0.2)
+          << experts::FormatName(format) << " rows " << rows << " n " << n << " k " << k;
     }
   }
 }

@@ -50,9 +50,10 @@ absl::StatusOr<std::pair<int64_t, int64_t>> CudaMemoryInfo(int) {
 std::string CudaDeviceName(int index) { return absl::StrCat("GPU ", index); }
 #endif
 
-absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const Device& device, int cpu_threads) {
+absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const Device& device, int cpu_threads,
+                                                       experts::ExpertFormat cpu_weight_format, int cpu_weight_group) {
   switch (device.kind) {
-    case Device::Kind::kCpu: return CreateCpuBackend(cpu_threads);
+    case Device::Kind::kCpu: return CreateCpuBackend(cpu_threads, cpu_weight_format, cpu_weight_group);
     case Device::Kind::kAuto: return absl::InvalidArgumentError("CreateBackend needs a concrete device, not auto");
     case Device::Kind::kCuda: break;
   }

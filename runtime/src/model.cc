@@ -146,7 +146,9 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& model_dir,
   if (model->options_.max_context <= 0 || model->options_.max_context > spec.max_position_embeddings) {
     model->options_.max_context = spec.max_position_embeddings;
   }
-  model->backend_ = backend != nullptr ? std::move(backend) : std::shared_ptr<Backend>(CreateCpuBackend(options.threads));
+  model->backend_ = backend != nullptr ? std::move(backend)
+                                       : std::shared_ptr<Backend>(
+                                             CreateCpuBackend(options.threads, options.weight_format, options.weight_group));
   Backend& b = *model->backend_;
   MOE_ASSIGN_OR_RETURN(model->source_, OpenSafetensors(model_dir));
   std::vector<int>& pool_layers = model->pool_layers_;

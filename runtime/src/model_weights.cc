@@ -168,7 +168,7 @@ absl::Status LoadMoe(const ModelSpec& s, const std::string& p, WeightLoader& w, 
   const bool mixtral = s.arch == Architecture::kMixtral;
   const std::string block = p + (mixtral ? "block_sparse_moe." : "mlp.");
   const std::string experts_key = absl::StrCat("num_experts=", e);
-  MOE_ASSIGN_OR_RETURN(l.router, w.Load(block + "gate.weight", {e, h}, experts_key));
+  MOE_ASSIGN_OR_RETURN(l.router, w.Load(block + "gate.weight", {e, h}, experts_key, WeightUse::kRouter));
   if (s.routing.has_correction_bias) {
     MOE_ASSIGN_OR_RETURN(l.correction_bias,
                          w.Load(block + "gate.e_score_correction_bias", {e}, experts_key, WeightUse::kVector));

@@ -7,11 +7,15 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <limits>
+#include <optional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "cpu/kernels.h"
+#include "moe/core/cpu_features.h"
 #include "moe/core/memory.h"
+#include "moe/experts/kernels.h"
 #include "moe/core/status.h"
 #include "moe/runtime/routing.h"
 #include "oneapi/tbb/blocked_range.h"
@@ -62,7 +66,9 @@ class CpuWeight : public DeviceWeight {
       : owned_(std::move(owned)), dtype_(dtype), data_(owned_.data() != nullptr ? owned_.data() : data) {
     shape_ = std::move(shape);
   }
-  int64_t bytes() const override { return core::NumElements(shape_) * core::DTypeSize(dtype_); }
+  int64_t bytes() const override {
+    return packed_ ? packed_->layout.bytes() : core::NumElements(shape_) * core::DTypeSize(dtype_);
+  }
   DType dtype() const { return dtype_; }
   const float* f32() const { return static_cast<const float*>(data_); }
   const uint16_t* bf16() const { return static_cast<const uint16_t*>(data_); }
@@ -77,8 +83,17 @@ class CpuWeight : public DeviceWeight {
     const int64_t k = cols();
     return dtype_ == DType::kF32 ? internal::DotF32(x, f32() + r * k, k) : internal::DotBf16(x, bf16() + r * k, k);
   }
+  // Packed in the expert pool's int8 or int4 form (the weight's only form then).
+  static std::unique_ptr<CpuWeight> Packed(core::Shape shape, experts::MatrixLayout layout, core::AlignedBuffer data) {
+    auto w = std::unique_ptr<CpuWeight>(new CpuWeight(std::move(shape), DType::kI8, nullptr, std::move(data)));
+    w->packed_ = experts::PackedMatrix{layout, static_cast<const uint8_t*>(w->data_)};
+    return w;
+  }
+  const std::optional<experts::PackedMatrix>& packed() const { return packed_; }
+  int64_t packed_bytes() const { return packed_ ? packed_->layout.bytes() : 0; }
 
  private:
+  std::optional<experts::PackedMatrix> packed_;
   core::AlignedBuffer owned_;
   DType dtype_;
   const void* data_;
@@ -106,7 +121,8 @@ absl::Status CheckWeightDType(const core::TensorView& t) {
 
 class CpuBackend : public Backend {
  public:
-  explicit CpuBackend(int threads) : arena_(threads) {}
+  CpuBackend(int threads, experts::ExpertFormat weight_format, int weight_group)
+      : arena_(threads), weight_format_(weight_format), weight_group_(weight_group) {}
 
   std::string name() const override { return absl::StrCat("cpu (", arena_.max_concurrency(), " threads)"); }
   bool ComputesOnHostCores() const override { return true; }
@@ -118,6 +134,7 @@ class CpuBackend : public Backend {
       return absl::InvalidArgumentError(absl::StrCat("weights must be 1-D or 2-D, got ", core::ShapeString(host.shape)));
     }
     MOE_RETURN_IF_ERROR(CheckWeightDType(host));
+    if (use == WeightUse::kMatrix && weight_format_ != experts::ExpertFormat::kBF16) return Pack({host});
     // Matrices in bf16 or f32 are used where they lie; everything else becomes an f32 copy.
     if (use != WeightUse::kVector && host.dtype != DType::kF16) {
       return std::unique_ptr<DeviceWeight>(new CpuWeight(host.shape, host.dtype, host.data, {}));
@@ -128,6 +145,7 @@ class CpuBackend : public Backend {
   absl::StatusOr<std::unique_ptr<DeviceWeight>> PrepareFusedWeight(const std::vector<core::TensorView>& parts,
                                                                   WeightUse use) override {
     for (const auto& p : parts) MOE_RETURN_IF_ERROR(CheckWeightDType(p));
+    if (use == WeightUse::kMatrix && weight_format_ != experts::ExpertFormat::kBF16) return Pack(parts);
     return Fused(parts);
   }
 
@@ -237,6 +255,10 @@ class CpuBackend : public Backend {
     const float* xs = x.as<float>();
     float* o = out.as<float>();
     const float* b = bias != nullptr ? AsCpu(*bias).f32() : nullptr;
+    if (wt.packed()) {
+      PackedLinear(*wt.packed(), xs, rows, k, n, b, o);
+      return;
+    }
     // Each weight row is read once (converted once) and used for every token: bandwidth-bound
     // at one token, compute-bound (fp32 FMA) for long prefills.
     arena_.execute([&] {
@@ -439,6 +461,69 @@ class CpuBackend : public Backend {
   }
 
   // An owned copy of `parts` stacked by rows: bf16 when every part is bf16, else f32.
+  // `parts` stacked by rows and packed in weight_format_.
+  absl::StatusOr<std::unique_ptr<DeviceWeight>> Pack(const std::vector<core::TensorView>& parts) {
+    int64_t rows = 0;
+    for (const auto& p : parts) {
+      if (p.rank() != 2 || p.shape[1] != parts[0].shape[1]) {
+        return absl::InvalidArgumentError("packed weights must be 2-D parts with the same number of columns");
+      }
+      rows += p.shape[0];
+    }
+    const int64_t cols = parts[0].shape[1];
+    MOE_ASSIGN_OR_RETURN(const experts::MatrixLayout layout,
+                         experts::MakeLayout(weight_format_, rows, cols, weight_group_));
+    MOE_ASSIGN_OR_RETURN(auto data, core::AlignedBuffer::Allocate(layout.bytes()));
+    experts::PackRows(
+        layout,
+        [&](int64_t r, float* dst) {
+          for (const auto& p : parts) {
+            if (r < p.shape[0]) {
+              core::ConvertToFloat(static_cast<const char*>(p.data) + r * cols * core::DTypeSize(p.dtype), p.dtype, dst,
+                                   cols);
+              return;
+            }
+            r -= p.shape[0];
+          }
+        },
+        data.as<uint8_t>());
+    return std::unique_ptr<DeviceWeight>(CpuWeight::Packed(core::Shape{rows, cols}, layout, std::move(data)));
+  }
+
+  // out [rows x n] = x [rows x k] . W^T (+ bias) through the expert pool's kernels: the
+  // activations quantized once, 16-row blocks of W split over the threads.
+  void PackedLinear(const experts::PackedMatrix& w, const float* x, int64_t rows, int64_t k, int64_t n,
+                    const float* bias, float* out) {
+    const experts::ExpertFormat f = w.layout.format;
+    const core::CpuFeatures& cpu = core::GetCpuFeatures();
+    auto usable = [&](experts::KernelKind kind) { return experts::KernelUnsupportedReason(kind, f, cpu).empty(); };
+    const experts::KernelKind kind = rows >= 16 && usable(experts::KernelKind::kAmx) ? experts::KernelKind::kAmx
+                                     : usable(experts::KernelKind::kVnni)          ? experts::KernelKind::kVnni
+                                                                                   : experts::KernelKind::kPortable;
+    const int sum_group = f == experts::ExpertFormat::kInt4 ? w.layout.group : static_cast<int>(w.layout.k_pad);
+    experts::Activations act;
+    if (!act.Prepare(x, rows, k, w.layout.k_pad, kind, f, sum_group).ok()) {
+      std::fill(out, out + rows * n, std::numeric_limits<float>::quiet_NaN());  // loud rather than wrong
+      return;
+    }
+    const experts::MatmulKernel kernel = experts::GetKernel(kind, f);
+    const int64_t blocks = w.layout.blocks();
+    const int64_t grain = std::max<int64_t>(1, blocks / (4 * arena_.max_concurrency()));
+    arena_.execute([&] {
+      tbb::parallel_for(tbb::blocked_range<int64_t>(0, blocks, grain), [&](const tbb::blocked_range<int64_t>& r) {
+        (void)experts::PrepareThreadForKernel(kind);
+        const int64_t ld = (r.end() - r.begin()) * 16;
+        thread_local std::vector<float> y;
+        if (y.size() < static_cast<size_t>(act.m_pad() * ld)) y.resize(act.m_pad() * ld);
+        kernel(w, act, r.begin(), r.end(), y.data(), ld);
+        const int64_t c0 = r.begin() * 16, c1 = std::min(n, r.end() * 16);
+        for (int64_t t = 0; t < rows; ++t) {
+          for (int64_t c = c0; c < c1; ++c) out[t * n + c] = y[t * ld + (c - c0)] + (bias != nullptr ? bias[c] : 0.0f);
+        }
+      });
+    });
+  }
+
   absl::StatusOr<std::unique_ptr<DeviceWeight>> Fused(const std::vector<core::TensorView>& parts) {
     bool all_bf16 = true;
     int64_t rows = 0, numel = 0;
@@ -473,13 +558,15 @@ class CpuBackend : public Backend {
   }
 
   tbb::task_arena arena_;
+  const experts::ExpertFormat weight_format_;
+  const int weight_group_;
 };
 
 }  // namespace
 
-std::unique_ptr<Backend> CreateCpuBackend(int threads) {
+std::unique_ptr<Backend> CreateCpuBackend(int threads, experts::ExpertFormat weight_format, int weight_group) {
   if (threads <= 0) threads = tbb::info::default_concurrency();
-  return std::make_unique<CpuBackend>(threads);
+  return std::make_unique<CpuBackend>(threads, weight_format, weight_group);
 }
 
 }  // namespace moe::runtime

@@ -90,7 +90,8 @@ class Event {
 
 // How a weight is used, which decides the form the backend keeps it in.
 enum class WeightUse {
-  kMatrix,     // a Linear's [out x in] weight (bf16 on the GPU; as stored on the CPU)
+  kMatrix,     // a Linear's [out x in] weight (bf16 on the GPU; as stored, or packed, on the CPU)
+  kRouter,     // a router's weight: a Linear's, never packed below bf16 (that would flip experts)
   kEmbedding,  // [vocab x hidden], rows gathered by token id
   kVector,     // norms, biases, gates' vectors: fp32
 };

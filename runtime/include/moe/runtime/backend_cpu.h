@@ -5,11 +5,17 @@
 
 #include <memory>
 
+#include "moe/experts/packed.h"
 #include "moe/runtime/backend.h"
 
 namespace moe::runtime {
 
-// threads <= 0: every core this process may run on.
-std::unique_ptr<Backend> CreateCpuBackend(int threads = 0);
+// threads <= 0: every core this process may run on. `weight_format` int8 or int4 packs every
+// Linear's matrix (attention, shared experts, dense FFN, an untied LM head; not the embedding) in
+// the expert pool's formats and runs them with its kernels (VNNI for few tokens, AMX for many where
+// the CPU has it); bf16 (the default) computes from the checkpoint's weights in fp32 as the
+// reference does.
+std::unique_ptr<Backend> CreateCpuBackend(int threads = 0, experts::ExpertFormat weight_format = experts::ExpertFormat::kBF16,
+                                          int weight_group = 32);
 
 }  // namespace moe::runtime

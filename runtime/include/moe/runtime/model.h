@@ -73,6 +73,10 @@ enum class RoutedExpertsMode { kBackend, kPool };
 
 struct ModelOptions {
   int threads = 0;  // CPU backend threads; 0: all cores
+  // The CPU backend's Linear weights (when Load makes the backend): bf16 as stored (fp32 math, the
+  // reference), or packed int8/int4 run by the expert pool's kernels (--weight-format).
+  experts::ExpertFormat weight_format = experts::ExpertFormat::kBF16;
+  int weight_group = 32;
   RoutedExpertsMode experts = RoutedExpertsMode::kPool;
   experts::ExpertPoolOptions pool;  // used with kPool; model_id is filled in by Load
   // With kPool: the model layers whose routed experts the pool holds (unset: every MoE layer); the
