@@ -49,7 +49,7 @@ absl::Status Step(runtime::Model& model, runtime::KvCache& cache, const ForwardB
 
 }  // namespace
 
-DecodeReads DecodeWeightReads(const runtime::ModelSpec& s, int batch, int bytes_per_weight,
+DecodeReads DecodeWeightReads(const runtime::ModelSpec& s, int batch, double bytes_per_weight,
                               const std::vector<int>& pool_layers, double pool_expert_bytes) {
   double params = double(s.vocab_size) * s.hidden_size + s.hidden_size;  // LM head, final norm
   DecodeReads reads;
@@ -165,7 +165,14 @@ absl::StatusOr<ModelBenchResult> RunModelBench(runtime::Model& model, const Mode
                          result.roofline.matmul_what);
   // The GPU keeps weights in bf16; the CPU reads bf16 checkpoints where they lie. The pool's
   // routed experts are read in its packed format, at the bandwidth its own threads measure.
-  const int weight_bytes = 2;
+  // The CPU backend's packed Linears (--weight-format): int8 a byte a weight, int4 half of one and
+  // a 4-byte scale per group.
+  double weight_bytes = 2;
+  if (backend.HostAddressable() && model.options().weight_format != experts::ExpertFormat::kBF16) {
+    weight_bytes = model.options().weight_format == experts::ExpertFormat::kInt8
+                       ? 1.0
+                       : 0.5 + 4.0 / model.options().weight_group;
+  }
   experts::ExpertPool* pool = model.expert_pool();
   const bool hybrid = pool != nullptr && !backend.HostAddressable();
   if (pool != nullptr) {

@@ -77,7 +77,7 @@ struct DecodeReads {
   double host = 0;
   double total() const { return backend + host; }
 };
-DecodeReads DecodeWeightReads(const runtime::ModelSpec& spec, int batch, int bytes_per_weight,
+DecodeReads DecodeWeightReads(const runtime::ModelSpec& spec, int batch, double bytes_per_weight,
                               const std::vector<int>& pool_layers, double pool_expert_bytes);
 // Multiply-adds x 2 of one prefill of `tokens` tokens (the routed experts' top-k, causal attention).
 double PrefillFlops(const runtime::ModelSpec& spec, int tokens);

@@ -4,7 +4,7 @@
 # libraries that machine lacks) and env.sh (their library path), as scripts/device-ctest.sh
 # expects. Logs go to $LOGS (or ./gpu-logs); each phase has a time limit, so that a hung phase
 # leaves the others their time.
-#   scripts/gpu-check.sh BUNDLE_DIR [tests|experts|cpu|sanitize|bench|hybrid|gpuexperts|prefill|serve|profile|all ...]
+#   scripts/gpu-check.sh BUNDLE_DIR [tests|experts|cpubackend|cpu|sanitize|bench|hybrid|gpuexperts|prefill|serve|profile|all ...]
 set -uo pipefail
 bundle=$(cd "$1" && pwd); shift
 phases=" ${*:-all} "
@@ -30,6 +30,21 @@ fi
 if want experts; then
   timeout 200 "$bundle/bin/experts_test" > "$out/experts-test.log" 2>&1; echo "experts_test: exit $?"
   grep -E "PASSED|FAILED|SKIPPED" "$out/experts-test.log" | head -20
+fi
+if want cpubackend; then
+  # The CPU backend's packed Linears on this machine's cores (AMX from 16 rows), and the whole
+  # model on the CPU with int8 weights and experts against its read bound.
+  timeout 120 "$bundle/bin/runtime_test" --gtest_filter='PackedLinear*:Backends/BackendTest.*/cpu' > "$out/runtime-test.log" 2>&1
+  echo "runtime_test (CPU backend): exit $?"; grep -E "PASSED|FAILED" "$out/runtime-test.log" | head -5
+  timeout 120 "$bundle/bin/goldens_test" --gtest_filter='*Quantized*:*Goldens*' > "$out/goldens-test.log" 2>&1
+  echo "goldens_test: exit $?"; grep -E "quantized \]|PASSED|FAILED" "$out/goldens-test.log" | head -30
+  make_model
+  for wf in bf16 int8; do
+    timeout 150 "$bundle/bin/moeserve" bench model --model "$model" --device cpu --weight-format $wf --expert-format int8 \
+      --batches 1,8 --prompts 512 --decode-steps 16 > "$out/bench-cpu-$wf.log" 2>&1
+    echo "bench model --device cpu --weight-format $wf: exit $?"
+    grep -E "^(bandwidth|host read|decode|prefill|matrix)" "$out/bench-cpu-$wf.log"
+  done
 fi
 if want cpu; then
   # The CPU kernels on this machine's cores (AMX among them), the expert pool against the read

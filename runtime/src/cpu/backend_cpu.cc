@@ -213,7 +213,9 @@ class CpuBackend : public Backend {
     for (int i = 0; i < reps; ++i) Linear(xt, *weight, nullptr, yt);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     r.matmul_tflops = 2.0 * m * k * out * reps / seconds / 1e12;
-    r.matmul_what = "fp32 Linear 256x2048x2048";
+    r.matmul_what = weight_format_ == experts::ExpertFormat::kBF16
+                        ? "fp32 Linear 256x2048x2048"
+                        : absl::StrCat(experts::FormatName(weight_format_), " packed Linear 256x2048x2048");
     return r;
   }
 
