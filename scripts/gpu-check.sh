@@ -4,7 +4,7 @@
 # libraries that machine lacks) and env.sh (their library path), as scripts/device-ctest.sh
 # expects. Logs go to $LOGS (or ./gpu-logs); each phase has a time limit, so that a hung phase
 # leaves the others their time.
-#   scripts/gpu-check.sh BUNDLE_DIR [tests|experts|cpubackend|cpu|sanitize|bench|hybrid|gpuexperts|prefill|serve|profile|all ...]
+#   scripts/gpu-check.sh BUNDLE_DIR [tests|experts|cpubackend|cputhreads|cpu|sanitize|bench|hybrid|gpuexperts|prefill|serve|profile|all ...]
 set -uo pipefail
 bundle=$(cd "$1" && pwd); shift
 phases=" ${*:-all} "
@@ -44,6 +44,17 @@ if want cpubackend; then
       --batches 1,8 --prompts 512 --decode-steps 16 > "$out/bench-cpu-$wf.log" 2>&1
     echo "bench model --device cpu --weight-format $wf: exit $?"
     grep -E "^(bandwidth|host read|decode|prefill|matrix)" "$out/bench-cpu-$wf.log"
+  done
+fi
+if want cputhreads; then
+  # What bounds CPU decode at batch 1: the pool's threads sleeping between layers (the default on
+  # the CPU backend) against lingering, and the cores split between the backend and the pool.
+  make_model
+  for cfg in "--expert-linger-us 0" "--expert-linger-us 2000" "--threads 4 --expert-threads 12 --expert-linger-us 2000" \
+             "--threads 8 --expert-threads 8 --expert-linger-us 2000"; do
+    timeout 100 "$bundle/bin/moeserve" bench model --model "$model" --device cpu --weight-format int8 --expert-format int8 \
+      --batches 1 --prompts 64 --decode-steps 16 $cfg > "$out/bench-cpu-threads.log" 2>&1
+    echo "bench model --device cpu $cfg: exit $?"; grep -E "^decode" "$out/bench-cpu-threads.log"
   done
 fi
 if want cpu; then
