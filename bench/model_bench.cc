@@ -169,16 +169,15 @@ absl::StatusOr<ModelBenchResult> RunModelBench(runtime::Model& model, const Mode
   // a 4-byte scale per group.
   double weight_bytes = 2;
   if (backend.HostAddressable() && model.options().weight_format != experts::ExpertFormat::kBF16) {
-    weight_bytes = model.options().weight_format == experts::ExpertFormat::kInt8
-                       ? 1.0
-                       : 0.5 + 4.0 / model.options().weight_group;
+    weight_bytes =
+        model.options().weight_format == experts::ExpertFormat::kInt8 ? 1.0 : 0.5 + 4.0 / model.options().weight_group;
   }
   experts::ExpertPool* pool = model.expert_pool();
   const bool hybrid = pool != nullptr && !backend.HostAddressable();
   if (pool != nullptr) {
     result.host_read_gbps = pool->MeasureReadBandwidth(static_cast<size_t>(o.copy_bytes));
-    log << absl::StrFormat("host read bandwidth: %.0f GB/s (the expert pool's %d threads); %s\n",
-                           result.host_read_gbps, pool->threads(), pool->Describe());
+    log << absl::StrFormat("host read bandwidth: %.0f GB/s (the expert pool's %d threads); %s\n", result.host_read_gbps,
+                           pool->threads(), pool->Describe());
   }
   const double pool_expert_bytes = pool != nullptr ? static_cast<double>(pool->expert_bytes()) : 0;
   if (!model.prefill_offload_note().empty()) log << model.prefill_offload_note() << "\n";
@@ -367,9 +366,9 @@ absl::StatusOr<ModelBenchResult> RunModelBench(runtime::Model& model, const Mode
       // Every pool layer takes the same path: the kernel for the chunk's tokens per expert.
       const int64_t per_expert =
           std::max<int64_t>(1, int64_t{std::min(chunk, tokens)} * spec.routing.top_k / spec.routing.num_experts);
-      row.experts_path = absl::StrFormat("%zu layers' routed experts on the CPU (%s kernel, ~%d tokens per expert)",
-                                         model.pool_layers().size(), experts::KernelName(pool->KernelFor(per_expert)),
-                                         per_expert);
+      row.experts_path =
+          absl::StrFormat("%zu layers' routed experts on the CPU (%s kernel, ~%d tokens per expert)",
+                          model.pool_layers().size(), experts::KernelName(pool->KernelFor(per_expert)), per_expert);
     } else {
       row.experts_path = "routed experts on " + backend.name();
     }

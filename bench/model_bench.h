@@ -36,8 +36,8 @@ struct StepBudget {
 // The routed experts the CPU pool computes beside a GPU (hybrid execution), per decode step.
 struct HostExpertsRow {
   double calls_per_step = 0;
-  double compute_us_per_call = 0;  // the pool's own time in a MoE layer
-  double between_us = 0;           // from one layer's pool call ending to the next one's starting
+  double compute_us_per_call = 0;   // the pool's own time in a MoE layer
+  double between_us = 0;            // from one layer's pool call ending to the next one's starting
   double gpu_ops_us_per_layer = 0;  // the GPU's operations a layer (eager, op-timed), with the budget
 };
 
@@ -46,9 +46,9 @@ struct DecodeRow {
   double tokens_per_s = 0;
   double ms_per_step = 0;
   double weight_bytes = 0;    // read per step (routed experts: the expected distinct ones)
-  double host_expert_bytes = 0;  // of them, the routed experts the CPU pool reads from host memory
-  double bound_tokens_per_s = 0;  // at the measured bandwidths
-  double ratio = 0;           // the bound's step time / the step time
+  double host_expert_bytes = 0;      // of them, the routed experts the CPU pool reads from host memory
+  double bound_tokens_per_s = 0;     // at the measured bandwidths
+  double ratio = 0;                  // the bound's step time / the step time
   std::optional<StepBudget> budget;  // where the backend times its operations
   std::optional<HostExpertsRow> host;  // hybrid execution
 };

@@ -491,8 +491,8 @@ TEST(InspectTest, PlansAFixtureForA24GbGpuWithItsExpertsOnTheCpu) {
 TEST(InspectTest, PlansFromConfigAloneAndMeasuresTheHostBandwidth) {
   testing::ScratchDir dir;
   std::filesystem::copy_file(testing::FixtureDir("qwen3_moe") + "/config.json", dir / "config.json");
-  auto r = testing::RunMoeserve({"inspect", "--model", dir.path().string(), "--gpu-memory-gb", "24", "--n-cpu-moe",
-                                 "2", "--expert-threads", "2"});
+  auto r = testing::RunMoeserve({"inspect", "--model", dir.path().string(), "--gpu-memory-gb", "24", "--n-cpu-moe", "2",
+                                 "--expert-threads", "2"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.out.find("231 tensors expected from config.json"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("layers 0-1: attention GPU, norm GPU, routed expert CPU (--n-cpu-moe 2), router GPU"),

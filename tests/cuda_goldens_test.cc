@@ -48,8 +48,8 @@ std::unique_ptr<Model> LoadOn(const std::string& arch, bool gpu, bool graphs = t
         auto spec = runtime::LoadModelSpec(testing::FixtureDir(arch));
         EXPECT_TRUE(spec.ok());
         for (int l = 0; spec.ok() && l < spec->num_layers; ++l) {
-          const bool in_pool = pool_layers->empty() ||
-                               std::find(pool_layers->begin(), pool_layers->end(), l) != pool_layers->end();
+          const bool in_pool =
+              pool_layers->empty() || std::find(pool_layers->begin(), pool_layers->end(), l) != pool_layers->end();
           if (spec->IsMoeLayer(l) && in_pool) options.backend_experts[l] = gpu_experts;
         }
       }
@@ -188,7 +188,8 @@ TEST_P(CudaGoldensTest, EveryTensorOfAStepIsNearTheCpuReference) {
         // A step of a row or two (decode) may flip its one row at a near-tie; more rows flip a
         // quarter of them at most.
         if (!flipped) {
-          EXPECT_LE(flips, std::max<int>(1, static_cast<int>(rows) / 4)) << at << ": more than a quarter of the rows flip";
+          EXPECT_LE(flips, std::max<int>(1, static_cast<int>(rows) / 4))
+              << at << ": more than a quarter of the rows flip";
         }
         if (flips > 0) std::cout << "[ tap ] " << at << ": " << flips << " of " << rows << " rows route elsewhere\n";
         continue;

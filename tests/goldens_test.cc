@@ -39,7 +39,8 @@ float WorstGoldenError(Model& model, const std::string& arch, std::initializer_l
     const auto& gc = golden["cases"][c];
     const auto rows = FullForward(model, gc["prompt_ids"].get<std::vector<int32_t>>());
     const size_t from = gc["logits_from_position"];
-    for (size_t r = 0; r < gc["logits"].size(); ++r) worst = std::max(worst, MaxAbsDiff(rows[from + r], gc["logits"][r]));
+    for (size_t r = 0; r < gc["logits"].size(); ++r)
+      worst = std::max(worst, MaxAbsDiff(rows[from + r], gc["logits"][r]));
   }
   return worst;
 }
@@ -246,7 +247,8 @@ GoldenAgreement TeacherForcedAgreement(Model& model, const std::string& arch) {
     ids.insert(ids.end(), greedy.begin(), greedy.end() - 1);
     const auto rows = FullForward(model, ids);
     const size_t from = gc["logits_from_position"];
-    for (size_t r = 0; r < gc["logits"].size(); ++r) a.worst = std::max(a.worst, MaxAbsDiff(rows[from + r], gc["logits"][r]));
+    for (size_t r = 0; r < gc["logits"].size(); ++r)
+      a.worst = std::max(a.worst, MaxAbsDiff(rows[from + r], gc["logits"][r]));
     for (size_t i = 0; i < greedy.size(); ++i) {
       const auto& row = rows[prompt_len - 1 + i];
       a.agree += runtime::ArgMax(row.data(), static_cast<int>(row.size())) == greedy[i];

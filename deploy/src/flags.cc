@@ -149,10 +149,11 @@ void ExpertFlags::Add(CLI::App* app) {
   app->add_option("--n-cpu-moe", n_cpu_moe,
                   "on a GPU: the routed experts of the first N MoE layers in the CPU pool, the rest on the GPU")
       ->check(IntIn(0, 100000));
-  app->add_option("--override-tensor", override_tensor,
-                  "REGEX=cpu|cuda[:N], repeatable: the checkpoint's tensors whose name the regex finds go there, the first "
-                  "matching rule winning over every other rule (as llama.cpp's -ot does), e.g. 'experts=cpu' or "
-                  "'layers\\.[0-9]\\.mlp\\.experts\\.=cpu'. Only routed experts can run on the CPU beside a GPU")
+  app->add_option(
+         "--override-tensor", override_tensor,
+         "REGEX=cpu|cuda[:N], repeatable: the checkpoint's tensors whose name the regex finds go there, the first "
+         "matching rule winning over every other rule (as llama.cpp's -ot does), e.g. 'experts=cpu' or "
+         "'layers\\.[0-9]\\.mlp\\.experts\\.=cpu'. Only routed experts can run on the CPU beside a GPU")
       ->expected(1)
       ->take_all();
   app->add_option("--gpu-experts-per-layer", gpu_experts_per_layer,

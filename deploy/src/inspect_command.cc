@@ -138,14 +138,15 @@ int RunInspect(const InspectFlags& f) {
     source_note = absl::StrCat(tensors.size(), " tensors, from the checkpoint's headers");
   } else if (source.status().code() == absl::StatusCode::kNotFound) {
     tensors = runtime::ExpectedTensors(*spec);
-    source_note = absl::StrCat(tensors.size(), " tensors expected from config.json (no weights in ", f.model,
-                               "), at bf16");
+    source_note =
+        absl::StrCat(tensors.size(), " tensors expected from config.json (no weights in ", f.model, "), at bf16");
   } else {
     return FailCommand(command, source.status(), 1);
   }
 
   runtime::PlacementOptions placement_options;
-  placement_options.gpu = device->kind == runtime::Device::Kind::kCuda ? *device : runtime::Device{runtime::Device::Kind::kCuda, 0};
+  placement_options.gpu =
+      device->kind == runtime::Device::Kind::kCuda ? *device : runtime::Device{runtime::Device::Kind::kCuda, 0};
   placement_options.cpu_moe = f.experts.cpu_moe || f.experts.mode == "pool";
   placement_options.n_cpu_moe = f.experts.n_cpu_moe;
   for (const std::string& text : f.experts.override_tensor) {
@@ -217,7 +218,8 @@ int RunInspect(const InspectFlags& f) {
     nlohmann::ordered_json j;
     j["model"] = spec->Summary();
     j["tensors"] = source_note;
-    for (const LayerGroup& g : groups) j["layers"].push_back({{"first", g.first}, {"last", g.last}, {"placed", g.placed}});
+    for (const LayerGroup& g : groups)
+      j["layers"].push_back({{"first", g.first}, {"last", g.last}, {"placed", g.placed}});
     j["outside_layers"] = outside;
     j["warnings"] = placement->warnings;
     if (!runnable.ok()) j["not_runnable"] = std::string(runnable.status().message());
@@ -234,10 +236,12 @@ int RunInspect(const InspectFlags& f) {
     j["refusal"] = plan->refusal;
     std::cout << j.dump() << std::endl;
   } else {
-    std::cout << "model: " << spec->Summary() << "\n" << "tensors: " << source_note << "\n" << "placement:\n";
+    std::cout << "model: " << spec->Summary() << "\n"
+              << "tensors: " << source_note << "\n"
+              << "placement:\n";
     for (const LayerGroup& g : groups) {
-      const std::string layers = g.first == g.last ? absl::StrCat("layer ", g.first)
-                                                   : absl::StrCat("layers ", g.first, "-", g.last);
+      const std::string layers =
+          g.first == g.last ? absl::StrCat("layer ", g.first) : absl::StrCat("layers ", g.first, "-", g.last);
       std::cout << "  " << layers << ": " << g.placed << "\n";
     }
     std::cout << "  outside the layers: " << outside << "\n";

@@ -54,9 +54,10 @@ absl::Status CheckModelFlags(const DeviceFlags& device_flags, const ExpertFlags&
     return absl::InvalidArgumentError("--experts gpu needs a GPU: --device cuda or auto");
   }
   if (experts.weight_format != "bf16" && device->kind == runtime::Device::Kind::kCuda) {
-    return absl::InvalidArgumentError(absl::StrCat("--weight-format ", experts.weight_format,
-                                                   " packs the CPU backend's weights; on a GPU they are bf16 (use "
-                                                   "--device cpu, or --expert-format for the experts in the CPU pool)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--weight-format ", experts.weight_format,
+                     " packs the CPU backend's weights; on a GPU they are bf16 (use "
+                     "--device cpu, or --expert-format for the experts in the CPU pool)"));
   }
   if (experts.gpu_experts_per_layer > 0) {
     if (device->kind == runtime::Device::Kind::kCpu || !experts.Hybrid()) {

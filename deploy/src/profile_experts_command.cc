@@ -101,8 +101,8 @@ int RunProfileExperts(const ProfileFlags& f) {
   for (const auto& p : *prompts) longest = std::max(longest, p.size());
   if (static_cast<int64_t>(longest) > model.options().max_context) {
     return FailCommand(command,
-                       absl::InvalidArgumentError(absl::StrCat("a prompt of ", longest, " tokens is beyond the context of ",
-                                                               model.options().max_context)),
+                       absl::InvalidArgumentError(absl::StrCat(
+                           "a prompt of ", longest, " tokens is beyond the context of ", model.options().max_context)),
                        2);
   }
   auto cache = model.NewKvCache(runtime::BlocksFor(static_cast<int64_t>(longest), 16), 16);

@@ -11,9 +11,9 @@
 #include <vector>
 
 #include "backend_test_util.h"
-#include "moe/runtime/backend_cpu.h"
 #include "gtest/gtest.h"
 #include "moe/core/dtype.h"
+#include "moe/runtime/backend_cpu.h"
 #include "moe/runtime/routing.h"
 
 namespace moe::runtime {
@@ -151,7 +151,8 @@ TEST(PackedLinearTest, PackedLinearWeightsMatchTheFp32Product) {
       for (int64_t t = 0; t < rows; ++t) {
         for (int64_t j = 0; j < n; ++j) {
           double want = bias[j];
-          for (int64_t c = 0; c < k; ++c) want += double(core::Bf16ToFloat(core::FloatToBf16(w[j * k + c]))) * x[t * k + c];
+          for (int64_t c = 0; c < k; ++c)
+            want += double(core::Bf16ToFloat(core::FloatToBf16(w[j * k + c]))) * x[t * k + c];
           err += (out[t * n + j] - want) * (out[t * n + j] - want);
           ref += want * want;
         }
@@ -319,7 +320,7 @@ TEST_P(BackendTest, SplitRoutingSendsEachPickToOneSide) {
   index[3] = 0;
   index[7] = 1;
   index[12] = 2;
-  const std::vector<int32_t> ids = {3, 5, 7, 9,  0, 1, 2, 4,  3, 7, 12, 3,  12, 6, 6, 1};
+  const std::vector<int32_t> ids = {3, 5, 7, 9, 0, 1, 2, 4, 3, 7, 12, 3, 12, 6, 6, 1};
   std::vector<float> weights(ids.size());
   for (size_t i = 0; i < weights.size(); ++i) weights[i] = 0.1f * static_cast<float>(i + 1);
   const int64_t rows = static_cast<int64_t>(ids.size()) / k;

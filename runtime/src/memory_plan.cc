@@ -82,8 +82,8 @@ absl::StatusOr<MemoryPlan> PlanMemory(const ModelSpec& spec, const Placement& pl
   // bytes, or the pool's packed ones.
   const int k = spec.routing.top_k;
   if (!gpu_expert_layers.empty() && spec.routing.num_experts > 0) {
-    plan.gpu_read_per_token += gpu_experts / static_cast<int64_t>(gpu_expert_layers.size()) /
-                               spec.routing.num_experts * k * static_cast<int64_t>(gpu_expert_layers.size());
+    plan.gpu_read_per_token += gpu_experts / static_cast<int64_t>(gpu_expert_layers.size()) / spec.routing.num_experts *
+                               k * static_cast<int64_t>(gpu_expert_layers.size());
   }
   int64_t pool_bytes = 0;
   if (!cpu_experts.empty()) {

@@ -193,8 +193,9 @@ std::vector<RealModel> RealModels() {
                     "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
                     "num_experts_per_tok": 2, "intermediate_size": 14336, "max_position_embeddings": 32768,
                     "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "tie_word_embeddings": false})",
-                 L * E * 3 * h * I * 2, 2 * V * h * 2 + h * 4 + L * ((q + 2 * kv) * h * 2 + h * q * 2 + 2 * h * 4 + E * h * 2),
-                 L * 2 * kv * 2, (2 * I * h + h * I) + (2 * I + h) * 4});
+                 L * E * 3 * h * I * 2,
+                 2 * V * h * 2 + h * 4 + L * ((q + 2 * kv) * h * 2 + h * q * 2 + 2 * h * 4 + E * h * 2), L * 2 * kv * 2,
+                 (2 * I * h + h * I) + (2 * I + h) * 4});
   }
   return m;
 }

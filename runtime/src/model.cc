@@ -2,10 +2,10 @@
 
 #include <algorithm>
 #include <chrono>
-#include <random>
 #include <cmath>
 #include <cstring>
 #include <numeric>
+#include <random>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -146,9 +146,10 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& model_dir,
   if (model->options_.max_context <= 0 || model->options_.max_context > spec.max_position_embeddings) {
     model->options_.max_context = spec.max_position_embeddings;
   }
-  model->backend_ = backend != nullptr ? std::move(backend)
-                                       : std::shared_ptr<Backend>(
-                                             CreateCpuBackend(options.threads, options.weight_format, options.weight_group));
+  model->backend_ =
+      backend != nullptr
+          ? std::move(backend)
+          : std::shared_ptr<Backend>(CreateCpuBackend(options.threads, options.weight_format, options.weight_group));
   Backend& b = *model->backend_;
   MOE_ASSIGN_OR_RETURN(model->source_, OpenSafetensors(model_dir));
   std::vector<int>& pool_layers = model->pool_layers_;
@@ -159,9 +160,9 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& model_dir,
       pool_layers.erase(std::unique(pool_layers.begin(), pool_layers.end()), pool_layers.end());
       for (int l : pool_layers) {
         if (l < 0 || l >= spec.num_layers || !spec.IsMoeLayer(l)) {
-          return absl::InvalidArgumentError(absl::StrCat("routed experts of layer ", l, " in the CPU pool: the model's ",
-                                                         spec.num_layers, " layers have routed experts in ",
-                                                         spec.num_moe_layers(), " of them, and not in layer ", l));
+          return absl::InvalidArgumentError(
+              absl::StrCat("routed experts of layer ", l, " in the CPU pool: the model's ", spec.num_layers,
+                           " layers have routed experts in ", spec.num_moe_layers(), " of them, and not in layer ", l));
         }
       }
     } else {
@@ -207,8 +208,7 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& model_dir,
     MOE_ASSIGN_OR_RETURN(model->pool_,
                          internal::CreatePool(spec, *model->source_, pool_options, model_dir, pool_layers));
   }
-  model->routed_experts_ =
-      internal::MakeRoutedExperts(b, *model->weights_, spec, model->pool_.get(), pool_layers);
+  model->routed_experts_ = internal::MakeRoutedExperts(b, *model->weights_, spec, model->pool_.get(), pool_layers);
   MOE_RETURN_IF_ERROR(model->ReserveStep());
   if (pool && !b.HostAddressable() && options.prefill_offload_tokens != 0) {
     MOE_RETURN_IF_ERROR(model->SetUpStreamedExperts());
@@ -264,8 +264,9 @@ absl::Status Model::SetUpStreamedExperts() {
   double cpu = 1e30;
   for (int run = 0; run < 3 && cpu_status.ok(); ++run) {
     cpu = std::min(cpu, seconds([&] {
-      cpu_status = pool_->Compute(run % e.num_layers, x.data(), t, ids.data(), weights.data(), out.data());
-    }));
+                     cpu_status =
+                         pool_->Compute(run % e.num_layers, x.data(), t, ids.data(), weights.data(), out.data());
+                   }));
   }
   MOE_RETURN_IF_ERROR(cpu_status);
   std::vector<uint16_t> xb(x.size());

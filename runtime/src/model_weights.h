@@ -29,7 +29,7 @@ struct LayerWeights {
   FfnWeights dense;                            // dense layers
   std::unique_ptr<DeviceWeight> router;        // [experts x hidden]
   std::unique_ptr<DeviceWeight> correction_bias;  // [experts], sigmoid routers
-  std::unique_ptr<DeviceExperts> experts;      // when the backend runs the routed experts (or some)
+  std::unique_ptr<DeviceExperts> experts;         // when the backend runs the routed experts (or some)
   // [1 x experts] int32: each expert's index in `experts`, or -1; only when the backend holds
   // some of a pool layer's experts.
   std::unique_ptr<DeviceBuffer> backend_index;

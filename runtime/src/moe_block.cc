@@ -158,9 +158,8 @@ absl::Status RunMoe(Backend& b, const ModelSpec& spec, const LayerWeights& lw, R
   return absl::OkStatus();
 }
 
-std::unique_ptr<RoutedExperts> MakeRoutedExperts(Backend& backend, const Model::Weights& weights,
-                                                const ModelSpec& spec, experts::ExpertPool* pool,
-                                                const std::vector<int>& pool_layers) {
+std::unique_ptr<RoutedExperts> MakeRoutedExperts(Backend& backend, const Model::Weights& weights, const ModelSpec& spec,
+                                                 experts::ExpertPool* pool, const std::vector<int>& pool_layers) {
   return std::make_unique<LayerExperts>(backend, weights, spec, pool, pool_layers);
 }
 

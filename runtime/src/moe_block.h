@@ -40,9 +40,8 @@ absl::Status RunMoe(Backend& b, const ModelSpec& spec, const LayerWeights& lw, R
 // Routed experts of every MoE layer: the layers of `pool_layers` (model layer indexes, in the
 // pool's order) in `pool`, the others on the backend (MoeExperts). On a backend whose memory the
 // CPU cannot address, the pool's layers go through its host calls (StartHostExperts).
-std::unique_ptr<RoutedExperts> MakeRoutedExperts(Backend& backend, const Model::Weights& weights,
-                                                const ModelSpec& spec, experts::ExpertPool* pool,
-                                                const std::vector<int>& pool_layers);
+std::unique_ptr<RoutedExperts> MakeRoutedExperts(Backend& backend, const Model::Weights& weights, const ModelSpec& spec,
+                                                 experts::ExpertPool* pool, const std::vector<int>& pool_layers);
 
 // Packs the routed experts of the model layers `moe_layers` into a new CPU expert pool.
 absl::StatusOr<std::unique_ptr<experts::ExpertPool>> CreatePool(const ModelSpec& spec, const WeightSource& source,

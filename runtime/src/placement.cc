@@ -101,8 +101,8 @@ absl::StatusOr<OverrideRule> ParseOverrideRule(std::string_view view) {
   const std::string text(view);
   const size_t eq = text.rfind('=');
   if (eq == std::string_view::npos) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--override-tensor '", text, "': expected REGEX=DEVICE, e.g. 'experts=cpu' or 'layers\\.1\\.=cuda:0'"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--override-tensor '", text, "': expected REGEX=DEVICE, e.g. 'experts=cpu' or 'layers\\.1\\.=cuda:0'"));
   }
   OverrideRule rule;
   rule.text = text;
@@ -220,8 +220,8 @@ absl::StatusOr<std::vector<TensorInfo>> CheckpointTensors(const WeightSource& so
   for (const std::string& name : source.Names()) {
     absl::StatusOr<core::TensorView> view = source.Get(name);
     if (!view.ok()) return view.status();
-    out.push_back({name, view->bytes(), view->numel(), static_cast<int>(view->rank()),
-                   view->rank() > 0 ? view->shape[0] : 1});
+    out.push_back(
+        {name, view->bytes(), view->numel(), static_cast<int>(view->rank()), view->rank() > 0 ? view->shape[0] : 1});
   }
   return out;
 }
@@ -289,9 +289,9 @@ absl::StatusOr<std::vector<int>> CpuExpertLayers(const Placement& placement) {
     const bool cpu = t.device.kind == Device::Kind::kCpu;
     if (t.kind.role != TensorRole::kRoutedExpert) {
       if (cpu) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            t.rule, " puts ", t.name, " (", std::string(TensorRoleName(t.kind.role)),
-            ") on the CPU: only routed experts run on the CPU beside a GPU; leave the rest on the GPU"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(t.rule, " puts ", t.name, " (", std::string(TensorRoleName(t.kind.role)),
+                         ") on the CPU: only routed experts run on the CPU beside a GPU; leave the rest on the GPU"));
       }
       continue;
     }

@@ -59,8 +59,8 @@ absl::StatusOr<RoutingProfile> LoadRoutingProfile(const std::string& path, const
     auto it = p.counts.find(l);
     if (it == p.counts.end()) return bad(absl::StrCat("no counts for MoE layer ", l));
     if (static_cast<int>(it->second.size()) != spec.routing.num_experts) {
-      return bad(absl::StrCat("layer ", l, " has ", it->second.size(), " counts for ", spec.routing.num_experts,
-                              " experts"));
+      return bad(
+          absl::StrCat("layer ", l, " has ", it->second.size(), " counts for ", spec.routing.num_experts, " experts"));
     }
     for (int64_t c : it->second) {
       if (c < 0) return bad(absl::StrCat("layer ", l, " has a negative count"));

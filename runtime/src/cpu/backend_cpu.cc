@@ -15,8 +15,8 @@
 #include "cpu/kernels.h"
 #include "moe/core/cpu_features.h"
 #include "moe/core/memory.h"
-#include "moe/experts/kernels.h"
 #include "moe/core/status.h"
+#include "moe/experts/kernels.h"
 #include "moe/runtime/routing.h"
 #include "oneapi/tbb/blocked_range.h"
 #include "oneapi/tbb/blocked_range2d.h"
@@ -500,8 +500,8 @@ class CpuBackend : public Backend {
     const core::CpuFeatures& cpu = core::GetCpuFeatures();
     auto usable = [&](experts::KernelKind kind) { return experts::KernelUnsupportedReason(kind, f, cpu).empty(); };
     const experts::KernelKind kind = rows >= 16 && usable(experts::KernelKind::kAmx) ? experts::KernelKind::kAmx
-                                     : usable(experts::KernelKind::kVnni)          ? experts::KernelKind::kVnni
-                                                                                   : experts::KernelKind::kPortable;
+                                     : usable(experts::KernelKind::kVnni)            ? experts::KernelKind::kVnni
+                                                                                     : experts::KernelKind::kPortable;
     const int sum_group = f == experts::ExpertFormat::kInt4 ? w.layout.group : static_cast<int>(w.layout.k_pad);
     experts::Activations act;
     if (!act.Prepare(x, rows, k, w.layout.k_pad, kind, f, sum_group).ok()) {

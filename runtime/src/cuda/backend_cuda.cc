@@ -486,14 +486,14 @@ class CudaBackend : public Backend {
   absl::Status StartHostExperts(HostExperts& host, int layer, int pool_layer, const Tensor& x, const Tensor& ids,
                                 const Tensor& weights, const Tensor& out) override {
     if (host_stream_ == nullptr) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "routed experts on the host on ", name_, ": no host buffers; ReserveScratch was not told of them"));
+      return absl::FailedPreconditionError(absl::StrCat("routed experts on the host on ", name_,
+                                                        ": no host buffers; ReserveScratch was not told of them"));
     }
     if (host_in_flight_) return absl::FailedPreconditionError("a host experts call is already in flight");
     if (x.rows > host_rows_ || ids.cols != host_top_k_ || x.cols != host_hidden_ || x.dtype != DType::kBF16) {
       return absl::InvalidArgumentError(absl::StrCat("routed experts on the host: [", x.rows, " x ", x.cols,
-                                                     "] tokens with top-", ids.cols, "; the buffers hold [",
-                                                     host_rows_, " x ", host_hidden_, "] with top-", host_top_k_));
+                                                     "] tokens with top-", ids.cols, "; the buffers hold [", host_rows_,
+                                                     " x ", host_hidden_, "] with top-", host_top_k_));
     }
     // A long chunk (not a graph's step): the layer's experts come over PCIe and run here.
     if (stream_tokens_ > 0 && x.rows >= stream_tokens_ && !in_graph_ && pool_layer >= 0 &&
@@ -505,9 +505,9 @@ class CudaBackend : public Backend {
     }
     MOE_CUDA_KEEP(cudaEventRecord(host_fork_, stream_));
     MOE_CUDA_KEEP(cudaStreamWaitEvent(host_stream_, host_fork_, 0));
-    cuda::PackHostExpertInputs(x.as<uint16_t>(), static_cast<int>(x.rows), static_cast<int>(x.cols),
-                               ids.as<int32_t>(), weights.as<float>(), static_cast<int>(ids.cols), host_x_dev_,
-                               host_ids_dev_, host_weights_dev_, host_stream_);
+    cuda::PackHostExpertInputs(x.as<uint16_t>(), static_cast<int>(x.rows), static_cast<int>(x.cols), ids.as<int32_t>(),
+                               weights.as<float>(), static_cast<int>(ids.cols), host_x_dev_, host_ids_dev_,
+                               host_weights_dev_, host_stream_);
     Launched("PackHostExpertInputs");
     if (handoff_ == HostHandoff::kMappedFlags) {
       polled_host_.store(&host);
@@ -520,8 +520,8 @@ class CudaBackend : public Backend {
       MOE_CUDA_KEEP(cudaLaunchHostFunc(host_stream_, &CudaBackend::RunHostCall, call.get()));
       (capturing_ ? captured_host_calls_ : eager_host_calls_).push_back(std::move(call));
     }
-    MOE_CUDA_KEEP(cudaMemcpyAsync(out.data, host_out_, x.rows * x.cols * sizeof(float), cudaMemcpyHostToDevice,
-                                  host_stream_));
+    MOE_CUDA_KEEP(
+        cudaMemcpyAsync(out.data, host_out_, x.rows * x.cols * sizeof(float), cudaMemcpyHostToDevice, host_stream_));
     MOE_CUDA_KEEP(cudaEventRecord(host_join_, host_stream_));
     host_in_flight_ = true;
     return absl::OkStatus();
@@ -783,8 +783,9 @@ class CudaBackend : public Backend {
     const int inter = streamed_.intermediate, h = static_cast<int>(streamed_.down.n);
     Begin("UnpackExperts");
     cuda::UnpackExperts(staging_layer_[slot]->tensor().as<uint8_t>(), streamed_.num_experts, streamed_.expert_bytes,
-                        cuda::ToPackedMatrixLayout(streamed_.gate_up), streamed_.gate_up.bytes(), cuda::ToPackedMatrixLayout(streamed_.down), inter,
-                        streamed_gate_up_->tensor().as<uint16_t>(), streamed_down_->tensor().as<uint16_t>(), stream_);
+                        cuda::ToPackedMatrixLayout(streamed_.gate_up), streamed_.gate_up.bytes(),
+                        cuda::ToPackedMatrixLayout(streamed_.down), inter, streamed_gate_up_->tensor().as<uint16_t>(),
+                        streamed_down_->tensor().as<uint16_t>(), stream_);
     Launched("UnpackExperts");
     MOE_CUDA_KEEP(cudaEventRecord(staging_free_[slot], stream_));
     staged_layer_[slot] = -1;
@@ -825,7 +826,8 @@ class CudaBackend : public Backend {
     absl::Status s = c.host->Compute(c.layer, b.host_x_, c.rows, b.host_ids_, b.host_weights_, b.host_out_);
     if (s.ok()) return;
     std::lock_guard<std::mutex> lock(b.host_mu_);
-    if (b.host_error_.ok()) b.host_error_ = core::Annotate(s, absl::StrCat("routed experts on the host, layer ", c.layer));
+    if (b.host_error_.ok())
+      b.host_error_ = core::Annotate(s, absl::StrCat("routed experts on the host, layer ", c.layer));
   }
 
   // The mapped-flags hand-off's host side: polls the mailbox for a request, runs it, answers. It

@@ -133,11 +133,11 @@ void GatherRowsBytes(const void* src, int64_t row_bytes, const int32_t* rows, in
   GatherRowsKernel<<<n, 128, 0, stream>>>(static_cast<const char*>(src), row_bytes, rows, static_cast<char*>(dst));
 }
 
-void PackHostExpertInputs(const uint16_t* x, int rows, int hidden, const int32_t* ids, const float* weights,
-                          int top_k, float* host_x, int32_t* host_ids, float* host_weights, cudaStream_t stream) {
+void PackHostExpertInputs(const uint16_t* x, int rows, int hidden, const int32_t* ids, const float* weights, int top_k,
+                          float* host_x, int32_t* host_ids, float* host_weights, cudaStream_t stream) {
   if (rows == 0) return;
-  PackHostExpertInputsKernel<<<rows, 256, 0, stream>>>(reinterpret_cast<const __nv_bfloat16*>(x), hidden, ids,
-                                                       weights, top_k, host_x, host_ids, host_weights);
+  PackHostExpertInputsKernel<<<rows, 256, 0, stream>>>(reinterpret_cast<const __nv_bfloat16*>(x), hidden, ids, weights,
+                                                       top_k, host_x, host_ids, host_weights);
 }
 
 void PostHostRequest(uint32_t* counter, HostMailbox* mailbox, int layer, int64_t rows, cudaStream_t stream) {

@@ -26,8 +26,8 @@ void HoldStream(int64_t ns, cudaStream_t stream);
 // Hybrid execution: a MoE layer's inputs for the host, in one kernel: x bf16 [rows x hidden] to
 // host_x fp32, ids int32 and weights fp32 [rows x top_k] to host_ids and host_weights. The host_*
 // pointers are pinned, mapped host memory (written over PCIe).
-void PackHostExpertInputs(const uint16_t* x, int rows, int hidden, const int32_t* ids, const float* weights,
-                          int top_k, float* host_x, int32_t* host_ids, float* host_weights, cudaStream_t stream);
+void PackHostExpertInputs(const uint16_t* x, int rows, int hidden, const int32_t* ids, const float* weights, int top_k,
+                          float* host_x, int32_t* host_ids, float* host_weights, cudaStream_t stream);
 
 // Hybrid execution's hand-off through mapped pinned memory, for a host thread that polls it: the
 // GPU posts a request (the next sequence number of `counter`, a device word, with the layer and

@@ -1,12 +1,11 @@
 // The GPU's unpacking of the CPU pool's packed experts: every value as experts::UnpackValue
 // reads it (rounded to bf16), for every format, gate and up rows de-interleaved.
-#include "cuda/streamed_layout.h"
-
 #include <cuda_runtime.h>
 
 #include <random>
 #include <vector>
 
+#include "cuda/streamed_layout.h"
 #include "gtest/gtest.h"
 #include "moe/core/dtype.h"
 #include "moe/experts/expert_pool.h"
@@ -32,13 +31,14 @@ TEST(StreamedExpertsTest, UnpacksEveryValueAsTheCpuReadsIt) {
     options.format = format;
     options.threads = 1;
     options.progress = false;
-    auto pool = experts::ExpertPool::Create(shape, options, [&](int l, int e) -> absl::StatusOr<experts::ExpertWeights> {
-      const int i = (l * shape.num_experts + e) * 3;
-      const core::Shape io = {shape.intermediate, shape.hidden}, oi = {shape.hidden, shape.intermediate};
-      return experts::ExpertWeights{{weights[i].data(), core::DType::kBF16, io},
-                                    {weights[i + 1].data(), core::DType::kBF16, io},
-                                    {weights[i + 2].data(), core::DType::kBF16, oi}};
-    });
+    auto pool =
+        experts::ExpertPool::Create(shape, options, [&](int l, int e) -> absl::StatusOr<experts::ExpertWeights> {
+          const int i = (l * shape.num_experts + e) * 3;
+          const core::Shape io = {shape.intermediate, shape.hidden}, oi = {shape.hidden, shape.intermediate};
+          return experts::ExpertWeights{{weights[i].data(), core::DType::kBF16, io},
+                                        {weights[i + 1].data(), core::DType::kBF16, io},
+                                        {weights[i + 2].data(), core::DType::kBF16, oi}};
+        });
     ASSERT_TRUE(pool.ok()) << pool.status();
     const auto a = (*pool)->arena_layout();
     const int layer = 1, e_count = shape.num_experts, inter = static_cast<int>(shape.intermediate);
@@ -49,8 +49,8 @@ TEST(StreamedExpertsTest, UnpacksEveryValueAsTheCpuReadsIt) {
     ASSERT_EQ(cudaMalloc(&gate_up, e_count * 2 * inter * h * 2), cudaSuccess);
     ASSERT_EQ(cudaMalloc(&down, e_count * h * inter * 2), cudaSuccess);
     ASSERT_EQ(cudaMemcpy(src, a.data + layer * layer_bytes, layer_bytes, cudaMemcpyHostToDevice), cudaSuccess);
-    UnpackExperts(src, e_count, a.expert_bytes, ToPackedMatrixLayout(a.gate_up), a.gate_up.bytes(), ToPackedMatrixLayout(a.down), inter, gate_up,
-                  down, nullptr);
+    UnpackExperts(src, e_count, a.expert_bytes, ToPackedMatrixLayout(a.gate_up), a.gate_up.bytes(),
+                  ToPackedMatrixLayout(a.down), inter, gate_up, down, nullptr);
     std::vector<uint16_t> gu(e_count * 2 * inter * h), dn(e_count * h * inter);
     ASSERT_EQ(cudaMemcpy(gu.data(), gate_up, gu.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
     ASSERT_EQ(cudaMemcpy(dn.data(), down, dn.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);

@@ -32,8 +32,8 @@
 #include "absl/status/statusor.h"
 #include "moe/core/dtype.h"
 #include "moe/core/tensor.h"
-#include "moe/runtime/model_spec.h"
 #include "moe/experts/packed.h"
+#include "moe/runtime/model_spec.h"
 #include "moe/runtime/sampler.h"
 
 namespace moe::runtime {
@@ -239,8 +239,8 @@ class HostExperts {
   virtual ~HostExperts() = default;
   // hidden [rows x H] fp32, ids and weights [rows x top_k]; out [rows x H] fp32, overwritten.
   // Host memory, valid for the call only. An error fails the step (at Synchronize).
-  virtual absl::Status Compute(int layer, const float* hidden, int64_t rows, const int32_t* ids,
-                               const float* weights, float* out) = 0;
+  virtual absl::Status Compute(int layer, const float* hidden, int64_t rows, const int32_t* ids, const float* weights,
+                               float* out) = 0;
 };
 
 class Backend {

@@ -15,7 +15,8 @@ namespace moe::runtime {
 // the expert pool's formats and runs them with its kernels (VNNI for few tokens, AMX for many where
 // the CPU has it); bf16 (the default) computes from the checkpoint's weights in fp32 as the
 // reference does.
-std::unique_ptr<Backend> CreateCpuBackend(int threads = 0, experts::ExpertFormat weight_format = experts::ExpertFormat::kBF16,
+std::unique_ptr<Backend> CreateCpuBackend(int threads = 0,
+                                          experts::ExpertFormat weight_format = experts::ExpertFormat::kBF16,
                                           int weight_group = 32);
 
 }  // namespace moe::runtime

@@ -30,8 +30,8 @@ std::string CudaDeviceName(int index);
 
 // The backend for a concrete device (not kAuto). kFailedPrecondition for cuda:N when GPU N is
 // not there (the message says how many are), or in a build without CUDA.
-absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const Device& device, int cpu_threads = 0,
-                                                       experts::ExpertFormat cpu_weight_format = experts::ExpertFormat::kBF16,
-                                                       int cpu_weight_group = 32);
+absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(
+    const Device& device, int cpu_threads = 0, experts::ExpertFormat cpu_weight_format = experts::ExpertFormat::kBF16,
+    int cpu_weight_group = 32);
 
 }  // namespace moe::runtime
