@@ -165,6 +165,7 @@ int RunInspect(const InspectFlags& f) {
   plan_options.host_format = *experts::ParseFormat(f.experts.format);
   plan_options.host_group = f.experts.group;
   plan_options.gpu_experts_per_layer = f.experts.gpu_experts_per_layer;
+  plan_options.prefill_streaming = f.experts.prefill_offload_tokens.value_or(-1) != 0;
   std::string share_note;
   if (f.experts.gpu_experts_per_layer > 0 && !f.experts.expert_profile.empty()) {
     auto profile = runtime::LoadRoutingProfile(f.experts.expert_profile, *spec);

@@ -99,6 +99,14 @@ absl::StatusOr<MemoryPlan> PlanMemory(const ModelSpec& spec, const Placement& pl
     plan.host_read_per_token = *per_expert * k * static_cast<int64_t>(cpu_layers.size());
   }
   plan.cpu_expert_layers = static_cast<int>(cpu_layers.size());
+  int64_t streaming = 0;
+  if (o.prefill_streaming && !cpu_layers.empty() && spec.routing.num_experts > 0) {
+    const int64_t packed_layer = pool_bytes / static_cast<int64_t>(cpu_layers.size());
+    const int64_t bf16_layer =
+        int64_t{spec.routing.num_experts} * 3 * spec.hidden_size * spec.moe_intermediate_size * 2;
+    streaming = 2 * packed_layer + bf16_layer;
+    Add(&plan.gpu, "prefill streaming: two packed CPU layers and one in bf16", streaming);
+  }
   if (o.gpu_experts_per_layer > 0 && !cpu_layers.empty() && spec.routing.num_experts > 0) {
     const int n = std::min(o.gpu_experts_per_layer, spec.routing.num_experts);
     const int64_t expert_bf16 = 3 * int64_t{spec.hidden_size} * spec.moe_intermediate_size * 2;
@@ -144,9 +152,17 @@ absl::StatusOr<MemoryPlan> PlanMemory(const ModelSpec& spec, const Placement& pl
   if (!plan.gpu.fits()) {
     const int64_t block = o.kv_block_size;
     if (gpu_total(block, 1) > plan.gpu.free) {
+      // What would fit: experts still on the GPU can move; the streaming buffers can go.
+      const bool experts_on_gpu = gpu_by_role.count(TensorRole::kRoutedExpert) > 0;
       plan.refusal = absl::StrCat("the GPU needs ", FormatGiB(plan.gpu.total), " and has ", FormatGiB(plan.gpu.free),
-                                  " free; the weights and buffers alone take ", FormatGiB(gpu_total(block, 1)),
-                                  ": put routed experts on the CPU (--cpu-moe or --n-cpu-moe N)");
+                                  " free; the weights and buffers alone take ", FormatGiB(gpu_total(block, 1)));
+      if (experts_on_gpu)
+        absl::StrAppend(&plan.refusal, ": put routed experts on the CPU (--cpu-moe or --n-cpu-moe N)");
+      if (streaming > 0) {
+        absl::StrAppend(&plan.refusal, experts_on_gpu ? ", or" : ":", " --prefill-offload-tokens 0 frees the ",
+                        FormatGiB(streaming), " of prefill streaming buffers");
+      }
+      if (!experts_on_gpu && streaming == 0) absl::StrAppend(&plan.refusal, ": this GPU is too small for the model");
     } else {
       // The longest context (a whole number of blocks) at max_seqs, and the most sequences at
       // the asked context, each the largest that fits.

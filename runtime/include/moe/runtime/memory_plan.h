@@ -36,6 +36,9 @@ struct MemoryPlanOptions {
   // of the picks they take (by a routing profile; unset: as if routing were uniform).
   int gpu_experts_per_layer = 0;
   std::optional<double> gpu_experts_share;
+  // Long prefills stream the CPU layers' experts to the GPU (--prefill-offload-tokens not 0): two
+  // staging slots of a layer's packed experts and the layer unpacked to bf16.
+  bool prefill_streaming = true;
 };
 
 struct MemoryLine {
