@@ -97,7 +97,15 @@ absl::Status ForEachStepBuffer(const ModelSpec& s, DType act, int64_t t, int64_t
 
 }  // namespace
 
-Model::~Model() = default;
+Model::~Model() {
+  // The backend outlives the pool (it may be shared, and is destroyed last): nothing of its may
+  // still reach the pool's memory or this model's routed experts.
+  if (backend_ != nullptr && pool_ != nullptr && !backend_->HostAddressable()) {
+    (void)backend_->Synchronize();
+    backend_->ClearGraphs();
+    backend_->ReleaseHostExperts();
+  }
+}
 
 Model::StepArena Model::StepArenaBytes(const ModelSpec& s, DType activation, int64_t max_tokens, int64_t max_logit_rows,
                                        int max_context) {

@@ -124,7 +124,7 @@ class CudaBackend : public Backend {
       host_thread_.join();
     }
     if (copy_stream_ != nullptr) cudaStreamSynchronize(copy_stream_);
-    if (streamed_.data != nullptr) cudaHostUnregister(const_cast<uint8_t*>(streamed_.data));
+    ReleaseHostExperts();
     for (int i = 0; i < 2; ++i) {
       if (staged_[i] != nullptr) cudaEventDestroy(staged_[i]);
       if (staging_free_[i] != nullptr) cudaEventDestroy(staging_free_[i]);
@@ -461,12 +461,14 @@ class CudaBackend : public Backend {
       Keep(cudaStreamSynchronize(host_stream_), "the host experts' copies (cudaStreamSynchronize)");
       eager_host_calls_.clear();  // every call queued eagerly has run
       host_in_flight_ = false;
+      streaming_in_flight_ = false;
       std::lock_guard<std::mutex> lock(host_mu_);
       if (!host_error_.ok() && pending_.ok()) pending_ = host_error_;
       host_error_ = absl::OkStatus();
     }
     absl::Status s = std::move(pending_);
     pending_ = absl::OkStatus();
+    if (!s.ok()) staged_layer_[0] = staged_layer_[1] = -1;  // a staged copy may not have happened
     return s;
   }
 
@@ -561,24 +563,54 @@ class CudaBackend : public Backend {
                                                         " (a multiple of 16 is needed) or a layout that does not "
                                                         "match: not supported"));
     }
+    // Page-locked, so that the copies run at the link's speed without staging; read-only where the
+    // GPU allows it (a process attached to a shared arena maps it read-only).
+    int read_only = 0;
+    if (cudaDeviceGetAttribute(&read_only, cudaDevAttrHostRegisterReadOnlySupported, device_) != cudaSuccess) {
+      (void)cudaGetLastError();
+      read_only = 0;
+    }
+    const cudaError_t registered = cudaHostRegister(const_cast<uint8_t*>(e.data), e.bytes,
+                                                    read_only ? cudaHostRegisterReadOnly : cudaHostRegisterDefault);
+    if (registered != cudaSuccess) {
+      (void)cudaGetLastError();
+      return absl::FailedPreconditionError(
+          absl::StrCat("the expert arena cannot be page-locked for streaming (", cudaGetErrorName(registered), ")"));
+    }
+    registered_ = e.data;
     const int64_t layer_bytes = int64_t{e.num_experts} * e.expert_bytes;
     for (int i = 0; i < 2; ++i) {
       MOE_ASSIGN_OR_RETURN(staging_layer_[i], Allocate(DType::kI8, 1, layer_bytes));
     }
     MOE_ASSIGN_OR_RETURN(streamed_gate_up_, Allocate(DType::kBF16, int64_t{e.num_experts} * 2 * inter, h));
     MOE_ASSIGN_OR_RETURN(streamed_down_, Allocate(DType::kBF16, int64_t{e.num_experts} * h, inter));
-    MOE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
-    for (int i = 0; i < 2; ++i) {
-      MOE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&staged_[i], cudaEventDisableTiming));
-      MOE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&staging_free_[i], cudaEventDisableTiming));
+    if (copy_stream_ == nullptr) {
+      MOE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
+      for (int i = 0; i < 2; ++i) {
+        MOE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&staged_[i], cudaEventDisableTiming));
+        MOE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&staging_free_[i], cudaEventDisableTiming));
+      }
     }
-    // Page-locked, so that the copies run at the link's speed without staging.
-    MOE_CUDA_RETURN_IF_ERROR(cudaHostRegister(const_cast<uint8_t*>(e.data), e.bytes, cudaHostRegisterDefault));
     streamed_ = e;
     stream_tokens_ = e.min_tokens;
     return absl::OkStatus();
   }
   void SetStreamTokens(int min_tokens) override { stream_tokens_ = streamed_.data != nullptr ? min_tokens : 0; }
+
+  void ReleaseHostExperts() override {
+    if (host_stream_ != nullptr) cudaStreamSynchronize(host_stream_);
+    if (copy_stream_ != nullptr) cudaStreamSynchronize(copy_stream_);
+    if (host_thread_.joinable()) {
+      host_stop_.store(true);
+      host_thread_.join();
+    }
+    polled_host_.store(nullptr);
+    stream_tokens_ = 0;
+    if (registered_ != nullptr) cudaHostUnregister(const_cast<uint8_t*>(registered_));
+    registered_ = nullptr;
+    streamed_ = StreamedExperts{};
+    staged_layer_[0] = staged_layer_[1] = -1;
+  }
   int64_t streamed_calls() const override { return streamed_calls_; }
 
   absl::Status RunGraph(uint64_t key, absl::FunctionRef<absl::Status()> body) override {
@@ -806,11 +838,14 @@ class CudaBackend : public Backend {
 
   void QueueLayerCopy(int l, int slot) {
     const int64_t layer_bytes = int64_t{streamed_.num_experts} * streamed_.expert_bytes;
-    MOE_CUDA_KEEP(cudaStreamWaitEvent(copy_stream_, staging_free_[slot], 0));
-    MOE_CUDA_KEEP(cudaMemcpyAsync(staging_layer_[slot]->tensor().data, streamed_.data + l * layer_bytes, layer_bytes,
-                                  cudaMemcpyHostToDevice, copy_stream_));
-    MOE_CUDA_KEEP(cudaEventRecord(staged_[slot], copy_stream_));
-    staged_layer_[slot] = l;
+    cudaError_t err = cudaStreamWaitEvent(copy_stream_, staging_free_[slot], 0);
+    if (err == cudaSuccess) {
+      err = cudaMemcpyAsync(staging_layer_[slot]->tensor().data, streamed_.data + l * layer_bytes, layer_bytes,
+                            cudaMemcpyHostToDevice, copy_stream_);
+    }
+    if (err == cudaSuccess) err = cudaEventRecord(staged_[slot], copy_stream_);
+    Keep(err, "copying a layer's experts to the GPU");
+    staged_layer_[slot] = err == cudaSuccess ? l : -1;
   }
 
   // One host experts call, as its host function sees it.
@@ -839,7 +874,7 @@ class CudaBackend : public Backend {
     volatile cuda::HostMailbox* m = mailbox_;
     uint32_t seen = 0;
     auto last = std::chrono::steady_clock::now();
-    int polls = 0;
+    uint32_t polls = 0;
     while (!host_stop_.load(std::memory_order_relaxed)) {
       const uint32_t request = m->request;
       if (request != seen) {
@@ -903,12 +938,17 @@ class CudaBackend : public Backend {
       MOE_ASSIGN_OR_RETURN(counter_buffer_, Allocate(DType::kI32, 1, 1));
       host_counter_ = counter_buffer_->tensor().as<uint32_t>();
       MOE_CUDA_RETURN_IF_ERROR(cudaMemset(host_counter_, 0, sizeof(uint32_t)));
-      host_thread_ = std::thread([this] { PollHostRequests(); });
-      MOE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&host_stream_, cudaStreamNonBlocking));
+      cudaStream_t stream = nullptr;
+      MOE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
       MOE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&host_fork_, cudaEventDisableTiming));
       MOE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&host_join_, cudaEventDisableTiming));
       MOE_CUDA_RETURN_IF_ERROR(
           cudaEventCreateWithFlags(&host_step_done_, cudaEventDisableTiming | cudaEventBlockingSync));
+      host_stream_ = stream;  // last: a half-made set is not taken for a working one
+    }
+    if (!host_thread_.joinable()) {  // the first model on this backend, or one after ReleaseHostExperts
+      host_stop_.store(false);
+      host_thread_ = std::thread([this] { PollHostRequests(); });
     }
     return absl::OkStatus();
   }
@@ -1126,6 +1166,7 @@ class CudaBackend : public Backend {
   int staged_layer_[2] = {-1, -1};
   int next_stage_ = 0;
   int64_t streamed_calls_ = 0;
+  const uint8_t* registered_ = nullptr;  // the page-locked arena
   bool capturing_ = false;
   bool timing_ = false;
   bool step_held_ = false;  // this step's operations are queued behind a hold (timing)

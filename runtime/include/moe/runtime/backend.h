@@ -430,6 +430,10 @@ class Backend {
   }
   // Changes SetStreamedExperts' threshold (0: never stream).
   virtual void SetStreamTokens(int min_tokens) {}
+  // Before the host memory and the HostExperts given to this backend go away (the model's pool):
+  // waits for every host call, stops the host thread and unpins the streamed experts. Graphs
+  // recorded with host calls must be cleared first (ClearGraphs).
+  virtual void ReleaseHostExperts() {}
   // Host experts calls that streamed their layer, since the backend was made (benchmarks).
   virtual int64_t streamed_calls() const { return 0; }
   virtual absl::Status SetHostHandoff(HostHandoff handoff) {
