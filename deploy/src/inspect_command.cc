@@ -170,14 +170,7 @@ int RunInspect(const InspectFlags& f) {
   if (f.experts.gpu_experts_per_layer > 0 && !f.experts.expert_profile.empty()) {
     auto profile = runtime::LoadRoutingProfile(f.experts.expert_profile, *spec);
     if (!profile.ok()) return FailCommand(command, profile.status(), 2);
-    double share = 0;
-    int layers = 0;
-    for (const auto& [layer, counts] : profile->counts) {
-      share += runtime::ShareOfPicks(*profile, layer,
-                                     runtime::MostUsedExperts(*profile, layer, f.experts.gpu_experts_per_layer));
-      ++layers;
-    }
-    plan_options.gpu_experts_share = layers > 0 ? share / layers : 0;
+    plan_options.gpu_experts_share = runtime::MeanShareOfMostUsed(*profile, {}, f.experts.gpu_experts_per_layer);
     share_note = absl::StrFormat(" (%.1f%% of the picks run on the GPU, by %s)", 100 * *plan_options.gpu_experts_share,
                                  f.experts.expert_profile);
   } else if (f.experts.gpu_experts_per_layer > 0) {

@@ -75,7 +75,9 @@ absl::Status CheckModelFlags(const DeviceFlags& device_flags, const ExpertFlags&
 }
 
 absl::StatusOr<HybridPlan> PlanHybrid(const std::string& model_dir, const ExpertFlags& experts) {
-  MOE_ASSIGN_OR_RETURN(const runtime::ModelSpec spec, runtime::LoadModelSpec(model_dir));
+  HybridPlan plan;
+  MOE_ASSIGN_OR_RETURN(plan.spec, runtime::LoadModelSpec(model_dir));
+  const runtime::ModelSpec& spec = plan.spec;
   MOE_ASSIGN_OR_RETURN(auto source, runtime::OpenSafetensors(model_dir));
   MOE_ASSIGN_OR_RETURN(const std::vector<runtime::TensorInfo> tensors, runtime::CheckpointTensors(*source));
   runtime::PlacementOptions options;
@@ -85,7 +87,6 @@ absl::StatusOr<HybridPlan> PlanHybrid(const std::string& model_dir, const Expert
     MOE_ASSIGN_OR_RETURN(runtime::OverrideRule rule, runtime::ParseOverrideRule(text));
     options.overrides.push_back(std::move(rule));
   }
-  HybridPlan plan;
   MOE_ASSIGN_OR_RETURN(plan.placement, runtime::PlaceTensors(spec, tensors, options));
   MOE_ASSIGN_OR_RETURN(plan.pool_layers, runtime::CpuExpertLayers(plan.placement));
   plan.moe_layers = spec.num_moe_layers();
@@ -159,7 +160,7 @@ absl::StatusOr<std::unique_ptr<runtime::Model>> LoadModelForCommand(const std::s
     options.experts = runtime::RoutedExpertsMode::kPool;
     options.pool_layers = hybrid->pool_layers;
     if (experts.gpu_experts_per_layer > 0) {
-      MOE_ASSIGN_OR_RETURN(const runtime::ModelSpec spec, runtime::LoadModelSpec(model_dir));
+      const runtime::ModelSpec& spec = hybrid->spec;
       if (experts.gpu_experts_per_layer > spec.routing.num_experts) {
         return absl::InvalidArgumentError(absl::StrCat("--gpu-experts-per-layer ", experts.gpu_experts_per_layer,
                                                        ": the model's layers have ", spec.routing.num_experts,
@@ -167,14 +168,13 @@ absl::StatusOr<std::unique_ptr<runtime::Model>> LoadModelForCommand(const std::s
       }
       MOE_ASSIGN_OR_RETURN(const runtime::RoutingProfile profile,
                            runtime::LoadRoutingProfile(experts.expert_profile, spec));
-      double share = 0;
       for (int layer : hybrid->pool_layers) {
         options.backend_experts[layer] = runtime::MostUsedExperts(profile, layer, experts.gpu_experts_per_layer);
-        share += runtime::ShareOfPicks(profile, layer, options.backend_experts[layer]);
       }
       notes.push_back(absl::StrFormat(
           "the %d most used experts of each CPU layer held on the GPU too (%s): %.1f%% of the profile's picks",
-          experts.gpu_experts_per_layer, experts.expert_profile, 100 * share / hybrid->pool_layers.size()));
+          experts.gpu_experts_per_layer, experts.expert_profile,
+          100 * runtime::MeanShareOfMostUsed(profile, hybrid->pool_layers, experts.gpu_experts_per_layer)));
     }
   } else if (gpu) {
     options.experts = runtime::RoutedExpertsMode::kBackend;

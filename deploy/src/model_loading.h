@@ -36,6 +36,7 @@ absl::StatusOr<runtime::Device> ResolveDevice(const DeviceFlags& flags, const st
 // whose routed experts that leaves in the CPU pool (what the runtime can run of it: see
 // runtime::CpuExpertLayers). --experts pool counts as --cpu-moe.
 struct HybridPlan {
+  runtime::ModelSpec spec;
   runtime::Placement placement;
   std::vector<int> pool_layers;
   int moe_layers = 0;

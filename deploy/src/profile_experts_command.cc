@@ -126,11 +126,7 @@ int RunProfileExperts(const ProfileFlags& f) {
   model.SetStepTap(nullptr);
   if (absl::Status s = runtime::SaveRoutingProfile(f.out, profile); !s.ok()) return FailCommand(command, s);
   // How concentrated the routing is: the share of picks the `top` most used experts take.
-  double share = 0;
-  for (const auto& [layer, counts] : profile.counts) {
-    share += runtime::ShareOfPicks(profile, layer, runtime::MostUsedExperts(profile, layer, f.top));
-  }
-  share /= std::max<size_t>(profile.counts.size(), 1);
+  const double share = runtime::MeanShareOfMostUsed(profile, {}, f.top);
   std::cout << absl::StrFormat(
       "routing profile of %d tokens (%zu prompts, %d picks each) written to %s: the %d most used experts of a layer "
       "take %.1f%% of its picks on average (%.1f%% if routing were uniform)\n",

@@ -106,4 +106,14 @@ double ShareOfPicks(const RoutingProfile& profile, int layer, const std::vector<
   return total > 0 ? static_cast<double>(picked) / total : 0;
 }
 
+double MeanShareOfMostUsed(const RoutingProfile& profile, const std::vector<int>& layers, int n) {
+  std::vector<int> all = layers;
+  if (all.empty()) {
+    for (const auto& [layer, counts] : profile.counts) all.push_back(layer);
+  }
+  double share = 0;
+  for (int layer : all) share += ShareOfPicks(profile, layer, MostUsedExperts(profile, layer, n));
+  return all.empty() ? 0 : share / static_cast<double>(all.size());
+}
+
 }  // namespace moe::runtime

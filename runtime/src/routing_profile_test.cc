@@ -42,6 +42,9 @@ TEST(RoutingProfileTest, RoundTripsAndRanksTheExperts) {
   EXPECT_EQ(MostUsedExperts(*back, 1, 3), (std::vector<int>{2, 3, 0}));  // ties: the lower id first
   EXPECT_DOUBLE_EQ(ShareOfPicks(*back, 1, {2, 3}), 18.0 / 26.0);
   EXPECT_TRUE(MostUsedExperts(*back, 7, 3).empty());
+  // Layers 0 and 2 have no picks (share 0); layer 1's top two take 18 of 26.
+  EXPECT_DOUBLE_EQ(MeanShareOfMostUsed(*back, {1}, 2), 18.0 / 26.0);
+  EXPECT_DOUBLE_EQ(MeanShareOfMostUsed(*back, {}, 2), 18.0 / 26.0 / 3);
 }
 
 TEST(RoutingProfileTest, AWrongFileSaysWhatAndWhere) {

@@ -42,4 +42,8 @@ std::vector<int> MostUsedExperts(const RoutingProfile& profile, int layer, int n
 // The share of `layer`'s picks that went to `experts` (0 when it has none).
 double ShareOfPicks(const RoutingProfile& profile, int layer, const std::vector<int>& experts);
 
+// The mean over `layers` (every layer of the profile when empty) of the share of picks that each
+// layer's `n` most used experts took.
+double MeanShareOfMostUsed(const RoutingProfile& profile, const std::vector<int>& layers, int n);
+
 }  // namespace moe::runtime
