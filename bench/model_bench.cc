@@ -257,6 +257,12 @@ absl::StatusOr<ModelBenchResult> RunModelBench(runtime::Model& model, const Mode
           "the bandwidth\n",
           batch, row.tokens_per_s, row.ms_per_step, row.weight_bytes / 1e9, row.bound_tokens_per_s, 100 * row.ratio);
     }
+    if (const runtime::Model::HeldExpertsStats held = model.held_experts_stats(); held.refreshes > 0) {
+      log << absl::StrFormat(
+          "  experts held on the GPU, chosen while serving: %d refreshes and %d swaps so far; %.1f%% of the picks "
+          "counted ran on the GPU\n",
+          held.refreshes, held.swaps, held.picks > 0 ? 100.0 * held.held_picks / held.picks : 0.0);
+    }
     if (hybrid && host_timing.calls > 0) {
       HostExpertsRow h;
       const double steps = 4 + o.decode_steps;  // timed_steps' own warm-up steps are counted too

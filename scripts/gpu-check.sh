@@ -4,7 +4,7 @@
 # libraries that machine lacks) and env.sh (their library path), as scripts/device-ctest.sh
 # expects. Logs go to $LOGS (or ./gpu-logs); each phase has a time limit, so that a hung phase
 # leaves the others their time.
-#   scripts/gpu-check.sh BUNDLE_DIR [tests|experts|cpubackend|cputhreads|cpu|sanitize|bench|hybrid|gpuexperts|prefill|serve|profile|all ...]
+#   scripts/gpu-check.sh BUNDLE_DIR [tests|experts|cpubackend|cputhreads|cpu|sanitize|bench|hybrid|gpuexperts|prefill|serve|profile|fp8kv|defer|heldexperts|all ...]
 set -uo pipefail
 bundle=$(cd "$1" && pwd); shift
 phases=" ${*:-all} "
@@ -143,11 +143,48 @@ if want profile; then
   echo "ncu: exit $?"
   grep -E "SingleToken|DecodeExpert|GroupByExpert|Gemv|gpu__time_duration|dram__|launch__grid" "$out/ncu.log" | head -60
 fi
+if want fp8kv; then
+  # The fp8 KV cache: its kernels under memcheck, then decode at a long context with the bf16 and
+  # the fp8 cache (attention reads half the bytes), all on the GPU.
+  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 99 "$bundle/bin/runtime_cuda_test" \
+    --gtest_filter='*Fp8*' > "$out/sanitizer-fp8.log" 2>&1
+  echo "compute-sanitizer memcheck (fp8 kernels): exit $? ($(grep -c -E '^========= (Invalid|Error)' "$out/sanitizer-fp8.log") findings)"
+  grep -E "ERROR SUMMARY|PASSED|FAILED" "$out/sanitizer-fp8.log" | tail -3
+  make_model
+  for kv in bf16 fp8; do
+    timeout 150 "$bundle/bin/moeserve" bench model --model "$model" --device cuda --kv-cache-dtype $kv --batches 1,32 \
+      --decode-context 8192 --decode-steps 32 --prompts 2048 > "$out/bench-kv-$kv.log" 2>&1
+    echo "bench model --kv-cache-dtype $kv --decode-context 8192: exit $?"
+    grep -E "^(decode|prefill)" "$out/bench-kv-$kv.log"
+  done
+fi
+if want defer; then
+  # Expert deferral beside the GPU: batch-1 decode with 0, 1 and 2 of each token's experts deferred.
+  make_model
+  for n in 0 1 2; do
+    timeout 120 "$bundle/bin/moeserve" bench model --model "$model" --device cuda --cpu-moe --expert-format int8 \
+      --batches 1,4 --prompts 512 --decode-steps 32 --defer-experts $n > "$out/bench-defer-$n.log" 2>&1
+    echo "bench model --cpu-moe --defer-experts $n: exit $?"
+    grep -E "^(bandwidth|host read|decode)|per MoE layer|per layer" "$out/bench-defer-$n.log" | head -8
+  done
+fi
+if want heldexperts; then
+  # Each CPU layer's 32 experts held on the GPU, chosen while serving (refreshed every 16 steps),
+  # against none.
+  make_model
+  for n in 0 32; do
+    extra=(); [[ $n -gt 0 ]] && extra=(--gpu-experts-per-layer $n --gpu-experts-refresh-steps 16)
+    timeout 150 "$bundle/bin/moeserve" bench model --model "$model" --device cuda --cpu-moe --expert-format int8 \
+      --batches 1 --prompts 512 --decode-steps 256 "${extra[@]}" > "$out/bench-held-$n.log" 2>&1
+    echo "bench model --gpu-experts-per-layer $n (chosen while serving): exit $?"
+    grep -E "^(moeserve|decode)|held" "$out/bench-held-$n.log" | head -8
+  done
+fi
 if want sanitize; then
   # A prefill, a decode and a mixed step of each fixture (op by op), and graph replays of qwen3_moe,
   # under memcheck; the qwen3_moe steps under racecheck (slow: it checks every shared access).
   for tool in memcheck racecheck; do
-    filter='Fixtures/CudaGoldensTest.EveryTensor*/*:Fixtures/CudaGoldensTest.GraphsGiveTheTokensOfEagerMode/qwen3_moe:Fixtures/CudaGoldensTest.HybridExecution*/qwen3_moe:Fixtures/CudaGoldensTest.StreamedExperts*/qwen3_moe'
+    filter='Fixtures/CudaGoldensTest.EveryTensor*/*:Fixtures/CudaGoldensTest.GraphsGiveTheTokensOfEagerMode/qwen3_moe:Fixtures/CudaGoldensTest.HybridExecution*/qwen3_moe:Fixtures/CudaGoldensTest.StreamedExperts*/qwen3_moe:Fixtures/CudaGoldensTest.Fp8*/qwen3_moe:Fixtures/CudaGoldensTest.HeldExperts*/qwen3_moe:Fixtures/CudaGoldensTest.ExpertDeferral*/qwen3_moe'
     [[ $tool == racecheck ]] && filter='Fixtures/CudaGoldensTest.EveryTensor*/qwen3_moe'
     timeout 150 compute-sanitizer --tool $tool --error-exitcode 99 "$bundle/bin/cuda_goldens_test" \
       --gtest_filter="$filter" > "$out/sanitizer-$tool.log" 2>&1

@@ -102,9 +102,24 @@ TEST(BadFlagsTest, NumbersOutOfRangeAreRefusedBeforeAnythingRuns) {
       {{"generate", "--model", model, "--prompt-ids", "1", "--device", "cpu", "--gpu-experts-per-layer", "4"},
        2,
        "--gpu-experts-per-layer holds some of the CPU layers' experts on a GPU: it needs a GPU device"},
-      {{"generate", "--model", model, "--prompt-ids", "1", "--cpu-moe", "--gpu-experts-per-layer", "4"},
+      {{"generate", "--model", model, "--prompt-ids", "1", "--cpu-moe", "--gpu-experts-per-layer", "4",
+        "--gpu-experts-refresh-steps", "0"},
        2,
-       "--gpu-experts-per-layer needs --expert-profile FILE"},
+       "--gpu-experts-refresh-steps: 0 is not an integer in [1, 1073741824]"},
+      {{"generate", "--model", model, "--prompt-ids", "1", "--defer-experts", "99"},
+       2,
+       "--defer-experts: 99 is not an integer in [0, 64]"},
+      {{"generate", "--model", model, "--prompt-ids", "1", "--defer-experts", "1", "--experts", "reference"},
+       2,
+       "--defer-experts finishes routed experts in the CPU pool beside the next layer's attention"},
+      {{"generate", "--model", model, "--prompt-ids", "1", "--device", "cuda", "--defer-experts", "1"},
+       2,
+       "--defer-experts finishes routed experts in the CPU pool"},
+      {{"generate", "--model", model, "--prompt-ids", "1", "--device", "cpu", "--kv-cache-dtype", "fp8"},
+       2,
+       "--kv-cache-dtype fp8: the CPU backend keeps its KV cache in fp32"},
+      {{"serve", "--model", model, "--kv-cache-dtype", "fp4"}, 2, "--kv-cache-dtype: fp4 not in {auto,bf16,fp8}"},
+      {{"inspect", "--model", model, "--kv-cache-dtype", "fp16"}, 2, "--kv-cache-dtype: fp16 not in {bf16,fp8}"},
       {{"generate", "--model", model, "--prompt-ids", "1", "--device", "cuda", "--weight-format", "int8"},
        2,
        "--weight-format int8 packs the CPU backend's weights; on a GPU they are bf16"},
@@ -132,8 +147,9 @@ TEST(BadFlagsTest, AnAbsentGpuIsAClearError) {
     auto r = testing::RunMoeserve({"generate", "--model", model, "--prompt-ids", "1", "--device", device});
     if (std::string(device) == "cuda" && r.exit_code == 0) continue;  // a machine with a GPU runs it
     EXPECT_EQ(r.exit_code, 1) << device << ": " << r.err;
-    EXPECT_THAT(r.err, ::testing::AnyOf(HasSubstr("no GPU is visible"), HasSubstr("there is no GPU 7; this machine has"),
-                                        HasSubstr("this build of moeserve has no CUDA backend")))
+    EXPECT_THAT(r.err,
+                ::testing::AnyOf(HasSubstr("no GPU is visible"), HasSubstr("there is no GPU 7; this machine has"),
+                                 HasSubstr("this build of moeserve has no CUDA backend")))
         << device;
   }
 }

@@ -4,6 +4,7 @@
 // margin (by the CPU) is below 0.05, where bf16 rounding may pick the runner-up.
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <iostream>
 #include <numeric>
 #include <optional>
@@ -18,6 +19,7 @@
 #include "moe/runtime/generate.h"
 #include "moe/runtime/model.h"
 #include "moe/runtime/model_spec.h"
+#include "moe/runtime/sampler.h"
 #include "test_util.h"
 
 namespace moe {
@@ -31,9 +33,11 @@ constexpr float kSmallMargin = 0.05f;
 
 // On the GPU (`gpu`) or the CPU reference. `pool_layers`, on the GPU: hybrid execution, the routed
 // experts of those layers (every MoE layer when empty) in the CPU pool.
+// `edit` changes the options last.
 std::unique_ptr<Model> LoadOn(const std::string& arch, bool gpu, bool graphs = true,
                               std::optional<std::vector<int>> pool_layers = std::nullopt,
-                              const std::vector<int>& gpu_experts = {}, int prefill_offload_tokens = 0) {
+                              const std::vector<int>& gpu_experts = {}, int prefill_offload_tokens = 0,
+                              const std::function<void(runtime::ModelOptions&)>& edit = nullptr) {
   runtime::ModelOptions options;
   options.prefill_offload_tokens = prefill_offload_tokens;
   options.pool.progress = false;
@@ -59,6 +63,7 @@ std::unique_ptr<Model> LoadOn(const std::string& arch, bool gpu, bool graphs = t
     if (!b.ok()) return nullptr;
     backend = std::move(*b);
   }
+  if (edit) edit(options);
   auto model = Model::Load(testing::FixtureDir(arch), options, backend);
   EXPECT_TRUE(model.ok()) << model.status();
   return model.ok() ? std::move(*model) : nullptr;
@@ -387,6 +392,135 @@ TEST_P(CudaGoldensTest, StreamedExpertsAreNearTheGoldens) {
     }
     EXPECT_GT((*model)->backend().streamed_calls(), 0) << label << ": nothing streamed";
   }
+}
+
+// The relative RMS difference and the largest difference between two models' logits over every
+// position of every golden case's prompt and continuation (teacher forced), and the share of the
+// golden greedy tokens `a`'s argmax picks there.
+struct LogitComparison {
+  double rms = 0;
+  float worst = 0;
+  double greedy_agreement = 0;
+};
+LogitComparison LogitDifference(const std::string& arch, Model& a, Model& b) {
+  double sq_err = 0, sq_ref = 0;
+  float worst = 0;
+  int agree = 0, total = 0;
+  const nlohmann::json golden = testing::LoadGolden(arch);
+  for (const auto& gc : golden["cases"]) {
+    std::vector<int32_t> ids = gc["prompt_ids"];
+    const std::vector<int32_t> greedy = gc["greedy_ids"];
+    const size_t prompt_len = ids.size();
+    ids.insert(ids.end(), greedy.begin(), greedy.end() - 1);
+    const auto got = FullForward(a, ids), want = FullForward(b, ids);
+    EXPECT_EQ(got.size(), ids.size());
+    EXPECT_EQ(want.size(), ids.size());
+    for (size_t r = 0; r < std::min(got.size(), want.size()); ++r) {
+      for (size_t i = 0; i < want[r].size(); ++i) {
+        const float d = got[r][i] - want[r][i];
+        worst = std::max(worst, std::abs(d));
+        sq_err += double(d) * d;
+        sq_ref += double(want[r][i]) * want[r][i];
+      }
+    }
+    for (size_t i = 0; i < greedy.size() && prompt_len - 1 + i < got.size(); ++i) {
+      const auto& row = got[prompt_len - 1 + i];
+      agree += runtime::ArgMax(row.data(), static_cast<int>(row.size())) == greedy[i];
+      ++total;
+    }
+  }
+  EXPECT_GT(sq_ref, 0.0) << "nothing was compared";
+  return {std::sqrt(sq_err / std::max(sq_ref, 1e-30)), worst, total > 0 ? double(agree) / total : 0.0};
+}
+
+// 24 greedy tokens after the first golden case's prompt.
+std::vector<int32_t> GreedyContinuation(Model& model, const std::string& arch) {
+  runtime::GenerateOptions options;
+  options.max_new_tokens = 24;
+  options.stop_at_eos = false;
+  auto out = runtime::Generate(model, testing::LoadGolden(arch)["cases"][0]["prompt_ids"], options);
+  EXPECT_TRUE(out.ok()) << out.status();
+  return out.ok() ? out->generated_ids : std::vector<int32_t>{};
+}
+
+// --kv-cache-dtype fp8 against the bf16 cache on the GPU: the logits' change and the greedy
+// agreement with the goldens, printed (an fp8 key or value is within 1/16 of itself, and these
+// tiny random models amplify that more than real ones); the kernels themselves are checked
+// exactly against the dequantized cache in runtime_cuda_test. Graphs give eager's tokens.
+TEST_P(CudaGoldensTest, Fp8KvCacheStaysNearTheBf16Cache) {
+  auto bf16 = LoadOn(GetParam(), true);
+  ASSERT_TRUE(bf16);
+  auto fp8 = [](runtime::ModelOptions& o) { o.kv_cache_dtype = core::DType::kF8E4M3; };
+  std::vector<std::vector<int32_t>> tokens;
+  for (const bool graphs : {true, false}) {
+    auto model = LoadOn(GetParam(), true, graphs, std::nullopt, {}, 0, fp8);
+    ASSERT_TRUE(model);
+    ASSERT_EQ(model->kv_dtype(), core::DType::kF8E4M3);
+    const std::string label = absl::StrCat(GetParam(), " --kv-cache-dtype fp8", graphs ? "" : " --eager");
+    const LogitComparison fp8_vs_bf16 = LogitDifference(GetParam(), *model, *bf16);
+    const LogitComparison bf16_alone = LogitDifference(GetParam(), *bf16, *bf16);
+    std::cout << "[ fp8 kv ] " << label << ": logits against the bf16 cache: relative rms " << fp8_vs_bf16.rms
+              << ", worst " << fp8_vs_bf16.worst << "; teacher-forced greedy agreement with the goldens "
+              << fp8_vs_bf16.greedy_agreement << " (the bf16 cache: " << bf16_alone.greedy_agreement << ")\n";
+    EXPECT_GT(fp8_vs_bf16.rms, 0.0) << label << ": nothing changed";
+    EXPECT_LT(fp8_vs_bf16.rms, 0.3) << label;
+    EXPECT_GT(fp8_vs_bf16.greedy_agreement, 0.5) << label;  // a broken cache lands near chance
+    tokens.push_back(GreedyContinuation(*model, GetParam()));
+  }
+  EXPECT_EQ(tokens[0], tokens[1]) << "graphs and eager mode differ";
+}
+
+// --gpu-experts-per-layer 4 without a profile: the GPU's held experts move to the most picked every
+// two steps while serving (one expert's weights a step); the sum is the same model.
+TEST_P(CudaGoldensTest, HeldExpertsChosenWhileServingAreNearTheGoldens) {
+  auto cpu = LoadOn(GetParam(), false);
+  ASSERT_TRUE(cpu);
+  auto held = [](runtime::ModelOptions& o) {
+    o.held_experts_per_layer = 4;
+    o.held_experts_refresh_steps = 2;
+  };
+  for (const bool graphs : {true, false}) {
+    auto model = LoadOn(GetParam(), true, graphs, std::vector<int>{}, {}, 0, held);
+    ASSERT_TRUE(model);
+    const std::string label = absl::StrCat(
+        GetParam(), " --cpu-moe --gpu-experts-per-layer 4 --gpu-experts-refresh-steps 2", graphs ? "" : " --eager");
+    ExpectNearTheGoldens(GetParam(), label, *model, *cpu);
+    const Model::HeldExpertsStats stats = model->held_experts_stats();
+    std::cout << "[ held experts ] " << label << ": " << stats.refreshes << " refreshes, " << stats.swaps << " swaps, "
+              << stats.held_picks << " of " << stats.picks << " picks counted ran on the GPU\n";
+    EXPECT_GT(stats.refreshes, 0) << label;
+    EXPECT_GT(stats.swaps, 0) << label;
+    EXPECT_GT(stats.picks, 0) << label;
+  }
+}
+
+// --defer-experts 1 beside the GPU computes what it computes on the CPU backend (within bf16); the
+// change from no deferral is printed (the report).
+TEST_P(CudaGoldensTest, ExpertDeferralMatchesTheCpuBackendsDeferral) {
+  auto defer = [](runtime::ModelOptions& o) { o.defer_experts = 1; };
+  runtime::ModelOptions cpu_options;
+  cpu_options.pool.progress = false;
+  cpu_options.defer_experts = 1;
+  auto cpu = Model::Load(testing::FixtureDir(GetParam()), cpu_options);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  auto plain = LoadOn(GetParam(), true, true, std::vector<int>{});
+  ASSERT_TRUE(plain);
+  std::vector<std::vector<int32_t>> tokens;
+  for (const bool graphs : {true, false}) {
+    auto model = LoadOn(GetParam(), true, graphs, std::vector<int>{}, {}, 0, defer);
+    ASSERT_TRUE(model);
+    const std::string label = absl::StrCat(GetParam(), " --cpu-moe --defer-experts 1", graphs ? "" : " --eager");
+    const LogitComparison against_cpu = LogitDifference(GetParam(), *model, **cpu);
+    const LogitComparison change = LogitDifference(GetParam(), *model, *plain);
+    std::cout << "[ deferral ] " << label << ": against the CPU backend's deferral relative rms " << against_cpu.rms
+              << ", worst " << against_cpu.worst << "; change from no deferral relative rms " << change.rms
+              << ", worst " << change.worst << "; teacher-forced greedy agreement with the goldens "
+              << change.greedy_agreement << "\n";
+    EXPECT_LT(against_cpu.rms, 0.2) << label;
+    EXPECT_GT(change.rms, 0.0) << label << ": deferral changed nothing";
+    tokens.push_back(GreedyContinuation(*model, GetParam()));
+  }
+  EXPECT_EQ(tokens[0], tokens[1]) << "graphs and eager mode differ";
 }
 
 TEST_P(CudaGoldensTest, GraphsGiveTheTokensOfEagerMode) {

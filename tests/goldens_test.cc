@@ -45,6 +45,28 @@ float WorstGoldenError(Model& model, const std::string& arch, std::initializer_l
   return worst;
 }
 
+// Greedy decoding (one token a step after the prompt) gives every golden case's greedy tokens;
+// with prompt_tolerance > 0 the prompt's logits are within it of the goldens too.
+void ExpectGoldenGreedyDecode(Model& model, const std::string& arch, float prompt_tolerance) {
+  const nlohmann::json golden = testing::LoadGolden(arch);
+  for (size_t c = 0; c < golden["cases"].size(); ++c) {
+    const auto& gc = golden["cases"][c];
+    const std::vector<int32_t> want = gc["greedy_ids"];
+    runtime::GenerateOptions generate;
+    generate.max_new_tokens = static_cast<int>(want.size());
+    generate.stop_at_eos = false;
+    generate.prompt_logits = prompt_tolerance > 0;
+    auto out = runtime::Generate(model, gc["prompt_ids"].get<std::vector<int32_t>>(), generate);
+    ASSERT_TRUE(out.ok()) << out.status();
+    EXPECT_EQ(out->generated_ids, want) << arch << " case " << c;
+    if (prompt_tolerance <= 0) continue;
+    const size_t from = gc["logits_from_position"];
+    for (size_t r = 0; r < gc["logits"].size(); ++r) {
+      EXPECT_LT(MaxAbsDiff(out->prompt_logits[from + r], gc["logits"][r]), prompt_tolerance) << "case " << c;
+    }
+  }
+}
+
 TEST_P(GoldensTest, LogitsAndGreedyIdsMatchTransformers) {
   auto model = LoadFixture(GetParam());
   ASSERT_NE(model, nullptr);
@@ -68,8 +90,8 @@ TEST_P(GoldensTest, LogitsAndGreedyIdsMatchTransformers) {
     }
     EXPECT_EQ(result->generated_ids, want_ids) << GetParam() << " case " << c;
   }
-  std::cout << "[ goldens ] " << GetParam() << ": worst logit error " << worst << " over "
-            << golden["cases"].size() << " cases\n";
+  std::cout << "[ goldens ] " << GetParam() << ": worst logit error " << worst << " over " << golden["cases"].size()
+            << " cases\n";
   RecordProperty("worst_logit_error", std::to_string(worst));
   EXPECT_LT(worst, 5e-5f);  // about 2e-5: fp32 sums in another order than torch
 }
@@ -102,7 +124,8 @@ TEST_P(GoldensTest, DecodeWithKvCacheMatchesFullRecompute) {
 TEST_P(GoldensTest, BatchingSequencesChangesNothing) {
   runtime::ModelOptions options;
   const bool avx512 =
-      experts::KernelUnsupportedReason(experts::KernelKind::kAvx512, options.pool.format, core::GetCpuFeatures()).empty();
+      experts::KernelUnsupportedReason(experts::KernelKind::kAvx512, options.pool.format, core::GetCpuFeatures())
+          .empty();
   options.pool.kernel = avx512 ? experts::KernelKind::kAvx512 : experts::KernelKind::kPortable;
   auto model = LoadFixture(GetParam(), options);
   ASSERT_NE(model, nullptr);
@@ -172,18 +195,8 @@ TEST_P(GoldensTest, SomeOfAPoolLayersExpertsOnTheBackendToo) {
   auto model = LoadFixture(GetParam(), options);
   ASSERT_NE(model, nullptr);
   EXPECT_LT(WorstGoldenError(*model, GetParam(), {0, 3}), 1e-3f);
-  const nlohmann::json golden = testing::LoadGolden(GetParam());
   // Decoding (one token a step: the pool's decode schedule) gives the goldens' greedy tokens.
-  for (size_t c = 0; c < golden["cases"].size(); ++c) {
-    const auto& gc = golden["cases"][c];
-    const std::vector<int32_t> want = gc["greedy_ids"];
-    runtime::GenerateOptions generate;
-    generate.max_new_tokens = static_cast<int>(want.size());
-    generate.stop_at_eos = false;
-    auto out = runtime::Generate(*model, gc["prompt_ids"].get<std::vector<int32_t>>(), generate);
-    ASSERT_TRUE(out.ok()) << out.status();
-    EXPECT_EQ(out->generated_ids, want) << GetParam() << " case " << c;
-  }
+  ExpectGoldenGreedyDecode(*model, GetParam(), /*prompt_tolerance=*/0);
   // A layer that is not in the pool cannot have experts on the backend "too".
   runtime::ModelOptions wrong;
   wrong.pool_layers = std::vector<int>{};
@@ -192,6 +205,45 @@ TEST_P(GoldensTest, SomeOfAPoolLayersExpertsOnTheBackendToo) {
   auto refused = Model::Load(testing::FixtureDir(GetParam()), wrong);
   ASSERT_FALSE(refused.ok());
   EXPECT_NE(refused.status().message().find("experts of layer 1 held on the backend too"), std::string::npos)
+      << refused.status();
+}
+
+// Two experts of each pool layer held by the backend too, chosen from the picks counted while
+// serving (--gpu-experts-per-layer 2 without a profile, on the CPU backend's reference path),
+// refreshed every two steps: the held experts move to the most picked, one a step, and every step
+// still gives the goldens.
+TEST_P(GoldensTest, HeldExpertsChosenWhileServingMoveToTheMostPicked) {
+  runtime::ModelOptions options;
+  options.held_experts_per_layer = 2;
+  options.held_experts_refresh_steps = 2;
+  auto model = LoadFixture(GetParam(), options);
+  ASSERT_NE(model, nullptr);
+  const int first_pool = model->pool_layers().front();
+  EXPECT_EQ(model->held_experts(first_pool), (std::vector<int>{0, 1}));  // until the first refresh
+  ExpectGoldenGreedyDecode(*model, GetParam(), /*prompt_tolerance=*/1e-3f);
+  const Model::HeldExpertsStats stats = model->held_experts_stats();
+  EXPECT_GT(stats.refreshes, 0);
+  EXPECT_GT(stats.swaps, 0);
+  EXPECT_GT(stats.picks, 0);
+  EXPECT_LE(stats.held_picks, stats.picks);
+  bool moved = false;
+  for (int layer : model->pool_layers()) {
+    const std::vector<int> held = model->held_experts(layer);
+    EXPECT_EQ(held.size(), 2u) << "layer " << layer;
+    moved = moved || held != std::vector<int>{0, 1};
+  }
+  EXPECT_TRUE(moved) << "no layer's held experts changed";
+  // Not together with a profile's choice, and not more than the layer has.
+  runtime::ModelOptions both = options;
+  both.backend_experts[model->pool_layers().front()] = {0};
+  both.pool.progress = false;
+  EXPECT_FALSE(Model::Load(testing::FixtureDir(GetParam()), both).ok());
+  runtime::ModelOptions too_many = options;
+  too_many.held_experts_per_layer = model->spec().routing.num_experts + 1;
+  too_many.pool.progress = false;
+  auto refused = Model::Load(testing::FixtureDir(GetParam()), too_many);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("experts held on the backend while serving"), std::string::npos)
       << refused.status();
 }
 
@@ -259,6 +311,74 @@ GoldenAgreement TeacherForcedAgreement(Model& model, const std::string& arch) {
   return a;
 }
 
+// Expert deferral (--defer-experts 1): each token's lowest-weighted pick of a pool layer joins the
+// next layer's MoE output. It changes the logits (it is not lossless), by an amount printed here;
+// it is per token, so decoding with the KV cache gives what a full recompute gives, and batching
+// changes nothing; a pool layer with no pool layer after it defers nothing.
+TEST_P(GoldensTest, ExpertDeferralIsPerTokenAndBounded) {
+  runtime::ModelOptions plain_options;
+  plain_options.pool.kernel = experts::KernelKind::kPortable;  // the same bits whatever the batch
+  auto plain = LoadFixture(GetParam(), plain_options);
+  ASSERT_NE(plain, nullptr);
+  runtime::ModelOptions options = plain_options;
+  options.defer_experts = 1;
+  auto model = LoadFixture(GetParam(), options);
+  ASSERT_NE(model, nullptr);
+  const nlohmann::json golden = testing::LoadGolden(GetParam());
+  const std::vector<int32_t> ids = golden["cases"][3]["prompt_ids"];
+  const auto deferred = FullForward(*model, ids), exact = FullForward(*plain, ids);
+  float change = 0;
+  for (size_t p = 0; p < ids.size(); ++p) change = std::max(change, MaxAbsDiff(deferred[p], exact[p]));
+  EXPECT_GT(change, 1e-4f) << "deferral changed nothing";
+
+  // Decode one token at a time against the full recompute.
+  auto cache = model->NewKvCache(runtime::BlocksFor(ids.size(), 16));
+  ASSERT_TRUE(cache.ok());
+  std::vector<int32_t> table(runtime::BlocksFor(ids.size(), 16));
+  std::iota(table.begin(), table.end(), 0);
+  float decode_diff = 0;
+  for (size_t p = 0; p < ids.size(); ++p) {
+    ForwardBatch batch;
+    batch.token_ids = {ids[p]};
+    batch.sequences = {SequenceChunk{static_cast<int64_t>(p), 1, table}};
+    batch.logit_rows = {0};
+    std::vector<float> logits;
+    ASSERT_TRUE(model->Forward(batch, **cache, &logits).ok());
+    decode_diff = std::max(decode_diff, MaxAbsDiff(logits, deferred[p]));
+  }
+  EXPECT_LT(decode_diff, 1e-4f);
+
+  const GoldenAgreement a = TeacherForcedAgreement(*model, GetParam());
+  std::cout << "[ deferral ] " << GetParam() << " --defer-experts 1: largest logit change " << change
+            << ", worst logit error against transformers " << a.worst << ", greedy agreement " << a.agree << "/"
+            << a.total << "\n";
+  EXPECT_GT(a.agreement, 0.5);  // a deferral that lost the experts' sum lands near chance
+
+  // The last MoE layer alone in the pool: nothing after it to defer to.
+  const int last = model->pool_layers().back();
+  options.pool_layers = std::vector<int>{last};
+  plain_options.pool_layers = options.pool_layers;
+  auto single = LoadFixture(GetParam(), options), single_plain = LoadFixture(GetParam(), plain_options);
+  ASSERT_NE(single, nullptr);
+  ASSERT_NE(single_plain, nullptr);
+  EXPECT_EQ(MaxAbsDiff(FullForward(*single, ids).back(), FullForward(*single_plain, ids).back()), 0.0f);
+}
+
+TEST(ExpertDeferralTest, OutOfRangeOrWithoutAPoolIsRefused) {
+  runtime::ModelOptions options;
+  options.pool.progress = false;
+  options.defer_experts = 4;  // qwen3_moe fixture: top-4 of 16
+  auto model = Model::Load(testing::FixtureDir("qwen3_moe"), options);
+  ASSERT_FALSE(model.ok());
+  EXPECT_EQ(model.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(model.status().message().find("at most"), std::string::npos) << model.status();
+  options.defer_experts = 1;
+  options.experts = runtime::RoutedExpertsMode::kBackend;
+  model = Model::Load(testing::FixtureDir("qwen3_moe"), options);
+  ASSERT_FALSE(model.ok());
+  EXPECT_NE(model.status().message().find("needs routed experts in the pool"), std::string::npos) << model.status();
+}
+
 // --weight-format int8|int4: every Linear of the CPU backend packed and run by the expert pool's
 // kernels (the experts stay bf16), against transformers.
 TEST_P(QuantizedGoldensTest, PackedLinearWeightsStayCloseToTransformers) {
@@ -296,7 +416,8 @@ TEST_P(QuantizedGoldensTest, StayCloseToTransformers) {
     ids.insert(ids.end(), greedy.begin(), greedy.end() - 1);
     const auto rows = FullForward(*model, ids);
     const size_t from = gc["logits_from_position"];
-    for (size_t r = 0; r < gc["logits"].size(); ++r) worst = std::max(worst, MaxAbsDiff(rows[from + r], gc["logits"][r]));
+    for (size_t r = 0; r < gc["logits"].size(); ++r)
+      worst = std::max(worst, MaxAbsDiff(rows[from + r], gc["logits"][r]));
     for (size_t i = 0; i < greedy.size(); ++i) {
       const auto& row = rows[prompt_len - 1 + i];
       agree += runtime::ArgMax(row.data(), static_cast<int>(row.size())) == greedy[i];

@@ -156,15 +156,30 @@ void ExpertFlags::Add(CLI::App* app) {
          "'layers\\.[0-9]\\.mlp\\.experts\\.=cpu'. Only routed experts can run on the CPU beside a GPU")
       ->expected(1)
       ->take_all();
-  app->add_option("--gpu-experts-per-layer", gpu_experts_per_layer,
-                  "on a GPU, with routed experts in the CPU pool: the N most used experts of each CPU layer (by "
-                  "--expert-profile) are held on the GPU too, and the tokens routed to them run there")
+  app->add_option(
+         "--gpu-experts-per-layer", gpu_experts_per_layer,
+         "on a GPU, with routed experts in the CPU pool: the N most used experts of each CPU layer are held on "
+         "the GPU too, and the tokens routed to them run there; most used by --expert-profile, or without "
+         "one by the picks counted while serving (see --gpu-experts-refresh-steps)")
       ->check(IntIn(0, 4096));
+  app->add_option("--gpu-experts-refresh-steps", gpu_experts_refresh_steps,
+                  "with --gpu-experts-per-layer and no --expert-profile: every N steps the picks counted since the "
+                  "last refresh (older ones weighed down by 3/4) rank each CPU layer's experts, and the held ones that "
+                  "fell out of "
+                  "the top are replaced, one expert a step, without pausing")
+      ->check(IntIn(1, 1 << 30))
+      ->capture_default_str();
   app->add_option("--prefill-offload-tokens", prefill_offload_tokens,
                   "on a GPU, with routed experts on the CPU: steps of at least N tokens stream each CPU layer's "
                   "packed experts to the GPU over PCIe and compute them there; 0: never (default: measured at load, "
                   "one layer both ways)")
       ->check(IntIn(0, 1 << 20));
+  app->add_option("--defer-experts", defer_experts,
+                  "expert deferral, off by default and not lossless: each token's N lowest-weighted routed experts of "
+                  "a CPU pool layer finish on the CPU while the next layer's attention runs, and their sum joins that "
+                  "layer's output (as KTransformers' expert deferral); in [0, top-k)")
+      ->check(IntIn(0, 64))
+      ->capture_default_str();
   app->add_option("--expert-profile", expert_profile,
                   "routing profile (from moeserve profile-experts) that ranks each layer's experts for "
                   "--gpu-experts-per-layer");
@@ -194,8 +209,8 @@ void ExpertFlags::Add(CLI::App* app) {
 }
 
 absl::Status ExpertFlags::Apply(runtime::ModelOptions* options, const std::string& command) const {
-  options->experts = mode == "reference" || mode == "gpu" ? runtime::RoutedExpertsMode::kBackend
-                                                           : runtime::RoutedExpertsMode::kPool;
+  options->experts =
+      mode == "reference" || mode == "gpu" ? runtime::RoutedExpertsMode::kBackend : runtime::RoutedExpertsMode::kPool;
   experts::ExpertPoolOptions& pool = options->pool;
   MOE_ASSIGN_OR_RETURN(pool.format, experts::ParseFormat(format));
   pool.group = group;
@@ -209,6 +224,7 @@ absl::Status ExpertFlags::Apply(runtime::ModelOptions* options, const std::strin
   MOE_ASSIGN_OR_RETURN(options->weight_format, experts::ParseFormat(weight_format));
   options->weight_group = group;
   if (prefill_offload_tokens) options->prefill_offload_tokens = *prefill_offload_tokens;
+  options->defer_experts = defer_experts;
   return absl::OkStatus();
 }
 

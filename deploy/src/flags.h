@@ -68,6 +68,8 @@ struct ExpertFlags {
   std::string weight_format = "bf16";
   std::optional<int> prefill_offload_tokens;
   std::string expert_profile;
+  int defer_experts = 0;
+  int gpu_experts_refresh_steps = 256;
 
   // True when a placement flag asks for routed experts in the CPU pool beside a GPU.
   bool Hybrid() const { return mode == "pool" || cpu_moe || n_cpu_moe > 0 || !override_tensor.empty(); }

@@ -17,6 +17,7 @@
 #include "absl/strings/str_join.h"
 #include "commands.h"
 #include "flags.h"
+#include "model_loading.h"
 #include "moe/core/status.h"
 #include "moe/experts/expert_pool.h"
 #include "moe/runtime/device.h"
@@ -39,6 +40,7 @@ struct InspectFlags {
   std::optional<double> gpu_memory_gb;
   std::optional<double> read_gbps;
   std::string device = "cuda";
+  std::string kv_cache_dtype = "bf16";
   bool json = false;
 };
 
@@ -162,6 +164,7 @@ int RunInspect(const InspectFlags& f) {
   plan_options.max_seqs = f.max_seqs;
   plan_options.max_batch_tokens = f.max_batch_tokens;
   plan_options.max_logit_rows = std::min(256, f.max_batch_tokens);
+  plan_options.kv_dtype = ParseKvCacheDtype(f.kv_cache_dtype).value_or(core::DType::kBF16);
   plan_options.host_format = *experts::ParseFormat(f.experts.format);
   plan_options.host_group = f.experts.group;
   plan_options.gpu_experts_per_layer = f.experts.gpu_experts_per_layer;
@@ -299,6 +302,11 @@ void AddInspectCommand(CLI::App& root, CommandRun* selected) {
                   "host read bandwidth for the decode bound, in GB/s (default: measured now with the pool's threads)")
       ->check(NumberIn(0.001, 1e6));
   app->add_option("--device", f->device, "the GPU planned for: cuda or cuda:N")->capture_default_str();
+  app->add_option("--kv-cache-dtype", f->kv_cache_dtype,
+                  "the GPU's KV cache: bf16, or fp8 (e4m3 with a scale per position and KV head: about half the "
+                  "bytes)")
+      ->check(CLI::IsMember({"bf16", "fp8"}))
+      ->capture_default_str();
   app->add_flag("--json", f->json, "print one JSON object");
 }
 

@@ -19,6 +19,17 @@ void DeviceFlags::Add(CLI::App* app) {
                   "the CPU), cpu, cuda (GPU 0) or cuda:N")
       ->capture_default_str();
   app->add_flag("--eager", eager, "on a GPU, run every step op by op instead of replaying CUDA graphs (debugging)");
+  app->add_option("--kv-cache-dtype", kv_cache_dtype,
+                  "the KV cache's element type: auto (bf16 on a GPU, fp32 on the CPU), bf16, or fp8 (GPU only: e4m3 "
+                  "with one scale per position and KV head, about half the bytes of bf16)")
+      ->check(CLI::IsMember({"auto", "bf16", "fp8"}))
+      ->capture_default_str();
+}
+
+std::optional<core::DType> ParseKvCacheDtype(const std::string& text) {
+  if (text == "bf16") return core::DType::kBF16;
+  if (text == "fp8") return core::DType::kF8E4M3;
+  return std::nullopt;
 }
 
 absl::StatusOr<int64_t> GpuWeightBytes(const std::string& model_dir) {
@@ -59,16 +70,26 @@ absl::Status CheckModelFlags(const DeviceFlags& device_flags, const ExpertFlags&
                      " packs the CPU backend's weights; on a GPU they are bf16 (use "
                      "--device cpu, or --expert-format for the experts in the CPU pool)"));
   }
+  if (device->kind == runtime::Device::Kind::kCpu && device_flags.kv_cache_dtype != "auto") {
+    return absl::InvalidArgumentError(absl::StrCat("--kv-cache-dtype ", device_flags.kv_cache_dtype,
+                                                   ": the CPU backend keeps its KV cache in fp32 (auto); bf16 and "
+                                                   "fp8 caches are for a GPU"));
+  }
+  if (experts.defer_experts > 0) {
+    const bool pool = experts.mode != "gpu" && experts.mode != "reference" &&
+                      (device->kind != runtime::Device::Kind::kCuda || experts.Hybrid());
+    if (!pool) {
+      return absl::InvalidArgumentError(
+          "--defer-experts finishes routed experts in the CPU pool beside the next layer's attention: it needs "
+          "routed experts in the pool (on a GPU: --cpu-moe, --n-cpu-moe or --override-tensor; --experts gpu and "
+          "reference keep them out)");
+    }
+  }
   if (experts.gpu_experts_per_layer > 0) {
     if (device->kind == runtime::Device::Kind::kCpu || !experts.Hybrid()) {
       return absl::InvalidArgumentError(
           "--gpu-experts-per-layer holds some of the CPU layers' experts on a GPU: it needs a GPU device and routed "
           "experts on the CPU (--cpu-moe, --n-cpu-moe or --override-tensor)");
-    }
-    if (experts.expert_profile.empty()) {
-      return absl::InvalidArgumentError(
-          "--gpu-experts-per-layer needs --expert-profile FILE (write one with moeserve profile-experts); choosing "
-          "the experts from counts gathered while serving is not built yet");
     }
   }
   return absl::OkStatus();
@@ -166,15 +187,24 @@ absl::StatusOr<std::unique_ptr<runtime::Model>> LoadModelForCommand(const std::s
                                                        ": the model's layers have ", spec.routing.num_experts,
                                                        " experts"));
       }
-      MOE_ASSIGN_OR_RETURN(const runtime::RoutingProfile profile,
-                           runtime::LoadRoutingProfile(experts.expert_profile, spec));
-      for (int layer : hybrid->pool_layers) {
-        options.backend_experts[layer] = runtime::MostUsedExperts(profile, layer, experts.gpu_experts_per_layer);
+      if (experts.expert_profile.empty()) {
+        options.held_experts_per_layer = experts.gpu_experts_per_layer;
+        options.held_experts_refresh_steps = experts.gpu_experts_refresh_steps;
+        notes.push_back(absl::StrFormat(
+            "the %d most picked experts of each CPU layer held on the GPU too, chosen from the picks counted while "
+            "serving (refreshed every %d steps; experts 0-%d until the first refresh)",
+            experts.gpu_experts_per_layer, experts.gpu_experts_refresh_steps, experts.gpu_experts_per_layer - 1));
+      } else {
+        MOE_ASSIGN_OR_RETURN(const runtime::RoutingProfile profile,
+                             runtime::LoadRoutingProfile(experts.expert_profile, spec));
+        for (int layer : hybrid->pool_layers) {
+          options.backend_experts[layer] = runtime::MostUsedExperts(profile, layer, experts.gpu_experts_per_layer);
+        }
+        notes.push_back(absl::StrFormat(
+            "the %d most used experts of each CPU layer held on the GPU too (%s): %.1f%% of the profile's picks",
+            experts.gpu_experts_per_layer, experts.expert_profile,
+            100 * runtime::MeanShareOfMostUsed(profile, hybrid->pool_layers, experts.gpu_experts_per_layer)));
       }
-      notes.push_back(absl::StrFormat(
-          "the %d most used experts of each CPU layer held on the GPU too (%s): %.1f%% of the profile's picks",
-          experts.gpu_experts_per_layer, experts.expert_profile,
-          100 * runtime::MeanShareOfMostUsed(profile, hybrid->pool_layers, experts.gpu_experts_per_layer)));
     }
   } else if (gpu) {
     options.experts = runtime::RoutedExpertsMode::kBackend;
@@ -182,6 +212,7 @@ absl::StatusOr<std::unique_ptr<runtime::Model>> LoadModelForCommand(const std::s
     notes.push_back("the placement flags have no GPU to place routed experts beside: everything runs on the CPU");
   }
   options.graphs = !device_flags.eager;
+  options.kv_cache_dtype = ParseKvCacheDtype(device_flags.kv_cache_dtype);
   options.progress = gpu;
   auto backend = runtime::CreateBackend(*device, options.threads, options.weight_format, options.weight_group);
   if (!backend.ok()) return backend.status();

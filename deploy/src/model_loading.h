@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -16,12 +17,16 @@
 
 namespace moe::deploy {
 
-// --device and --eager, shared by generate, serve and bench.
+// --device, --eager and --kv-cache-dtype, shared by generate, serve and bench.
 struct DeviceFlags {
   std::string device = "auto";
   bool eager = false;
+  std::string kv_cache_dtype = "auto";
   void Add(CLI::App* app);
 };
+
+// --kv-cache-dtype's value: unset for auto (the backend's activation dtype), else bf16 or fp8.
+std::optional<core::DType> ParseKvCacheDtype(const std::string& text);
 
 // Bytes a model's weights take on a GPU (bf16), from its checkpoint's headers.
 absl::StatusOr<int64_t> GpuWeightBytes(const std::string& model_dir);
@@ -55,7 +60,7 @@ absl::Status CheckModelFlags(const DeviceFlags& device, const ExpertFlags& exper
 absl::StatusOr<std::unique_ptr<runtime::Model>> LoadModelForCommand(const std::string& model_dir,
                                                                     const DeviceFlags& device,
                                                                     const ExpertFlags& experts,
-                                                                    runtime::ModelOptions options,
-                                                                    int64_t extra_bytes, const std::string& command);
+                                                                    runtime::ModelOptions options, int64_t extra_bytes,
+                                                                    const std::string& command);
 
 }  // namespace moe::deploy

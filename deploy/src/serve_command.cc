@@ -7,8 +7,8 @@
 #include <iostream>
 #include <thread>
 
-#include "absl/strings/str_format.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "commands.h"
 #include "model_loading.h"
 #include "moe/runtime/model_executor.h"
@@ -49,28 +49,27 @@ int64_t PhysicalMemoryBytes() {
 // The scheduler's KV blocks and context from the flags and the model: the context is the
 // model's (or --ctx), and never more than the KV cache holds.
 absl::Status PlanKvCache(const ServeFlags& flags, const runtime::ModelSpec& spec, const runtime::Backend& backend,
-                         scheduler::SchedulerConfig* sc) {
-  const int64_t kv_element_bytes = core::DTypeSize(backend.activation_dtype());
+                         core::DType kv_dtype, scheduler::SchedulerConfig* sc) {
   const int64_t kv_bytes = flags.kv_cache_mb << 20;
   if (backend.HostAddressable() && kv_bytes > PhysicalMemoryBytes()) {
     return absl::InvalidArgumentError(absl::StrFormat("--kv-cache-mb %d is more than this machine's %d MiB of memory",
                                                       flags.kv_cache_mb, PhysicalMemoryBytes() >> 20));
   }
   if (!backend.HostAddressable() && kv_bytes > backend.FreeMemoryBytes()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "--kv-cache-mb %d is more than the %d MiB %s has free with the model loaded", flags.kv_cache_mb,
-        backend.FreeMemoryBytes() >> 20, backend.name()));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--kv-cache-mb %d is more than the %d MiB %s has free with the model loaded", flags.kv_cache_mb,
+                        backend.FreeMemoryBytes() >> 20, backend.name()));
   }
   runtime::KvCacheShape kv;
   kv.num_layers = spec.num_layers;
   kv.block_size = sc->block_size;
   kv.num_kv_heads = spec.num_kv_heads;
   kv.head_dim = spec.head_dim;
-  const int64_t blocks = kv_bytes / static_cast<int64_t>(kv.block_bytes(kv_element_bytes));
+  const int64_t blocks = kv_bytes / static_cast<int64_t>(kv.block_bytes(kv_dtype));
   if (blocks < 1) {
     return absl::InvalidArgumentError(
         absl::StrFormat("--kv-cache-mb %d holds no KV block: one block of %d positions takes %d bytes for this model",
-                        flags.kv_cache_mb, sc->block_size, kv.block_bytes(kv_element_bytes)));
+                        flags.kv_cache_mb, sc->block_size, kv.block_bytes(kv_dtype)));
   }
   sc->num_blocks = static_cast<int>(std::min<int64_t>(blocks, kMaxContext / sc->block_size));
   const int64_t positions = static_cast<int64_t>(sc->num_blocks) * sc->block_size;
@@ -85,7 +84,9 @@ absl::Status PlanKvCache(const ServeFlags& flags, const runtime::ModelSpec& spec
       return absl::InvalidArgumentError(absl::StrFormat(
           "--ctx %d needs a KV cache of %d positions; --kv-cache-mb %d holds %d (raise --kv-cache-mb to %d)",
           *flags.ctx, *flags.ctx, flags.kv_cache_mb, positions,
-          (runtime::BlocksFor(*flags.ctx, sc->block_size) * static_cast<int64_t>(kv.block_bytes(kv_element_bytes)) + (1 << 20) - 1) >> 20));
+          (runtime::BlocksFor(*flags.ctx, sc->block_size) * static_cast<int64_t>(kv.block_bytes(kv_dtype)) + (1 << 20) -
+           1) >>
+              20));
     }
     sc->context = *flags.ctx;
   } else {
@@ -147,14 +148,15 @@ int RunServe(const ServeFlags& flags) {
 
   // The HTTP listener first, so that /health answers 503 "loading" while the model loads.
   auto frontend = scheduler::Frontend::Create(options);
-  if (!frontend.ok()) return Fail(frontend.status(), frontend.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1);
+  if (!frontend.ok())
+    return Fail(frontend.status(), frontend.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1);
   if ((*frontend)->http_port() != 0) {
     std::cerr << "moeserve serve: HTTP on port " << (*frontend)->http_port()
               << " (/v1/models, /v1/completions, /v1/chat/completions, /metrics, /health, /ready)"
               << (options.tls.enabled() ? " over TLS" : "") << "\n";
   }
-  auto model = LoadModelForCommand(flags.model, flags.device, flags.experts, model_options, flags.kv_cache_mb << 20,
-                                   "serve");
+  auto model =
+      LoadModelForCommand(flags.model, flags.device, flags.experts, model_options, flags.kv_cache_mb << 20, "serve");
   if (!model.ok()) return Fail(model.status(), 1);
   const runtime::ModelSpec& spec = (*model)->spec();
 
@@ -162,7 +164,8 @@ int RunServe(const ServeFlags& flags) {
   sc.max_seqs = flags.max_seqs;
   sc.max_queue = flags.max_queue;
   sc.max_batch_tokens = flags.max_batch_tokens;
-  if (absl::Status s = PlanKvCache(flags, spec, (*model)->backend(), &sc); !s.ok()) return Fail(s, 2);
+  if (absl::Status s = PlanKvCache(flags, spec, (*model)->backend(), (*model)->kv_dtype(), &sc); !s.ok())
+    return Fail(s, 2);
   options.placement = (*model)->expert_pool() != nullptr
                           ? (*model)->expert_pool()->Describe()
                           : absl::StrCat("routed experts on ", (*model)->backend().name());
@@ -209,8 +212,7 @@ void AddServeCommand(CLI::App& root, CommandRun* selected) {
   app->add_option("--model", f->model, "Hugging Face model directory")->required();
   app->add_option("--listen", f->listen, "gRPC address, HOST:PORT ([::1]:PORT for IPv6; port 0 picks one)")
       ->capture_default_str();
-  app->add_option("--http", f->http,
-                  "HTTP address for the OpenAI API, /metrics, /health and /ready; 'off' for none")
+  app->add_option("--http", f->http, "HTTP address for the OpenAI API, /metrics, /health and /ready; 'off' for none")
       ->capture_default_str();
   app->add_option("--max-seqs", f->max_seqs, "sequences running at once")->check(IntIn(1, 4096))->capture_default_str();
   app->add_option("--max-queue", f->max_queue,

@@ -131,9 +131,10 @@ absl::StatusOr<ExpertPool::Ticket> ExpertPool::Submit(int layer, const float* hi
         absl::StrCat("expert pool: MoE layer ", layer, " outside [0, ", shape_.num_layers, ")"));
   }
   for (int64_t i = 0; i < num_tokens * shape_.top_k; ++i) {
-    if (topk_ids[i] < 0 || topk_ids[i] >= shape_.num_experts) {
+    if (topk_ids[i] < kSkippedSlot || topk_ids[i] >= shape_.num_experts) {
       return absl::InvalidArgumentError(absl::StrCat("expert pool: expert id ", topk_ids[i], " of token ",
-                                                     i / shape_.top_k, " outside [0, ", shape_.num_experts, ")"));
+                                                     i / shape_.top_k, " outside [0, ", shape_.num_experts,
+                                                     ") (-1 skips a slot)"));
     }
   }
   in_flight_ = true;

@@ -7,6 +7,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "moe/core/dtype.h"
@@ -45,6 +46,7 @@ class Experts {
     for (int64_t t = 0; t < t_count; ++t) {
       for (int64_t j = 0; j < k; ++j) {
         const int e = ids[t * k + j];
+        if (e == kSkippedSlot) continue;
         const uint16_t *g = Matrix(layer, e, 0), *u = Matrix(layer, e, 1), *d = Matrix(layer, e, 2);
         for (int64_t i = 0; i < inter; ++i) {
           double gs = 0, us = 0;
@@ -137,27 +139,27 @@ TEST_P(ExpertPoolTest, MatchesThePlainMoe) {
       }
       const double error = std::sqrt(noise / signal);
       EXPECT_LT(error, c.tolerance) << "tokens=" << tokens << " layer=" << layer;
-      RecordProperty("relative_rms_error_" + std::to_string(tokens) + "_" + std::to_string(layer), std::to_string(error));
+      RecordProperty("relative_rms_error_" + std::to_string(tokens) + "_" + std::to_string(layer),
+                     std::to_string(error));
     }
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Kernels, ExpertPoolTest,
-    ::testing::Values(PoolCase{ExpertFormat::kBF16, std::nullopt, 1e-5},
-                      PoolCase{ExpertFormat::kBF16, KernelKind::kPortable, 1e-5},
-                      PoolCase{ExpertFormat::kBF16, KernelKind::kAvx512, 1e-5},
-                      PoolCase{ExpertFormat::kBF16, KernelKind::kAvx512Bf16, 1e-2},
-                      PoolCase{ExpertFormat::kBF16, KernelKind::kAmx, 1e-4},
-                      PoolCase{ExpertFormat::kInt8, std::nullopt, 3e-2},
-                      PoolCase{ExpertFormat::kInt8, KernelKind::kPortable, 3e-2},
-                      PoolCase{ExpertFormat::kInt8, KernelKind::kVnni, 3e-2},
-                      PoolCase{ExpertFormat::kInt8, KernelKind::kAmx, 3e-2},
-                      PoolCase{ExpertFormat::kInt4, std::nullopt, 0.2},
-                      PoolCase{ExpertFormat::kInt4, KernelKind::kPortable, 0.2},
-                      PoolCase{ExpertFormat::kInt4, KernelKind::kVnni, 0.2},
-                      PoolCase{ExpertFormat::kInt4, KernelKind::kAmx, 0.2}),
-    PoolCaseName);
+INSTANTIATE_TEST_SUITE_P(Kernels, ExpertPoolTest,
+                         ::testing::Values(PoolCase{ExpertFormat::kBF16, std::nullopt, 1e-5},
+                                           PoolCase{ExpertFormat::kBF16, KernelKind::kPortable, 1e-5},
+                                           PoolCase{ExpertFormat::kBF16, KernelKind::kAvx512, 1e-5},
+                                           PoolCase{ExpertFormat::kBF16, KernelKind::kAvx512Bf16, 1e-2},
+                                           PoolCase{ExpertFormat::kBF16, KernelKind::kAmx, 1e-4},
+                                           PoolCase{ExpertFormat::kInt8, std::nullopt, 3e-2},
+                                           PoolCase{ExpertFormat::kInt8, KernelKind::kPortable, 3e-2},
+                                           PoolCase{ExpertFormat::kInt8, KernelKind::kVnni, 3e-2},
+                                           PoolCase{ExpertFormat::kInt8, KernelKind::kAmx, 3e-2},
+                                           PoolCase{ExpertFormat::kInt4, std::nullopt, 0.2},
+                                           PoolCase{ExpertFormat::kInt4, KernelKind::kPortable, 0.2},
+                                           PoolCase{ExpertFormat::kInt4, KernelKind::kVnni, 0.2},
+                                           PoolCase{ExpertFormat::kInt4, KernelKind::kAmx, 0.2}),
+                         PoolCaseName);
 
 class ExpertPoolBehaviour : public ::testing::Test {
  protected:
@@ -370,43 +372,92 @@ TEST_F(ExpertPoolBehaviour, RepeatedExpertsInARowCountOncePerSlot) {
   }
 }
 
+// Skipped slots (kSkippedSlot) run no expert and their weights are not read: a token gets the sum
+// of its other slots, zeros when it has none; a call's picks split over two calls sum to the
+// whole (a tensor split's ranks, expert deferral). Both schedules, every format.
+TEST_F(ExpertPoolBehaviour, SkippedSlotsAreLeftOut) {
+  const ExpertShape shape = SmallShape();  // top-3 of 8
+  for (ExpertFormat format : {ExpertFormat::kBF16, ExpertFormat::kInt8, ExpertFormat::kInt4}) {
+    for (int64_t tokens : {1, 5, 40}) {
+      const Routing r = RandomRouting(shape, tokens, 70 + tokens);
+      Routing first = r, second = r;
+      for (int64_t t = 0; t < tokens; ++t) {
+        for (int j = 0; j < 3; ++j) {
+          // Token 0 skips every slot of the first call; the others split their picks.
+          const bool in_first = t != 0 && (t + j) % 2 == 0;
+          (in_first ? second : first).ids[t * 3 + j] = kSkippedSlot;
+          (in_first ? second : first).w[t * 3 + j] = std::nanf("");  // never read
+        }
+      }
+      for (int64_t decode_max : {int64_t{0}, int64_t{64}}) {
+        ExpertPoolOptions options;
+        options.format = format;
+        options.threads = 3;
+        options.progress = false;
+        options.decode_max_tokens = decode_max;
+        auto pool = ExpertPool::Create(shape, options, experts_.Source());
+        ASSERT_TRUE(pool.ok()) << pool.status();
+        std::vector<float> whole(r.x.size()), a(r.x.size(), -1.0f), b(r.x.size(), -1.0f);
+        ASSERT_TRUE((*pool)->Compute(1, r.x.data(), tokens, r.ids.data(), r.w.data(), whole.data()).ok());
+        ASSERT_TRUE((*pool)->Compute(1, first.x.data(), tokens, first.ids.data(), first.w.data(), a.data()).ok());
+        ASSERT_TRUE((*pool)->Compute(1, second.x.data(), tokens, second.ids.data(), second.w.data(), b.data()).ok());
+        const std::string where =
+            absl::StrCat(FormatName(format), ", ", tokens, " tokens, decode_max_tokens ", decode_max);
+        for (int64_t c = 0; c < shape.hidden; ++c) ASSERT_EQ(a[c], 0.0f) << where;  // token 0: all skipped
+        const std::vector<double> want = experts_.Reference(1, first.x, first.ids, first.w);
+        double signal = 0, noise = 0, split = 0;
+        for (size_t i = 0; i < want.size(); ++i) {
+          ASSERT_TRUE(std::isfinite(a[i]) && std::isfinite(b[i])) << where;
+          signal += double(whole[i]) * whole[i];
+          noise += (a[i] - want[i]) * (a[i] - want[i]);
+          split += (a[i] + b[i] - whole[i]) * (a[i] + b[i] - whole[i]);
+        }
+        const double tolerance = format == ExpertFormat::kBF16 ? 1e-4 : format == ExpertFormat::kInt8 ? 3e-2 : 0.3;
+        EXPECT_LT(std::sqrt(noise / signal), tolerance) << where;
+        EXPECT_LT(std::sqrt(split / signal), 1e-5) << where;
+      }
+    }
+  }
+}
+
 TEST_F(ExpertPoolBehaviour, DecodeAndBatchSchedulesAgreeExactly) {
   // The same kernels over the same blocks, cut differently: bit-identical results, whatever the
   // thread count. The second shape has a hidden size of two reduce chunks in both schedules (the
-  // batch schedule's are 2048 columns), not a multiple of 16, and an odd number of down blocks. With 70 tokens the batch schedule cuts gate+up items
-  // two ways (finer for the last experts) and queues the sums; where the CPU has AMX, the AMX
-  // kernels (gate+up with SiLU fused) run in both schedules too, int8 and int4.
+  // batch schedule's are 2048 columns), not a multiple of 16, and an odd number of down blocks. With 70 tokens the
+  // batch schedule cuts gate+up items two ways (finer for the last experts) and queues the sums; where the CPU has AMX,
+  // the AMX kernels (gate+up with SiLU fused) run in both schedules too, int8 and int4.
   std::vector<std::optional<KernelKind>> kernels = {std::nullopt};
   if (KernelUnsupportedReason(KernelKind::kAmx, ExpertFormat::kInt8, core::GetCpuFeatures()).empty()) {
     kernels.push_back(KernelKind::kAmx);
   }
   for (ExpertFormat format : {ExpertFormat::kInt8, ExpertFormat::kInt4})
-  for (const ExpertShape& shape : {SmallShape(), ExpertShape{1, 6, 2, 2090, 200}})
-  for (std::optional<KernelKind> kernel : kernels)
-  for (int64_t tokens : {1, 3, 16, 70}) {
-    const Experts experts(shape, 3);
-    Routing r = RandomRouting(shape, tokens, 20 + tokens);
-    std::vector<float> want;
-    for (int64_t decode_max : {int64_t{0}, int64_t{128}}) {
-      for (int threads : {1, 3, 5}) {
-        ExpertPoolOptions options;
-        options.format = format;
-        options.kernel = kernel;
-        options.threads = threads;
-        options.progress = false;
-        options.decode_max_tokens = decode_max;
-        auto pool = ExpertPool::Create(shape, options, experts.Source());
-        ASSERT_TRUE(pool.ok()) << pool.status();
-        std::vector<float> out(r.x.size(), -1.0f);
-        ASSERT_TRUE((*pool)->Compute(0, r.x.data(), tokens, r.ids.data(), r.w.data(), out.data()).ok());
-        if (want.empty()) {
-          want = out;
-        } else {
-          EXPECT_EQ(out, want) << FormatName(format) << ", hidden " << shape.hidden << ", " << tokens << " tokens, decode_max_tokens " << decode_max << ", " << threads << " threads";
+    for (const ExpertShape& shape : {SmallShape(), ExpertShape{1, 6, 2, 2090, 200}})
+      for (std::optional<KernelKind> kernel : kernels)
+        for (int64_t tokens : {1, 3, 16, 70}) {
+          const Experts experts(shape, 3);
+          Routing r = RandomRouting(shape, tokens, 20 + tokens);
+          std::vector<float> want;
+          for (int64_t decode_max : {int64_t{0}, int64_t{128}}) {
+            for (int threads : {1, 3, 5}) {
+              ExpertPoolOptions options;
+              options.format = format;
+              options.kernel = kernel;
+              options.threads = threads;
+              options.progress = false;
+              options.decode_max_tokens = decode_max;
+              auto pool = ExpertPool::Create(shape, options, experts.Source());
+              ASSERT_TRUE(pool.ok()) << pool.status();
+              std::vector<float> out(r.x.size(), -1.0f);
+              ASSERT_TRUE((*pool)->Compute(0, r.x.data(), tokens, r.ids.data(), r.w.data(), out.data()).ok());
+              if (want.empty()) {
+                want = out;
+              } else {
+                EXPECT_EQ(out, want) << FormatName(format) << ", hidden " << shape.hidden << ", " << tokens
+                                     << " tokens, decode_max_tokens " << decode_max << ", " << threads << " threads";
+              }
+            }
+          }
         }
-      }
-    }
-  }
 }
 
 TEST_F(ExpertPoolBehaviour, ATokensResultDoesNotDependOnItsCall) {

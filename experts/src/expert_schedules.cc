@@ -133,8 +133,8 @@ void ExpertCall::Down(int e, int64_t b0, int64_t b1) {
 
 void ExpertCall::Reduce(int64_t t, int64_t c0, int64_t c1) {
   Timed timed(times, Work::kReduce);
-  const int k = pool.shape().top_k;
-  const int32_t* pos = g.token_positions.data() + t * k;
+  const int k = g.token_slots[t];  // its positions come first; skipped slots have none
+  const int32_t* pos = g.token_positions.data() + t * pool.shape().top_k;
   absl::InlinedVector<const float*, 16> rows(k);
   absl::InlinedVector<float, 16> weights(k);
   for (int i = 0; i < k; ++i) {
@@ -262,6 +262,7 @@ void RunBatch(ExpertCall& c, Crew& crew) {
   // Reduce tasks (token * col_chunks + chunk) whose k expert rows are written, in that order.
   std::vector<int64_t> reduce_order;
   std::unique_ptr<std::atomic<int>[]> reduce_ready;
+  std::atomic<int64_t> next_push{0}, next_reduce{0};
   auto plan = [&] {
     n_active = static_cast<int64_t>(active.size());
     auto chunk_for = [&](int64_t blocks) {
@@ -298,13 +299,22 @@ void RunBatch(ExpertCall& c, Crew& crew) {
     }
     total_reduce = c.num_tokens * col_chunks;
     rows_left.reset(new std::atomic<int>[total_reduce]);
-    for (int64_t i = 0; i < total_reduce; ++i) rows_left[i].store(c.pool.shape().top_k, std::memory_order_relaxed);
+    for (int64_t i = 0; i < total_reduce; ++i) {
+      rows_left[i].store(c.g.token_slots[i / col_chunks], std::memory_order_relaxed);
+    }
     reduce_order.resize(total_reduce);
     reduce_ready.reset(new std::atomic<int>[total_reduce]);
     for (int64_t i = 0; i < total_reduce; ++i) reduce_ready[i].store(0, std::memory_order_relaxed);
+    // A token whose every slot is skipped has no expert row to wait for: its sums (zeros) are
+    // ready now.
+    for (int64_t i = 0; i < total_reduce; ++i) {
+      if (c.g.token_slots[i / col_chunks] != 0) continue;
+      const int64_t slot = next_push.fetch_add(1, std::memory_order_relaxed);
+      reduce_order[slot] = i;
+      reduce_ready[slot].store(1, std::memory_order_release);
+    }
   };
   std::atomic<int64_t> next_gu{0}, next_release{0}, next_down{0};
-  std::atomic<int64_t> next_push{0}, next_reduce{0};
 
   auto run_down = [&](int64_t d) {
     const int e = release_order[d / per_expert];

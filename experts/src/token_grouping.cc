@@ -27,6 +27,7 @@ absl::Status TokenGrouping::SetUp(int threads, bool gather, const MatrixLayout& 
   g_.slot_of.resize(slots);
   g_.token_of.resize(slots);
   g_.token_positions.resize(slots);
+  g_.token_slots.resize(num_tokens_);
   if (!gather_) g_.rows.resize(slots);
   return absl::OkStatus();
 }
@@ -39,7 +40,17 @@ void TokenGrouping::CountChunk(int64_t q) {
   const int64_t t0 = q * kSortTokens, t1 = std::min(num_tokens_, t0 + kSortTokens);
   int32_t* n = g_.chunk_next.data() + q * num_experts;
   std::fill(n, n + num_experts, 0);
-  for (int64_t i = t0 * k; i < t1 * k; ++i) ++n[topk_ids_[i]];
+  // A skipped slot (id < 0) has no position; a token's own count of slots sizes its sums.
+  for (int64_t t = t0; t < t1; ++t) {
+    int32_t slots = 0;
+    for (int j = 0; j < k; ++j) {
+      const int32_t e = topk_ids_[t * k + j];
+      if (e < 0) continue;
+      ++n[e];
+      ++slots;
+    }
+    g_.token_slots[t] = slots;
+  }
   if (gather_) g_.tokens_in.FillRows(token_rows_.data(), t0, t1);
 }
 
@@ -75,12 +86,16 @@ void TokenGrouping::PlaceChunk(int64_t q) {
   int32_t* next = g_.chunk_next.data() + q * num_experts_;
   for (int64_t t = t0; t < t1; ++t) {
     int32_t* mine = g_.token_positions.data() + t * k;
+    int placed = 0;
     for (int j = 0; j < k; ++j) {
-      const int32_t pos = next[topk_ids_[t * k + j]]++;
-      int x = j;
+      const int32_t e = topk_ids_[t * k + j];
+      if (e < 0) continue;
+      const int32_t pos = next[e]++;
+      int x = placed++;
       for (; x > 0 && mine[x - 1] > pos; --x) mine[x] = mine[x - 1];
       mine[x] = pos;
     }
+    std::fill(mine + placed, mine + k, -1);
   }
 }
 

@@ -25,8 +25,10 @@ struct TokenGroups {
   std::vector<int32_t> slot_of;   // slot (token * k + choice) of each position
   std::vector<int32_t> token_of;  // token of each position
   // token_positions[t * k .. t * k + k): token t's positions in increasing order, the order in
-  // which both schedules sum its expert rows.
+  // which both schedules sum its expert rows, then -1 for each of its skipped slots (id < 0).
   std::vector<int32_t> token_positions;
+  std::vector<int32_t> token_slots;  // slots of each token that are not skipped
+
   std::vector<const float*> rows;  // input row of each position (unless gathered)
   // [sort chunk x expert]: the chunk's slots of each expert, then the chunk's first position in it.
   std::vector<int32_t> chunk_next;

@@ -1,6 +1,7 @@
 #include "moe/runtime/backend.h"
 
 #include <cstring>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "moe/core/status.h"
@@ -14,22 +15,43 @@ int64_t AlignUp(int64_t n) { return (n + kArenaAlignment - 1) / kArenaAlignment 
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<KvCache>> Backend::CreateKvCache(const KvCacheShape& shape) {
+absl::StatusOr<std::unique_ptr<KvCache>> Backend::CreateKvCache(const KvCacheShape& shape,
+                                                                std::optional<core::DType> kv_dtype) {
   if (shape.num_blocks <= 0 || shape.block_size <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("KV cache needs positive num_blocks and block_size, got ",
                                                    shape.num_blocks, " and ", shape.block_size));
   }
-  const core::DType dtype = activation_dtype();
-  const int64_t rows = static_cast<int64_t>(shape.num_layers) * (shape.num_blocks + 1);
-  auto k = Allocate(dtype, rows, shape.elements_per_block_layer());
-  auto v = k.ok() ? Allocate(dtype, rows, shape.elements_per_block_layer())
-                  : absl::StatusOr<std::unique_ptr<DeviceBuffer>>(k.status());
-  if (!k.ok() || !v.ok()) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "cannot allocate a KV cache of ", shape.bytes(core::DTypeSize(dtype)) >> 20, " MiB (", shape.num_blocks,
-        " blocks of ", shape.block_size, " positions) on ", name(), ": ", (k.ok() ? v : k).status().message()));
+  const core::DType dtype = kv_dtype.value_or(activation_dtype());
+  if (!SupportsKvDtype(dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        name(), " keeps its KV cache in ", core::DTypeName(activation_dtype()), ", not ", core::DTypeName(dtype)));
   }
-  return std::make_unique<KvCache>(shape, dtype, std::move(*k), std::move(*v));
+  const int64_t rows = static_cast<int64_t>(shape.num_layers) * (shape.num_blocks + 1);
+  std::vector<std::unique_ptr<DeviceBuffer>> parts;
+  absl::Status failed;
+  auto add = [&](core::DType t, int64_t cols) {
+    if (!failed.ok()) return;
+    auto b = Allocate(t, rows, cols);
+    if (b.ok()) {
+      parts.push_back(std::move(*b));
+    } else {
+      failed = b.status();
+    }
+  };
+  add(dtype, shape.elements_per_block_layer());
+  add(dtype, shape.elements_per_block_layer());
+  if (dtype == core::DType::kF8E4M3) {
+    add(core::DType::kF32, static_cast<int64_t>(shape.block_size) * shape.num_kv_heads);
+    add(core::DType::kF32, static_cast<int64_t>(shape.block_size) * shape.num_kv_heads);
+  }
+  if (!failed.ok()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "cannot allocate a KV cache of ", shape.bytes(dtype) >> 20, " MiB (", shape.num_blocks, " blocks of ",
+        shape.block_size, " positions, ", core::DTypeName(dtype), ") on ", name(), ": ", failed.message()));
+  }
+  parts.resize(4);
+  return std::make_unique<KvCache>(shape, dtype, std::move(parts[0]), std::move(parts[1]), std::move(parts[2]),
+                                   std::move(parts[3]));
 }
 
 absl::Status Backend::ReserveArena(int64_t bytes, int64_t input_bytes) {
@@ -39,8 +61,8 @@ absl::Status Backend::ReserveArena(int64_t bytes, int64_t input_bytes) {
   bytes = AlignUp(bytes);
   auto arena = Allocate(core::DType::kI8, 1, bytes);
   if (!arena.ok()) {
-    return absl::ResourceExhaustedError(absl::StrCat("cannot reserve a step arena of ", bytes >> 20, " MiB on ",
-                                                     name(), ": ", arena.status().message()));
+    return absl::ResourceExhaustedError(absl::StrCat("cannot reserve a step arena of ", bytes >> 20, " MiB on ", name(),
+                                                     ": ", arena.status().message()));
   }
   MOE_ASSIGN_OR_RETURN(staging_, AllocateHost(input_bytes));
   arena_ = std::move(*arena);
@@ -62,7 +84,7 @@ absl::StatusOr<Tensor> Backend::Take(core::DType dtype, int64_t rows, int64_t co
 
 absl::StatusOr<StepTensors> Backend::BeginStep(const StepInputs& in) {
   arena_used_ = 0;
-  const std::vector<int32_t>* parts[] = {&in.token_ids, &in.positions, &in.row_seq, &in.seq_start,
+  const std::vector<int32_t>* parts[] = {&in.token_ids, &in.positions,   &in.row_seq,   &in.seq_start,
                                          &in.seq_len,   &in.block_table, &in.logit_rows};
   int64_t total = 0;
   for (const auto* p : parts) total += AlignUp(static_cast<int64_t>(p->size()) * 4);

@@ -355,6 +355,70 @@ TEST_P(BackendTest, SplitRoutingSendsEachPickToOneSide) {
   }
 }
 
+// The picks of real rows add to the counts (skipped slots, -1, do not); a graph step's padding row,
+// whose block table holds only the scratch block, is left out.
+TEST_P(BackendTest, CountPicksAddsRealRowsOnly) {
+  const int e = 6, k = 2, scratch = 9;
+  StepInputs in;
+  in.token_ids = {1, 2, 3, 0};
+  in.positions = {0, 1, 5, 0};
+  in.row_seq = {0, 0, 1, 2};
+  in.seq_start = {0, 2, 3, 4};
+  in.seq_len = {2, 6, 1};
+  in.block_table = {0, scratch, 1, 2, scratch, scratch};  // sequence 2 is padding
+  in.max_blocks = 2;
+  in.max_q_len = 2;
+  in.max_kv_len = 6;
+  in.logit_rows = {1, 2, 3};
+  auto step = b_->BeginStep(in);
+  ASSERT_TRUE(step.ok()) << step.status();
+  const std::vector<int32_t> ids = {0, 5, 5, -1, 2, 5, 3, 3};
+  Tensor counts = PutInts({5, 0, 0, 0, 0, 1}, 1, e);
+  b_->CountPicks(PutInts(ids, 4, k), *step, scratch, counts);
+  b_->CountPicks(PutInts(ids, 4, k), *step, scratch, counts);  // counts add up across calls
+  std::vector<int32_t> got(e);
+  b_->CopyToHost(counts, got.data());
+  ASSERT_TRUE(b_->Synchronize().ok());
+  EXPECT_EQ(got, (std::vector<int32_t>{7, 0, 2, 0, 0, 7}));
+}
+
+// Replacing one held expert's weights changes that slot only.
+TEST_P(BackendTest, ReplaceExpertChangesOnlyItsSlot) {
+  const DType act = b_->activation_dtype();
+  const int h = 32, width = 16;
+  std::vector<std::vector<uint8_t>> host;
+  auto matrix = [&](uint32_t seed, int rows, int cols) {
+    host.push_back(testing_util::HostTensor(AsInput(Random(rows * cols, seed, 0.3f), DType::kBF16), DType::kBF16));
+    return core::TensorView{host.back().data(), DType::kBF16, {rows, cols}};
+  };
+  host.reserve(16);
+  std::vector<core::TensorView> g, u, d;
+  for (int i = 0; i < 4; ++i) {  // experts 0-2 prepared; expert 3 is the newcomer
+    g.push_back(matrix(100 + i, width, h));
+    u.push_back(matrix(200 + i, width, h));
+    d.push_back(matrix(300 + i, h, width));
+  }
+  auto three = b_->PrepareExperts({g[0], g[1], g[2]}, {u[0], u[1], u[2]}, {d[0], d[1], d[2]});
+  auto reference = b_->PrepareExperts({g[0], g[3], g[2]}, {u[0], u[3], u[2]}, {d[0], d[3], d[2]});
+  ASSERT_TRUE(three.ok() && reference.ok());
+  ASSERT_TRUE(b_->ReplaceExpert(**three, 1, g[3], u[3], d[3]).ok());
+  EXPECT_EQ(b_->ReplaceExpert(**three, 3, g[3], u[3], d[3]).code(), absl::StatusCode::kInvalidArgument);
+  const std::vector<float> x = AsInput(Random(3 * h, 7), act);
+  const std::vector<int32_t> ids = {0, 1, 1, 2, 2, 0};
+  const std::vector<float> w = {0.5f, 0.25f, 1.0f, 0.75f, 0.3f, 0.6f};
+  Tensor got = Poisoned(3, h, DType::kF32), want = Poisoned(3, h, DType::kF32);
+  b_->MoeExperts(Put(x, 3, h, act), PutInts(ids, 3, 2), Put(w, 3, 2, DType::kF32), **three, got);
+  b_->MoeExperts(Put(x, 3, h, act), PutInts(ids, 3, 2), Put(w, 3, 2, DType::kF32), **reference, want);
+  const std::vector<float> a = Get(got), b = Get(want);
+  double worst = 0, scale = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    worst = std::max(worst, std::abs(double(a[i]) - b[i]));
+    scale = std::max(scale, std::abs(double(b[i])));
+  }
+  EXPECT_GT(scale, 0.0);
+  EXPECT_LE(worst, 1e-6 * scale);  // the same kernel over the same weights (up to the order of atomics)
+}
+
 TEST_P(BackendTest, MoeExpertsWeightTheChosenExperts) {
   const DType act = b_->activation_dtype();
   const int e = 8, k = 3, h = 64, width = 40;
@@ -536,7 +600,8 @@ TEST_P(BackendTest, AttentionMatchesFullAttentionOverMixedSteps) {
           for (double& x : score) sum += x = std::exp(x - mx);
           for (int i = 0; i < d; ++i) {
             double want = 0;
-            for (int j = 0; j <= p; ++j) want += score[j] / sum * history[s][int64_t{j} * width + qw + kvw + kvh * d + i];
+            for (int j = 0; j <= p; ++j)
+              want += score[j] / sum * history[s][int64_t{j} * width + qw + kvw + kvh * d + i];
             const double g = got[(int64_t{r} * c.heads + h) * d + i];
             err += (want - g) * (want - g);
             norm += want * want;

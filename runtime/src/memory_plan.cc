@@ -118,22 +118,32 @@ absl::StatusOr<MemoryPlan> PlanMemory(const ModelSpec& spec, const Placement& pl
     plan.gpu_read_per_token += static_cast<int64_t>(share * k * static_cast<double>(cpu_layers.size()) * expert_bf16);
   }
 
-  plan.kv_bytes_per_token =
-      int64_t{spec.num_layers} * 2 * spec.num_kv_heads * spec.head_dim * core::DTypeSize(core::DType::kBF16);
-  const int64_t block_bytes = plan.kv_bytes_per_token * o.kv_block_size;
-  const int64_t logit_rows = std::min(o.max_logit_rows, o.max_batch_tokens);
-  auto kv_bytes = [&](int64_t ctx, int64_t seqs) {
-    return (seqs * BlocksFor(ctx, o.kv_block_size) + 1) * block_bytes;  // + the scratch block
+  if (o.kv_dtype != core::DType::kBF16 && o.kv_dtype != core::DType::kF8E4M3) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a GPU's KV cache is bf16 or fp8, not ", core::DTypeName(o.kv_dtype)));
+  }
+  auto kv_per_token = [&](core::DType dtype) {
+    return int64_t{spec.num_layers} * KvBytesPerPositionLayer(spec.num_kv_heads, spec.head_dim, dtype);
   };
+  plan.kv_bytes_per_token = kv_per_token(o.kv_dtype);
+  const int64_t logit_rows = std::min(o.max_logit_rows, o.max_batch_tokens);
+  auto kv_bytes_in = [&](core::DType dtype, int64_t ctx, int64_t seqs) {
+    return (seqs * BlocksFor(ctx, o.kv_block_size) + 1) * kv_per_token(dtype) * o.kv_block_size;  // + scratch
+  };
+  auto kv_bytes = [&](int64_t ctx, int64_t seqs) { return kv_bytes_in(o.kv_dtype, ctx, seqs); };
   auto arena_bytes = [&](int64_t ctx) {
     return Model::StepArenaBytes(spec, core::DType::kBF16, o.max_batch_tokens, logit_rows, static_cast<int>(ctx)).total;
   };
   const int64_t weights = plan.gpu.total;
-  auto gpu_total = [&](int64_t ctx, int64_t seqs) {
-    return weights + kv_bytes(ctx, seqs) + arena_bytes(ctx) + kGpuHeadroomBytes;
+  auto gpu_total_in = [&](core::DType dtype, int64_t ctx, int64_t seqs) {
+    return weights + kv_bytes_in(dtype, ctx, seqs) + arena_bytes(ctx) + kGpuHeadroomBytes;
   };
+  auto gpu_total = [&](int64_t ctx, int64_t seqs) { return gpu_total_in(o.kv_dtype, ctx, seqs); };
   const int64_t kv = kv_bytes(context, o.max_seqs);
-  Add(&plan.gpu, absl::StrCat("KV cache (bf16): ", o.max_seqs, " x ", Thousands(context), " positions"), kv);
+  Add(&plan.gpu,
+      absl::StrCat("KV cache (", o.kv_dtype == core::DType::kF8E4M3 ? "fp8" : "bf16", "): ", o.max_seqs, " x ",
+                   Thousands(context), " positions"),
+      kv);
   Add(&plan.gpu, absl::StrCat("step activations: ", o.max_batch_tokens, " tokens"), arena_bytes(context));
   Add(&plan.gpu, "CUDA context, cuBLASLt workspace, graphs and scratch (allowance)", kGpuHeadroomBytes);
 
@@ -166,11 +176,16 @@ absl::StatusOr<MemoryPlan> PlanMemory(const ModelSpec& spec, const Placement& pl
     } else {
       // The longest context (a whole number of blocks) at max_seqs, and the most sequences at
       // the asked context, each the largest that fits.
-      int64_t lo = 0, hi = BlocksFor(context, block);  // blocks per sequence: lo fits, hi does not
-      while (hi - lo > 1) {
-        const int64_t mid = (lo + hi) / 2;
-        (gpu_total(mid * block, o.max_seqs) <= plan.gpu.free ? lo : hi) = mid;
-      }
+      // Blocks per sequence: lo fits, hi does not.
+      auto longest = [&](core::DType dtype) {
+        int64_t lo = 0, hi = BlocksFor(context, block) + 1;
+        while (hi - lo > 1) {
+          const int64_t mid = (lo + hi) / 2;
+          (gpu_total_in(dtype, mid * block, o.max_seqs) <= plan.gpu.free ? lo : hi) = mid;
+        }
+        return std::min(lo * block, context);
+      };
+      const int64_t lo = longest(o.kv_dtype) / block;
       int64_t seqs_lo = 0, seqs_hi = o.max_seqs;
       while (seqs_hi - seqs_lo > 1) {
         const int64_t mid = (seqs_lo + seqs_hi) / 2;
@@ -183,6 +198,15 @@ absl::StatusOr<MemoryPlan> PlanMemory(const ModelSpec& spec, const Placement& pl
       if (seqs_lo >= 1) {
         absl::StrAppend(&plan.refusal, ", or ", seqs_lo, " sequence", seqs_lo == 1 ? "" : "s", " at ",
                         Thousands(context), " (--max-seqs)");
+      }
+      if (o.kv_dtype == core::DType::kBF16) {
+        const int64_t fp8 = longest(core::DType::kF8E4M3);
+        if (fp8 >= context) {
+          absl::StrAppend(&plan.refusal, ", or --kv-cache-dtype fp8, with which ctx ", Thousands(context), " fits");
+        } else {
+          absl::StrAppend(&plan.refusal, ", or --kv-cache-dtype fp8, with which the largest context is ",
+                          Thousands(fp8));
+        }
       }
     }
   }

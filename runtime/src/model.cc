@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <deque>
 #include <numeric>
 #include <random>
 
@@ -13,10 +14,17 @@
 #include "moe/core/logging.h"
 #include "moe/core/status.h"
 #include "moe/runtime/backend_cpu.h"
+#include "moe/runtime/routing_profile.h"
 #include "moe_block.h"
 
 namespace moe::runtime {
 namespace {
+
+// A newcomer takes a held expert's place on the backend only when its score is this much higher.
+constexpr double kHeldExpertsMargin = 1.25;
+// At each refresh the scores so far are multiplied by this before the new counts are added: the
+// ranking remembers about four refreshes' worth of picks.
+constexpr double kHeldExpertsDecay = 0.75;
 
 using core::DType;
 using internal::FfnBuffers;
@@ -43,12 +51,12 @@ int GraphBatchBucket(int rows, int most) {
 // Every activation of a step, carved from the arena before the first operation is queued: the
 // same step shape gets the same addresses, which a replayed CUDA graph relies on.
 struct Model::StepBuffers {
-  Tensor x;       // [T x hidden] fp32: the residual stream
-  Tensor h;       // [T x hidden] activation dtype: the normed input of a block
-  Tensor qkv;     // [T x (H + 2 KV) d]
-  Tensor q;       // [T x H d]
-  Tensor attn;    // [T x H d]
-  Tensor delta;   // [T x hidden] fp32: a block's output, added to x by the next norm
+  Tensor x;      // [T x hidden] fp32: the residual stream
+  Tensor h;      // [T x hidden] activation dtype: the normed input of a block
+  Tensor qkv;    // [T x (H + 2 KV) d]
+  Tensor q;      // [T x H d]
+  Tensor attn;   // [T x H d]
+  Tensor delta;  // [T x hidden] fp32: a block's output, added to x by the next norm
   FfnBuffers ffn;
   Tensor last_h;  // [L x hidden] activation dtype
   Tensor logits;  // [L x vocab] fp32
@@ -96,6 +104,103 @@ absl::Status ForEachStepBuffer(const ModelSpec& s, DType act, int64_t t, int64_t
 }
 
 }  // namespace
+
+// Held experts chosen while serving: the picks counted on the backend, each pool layer's scores,
+// and the swaps queued for the next steps.
+struct Model::HeldExperts {
+  std::unique_ptr<DeviceBuffer> counts;  // [num_layers x E] int32 on the backend, rows of pool layers
+  std::unique_ptr<HostBuffer> host_counts;
+  std::vector<int32_t> zeros;
+  std::vector<std::vector<double>> scores;  // per model layer
+  struct Swap {
+    int layer, out, in;
+  };
+  std::deque<Swap> pending;
+  int steps = 0;
+  HeldExpertsStats stats;
+};
+
+absl::Status Model::StartHeldExperts() {
+  Backend& b = *backend_;
+  const int e = spec_.routing.num_experts;
+  held_ = std::make_unique<HeldExperts>();
+  MOE_ASSIGN_OR_RETURN(held_->counts, b.Allocate(DType::kI32, spec_.num_layers, e));
+  MOE_ASSIGN_OR_RETURN(held_->host_counts, b.AllocateHost(int64_t{spec_.num_layers} * e * 4));
+  held_->zeros.assign(static_cast<size_t>(spec_.num_layers) * e, 0);
+  held_->scores.assign(spec_.num_layers, std::vector<double>(e, 0.0));
+  b.CopyFromHost(held_->zeros.data(), held_->counts->tensor());
+  return b.Synchronize();
+}
+
+absl::Status Model::RefreshHeldExperts() {
+  if (held_ == nullptr) return absl::OkStatus();
+  Backend& b = *backend_;
+  HeldExperts& h = *held_;
+  // One swap a step: one expert's weights copied to the backend, queued before the step.
+  while (!h.pending.empty()) {
+    const HeldExperts::Swap swap = h.pending.front();
+    h.pending.pop_front();
+    LayerWeights& lw = weights_->layers[swap.layer];
+    const int slot = lw.backend_index_host[swap.out];
+    if (slot < 0 || lw.backend_index_host[swap.in] >= 0) continue;  // no longer applies
+    const internal::ExpertTensorNames names = internal::ExpertNames(spec_, swap.layer, swap.in);
+    MOE_ASSIGN_OR_RETURN(core::TensorView gate, source_->Get(names.gate));
+    MOE_ASSIGN_OR_RETURN(core::TensorView up, source_->Get(names.up));
+    MOE_ASSIGN_OR_RETURN(core::TensorView down, source_->Get(names.down));
+    MOE_RETURN_IF_ERROR(b.ReplaceExpert(*lw.experts, slot, gate, up, down));
+    lw.backend_index_host[swap.out] = -1;
+    lw.backend_index_host[swap.in] = slot;
+    b.CopyFromHost(lw.backend_index_host.data(), lw.backend_index->tensor());
+    ++h.stats.swaps;
+    break;
+  }
+  if (++h.steps < options_.held_experts_refresh_steps) return absl::OkStatus();
+  h.steps = 0;
+  ++h.stats.refreshes;
+  b.CopyToHost(h.counts->tensor(), h.host_counts->data());
+  MOE_RETURN_IF_ERROR(b.Synchronize());
+  b.CopyFromHost(h.zeros.data(), h.counts->tensor());
+  const int e = spec_.routing.num_experts;
+  h.pending.clear();
+  for (int layer : pool_layers_) {
+    const LayerWeights& lw = weights_->layers[layer];
+    if (lw.backend_index == nullptr) continue;
+    const int32_t* counts = h.host_counts->as<int32_t>() + static_cast<int64_t>(layer) * e;
+    std::vector<double>& scores = h.scores[layer];
+    std::vector<int> held;
+    for (int x = 0; x < e; ++x) {
+      scores[x] = kHeldExpertsDecay * scores[x] + counts[x];
+      h.stats.picks += counts[x];
+      if (lw.backend_index_host[x] >= 0) {
+        held.push_back(x);
+        h.stats.held_picks += counts[x];
+      }
+    }
+    for (const auto& [out, in] : PlanHeldExpertSwaps(scores, held, kHeldExpertsMargin)) {
+      h.pending.push_back({layer, out, in});
+    }
+  }
+  if (!h.pending.empty()) {
+    MOE_LOG(kInfo) << "experts held on " << b.name() << ": " << h.pending.size()
+                   << " swaps queued from the picks counted while serving (one a step)";
+  }
+  return absl::OkStatus();
+}
+
+std::vector<int> Model::held_experts(int layer) const {
+  if (layer < 0 || layer >= spec_.num_layers) return {};
+  const LayerWeights& lw = weights_->layers[layer];
+  if (lw.backend_index == nullptr) return {};
+  std::vector<int> held;
+  for (int slot = 0;; ++slot) {
+    auto it = std::find(lw.backend_index_host.begin(), lw.backend_index_host.end(), slot);
+    if (it == lw.backend_index_host.end()) break;
+    held.push_back(static_cast<int>(it - lw.backend_index_host.begin()));
+  }
+  return held;
+}
+
+Model::HeldExpertsStats Model::held_experts_stats() const { return held_ ? held_->stats : HeldExpertsStats{}; }
 
 Model::~Model() {
   // The backend outlives the pool (it may be shared, and is destroyed last): nothing of its may
@@ -180,6 +285,22 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& model_dir,
     }
   }
   const bool pool = !pool_layers.empty();
+  if (options.kv_cache_dtype && !b.SupportsKvDtype(*options.kv_cache_dtype)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a KV cache in ", core::DTypeName(*options.kv_cache_dtype), ": ", b.name(), " keeps it in ",
+                     core::DTypeName(b.activation_dtype()),
+                     *options.kv_cache_dtype == DType::kF8E4M3 ? " (an fp8 KV cache is for a GPU)" : ""));
+  }
+  if (options.defer_experts < 0 || options.defer_experts >= spec.routing.top_k) {
+    return absl::InvalidArgumentError(absl::StrCat("defer_experts ", options.defer_experts, ": the model picks ",
+                                                   spec.routing.top_k, " experts a token, so at most ",
+                                                   spec.routing.top_k - 1, " can be deferred"));
+  }
+  if (options.defer_experts > 0 && !pool) {
+    return absl::InvalidArgumentError(
+        "expert deferral finishes routed experts in the CPU pool beside the next layer's attention: it needs "
+        "routed experts in the pool (--experts auto or pool on the CPU, --cpu-moe or --n-cpu-moe on a GPU)");
+  }
   if (pool && b.HostAddressable() && b.activation_dtype() != DType::kF32) {
     return absl::FailedPreconditionError(absl::StrCat("routed experts in the CPU expert pool need fp32 activations; ",
                                                       b.name(), " has ", core::DTypeName(b.activation_dtype())));
@@ -208,15 +329,31 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& model_dir,
     }
     backend_experts[layer] = ids;
   }
+  const int held_n = options.held_experts_per_layer;
+  if (held_n != 0) {
+    if (held_n < 0 || held_n > spec.routing.num_experts || !options.backend_experts.empty() || pool_layers.empty() ||
+        options.held_experts_refresh_steps < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "experts held on the backend while serving: ", held_n, " of each pool layer's ", spec.routing.num_experts,
+          " (1 to ", spec.routing.num_experts, "), refreshed every ", options.held_experts_refresh_steps,
+          " steps (1 or more), with routed experts in the pool and no backend_experts (a profile's choice)"));
+    }
+    for (int l : pool_layers) {
+      backend_experts[l].resize(held_n);
+      std::iota(backend_experts[l].begin(), backend_experts[l].end(), 0);
+    }
+  }
   MOE_ASSIGN_OR_RETURN(model->weights_,
                        internal::LoadWeights(spec, *model->source_, b, backend_experts, options.progress));
+  if (held_n > 0) MOE_RETURN_IF_ERROR(model->StartHeldExperts());
   if (pool) {
     experts::ExpertPoolOptions pool_options = options.pool;
     pool_options.linger_us = options.expert_linger_us.value_or(b.ComputesOnHostCores() ? 0 : pool_options.linger_us);
     MOE_ASSIGN_OR_RETURN(model->pool_,
                          internal::CreatePool(spec, *model->source_, pool_options, model_dir, pool_layers));
   }
-  model->routed_experts_ = internal::MakeRoutedExperts(b, *model->weights_, spec, model->pool_.get(), pool_layers);
+  model->routed_experts_ =
+      internal::MakeRoutedExperts(b, *model->weights_, spec, model->pool_.get(), pool_layers, options.defer_experts);
   MOE_RETURN_IF_ERROR(model->ReserveStep());
   if (pool && !b.HostAddressable() && options.prefill_offload_tokens != 0) {
     MOE_RETURN_IF_ERROR(model->SetUpStreamedExperts());
@@ -348,15 +485,15 @@ absl::StatusOr<std::unique_ptr<KvCache>> Model::NewKvCache(int num_blocks, int b
   shape.block_size = block_size;
   shape.num_kv_heads = spec_.num_kv_heads;
   shape.head_dim = spec_.head_dim;
-  return backend_->CreateKvCache(shape);
+  return backend_->CreateKvCache(shape, kv_dtype());
 }
 
 absl::Status Model::CheckBatch(const ForwardBatch& batch, const KvCache& cache) const {
   const int64_t rows = static_cast<int64_t>(batch.token_ids.size());
   if (rows == 0) return absl::InvalidArgumentError("empty batch: no tokens");
   if (rows > options_.max_step_tokens) {
-    return absl::InvalidArgumentError(absl::StrCat("a step of ", rows, " tokens exceeds the ",
-                                                   options_.max_step_tokens, " the model was loaded for"));
+    return absl::InvalidArgumentError(absl::StrCat("a step of ", rows, " tokens exceeds the ", options_.max_step_tokens,
+                                                   " the model was loaded for"));
   }
   if (static_cast<int64_t>(batch.logit_rows.size()) > options_.max_logit_rows) {
     return absl::InvalidArgumentError(absl::StrCat("a step asking for ", batch.logit_rows.size(),
@@ -375,8 +512,8 @@ absl::Status Model::CheckBatch(const ForwardBatch& batch, const KvCache& cache) 
   for (size_t s = 0; s < batch.sequences.size(); ++s) {
     const SequenceChunk& c = batch.sequences[s];
     if (c.num_tokens <= 0 || c.first_position < 0) {
-      return absl::InvalidArgumentError(absl::StrCat("sequence ", s, ": chunk of ", c.num_tokens,
-                                                     " tokens at position ", c.first_position));
+      return absl::InvalidArgumentError(
+          absl::StrCat("sequence ", s, ": chunk of ", c.num_tokens, " tokens at position ", c.first_position));
     }
     if (c.first_position + c.num_tokens > options_.max_context) {
       return absl::InvalidArgumentError(absl::StrCat("sequence ", s, ": positions up to ",
@@ -402,7 +539,8 @@ absl::Status Model::CheckBatch(const ForwardBatch& batch, const KvCache& cache) 
         absl::StrCat("the sequences cover ", covered, " tokens but the batch has ", rows));
   }
   for (int32_t r : batch.logit_rows) {
-    if (r < 0 || r >= rows) return absl::InvalidArgumentError(absl::StrCat("logit row ", r, " outside [0, ", rows, ")"));
+    if (r < 0 || r >= rows)
+      return absl::InvalidArgumentError(absl::StrCat("logit row ", r, " outside [0, ", rows, ")"));
   }
   return absl::OkStatus();
 }
@@ -500,8 +638,13 @@ absl::Status Model::RunLayers(const StepTensors& step, const StepBuffers& buf, K
     b.AddRmsNorm(buf.x, &buf.delta, *lw.post_attention_norm, s.rms_norm_eps, buf.h);
     tap("post_attention_norm", layer, buf.h);
     if (s.IsMoeLayer(layer)) {
-      MOE_RETURN_IF_ERROR(core::Annotate(
-          internal::RunMoe(b, s, lw, *routed_experts_, layer, buf.h, buf.ffn, buf.delta), absl::StrCat("layer ", layer)));
+      internal::PickCounter counter;
+      if (held_ != nullptr && lw.backend_index != nullptr) {
+        counter = {&step, cache.scratch_block(), held_->counts->tensor().Rows(layer, 1)};
+      }
+      MOE_RETURN_IF_ERROR(
+          core::Annotate(internal::RunMoe(b, s, lw, *routed_experts_, layer, buf.h, buf.ffn, buf.delta, counter),
+                         absl::StrCat("layer ", layer)));
       const int64_t rows = buf.h.rows;
       tap("router_logits", layer, buf.ffn.router_logits.Rows(0, rows));
       tap("expert_ids", layer, buf.ffn.ids.Rows(0, rows));
@@ -526,6 +669,7 @@ absl::Status Model::RunLayers(const StepTensors& step, const StepBuffers& buf, K
 
 absl::StatusOr<Tensor> Model::ForwardOnDevice(const ForwardBatch& batch, KvCache& cache) {
   MOE_RETURN_IF_ERROR(CheckBatch(batch, cache));
+  MOE_RETURN_IF_ERROR(RefreshHeldExperts());
   Backend& b = *backend_;
   const int rows = static_cast<int>(batch.token_ids.size());
   // A decode step (one token per sequence, each wanting logits) is replayed from a graph.

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "moe/core/status.h"
+#include "moe/runtime/routing.h"
 
 namespace moe::runtime::internal {
 namespace {
@@ -20,10 +21,17 @@ namespace {
 class LayerExperts : public RoutedExperts, public HostExperts {
  public:
   LayerExperts(Backend& backend, const Model::Weights& weights, const ModelSpec& spec, experts::ExpertPool* pool,
-               const std::vector<int>& pool_layers)
-      : backend_(backend), weights_(weights), pool_(pool), pool_index_(spec.num_layers, -1) {
+               const std::vector<int>& pool_layers, int defer)
+      : backend_(backend),
+        weights_(weights),
+        pool_(pool),
+        pool_index_(spec.num_layers, -1),
+        top_k_(spec.routing.top_k),
+        hidden_(spec.hidden_size),
+        defer_(defer) {
     for (size_t i = 0; i < pool_layers.size(); ++i) pool_index_[pool_layers[i]] = static_cast<int>(i);
   }
+  ~LayerExperts() override { DropDeferred(); }
 
   absl::Status Start(int layer, const Tensor& hidden, const Tensor& ids, const Tensor& weights,
                      const Tensor& out) override {
@@ -33,8 +41,19 @@ class LayerExperts : public RoutedExperts, public HostExperts {
         backend_.MoeExperts(hidden, ids, weights, *weights_.layers[layer].experts, out);
         return absl::OkStatus();
       case Mode::kPool: {
-        MOE_ASSIGN_OR_RETURN(ticket_, pool_->Submit(pool_index_[layer], hidden.as<float>(), hidden.rows,
-                                                    ids.as<int32_t>(), weights.as<float>(), out.as<float>()));
+        // The previous layer's deferred picks finish first (the pool runs one call at a time).
+        MOE_RETURN_IF_ERROR(AwaitDeferred(layer));
+        const int32_t* now_ids = ids.as<int32_t>();
+        const float* now_weights = weights.as<float>();
+        if (Defers(layer)) {
+          SplitDeferred(ids.as<int32_t>(), weights.as<float>(), hidden.rows);
+          now_ids = now_ids_.data();
+          now_weights = now_weights_.data();
+        }
+        layer_ = layer;
+        call_ = {hidden.as<float>(), hidden.rows, out.as<float>()};
+        MOE_ASSIGN_OR_RETURN(ticket_, pool_->Submit(pool_index_[layer], hidden.as<float>(), hidden.rows, now_ids,
+                                                    now_weights, out.as<float>()));
         return absl::OkStatus();
       }
       case Mode::kHost:
@@ -48,7 +67,8 @@ class LayerExperts : public RoutedExperts, public HostExperts {
       case Mode::kBackend:
         return absl::OkStatus();
       case Mode::kPool:
-        return pool_->Wait(ticket_);
+        MOE_RETURN_IF_ERROR(pool_->Wait(ticket_));
+        return AddAndDefer(layer_, call_.hidden, call_.rows, call_.out);
       case Mode::kHost:
         return backend_.FinishHostExperts();
     }
@@ -59,7 +79,14 @@ class LayerExperts : public RoutedExperts, public HostExperts {
   absl::Status Compute(int layer, const float* hidden, int64_t rows, const int32_t* ids, const float* weights,
                        float* out) override {
     const auto start = std::chrono::steady_clock::now();
-    absl::Status s = pool_->Compute(pool_index_[layer], hidden, rows, ids, weights, out);
+    absl::Status s = AwaitDeferred(layer);
+    if (s.ok() && Defers(layer)) {
+      SplitDeferred(ids, weights, rows);
+      ids = now_ids_.data();
+      weights = now_weights_.data();
+    }
+    if (s.ok()) s = pool_->Compute(pool_index_[layer], hidden, rows, ids, weights, out);
+    if (s.ok()) s = AddAndDefer(layer, hidden, rows, out);
     const auto end = std::chrono::steady_clock::now();
     std::lock_guard<std::mutex> lock(timing_mu_);
     ++timing_.calls;
@@ -86,31 +113,104 @@ class LayerExperts : public RoutedExperts, public HostExperts {
 
  private:
   enum class Mode { kBackend, kPool, kHost };
+
+  // Expert deferral: a pool layer followed by another defers each token's `defer_` lowest-weighted
+  // picks; they run in the pool while the next layer's attention runs, and their sum is added to
+  // that layer's routed experts' output. The last pool layer of a run of them defers nothing, so
+  // nothing is left over at the end of a step.
+  bool Defers(int layer) const {
+    return defer_ > 0 && layer + 1 < static_cast<int>(pool_index_.size()) && pool_index_[layer + 1] >= 0;
+  }
+  void SplitDeferred(const int32_t* ids, const float* weights, int64_t rows) {
+    const size_t slots = static_cast<size_t>(rows) * top_k_;
+    now_ids_.resize(slots);
+    now_weights_.resize(slots);
+    later_ids_.resize(slots);
+    later_weights_.resize(slots);
+    for (int64_t r = 0; r < rows; ++r) {
+      SplitDeferredPicks(ids + r * top_k_, weights + r * top_k_, top_k_, defer_, now_ids_.data() + r * top_k_,
+                         now_weights_.data() + r * top_k_, later_ids_.data() + r * top_k_,
+                         later_weights_.data() + r * top_k_);
+    }
+  }
+  // Before layer `layer`'s call: waits for the deferred picks in flight. They belong to this
+  // layer only if they came from the one before it in the same step; anything else (a step that
+  // failed half way) is dropped.
+  absl::Status AwaitDeferred(int layer) {
+    deferred_.ready = false;
+    if (!deferred_.in_flight) return absl::OkStatus();
+    deferred_.in_flight = false;
+    absl::Status s = pool_->Wait(deferred_.ticket);
+    deferred_.ready = s.ok() && deferred_.layer + 1 == layer;
+    return s;
+  }
+  // After layer `layer`'s call wrote `out`: adds the previous layer's deferred sum, then starts this
+  // layer's deferred picks (their input copied: the caller's buffers are reused).
+  absl::Status AddAndDefer(int layer, const float* hidden, int64_t rows, float* out) {
+    if (deferred_.ready) {
+      deferred_.ready = false;
+      const float* later = deferred_out_.data();
+      for (int64_t i = 0; i < rows * hidden_; ++i) out[i] += later[i];
+    }
+    if (!Defers(layer)) return absl::OkStatus();
+    deferred_hidden_.assign(hidden, hidden + rows * hidden_);
+    deferred_out_.resize(static_cast<size_t>(rows) * hidden_);
+    MOE_ASSIGN_OR_RETURN(deferred_.ticket,
+                         pool_->Submit(pool_index_[layer], deferred_hidden_.data(), rows, later_ids_.data(),
+                                       later_weights_.data(), deferred_out_.data()));
+    deferred_.in_flight = true;
+    deferred_.layer = layer;
+    return absl::OkStatus();
+  }
+  void DropDeferred() {
+    if (deferred_.in_flight) (void)pool_->Wait(deferred_.ticket);
+    deferred_ = Deferred{};
+  }
+
   Backend& backend_;
   const Model::Weights& weights_;
   experts::ExpertPool* pool_;
   std::vector<int> pool_index_;  // per model layer: its index in the pool, or -1
+  const int top_k_;
+  const int64_t hidden_;
+  const int defer_;
   Mode mode_ = Mode::kBackend;
   experts::ExpertPool::Ticket ticket_;
+  // The pool call of the layer in flight (kPool: between Start and Finish).
+  struct Call {
+    const float* hidden = nullptr;
+    int64_t rows = 0;
+    float* out = nullptr;
+  };
+  Call call_;
+  int layer_ = -1;
+  // Expert deferral's state: touched by the thread that drives the pool (the model's thread with
+  // kPool, the backend's host thread with kHost), never both in one model.
+  struct Deferred {
+    bool in_flight = false;  // a pool call of deferred picks was submitted and not waited for
+    bool ready = false;      // waited for, and its sum is the next call's to add
+    int layer = -1;
+    experts::ExpertPool::Ticket ticket;
+  };
+  Deferred deferred_;
+  std::vector<int32_t> now_ids_, later_ids_;
+  std::vector<float> now_weights_, later_weights_;
+  std::vector<float> deferred_hidden_, deferred_out_;
   mutable std::mutex timing_mu_;
   HostExpertsTiming timing_;
   int last_layer_ = -1;
   std::optional<std::chrono::steady_clock::time_point> last_end_;
 };
 
-// Names of one routed expert's tensors in the checkpoint.
-struct ExpertTensorNames {
-  std::string gate, up, down;
-};
+}  // namespace
+
 ExpertTensorNames ExpertNames(const ModelSpec& spec, int layer, int expert) {
   const bool mixtral = spec.arch == Architecture::kMixtral;
-  const std::string p = absl::StrCat("model.layers.", layer, mixtral ? ".block_sparse_moe" : ".mlp", ".experts.",
-                                     expert, ".");
+  const std::string p =
+      absl::StrCat("model.layers.", layer, mixtral ? ".block_sparse_moe" : ".mlp", ".experts.", expert, ".");
   if (mixtral) return {p + "w1.weight", p + "w3.weight", p + "w2.weight"};
   return {p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"};
 }
-
-}  // namespace
 
 void RunFfn(Backend& b, const FfnWeights& w, const Tensor& x, const FfnBuffers& buf, const Tensor& out) {
   const int64_t rows = x.rows, width = w.width();
@@ -122,13 +222,14 @@ void RunFfn(Backend& b, const FfnWeights& w, const Tensor& x, const FfnBuffers& 
 }
 
 absl::Status RunMoe(Backend& b, const ModelSpec& spec, const LayerWeights& lw, RoutedExperts& routed, int layer,
-                    const Tensor& x, const FfnBuffers& buf, const Tensor& out) {
+                    const Tensor& x, const FfnBuffers& buf, const Tensor& out, const PickCounter& counter) {
   const int64_t rows = x.rows;
   const Tensor logits = buf.router_logits.Rows(0, rows);
   const Tensor ids = buf.ids.Rows(0, rows);
   const Tensor weights = buf.weights.Rows(0, rows);
   b.Linear(x, *lw.router, nullptr, logits);
   b.Route(logits, spec.routing, lw.correction_bias.get(), ids, weights);
+  if (counter.step != nullptr) b.CountPicks(ids, *counter.step, counter.scratch_block, counter.counts);
   // The routed experts start; the shared expert runs meanwhile, into its own buffer. A pool layer
   // whose most used experts the backend holds too sends each pick to one side, both at once.
   const bool split = lw.backend_index != nullptr;
@@ -159,8 +260,9 @@ absl::Status RunMoe(Backend& b, const ModelSpec& spec, const LayerWeights& lw, R
 }
 
 std::unique_ptr<RoutedExperts> MakeRoutedExperts(Backend& backend, const Model::Weights& weights, const ModelSpec& spec,
-                                                 experts::ExpertPool* pool, const std::vector<int>& pool_layers) {
-  return std::make_unique<LayerExperts>(backend, weights, spec, pool, pool_layers);
+                                                 experts::ExpertPool* pool, const std::vector<int>& pool_layers,
+                                                 int defer_experts) {
+  return std::make_unique<LayerExperts>(backend, weights, spec, pool, pool_layers, defer_experts);
 }
 
 absl::StatusOr<std::unique_ptr<experts::ExpertPool>> CreatePool(const ModelSpec& spec, const WeightSource& source,
@@ -180,14 +282,14 @@ absl::StatusOr<std::unique_ptr<experts::ExpertPool>> CreatePool(const ModelSpec&
   if (static_cast<int>(moe_layers.size()) != spec.num_moe_layers()) {
     options.model_id += " layers " + absl::StrJoin(moe_layers, ",");
   }
-  return experts::ExpertPool::Create(
-      shape, options, [&](int moe_layer, int expert) -> absl::StatusOr<experts::ExpertWeights> {
-        const ExpertTensorNames names = ExpertNames(spec, moe_layers[moe_layer], expert);
-        MOE_ASSIGN_OR_RETURN(core::TensorView gate, source.Get(names.gate));
-        MOE_ASSIGN_OR_RETURN(core::TensorView up, source.Get(names.up));
-        MOE_ASSIGN_OR_RETURN(core::TensorView down, source.Get(names.down));
-        return experts::ExpertWeights{gate, up, down};
-      });
+  return experts::ExpertPool::Create(shape, options,
+                                     [&](int moe_layer, int expert) -> absl::StatusOr<experts::ExpertWeights> {
+                                       const ExpertTensorNames names = ExpertNames(spec, moe_layers[moe_layer], expert);
+                                       MOE_ASSIGN_OR_RETURN(core::TensorView gate, source.Get(names.gate));
+                                       MOE_ASSIGN_OR_RETURN(core::TensorView up, source.Get(names.up));
+                                       MOE_ASSIGN_OR_RETURN(core::TensorView down, source.Get(names.down));
+                                       return experts::ExpertWeights{gate, up, down};
+                                     });
 }
 
 }  // namespace moe::runtime::internal

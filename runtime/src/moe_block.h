@@ -30,18 +30,35 @@ struct FfnBuffers {
   Tensor split_out;                                  // [T x hidden] fp32
 };
 
+// Names of one routed expert's tensors in the checkpoint.
+struct ExpertTensorNames {
+  std::string gate, up, down;
+};
+ExpertTensorNames ExpertNames(const ModelSpec& spec, int layer, int expert);
+
+// Where a MoE block counts its router's picks (the experts a backend holds chosen while serving):
+// the step, the cache's scratch block (padding rows) and the layer's row of counts [1 x E] int32.
+// No step: nothing is counted.
+struct PickCounter {
+  const StepTensors* step = nullptr;
+  int scratch_block = 0;
+  Tensor counts;
+};
+
 // out [T x hidden] fp32 = down(silu(gate(x)) * up(x)); x activation dtype.
 void RunFfn(Backend& b, const FfnWeights& w, const Tensor& x, const FfnBuffers& buf, const Tensor& out);
 
 // out = routed experts + shared experts of x for MoE layer `layer`.
 absl::Status RunMoe(Backend& b, const ModelSpec& spec, const LayerWeights& lw, RoutedExperts& routed, int layer,
-                    const Tensor& x, const FfnBuffers& buf, const Tensor& out);
+                    const Tensor& x, const FfnBuffers& buf, const Tensor& out, const PickCounter& counter = {});
 
 // Routed experts of every MoE layer: the layers of `pool_layers` (model layer indexes, in the
 // pool's order) in `pool`, the others on the backend (MoeExperts). On a backend whose memory the
 // CPU cannot address, the pool's layers go through its host calls (StartHostExperts).
+// `defer_experts` > 0: expert deferral (ModelOptions::defer_experts).
 std::unique_ptr<RoutedExperts> MakeRoutedExperts(Backend& backend, const Model::Weights& weights, const ModelSpec& spec,
-                                                 experts::ExpertPool* pool, const std::vector<int>& pool_layers);
+                                                 experts::ExpertPool* pool, const std::vector<int>& pool_layers,
+                                                 int defer_experts);
 
 // Packs the routed experts of the model layers `moe_layers` into a new CPU expert pool.
 absl::StatusOr<std::unique_ptr<experts::ExpertPool>> CreatePool(const ModelSpec& spec, const WeightSource& source,

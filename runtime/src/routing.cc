@@ -5,6 +5,8 @@
 #include <numeric>
 #include <vector>
 
+#include "moe/experts/expert_pool.h"
+
 namespace moe::runtime {
 namespace {
 
@@ -13,9 +15,8 @@ namespace {
 void TopK(const float* values, int n, int k, int32_t* out) {
   std::vector<int32_t> idx(n);
   std::iota(idx.begin(), idx.end(), 0);
-  std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), [&](int32_t a, int32_t b) {
-    return values[a] > values[b] || (values[a] == values[b] && a < b);
-  });
+  std::partial_sort(idx.begin(), idx.begin() + k, idx.end(),
+                    [&](int32_t a, int32_t b) { return values[a] > values[b] || (values[a] == values[b] && a < b); });
   std::copy(idx.begin(), idx.begin() + k, out);
 }
 
@@ -100,6 +101,28 @@ void SplitPicks(const int32_t* ids, const float* weights, int k, const int32_t* 
     host_weights[j] = local < 0 ? weights[j] : 0.0f;
     backend_ids[j] = local >= 0 ? local : backend_fill >= 0 ? backend_fill : 0;
     backend_weights[j] = local >= 0 ? weights[j] : 0.0f;
+  }
+}
+
+void SplitDeferredPicks(const int32_t* ids, const float* weights, int k, int n, int32_t* now_ids, float* now_weights,
+                        int32_t* later_ids, float* later_weights) {
+  for (int j = 0; j < k; ++j) {
+    now_ids[j] = ids[j];
+    now_weights[j] = weights[j];
+    later_ids[j] = experts::kSkippedSlot;
+    later_weights[j] = 0.0f;
+  }
+  for (int d = 0; d < n; ++d) {
+    int lowest = -1;
+    for (int j = k - 1; j >= 0; --j) {
+      if (now_ids[j] < 0 || !(now_weights[j] > 0.0f)) continue;
+      if (lowest < 0 || now_weights[j] < now_weights[lowest]) lowest = j;
+    }
+    if (lowest < 0) return;  // fewer than n real picks: the rest stay now
+    later_ids[lowest] = now_ids[lowest];
+    later_weights[lowest] = now_weights[lowest];
+    now_ids[lowest] = experts::kSkippedSlot;
+    now_weights[lowest] = 0.0f;
   }
 }
 

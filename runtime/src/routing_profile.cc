@@ -116,4 +116,31 @@ double MeanShareOfMostUsed(const RoutingProfile& profile, const std::vector<int>
   return all.empty() ? 0 : share / static_cast<double>(all.size());
 }
 
+std::vector<std::pair<int, int>> PlanHeldExpertSwaps(const std::vector<double>& scores, const std::vector<int>& held,
+                                                     double margin) {
+  const int n = static_cast<int>(held.size());
+  std::vector<int> ranked(scores.size());
+  std::iota(ranked.begin(), ranked.end(), 0);
+  std::stable_sort(ranked.begin(), ranked.end(), [&](int a, int b) { return scores[a] > scores[b]; });
+  std::vector<bool> is_held(scores.size(), false), is_top(scores.size(), false);
+  for (int e : held) is_held[e] = true;
+  for (int i = 0; i < std::min<int>(n, static_cast<int>(ranked.size())); ++i) is_top[ranked[i]] = true;
+  std::vector<int> incoming, outgoing;  // best first; weakest first
+  for (int e : ranked) {
+    if (is_top[e] && !is_held[e]) incoming.push_back(e);
+  }
+  for (auto it = ranked.rbegin(); it != ranked.rend(); ++it) {
+    if (is_held[*it] && !is_top[*it]) outgoing.push_back(*it);
+  }
+  std::vector<std::pair<int, int>> swaps;
+  for (size_t i = 0; i < std::min(incoming.size(), outgoing.size()); ++i) {
+    // Counts are noisy: the gap must also be two standard deviations of a count (Poisson: the
+    // square root of the sum), so that a few picks never move an expert.
+    const double in = scores[incoming[i]], out = scores[outgoing[i]];
+    if (!(in > margin * out) || !((in - out) * (in - out) > 4 * (in + out))) break;
+    swaps.emplace_back(outgoing[i], incoming[i]);
+  }
+  return swaps;
+}
+
 }  // namespace moe::runtime

@@ -70,5 +70,24 @@ TEST(RoutingProfileTest, AWrongFileSaysWhatAndWhere) {
   std::filesystem::remove(path);
 }
 
+// Held experts chosen while serving: the best newcomers replace the weakest holders, only by a
+// clear margin.
+TEST(RoutingProfileTest, HeldExpertSwapsMoveTowardTheTopByAMargin) {
+  const std::vector<double> scores = {1, 50, 9, 30, 0, 12, 40, 10};
+  // Held 0, 2, 4; the top three are 1, 6, 3: 1 replaces 4 (the weakest), 6 replaces 0, 3 replaces 2.
+  EXPECT_EQ(PlanHeldExpertSwaps(scores, {0, 2, 4}, 1.25), (std::vector<std::pair<int, int>>{{4, 1}, {0, 6}, {2, 3}}));
+  // Held 1, 6, 5: the top three are 1, 6, 3; 3 (30) beats 5 (12) by more than 1.25x.
+  EXPECT_EQ(PlanHeldExpertSwaps(scores, {1, 6, 5}, 1.25), (std::vector<std::pair<int, int>>{{5, 3}}));
+  // Held 1, 6, 7 with a margin of 4: 3 (30) is not 4x 7 (10): nothing moves.
+  EXPECT_TRUE(PlanHeldExpertSwaps(scores, {1, 6, 7}, 4.0).empty());
+  // Already the top: nothing moves.
+  EXPECT_TRUE(PlanHeldExpertSwaps(scores, {3, 1, 6}, 1.0).empty());
+  // A few picks are noise: 3 against 0 is not two standard deviations (3^2 < 4 x 3).
+  EXPECT_TRUE(PlanHeldExpertSwaps({3, 0}, {1}, 1.25).empty());
+  EXPECT_EQ(PlanHeldExpertSwaps({5, 0}, {1}, 1.25), (std::vector<std::pair<int, int>>{{1, 0}}));
+  // No counts at all: nothing moves either.
+  EXPECT_TRUE(PlanHeldExpertSwaps(std::vector<double>(8, 0.0), {0, 1}, 1.25).empty());
+}
+
 }  // namespace
 }  // namespace moe::runtime

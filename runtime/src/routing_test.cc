@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "moe/experts/expert_pool.h"
 
 namespace moe::runtime {
 namespace {
@@ -100,6 +101,28 @@ TEST(RoutingTest, SigmoidWithoutGroupsIsPlainBiasedTopK) {
   RouteTokens(spec, logits, 1, bias, ids, w);
   EXPECT_EQ(ids[0], 6);  // 0.5 + 0.9 beats sigmoid(2) = 0.88
   EXPECT_EQ(ids[1], 0);
+}
+
+// Expert deferral: the n lowest-weighted real picks go later; fillers (weight 0) and skipped
+// slots stay; ties go to the later slot; each side skips the other's slots.
+TEST(RoutingTest, DeferredPicksAreTheLowestWeighted) {
+  constexpr int32_t kSkip = experts::kSkippedSlot;
+  const int32_t ids[] = {5, 2, 9, 4, 7, kSkip};
+  const float w[] = {0.4f, 0.1f, 0.0f, 0.2f, 0.1f, 0.0f};
+  int32_t now[6], later[6];
+  float now_w[6], later_w[6];
+  SplitDeferredPicks(ids, w, 6, 2, now, now_w, later, later_w);
+  EXPECT_EQ(std::vector<int32_t>(now, now + 6), (std::vector<int32_t>{5, kSkip, 9, 4, kSkip, kSkip}));
+  EXPECT_EQ(std::vector<float>(now_w, now_w + 6), (std::vector<float>{0.4f, 0.0f, 0.0f, 0.2f, 0.0f, 0.0f}));
+  EXPECT_EQ(std::vector<int32_t>(later, later + 6), (std::vector<int32_t>{kSkip, 2, kSkip, kSkip, 7, kSkip}));
+  EXPECT_EQ(std::vector<float>(later_w, later_w + 6), (std::vector<float>{0.0f, 0.1f, 0.0f, 0.0f, 0.1f, 0.0f}));
+  // One tie: the later slot goes first.
+  SplitDeferredPicks(ids, w, 6, 1, now, now_w, later, later_w);
+  EXPECT_EQ(std::vector<int32_t>(later, later + 6), (std::vector<int32_t>{kSkip, kSkip, kSkip, kSkip, 7, kSkip}));
+  // Asking for more than the row's real picks defers every one of them and nothing else.
+  SplitDeferredPicks(ids, w, 6, 5, now, now_w, later, later_w);
+  EXPECT_EQ(std::vector<int32_t>(now, now + 6), (std::vector<int32_t>{kSkip, kSkip, 9, kSkip, kSkip, kSkip}));
+  EXPECT_EQ(std::vector<int32_t>(later, later + 6), (std::vector<int32_t>{5, 2, kSkip, 4, 7, kSkip}));
 }
 
 }  // namespace

@@ -1,15 +1,26 @@
 #include "moe/core/dtype.h"
 
+#include <cmath>
+#include <limits>
+
 namespace moe::core {
 
 const char* DTypeName(DType t) {
   switch (t) {
-    case DType::kBF16: return "BF16";
-    case DType::kF16: return "F16";
-    case DType::kF32: return "F32";
-    case DType::kI8: return "I8";
-    case DType::kI32: return "I32";
-    case DType::kI64: return "I64";
+    case DType::kBF16:
+      return "BF16";
+    case DType::kF16:
+      return "F16";
+    case DType::kF32:
+      return "F32";
+    case DType::kI8:
+      return "I8";
+    case DType::kI32:
+      return "I32";
+    case DType::kI64:
+      return "I64";
+    case DType::kF8E4M3:
+      return "F8_E4M3";
   }
   return "?";
 }
@@ -51,6 +62,34 @@ float F16ToFloat(uint16_t h) {
   return f;
 }
 
+float F8E4M3ToFloat(uint8_t v) {
+  const float sign = (v & 0x80u) != 0 ? -1.0f : 1.0f;
+  const int exp = (v >> 3) & 0xf, mant = v & 0x7;
+  if (exp == 0xf && mant == 0x7) return std::numeric_limits<float>::quiet_NaN();
+  if (exp == 0) return sign * std::ldexp(static_cast<float>(mant), -9);  // subnormal: mant / 8 * 2^-6
+  return sign * std::ldexp(1.0f + mant / 8.0f, exp - 7);
+}
+
+uint8_t FloatToF8E4M3(float f) {
+  if (std::isnan(f)) return 0x7f;
+  const uint8_t sign = std::signbit(f) ? 0x80 : 0x00;
+  const float a = std::fabs(f);
+  if (a >= kF8E4M3Max) return sign | 0x7e;
+  if (a < std::ldexp(1.0f, -6)) {  // subnormals step by 2^-9; 8 steps is the smallest normal
+    return sign | static_cast<uint8_t>(std::nearbyint(std::ldexp(a, 9)));
+  }
+  int e;
+  const float m = std::frexp(a, &e);  // a = m * 2^e, m in [0.5, 1)
+  int exp = e - 1 + 7;
+  int mant = static_cast<int>(std::nearbyint((2.0f * m - 1.0f) * 8.0f));
+  if (mant == 8) {
+    mant = 0;
+    ++exp;
+  }
+  if (exp > 15 || (exp == 15 && mant == 7)) return sign | 0x7e;
+  return sign | static_cast<uint8_t>(exp << 3 | mant);
+}
+
 void ConvertToFloat(const void* src, DType src_type, float* dst, int64_t n) {
   switch (src_type) {
     case DType::kBF16: {
@@ -79,6 +118,11 @@ void ConvertToFloat(const void* src, DType src_type, float* dst, int64_t n) {
     case DType::kI64: {
       const auto* s = static_cast<const int64_t*>(src);
       for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(s[i]);
+      return;
+    }
+    case DType::kF8E4M3: {
+      const auto* s = static_cast<const uint8_t*>(src);
+      for (int64_t i = 0; i < n; ++i) dst[i] = F8E4M3ToFloat(s[i]);
       return;
     }
   }

@@ -34,6 +34,28 @@ TEST(DTypeTest, F16ConvertsNormalsSubnormalsAndSpecials) {
   EXPECT_TRUE(std::isnan(F16ToFloat(0x7e00)));
 }
 
+TEST(DTypeTest, F8E4M3EveryCodeRoundTripsAndRoundingIsToNearestEven) {
+  for (int c = 0; c < 256; ++c) {
+    const float f = F8E4M3ToFloat(static_cast<uint8_t>(c));
+    if ((c & 0x7f) == 0x7f) {
+      EXPECT_TRUE(std::isnan(f)) << c;
+      continue;
+    }
+    EXPECT_EQ(FloatToF8E4M3(f), c) << c << " = " << f;
+  }
+  EXPECT_EQ(F8E4M3ToFloat(0x7e), 448.0f);
+  EXPECT_EQ(F8E4M3ToFloat(0x38), 1.0f);
+  EXPECT_EQ(F8E4M3ToFloat(0x01), std::ldexp(1.0f, -9));  // the smallest subnormal
+  EXPECT_EQ(FloatToF8E4M3(1.0625f), 0x38);               // halfway: to the even mantissa
+  EXPECT_EQ(FloatToF8E4M3(1.1875f), 0x3a);
+  EXPECT_EQ(FloatToF8E4M3(std::ldexp(3.0f, -10)), 0x02);  // 1.5 subnormal steps: to 2
+  EXPECT_EQ(FloatToF8E4M3(std::ldexp(5.0f, -10)), 0x02);  // 2.5 steps: to 2 as well
+  EXPECT_EQ(FloatToF8E4M3(1000.0f), 0x7e);                // saturates
+  EXPECT_EQ(FloatToF8E4M3(-1e30f), 0xfe);
+  EXPECT_EQ(FloatToF8E4M3(std::nanf("")), 0x7f);
+  EXPECT_EQ(FloatToF8E4M3(-0.0f), 0x80);
+}
+
 TEST(DTypeTest, NamesRoundTrip) {
   for (DType t : {DType::kBF16, DType::kF16, DType::kF32, DType::kI8, DType::kI32, DType::kI64}) {
     EXPECT_EQ(DTypeFromName(DTypeName(t)), t);

@@ -131,7 +131,8 @@ class CpuBackend : public Backend {
 
   absl::StatusOr<std::unique_ptr<DeviceWeight>> PrepareWeight(const core::TensorView& host, WeightUse use) override {
     if (host.rank() < 1 || host.rank() > 2) {
-      return absl::InvalidArgumentError(absl::StrCat("weights must be 1-D or 2-D, got ", core::ShapeString(host.shape)));
+      return absl::InvalidArgumentError(
+          absl::StrCat("weights must be 1-D or 2-D, got ", core::ShapeString(host.shape)));
     }
     MOE_RETURN_IF_ERROR(CheckWeightDType(host));
     if (use == WeightUse::kMatrix && weight_format_ != experts::ExpertFormat::kBF16) return Pack({host});
@@ -143,7 +144,7 @@ class CpuBackend : public Backend {
   }
 
   absl::StatusOr<std::unique_ptr<DeviceWeight>> PrepareFusedWeight(const std::vector<core::TensorView>& parts,
-                                                                  WeightUse use) override {
+                                                                   WeightUse use) override {
     for (const auto& p : parts) MOE_RETURN_IF_ERROR(CheckWeightDType(p));
     if (use == WeightUse::kMatrix && weight_format_ != experts::ExpertFormat::kBF16) return Pack(parts);
     return Fused(parts);
@@ -321,34 +322,35 @@ class CpuBackend : public Backend {
     arena_.execute([&] {
       tbb::parallel_for(tbb::blocked_range2d<int64_t, int>(0, step.num_tokens, 0, a.num_heads),
                         [&](const tbb::blocked_range2d<int64_t, int>& range) {
-        std::vector<float> scores;
-        for (int64_t r = range.rows().begin(); r < range.rows().end(); ++r) {
-          const int32_t* table = in.block_table.data() + static_cast<int64_t>(in.row_seq[r]) * in.max_blocks;
-          const int64_t len = in.positions[r] + 1;  // causal: positions 0..p
-          scores.resize(len);
-          for (int h = range.cols().begin(); h < range.cols().end(); ++h) {
-            const int kvh = h / group;
-            const float* q = a.q.as<float>() + r * q_width + static_cast<int64_t>(h) * d;
-            auto at = [&](const float* base, int64_t p) {
-              return base + table[p / bs] * per_block + (static_cast<int64_t>(kvh) * bs + p % bs) * d;
-            };
-            float max_score = -INFINITY;
-            for (int64_t p = 0; p < len; ++p) {
-              scores[p] = internal::DotF32(q, at(k_cache, p), d) * a.scale;
-              max_score = std::max(max_score, scores[p]);
-            }
-            float sum = 0;
-            for (int64_t p = 0; p < len; ++p) {
-              scores[p] = std::exp(scores[p] - max_score);
-              sum += scores[p];
-            }
-            float* o = a.out.as<float>() + r * q_width + static_cast<int64_t>(h) * d;
-            std::fill(o, o + d, 0.0f);
-            const float inv = 1.0f / sum;
-            for (int64_t p = 0; p < len; ++p) internal::Axpy(scores[p] * inv, at(v_cache, p), d, o);
-          }
-        }
-      });
+                          std::vector<float> scores;
+                          for (int64_t r = range.rows().begin(); r < range.rows().end(); ++r) {
+                            const int32_t* table =
+                                in.block_table.data() + static_cast<int64_t>(in.row_seq[r]) * in.max_blocks;
+                            const int64_t len = in.positions[r] + 1;  // causal: positions 0..p
+                            scores.resize(len);
+                            for (int h = range.cols().begin(); h < range.cols().end(); ++h) {
+                              const int kvh = h / group;
+                              const float* q = a.q.as<float>() + r * q_width + static_cast<int64_t>(h) * d;
+                              auto at = [&](const float* base, int64_t p) {
+                                return base + table[p / bs] * per_block + (static_cast<int64_t>(kvh) * bs + p % bs) * d;
+                              };
+                              float max_score = -INFINITY;
+                              for (int64_t p = 0; p < len; ++p) {
+                                scores[p] = internal::DotF32(q, at(k_cache, p), d) * a.scale;
+                                max_score = std::max(max_score, scores[p]);
+                              }
+                              float sum = 0;
+                              for (int64_t p = 0; p < len; ++p) {
+                                scores[p] = std::exp(scores[p] - max_score);
+                                sum += scores[p];
+                              }
+                              float* o = a.out.as<float>() + r * q_width + static_cast<int64_t>(h) * d;
+                              std::fill(o, o + d, 0.0f);
+                              const float inv = 1.0f / sum;
+                              for (int64_t p = 0; p < len; ++p) internal::Axpy(scores[p] * inv, at(v_cache, p), d, o);
+                            }
+                          }
+                        });
     });
   }
 
@@ -367,6 +369,31 @@ class CpuBackend : public Backend {
     RouteTokens(spec, logits.as<float>(), logits.rows,
                 correction_bias != nullptr ? AsCpu(*correction_bias).f32() : nullptr, ids.as<int32_t>(),
                 weights.as<float>());
+  }
+
+  void CountPicks(const Tensor& ids, const StepTensors& step, int scratch_block, const Tensor& counts) override {
+    const StepInputs& in = *step.host;
+    const int64_t k = ids.cols;
+    for (int64_t r = 0; r < ids.rows; ++r) {
+      if (in.block_table[static_cast<int64_t>(in.row_seq[r]) * in.max_blocks] == scratch_block) continue;
+      for (int64_t j = 0; j < k; ++j) {
+        const int32_t e = ids.as<int32_t>()[r * k + j];
+        if (e >= 0 && e < counts.cols) ++counts.as<int32_t>()[e];
+      }
+    }
+  }
+
+  absl::Status ReplaceExpert(DeviceExperts& experts, int slot, const core::TensorView& gate, const core::TensorView& up,
+                             const core::TensorView& down) override {
+    auto& ex = static_cast<CpuExperts&>(experts);
+    if (slot < 0 || slot >= static_cast<int>(ex.gate_up.size())) {
+      return absl::InvalidArgumentError(absl::StrCat("expert slot ", slot, " outside [0, ", ex.gate_up.size(), ")"));
+    }
+    MOE_ASSIGN_OR_RETURN(auto gate_up, PrepareFusedWeight({gate, up}, WeightUse::kMatrix));
+    MOE_ASSIGN_OR_RETURN(auto d, PrepareWeight(down, WeightUse::kMatrix));
+    ex.gate_up[slot] = std::move(gate_up);
+    ex.down[slot] = std::move(d);
+    return absl::OkStatus();
   }
 
   void SplitRouting(const Tensor& ids, const Tensor& weights, const Tensor& backend_index, const Tensor& host_ids,
@@ -402,7 +429,8 @@ class CpuBackend : public Backend {
       const int64_t width = ex.down[e]->cols();
       std::vector<float> xe(n * h), gate_up(n * 2 * width), act(n * width), y(n * h);
       for (int64_t i = 0; i < n; ++i) std::memcpy(&xe[i * h], x.as<float>() + rows[e][i] * h, h * sizeof(float));
-      Linear(Tensor{xe.data(), DType::kF32, n, h}, *ex.gate_up[e], nullptr, Tensor{gate_up.data(), DType::kF32, n, 2 * width});
+      Linear(Tensor{xe.data(), DType::kF32, n, h}, *ex.gate_up[e], nullptr,
+             Tensor{gate_up.data(), DType::kF32, n, 2 * width});
       SiluMul(Tensor{gate_up.data(), DType::kF32, n, 2 * width}, Tensor{act.data(), DType::kF32, n, width});
       Linear(Tensor{act.data(), DType::kF32, n, width}, *ex.down[e], nullptr, Tensor{y.data(), DType::kF32, n, h});
       for (int64_t i = 0; i < n; ++i) internal::Axpy(scales[e][i], &y[i * h], h, out.as<float>() + rows[e][i] * h);

@@ -1,12 +1,17 @@
 // The attention kernels of the CUDA backend (launchers declared in cuda/ops.h):
-// - QkNormRopeStoreKvKernel: per row, q/k RMSNorm and NeoX RoPE, q out, k and v into the paged cache.
+// - QkNormRopeStoreKvKernel: per row, q/k RMSNorm and NeoX RoPE, q out, k and v into the paged cache
+//   (bf16, or fp8 e4m3 with one scale per position and KV head: the head's largest magnitude / 448).
 // - DecodeAttentionKernel + CombineSplitsKernel: one query per sequence, split over the KV length
 //   (flash-decoding); each CTA reads its KV tiles once for all query heads of its GQA group.
 // - PrefillAttentionKernel: flash-attention over the paged cache, causal, for chunks of queries.
 // Both attention kernels run on tensor cores (mma.sync m16n8k16 bf16, fp32 accumulation) with an
 // online softmax in fp32. The M rows of an MMA are (token, head) pairs of one GQA group, token-major,
 // so a KV tile in shared memory serves every head that reads it; for decode the rows are the heads.
+// Both read an fp8 cache by converting each tile to bf16 in shared memory (scale applied) before
+// the warps read it, so the MMAs are the same for either cache.
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -21,6 +26,7 @@ namespace moe::runtime::cuda {
 namespace {
 
 using internal::CpAsync16;
+using internal::CpAsync4;
 using internal::CpAsyncCommit;
 using internal::CpAsyncWait;
 using internal::DynamicSmem;
@@ -60,11 +66,20 @@ constexpr int kKvStageElems = (kD + kSmemPad) * kKeys * 2;
 // per-warp factors [kWarps][16] and the merged max and sum [16] each.
 template <int kD>
 constexpr int kDecodeCombineFloats = (kD + 4 + 3) * kDecodeWarpRows + 2 * kMmaRows;
+// An fp8 cache's stage: K and V rows of kD bytes padded to kD + 16, then the keys' K and V scales.
 template <int kD>
-constexpr int kDecodeSmemBytes = std::max(kKvStageElems<kD, kDecodeTileKeys> * 2 * 2,  // 2 stages of bf16
-                                          kDecodeCombineFloats<kD> * 4);
-template <int kD>
-constexpr int kPrefillSmemBytes = kKvStageElems<kD, kPrefillTileKeys<kD>> * 2 * 2;  // 2 stages of bf16
+constexpr int kFp8Stride = kD + 16;
+template <int kD, int kKeys>
+constexpr int kFp8StageBytes = 2 * kKeys* kFp8Stride<kD> + 2 * kKeys * 4;
+// The KV tiles' shared memory: two bf16 stages; or for fp8, one bf16 stage that each fp8 stage
+// is converted into, then two fp8 stages.
+template <int kD, int kKeys, bool kFp8>
+constexpr int kKvSmemBytes =
+    kFp8 ? kKvStageElems<kD, kKeys> * 2 + 2 * kFp8StageBytes<kD, kKeys> : kKvStageElems<kD, kKeys> * 2 * 2;
+template <int kD, bool kFp8>
+constexpr int kDecodeSmemBytes = std::max(kKvSmemBytes<kD, kDecodeTileKeys, kFp8>, kDecodeCombineFloats<kD> * 4);
+template <int kD, bool kFp8>
+constexpr int kPrefillSmemBytes = kKvSmemBytes<kD, kPrefillTileKeys<kD>, kFp8>;
 
 // ---- QkNormRopeStoreKv ----
 
@@ -77,8 +92,10 @@ struct QkvParams {
   int num_heads;
   int kv_heads;
   int block_size;
-  __nv_bfloat16* k_cache;
-  __nv_bfloat16* v_cache;
+  void* k_cache;  // bf16, or fp8 with k_scale and v_scale
+  void* v_cache;
+  float* k_scale;
+  float* v_scale;
   const float* q_norm;
   const float* k_norm;
   float eps;
@@ -92,10 +109,34 @@ struct alignas(2 * kN) Bf16Vec {
   __nv_bfloat16 v[kN];
 };
 
+template <int kN>
+struct alignas(kN) Fp8Vec {
+  __nv_fp8_storage_t v[kN];
+};
+
+// One head's kD values (kPerLane a lane, lane-major) into an fp8 cache slot: one scale for the
+// head, its largest magnitude / 448, so that it maps to the largest fp8 value; each value / scale
+// rounded to nearest even (core::FloatToF8E4M3 computes the same on the host).
+template <int kPerLane>
+__device__ __forceinline__ void StoreFp8Head(const float (&x)[kPerLane], __nv_fp8_storage_t* dst, float* scale_dst,
+                                             int lane) {
+  float amax = 0.f;
+#pragma unroll
+  for (int e = 0; e < kPerLane; ++e) amax = fmaxf(amax, fabsf(x[e]));
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  const float scale = amax > 0.f ? __fdiv_rn(amax, 448.f) : 1.f;
+  Fp8Vec<kPerLane> q;
+#pragma unroll
+  for (int e = 0; e < kPerLane; ++e) q.v[e] = __nv_cvt_float_to_fp8(__fdiv_rn(x[e], scale), __NV_SATFINITE, __NV_E4M3);
+  *reinterpret_cast<Fp8Vec<kPerLane>*>(dst) = q;
+  if (lane == 0) *scale_dst = scale;
+}
+
 // grid (rows, ceil(heads / kWarps)): one warp per head of a row (q heads, then k, then v), each
 // lane kD/32 contiguous elements, so a head is one vector load. The CTA first computes the row's
 // cos/sin table once for its heads. Bound by memory latency at decode, by bandwidth at prefill.
-template <int kD>
+template <int kD, bool kFp8>
 __global__ void __launch_bounds__(kThreads) QkNormRopeStoreKvKernel(const QkvParams p) {
   constexpr int kPerLane = kD / 32;
   using Vec = Bf16Vec<kPerLane>;
@@ -127,7 +168,11 @@ __global__ void __launch_bounds__(kThreads) QkNormRopeStoreKvKernel(const QkvPar
   const int i0 = lane * kPerLane;
   const Vec in = *reinterpret_cast<const Vec*>(p.qkv + (static_cast<int64_t>(row) * total_heads + head) * kD + i0);
 
+  float x[kPerLane];
+#pragma unroll
+  for (int e = 0; e < kPerLane; ++e) x[e] = __bfloat162float(in.v[e]);
   __nv_bfloat16* dst;
+  int64_t slot = -1;  // a k head's cache position (block, kv head, slot), for fp8
   const float* norm_w;
   if (head < p.num_heads) {
     dst = p.q_out + (static_cast<int64_t>(row) * p.num_heads + head) * kD;
@@ -136,18 +181,19 @@ __global__ void __launch_bounds__(kThreads) QkNormRopeStoreKvKernel(const QkvPar
     const bool is_v = head >= p.num_heads + p.kv_heads;
     const int kv_head = head - p.num_heads - (is_v ? p.kv_heads : 0);
     const int64_t block = p.block_table[static_cast<int64_t>(p.row_seq[row]) * p.max_blocks + pos / p.block_size];
-    const int64_t slot = ((block * p.kv_heads + kv_head) * p.block_size + pos % p.block_size) * kD;
+    slot = (block * p.kv_heads + kv_head) * p.block_size + pos % p.block_size;
     if (is_v) {
-      *reinterpret_cast<Vec*>(p.v_cache + slot + i0) = in;
+      if constexpr (kFp8) {
+        StoreFp8Head(x, static_cast<__nv_fp8_storage_t*>(p.v_cache) + slot * kD + i0, p.v_scale + slot, lane);
+      } else {
+        *reinterpret_cast<Vec*>(static_cast<__nv_bfloat16*>(p.v_cache) + slot * kD + i0) = in;
+      }
       return;
     }
-    dst = p.k_cache + slot;
+    dst = static_cast<__nv_bfloat16*>(p.k_cache) + slot * kD;
     norm_w = p.k_norm;
   }
 
-  float x[kPerLane];
-#pragma unroll
-  for (int e = 0; e < kPerLane; ++e) x[e] = __bfloat162float(in.v[e]);
   if (norm_w != nullptr) {
     float ss = 0.f;
 #pragma unroll
@@ -174,6 +220,12 @@ __global__ void __launch_bounds__(kThreads) QkNormRopeStoreKvKernel(const QkvPar
       }
     }
   }
+  if constexpr (kFp8) {
+    if (head >= p.num_heads) {
+      StoreFp8Head(x, static_cast<__nv_fp8_storage_t*>(p.k_cache) + slot * kD + i0, p.k_scale + slot, lane);
+      return;
+    }
+  }
   Vec out;
 #pragma unroll
   for (int e = 0; e < kPerLane; ++e) out.v[e] = __float2bfloat16(x[e]);
@@ -185,8 +237,10 @@ __global__ void __launch_bounds__(kThreads) QkNormRopeStoreKvKernel(const QkvPar
 struct AttentionParams {
   const __nv_bfloat16* q;  // [T][H][kD]
   __nv_bfloat16* out;      // [T][H][kD]
-  const __nv_bfloat16* k_cache;
-  const __nv_bfloat16* v_cache;
+  const void* k_cache;     // bf16, or fp8 with k_scale and v_scale
+  const void* v_cache;
+  const float* k_scale;
+  const float* v_scale;
   const int32_t* positions;
   const int32_t* seq_start;
   const int32_t* block_table;
@@ -249,32 +303,96 @@ struct QueryFragments<kD, false> {
   }
 };
 
-// Queues the copy of keys [first_key, first_key + kKeys) of one sequence (block_row: its block
-// table) and kv head into shared K and V tiles of kKeys rows; keys at or past key_end are
-// zero-filled (never read: the block table need not cover them). All threads of the CTA take
-// part, 16 bytes per copy; consecutive threads copy consecutive chunks of a key's row.
-template <int kD, int kKeys>
-__device__ __forceinline__ void LoadKvTile(const AttentionParams& p, const int32_t* block_row, int kv_head,
-                                           int first_key, int key_end, __nv_bfloat16* tile_k, __nv_bfloat16* tile_v) {
-  constexpr int kChunks = kD / 8;
-  constexpr int kStride = kSmemStride<kD>;
-  static_assert((kKeys * kChunks) % kThreads == 0, "tile copies must split evenly over the CTA");
-#pragma unroll
-  for (int i = 0; i < kKeys * kChunks / kThreads; ++i) {
-    const int c = threadIdx.x + i * kThreads;
-    const int row = c / kChunks;
-    const int col = (c % kChunks) * 8;
-    const int key = first_key + row;
-    const bool valid = key < key_end;
-    int64_t offset = 0;
-    if (valid) {
-      const int64_t block = block_row[key / p.block_size];
-      offset = ((block * p.kv_heads + kv_head) * p.block_size + key % p.block_size) * kD + col;
-    }
-    CpAsync16(tile_k + row * kStride + col, p.k_cache + offset, valid);
-    CpAsync16(tile_v + row * kStride + col, p.v_cache + offset, valid);
+// A CTA's KV tiles in shared memory (kKvSmemBytes at `base`), double-buffered: Load queues the
+// copy of keys [first_key, first_key + kKeys) of one sequence (block_row: its block table) and kv
+// head into stage `stage`; keys at or past key_end are zero-filled (never read: the block table need
+// not cover them). All threads of the CTA take part, 16 bytes per copy; consecutive threads copy
+// consecutive chunks of a key's row. Ready(stage) gives the stage's K tile as bf16, rows of
+// kSmemStride<kD>, its V tile kKeys rows later: a bf16 cache's stage as copied; an fp8 cache's
+// converted now (every thread takes part, a barrier follows) into the one bf16 stage, each row
+// times its key's scale. The caller's barriers must keep a stage from being refilled, and the bf16
+// stage from being converted into, while a warp still reads it.
+template <int kD, int kKeys, bool kFp8>
+struct KvTiles {
+  static constexpr int kStride = kSmemStride<kD>;
+  unsigned char* base;
+
+  __device__ __forceinline__ __nv_bfloat16* Bf16Stage(int stage) const {
+    return reinterpret_cast<__nv_bfloat16*>(base) + (kFp8 ? 0 : stage * kKvStageElems<kD, kKeys>);
   }
-}
+  __device__ __forceinline__ unsigned char* Fp8Stage(int stage) const {
+    return base + kKvStageElems<kD, kKeys> * 2 + stage * kFp8StageBytes<kD, kKeys>;
+  }
+
+  __device__ __forceinline__ void Load(const AttentionParams& p, const int32_t* block_row, int kv_head, int first_key,
+                                       int key_end, int stage) const {
+    constexpr int kElemBytes = kFp8 ? 1 : 2;
+    constexpr int kChunks = kD * kElemBytes / 16;
+    constexpr int kRowStride = kFp8 ? kFp8Stride<kD> : kStride * 2;  // bytes
+    static_assert((kKeys * kChunks) % kThreads == 0, "tile copies must split evenly over the CTA");
+    unsigned char* tile_k = kFp8 ? Fp8Stage(stage) : reinterpret_cast<unsigned char*>(Bf16Stage(stage));
+    unsigned char* tile_v = tile_k + kKeys * kRowStride;
+    const auto* k_cache = static_cast<const unsigned char*>(p.k_cache);
+    const auto* v_cache = static_cast<const unsigned char*>(p.v_cache);
+#pragma unroll
+    for (int i = 0; i < kKeys * kChunks / kThreads; ++i) {
+      const int c = threadIdx.x + i * kThreads;
+      const int row = c / kChunks;
+      const int col = (c % kChunks) * 16;  // bytes
+      const int key = first_key + row;
+      const bool valid = key < key_end;
+      int64_t offset = 0;
+      if (valid) {
+        const int64_t block = block_row[key / p.block_size];
+        offset = ((block * p.kv_heads + kv_head) * p.block_size + key % p.block_size) * kD * kElemBytes + col;
+      }
+      CpAsync16(tile_k + row * kRowStride + col, k_cache + offset, valid);
+      CpAsync16(tile_v + row * kRowStride + col, v_cache + offset, valid);
+    }
+    if constexpr (kFp8) {
+      static_assert(2 * kKeys <= kThreads, "one thread per scale");
+      float* scales = reinterpret_cast<float*>(tile_k + 2 * kKeys * kRowStride);  // K's, then V's
+      if (threadIdx.x < 2 * kKeys) {
+        const bool is_v = threadIdx.x >= kKeys;
+        const int row = threadIdx.x - (is_v ? kKeys : 0);
+        const int key = first_key + row;
+        const bool valid = key < key_end;
+        int64_t slot = 0;
+        if (valid) slot = (block_row[key / p.block_size] * p.kv_heads + kv_head) * p.block_size + key % p.block_size;
+        CpAsync4(scales + threadIdx.x, (is_v ? p.v_scale : p.k_scale) + slot, valid);
+      }
+    }
+  }
+
+  __device__ __forceinline__ const __nv_bfloat16* Ready(int stage) const {
+    if constexpr (!kFp8) {
+      return Bf16Stage(stage);
+    } else {
+      const unsigned char* fp8 = Fp8Stage(stage);
+      const float* scales = reinterpret_cast<const float*>(fp8 + 2 * kKeys * kFp8Stride<kD>);
+      __nv_bfloat16* out = Bf16Stage(0);
+      constexpr int kChunks = kD / 8;  // 8 values a chunk
+      for (int c = threadIdx.x; c < 2 * kKeys * kChunks; c += kThreads) {
+        const int row = c / kChunks;  // K rows, then V rows
+        const int col = (c % kChunks) * 8;
+        const float scale = scales[row];
+        const uint2 raw = *reinterpret_cast<const uint2*>(fp8 + row * kFp8Stride<kD> + col);
+        const __nv_fp8x2_storage_t pairs[4] = {
+            static_cast<__nv_fp8x2_storage_t>(raw.x & 0xffffu), static_cast<__nv_fp8x2_storage_t>(raw.x >> 16),
+            static_cast<__nv_fp8x2_storage_t>(raw.y & 0xffffu), static_cast<__nv_fp8x2_storage_t>(raw.y >> 16)};
+        uint32_t packed[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pairs[j], __NV_E4M3)));
+          packed[j] = PackBf16(f.x * scale, f.y * scale);
+        }
+        *reinterpret_cast<uint4*>(out + row * kStride + col) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+      }
+      __syncthreads();
+      return out;
+    }
+  }
+};
 
 // One warp: online-softmax attention of its 16 query rows over kKeys keys in shared memory (rows
 // of kSmemStride<kD> bf16 starting at the warp's first key, sequence position key0). When
@@ -380,7 +498,7 @@ __device__ __forceinline__ void QuadSum(float (&l)[2]) {
   }
 }
 
-// grid (num_splits, kv_heads, num_seqs), kThreads threads, kDecodeSmemBytes<kD> of shared memory.
+// grid (num_splits, kv_heads, num_seqs), kThreads threads, kDecodeSmemBytes<kD, kFp8> of shared memory.
 // A CTA attends its sequence's one query, all `group` heads of its kv head at once (the MMA rows,
 // padded to 16), over the keys of its split: tiles of kDecodeTileKeys keys, double-buffered with
 // cp.async, each warp taking 16 keys of a tile. The four warps' softmax states are merged in
@@ -388,7 +506,7 @@ __device__ __forceinline__ void QuadSum(float (&l)[2]) {
 // The length comes from positions in device memory, so a graph replay with longer or shorter
 // sequences works: a split past the end writes a neutral partial (max -inf, sum 0, O 0).
 // Bound by HBM bandwidth: every K and V byte of the split is read once.
-template <int kD>
+template <int kD, bool kFp8>
 __global__ void __launch_bounds__(kThreads) DecodeAttentionKernel(const AttentionParams p) {
   constexpr int kKeys = kDecodeTileKeys;
   constexpr int kStride = kSmemStride<kD>;
@@ -421,23 +539,20 @@ __global__ void __launch_bounds__(kThreads) DecodeAttentionKernel(const Attentio
   float m[2] = {-INFINITY, -INFINITY};
   float l[2] = {0.f, 0.f};
 
-  __nv_bfloat16* stages = DynamicSmem<__nv_bfloat16>();
+  const KvTiles<kD, kKeys, kFp8> tiles{DynamicSmem<unsigned char>()};
   const int32_t* block_row = p.block_table + static_cast<int64_t>(seq) * p.max_blocks;
-  if (num_tiles > 0) {
-    LoadKvTile<kD, kKeys>(p, block_row, kv_head, first, end, stages, stages + kKeys * kStride);
-  }
+  if (num_tiles > 0) tiles.Load(p, block_row, kv_head, first, end, 0);
   CpAsyncCommit();
   for (int t = 0; t < num_tiles; ++t) {
     if (t + 1 < num_tiles) {
-      __nv_bfloat16* next = stages + ((t + 1) & 1) * kKvStageElems<kD, kKeys>;
-      LoadKvTile<kD, kKeys>(p, block_row, kv_head, first + (t + 1) * kKeys, end, next, next + kKeys * kStride);
+      tiles.Load(p, block_row, kv_head, first + (t + 1) * kKeys, end, (t + 1) & 1);
       CpAsyncCommit();
       CpAsyncWait<1>();
     } else {
       CpAsyncWait<0>();
     }
     __syncthreads();
-    const __nv_bfloat16* tile = stages + (t & 1) * kKvStageElems<kD, kKeys> + warp * kWarpKeys * kStride;
+    const __nv_bfloat16* tile = tiles.Ready(t & 1) + warp * kWarpKeys * kStride;
     const int key0 = first + t * kKeys + warp * kWarpKeys;
     if (key0 < end) {
       AttendTile<kD, kWarpKeys>(q, tile, tile + kKeys * kStride, key0, end - 1, end - 1, key0 + kWarpKeys > end,
@@ -533,12 +648,12 @@ __global__ void __launch_bounds__(kD) CombineSplitsKernel(const AttentionParams 
 }
 
 // grid (ceil(max_q_len * group / 64), kv_heads, num_seqs), kThreads threads,
-// kPrefillSmemBytes<kD> of shared memory. A CTA owns 64 (token, head) rows of one sequence and
+// kPrefillSmemBytes<kD, kFp8> of shared memory. A CTA owns 64 (token, head) rows of one sequence and
 // kv head, token-major (row f: token f / group, head f % group), 16 per warp, and loops over KV
 // tiles up to its last row's position, double-buffered with cp.async. A warp skips the tiles past
 // its own rows and masks only the tiles that cross its diagonal. Rows past the sequence's chunk
 // are padding; CTAs wholly past it exit at once. Bound by tensor-core throughput for long chunks.
-template <int kD>
+template <int kD, bool kFp8>
 __global__ void __launch_bounds__(kThreads) PrefillAttentionKernel(const AttentionParams p) {
   constexpr int kKeys = kPrefillTileKeys<kD>;
   constexpr int kStride = kSmemStride<kD>;
@@ -591,24 +706,23 @@ __global__ void __launch_bounds__(kThreads) PrefillAttentionKernel(const Attenti
   float m[2] = {-INFINITY, -INFINITY};
   float l[2] = {0.f, 0.f};
 
-  __nv_bfloat16* stages = DynamicSmem<__nv_bfloat16>();
+  const KvTiles<kD, kKeys, kFp8> tiles{DynamicSmem<unsigned char>()};
   const int32_t* block_row = p.block_table + static_cast<int64_t>(seq) * p.max_blocks;
   const int num_tiles = (kv_end + kKeys - 1) / kKeys;
-  LoadKvTile<kD, kKeys>(p, block_row, kv_head, 0, kv_end, stages, stages + kKeys * kStride);
+  tiles.Load(p, block_row, kv_head, 0, kv_end, 0);
   CpAsyncCommit();
   for (int t = 0; t < num_tiles; ++t) {
     if (t + 1 < num_tiles) {
-      __nv_bfloat16* next = stages + ((t + 1) & 1) * kKvStageElems<kD, kKeys>;
-      LoadKvTile<kD, kKeys>(p, block_row, kv_head, (t + 1) * kKeys, kv_end, next, next + kKeys * kStride);
+      tiles.Load(p, block_row, kv_head, (t + 1) * kKeys, kv_end, (t + 1) & 1);
       CpAsyncCommit();
       CpAsyncWait<1>();
     } else {
       CpAsyncWait<0>();
     }
     __syncthreads();
+    const __nv_bfloat16* tile_k = tiles.Ready(t & 1);
     const int key0 = t * kKeys;
     if (warp_active && key0 < warp_kv_end) {
-      const __nv_bfloat16* tile_k = stages + (t & 1) * kKvStageElems<kD, kKeys>;
       AttendTile<kD, kKeys>(q, tile_k, tile_k + kKeys * kStride, key0, pos[0], pos[1],
                             key0 + kKeys - 1 > warp_first_pos, p.scale_log2, o, m, l);
     }
@@ -680,7 +794,7 @@ DecodeSplit ChooseDecodeSplit(int num_seqs, int kv_heads, int max_kv_len, int sm
   return {splits, tiles_per_split * kDecodeTileKeys};
 }
 
-template <int kD>
+template <int kD, bool kFp8>
 void LaunchAttention(AttentionParams p, const StepMeta& meta, float* workspace, cudaStream_t stream) {
   if (meta.max_q_len == 1 && p.group <= kMaxDecodeGroup) {
     const DecodeSplit split = ChooseDecodeSplit(meta.num_seqs, p.kv_heads, meta.max_kv_len, SmCount());
@@ -690,20 +804,20 @@ void LaunchAttention(AttentionParams p, const StepMeta& meta, float* workspace, 
       p.partial_acc = workspace;
       p.partial_ml = workspace + static_cast<int64_t>(meta.num_seqs) * p.num_heads * p.num_splits * kD;
     }
-    constexpr int kSmem = kDecodeSmemBytes<kD>;
-    AllowDynamicSmem<DecodeAttentionKernel<kD>>(kSmem);
+    constexpr int kSmem = kDecodeSmemBytes<kD, kFp8>;
+    AllowDynamicSmem<DecodeAttentionKernel<kD, kFp8>>(kSmem);
     const dim3 grid(p.num_splits, p.kv_heads, meta.num_seqs);
-    DecodeAttentionKernel<kD><<<grid, kThreads, kSmem, stream>>>(p);
+    DecodeAttentionKernel<kD, kFp8><<<grid, kThreads, kSmem, stream>>>(p);
     if (p.num_splits > 1) {
       const dim3 combine_grid(p.num_heads, meta.num_seqs);
       CombineSplitsKernel<kD><<<combine_grid, kD, 0, stream>>>(p);
     }
     return;
   }
-  constexpr int kSmem = kPrefillSmemBytes<kD>;
-  AllowDynamicSmem<PrefillAttentionKernel<kD>>(kSmem);
+  constexpr int kSmem = kPrefillSmemBytes<kD, kFp8>;
+  AllowDynamicSmem<PrefillAttentionKernel<kD, kFp8>>(kSmem);
   const dim3 grid((meta.max_q_len * p.group + kPrefillRows - 1) / kPrefillRows, p.kv_heads, meta.num_seqs);
-  PrefillAttentionKernel<kD><<<grid, kThreads, kSmem, stream>>>(p);
+  PrefillAttentionKernel<kD, kFp8><<<grid, kThreads, kSmem, stream>>>(p);
 }
 
 }  // namespace
@@ -726,28 +840,31 @@ void QkNormRopeStoreKv(const uint16_t* qkv, const StepMeta& meta, int num_heads,
   p.num_heads = num_heads;
   p.kv_heads = kv.kv_heads;
   p.block_size = kv.block_size;
-  p.k_cache = reinterpret_cast<__nv_bfloat16*>(kv.k);
-  p.v_cache = reinterpret_cast<__nv_bfloat16*>(kv.v);
+  p.k_cache = kv.k;
+  p.v_cache = kv.v;
+  p.k_scale = kv.k_scale;
+  p.v_scale = kv.v_scale;
   p.q_norm = q_norm;
   p.k_norm = k_norm;
   p.eps = eps;
   p.rotary_dim = rotary_dim;
   p.inv_freq = inv_freq;
   p.q_out = reinterpret_cast<__nv_bfloat16*>(q_out);
+  if (kv.fp8 && (kv.k_scale == nullptr || kv.v_scale == nullptr)) {
+    ReportUnsupported(stream);
+    return;
+  }
   const dim3 grid(meta.num_tokens, (num_heads + 2 * kv.kv_heads + kWarps - 1) / kWarps);
+  auto launch = [&](auto kernel) { kernel<<<grid, kThreads, 0, stream>>>(p); };
   switch (kv.head_dim) {
     case 32:
-      QkNormRopeStoreKvKernel<32><<<grid, kThreads, 0, stream>>>(p);
-      break;
+      return kv.fp8 ? launch(QkNormRopeStoreKvKernel<32, true>) : launch(QkNormRopeStoreKvKernel<32, false>);
     case 64:
-      QkNormRopeStoreKvKernel<64><<<grid, kThreads, 0, stream>>>(p);
-      break;
+      return kv.fp8 ? launch(QkNormRopeStoreKvKernel<64, true>) : launch(QkNormRopeStoreKvKernel<64, false>);
     case 128:
-      QkNormRopeStoreKvKernel<128><<<grid, kThreads, 0, stream>>>(p);
-      break;
+      return kv.fp8 ? launch(QkNormRopeStoreKvKernel<128, true>) : launch(QkNormRopeStoreKvKernel<128, false>);
     case 256:
-      QkNormRopeStoreKvKernel<256><<<grid, kThreads, 0, stream>>>(p);
-      break;
+      return kv.fp8 ? launch(QkNormRopeStoreKvKernel<256, true>) : launch(QkNormRopeStoreKvKernel<256, false>);
     default:
       ReportUnsupported(stream);
   }
@@ -763,8 +880,10 @@ void PagedAttention(const uint16_t* q, const StepMeta& meta, int num_heads, cons
   AttentionParams p = {};
   p.q = reinterpret_cast<const __nv_bfloat16*>(q);
   p.out = reinterpret_cast<__nv_bfloat16*>(out);
-  p.k_cache = reinterpret_cast<const __nv_bfloat16*>(kv.k);
-  p.v_cache = reinterpret_cast<const __nv_bfloat16*>(kv.v);
+  p.k_cache = kv.k;
+  p.v_cache = kv.v;
+  p.k_scale = kv.k_scale;
+  p.v_scale = kv.v_scale;
   p.positions = meta.positions;
   p.seq_start = meta.seq_start;
   p.block_table = meta.block_table;
@@ -775,15 +894,23 @@ void PagedAttention(const uint16_t* q, const StepMeta& meta, int num_heads, cons
   p.group = num_heads / kv.kv_heads;
   p.scale_log2 = scale * kLog2e;
   p.num_splits = 1;
+  if (kv.fp8 && (kv.k_scale == nullptr || kv.v_scale == nullptr)) {
+    ReportUnsupported(stream);
+    return;
+  }
   switch (kv.head_dim) {
     case 32:
-      return LaunchAttention<32>(p, meta, workspace, stream);
+      return kv.fp8 ? LaunchAttention<32, true>(p, meta, workspace, stream)
+                    : LaunchAttention<32, false>(p, meta, workspace, stream);
     case 64:
-      return LaunchAttention<64>(p, meta, workspace, stream);
+      return kv.fp8 ? LaunchAttention<64, true>(p, meta, workspace, stream)
+                    : LaunchAttention<64, false>(p, meta, workspace, stream);
     case 128:
-      return LaunchAttention<128>(p, meta, workspace, stream);
+      return kv.fp8 ? LaunchAttention<128, true>(p, meta, workspace, stream)
+                    : LaunchAttention<128, false>(p, meta, workspace, stream);
     case 256:
-      return LaunchAttention<256>(p, meta, workspace, stream);
+      return kv.fp8 ? LaunchAttention<256, true>(p, meta, workspace, stream)
+                    : LaunchAttention<256, false>(p, meta, workspace, stream);
     default:
       ReportUnsupported(stream);
   }

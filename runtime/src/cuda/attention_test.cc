@@ -15,6 +15,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "cuda/attention_test_util.h"
@@ -423,6 +424,184 @@ TEST_P(PagedAttentionTest, MatchesThePlainReference) {
 
 INSTANTIATE_TEST_SUITE_P(Cases, PagedAttentionTest, testing::ValuesIn(AttentionCases()),
                          [](const testing::TestParamInfo<AttentionCase>& info) { return info.param.name; });
+
+// ---- fp8 KV cache ----
+
+// One head's values quantized as the store kernel does: scale = max |x| / 448 (1 for zeros), codes
+// x / scale rounded to nearest even and saturated.
+float QuantizeHead(const float* x, int n, uint8_t* codes) {
+  float amax = 0.f;
+  for (int i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float scale = amax > 0.f ? amax / core::kF8E4M3Max : 1.f;
+  for (int i = 0; i < n; ++i) codes[i] = core::FloatToF8E4M3(x[i] / scale);
+  return scale;
+}
+
+// An fp8 cache as FillCache makes a bf16 one (random heads where a sequence owns the slot, NaN codes
+// and scales elsewhere), with what the attention kernels read it as: each code times its head's
+// scale, rounded to bf16 (they convert every tile to bf16 in shared memory).
+struct Fp8Cache {
+  std::vector<uint8_t> k, v;
+  std::vector<float> k_scale, v_scale;
+  std::vector<uint16_t> k_seen, v_seen;
+};
+Fp8Cache FillFp8Cache(const HostStep& h, const Shape& shape, std::mt19937& rng) {
+  const int d = shape.head_dim;
+  Fp8Cache c;
+  c.k.assign(CacheElems(h, shape), 0x7f);
+  c.v.assign(CacheElems(h, shape), 0x7f);
+  c.k_scale.assign(CacheElems(h, shape) / d, std::nanf(""));
+  c.v_scale.assign(CacheElems(h, shape) / d, std::nanf(""));
+  c.k_seen.assign(CacheElems(h, shape), kBf16NaN);
+  c.v_seen.assign(CacheElems(h, shape), kBf16NaN);
+  std::normal_distribution<float> dist;
+  std::vector<float> x(d);
+  for (size_t s = 0; s < h.seqs.size(); ++s) {
+    for (int pos = 0; pos < h.seqs[s].first_position + h.seqs[s].num_tokens; ++pos) {
+      for (int kvh = 0; kvh < shape.kv_heads; ++kvh) {
+        const int64_t at = SlotOffset(h, shape, static_cast<int>(s), pos, kvh);
+        for (auto [codes, scales, seen] : {std::tuple{&c.k, &c.k_scale, &c.k_seen}, {&c.v, &c.v_scale, &c.v_seen}}) {
+          // Heads of different magnitudes, so that the scales matter.
+          const float spread = std::exp(dist(rng));
+          for (float& e : x) e = dist(rng) * spread;
+          const float scale = QuantizeHead(x.data(), d, codes->data() + at);
+          (*scales)[at / d] = scale;
+          for (int i = 0; i < d; ++i) (*seen)[at + i] = FloatToBf16(core::F8E4M3ToFloat((*codes)[at + i]) * scale);
+        }
+      }
+    }
+  }
+  return c;
+}
+
+class Fp8PagedAttentionTest : public testing::TestWithParam<AttentionCase> {};
+
+// Decode, prefill and mixed steps over an fp8 cache: the kernels read every code times its scale,
+// as the bf16 reference over those values does, with no read past a sequence's length (NaN there).
+TEST_P(Fp8PagedAttentionTest, MatchesThePlainReferenceOverTheDequantizedCache) {
+  if (VisibleDeviceCount() == 0) GTEST_SKIP() << "no GPU visible";
+  const AttentionCase& c = GetParam();
+  const Shape& shape = c.shape;
+  const int d = shape.head_dim;
+  std::mt19937 rng(static_cast<uint32_t>(std::hash<std::string>{}(c.name)) + 8);
+  const HostStep h = MakeStep(c.seqs, shape.block_size, /*sparse=*/false, rng, c.max_kv_len);
+  const std::vector<uint16_t> q = RandomBf16(static_cast<size_t>(h.num_tokens) * shape.num_heads * d, 1.0f, rng);
+  const Fp8Cache cache = FillFp8Cache(h, shape, rng);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+
+  DeviceStep step(h);
+  DeviceArray<uint16_t> q_d(q.size()), out(q.size());
+  DeviceArray<uint8_t> k_d(cache.k.size()), v_d(cache.v.size());
+  DeviceArray<float> ks_d(cache.k_scale.size()), vs_d(cache.v_scale.size());
+  DeviceArray<float> workspace(AttentionWorkspaceFloats(h.num_tokens, h.max_kv_len, shape.num_heads, d));
+  q_d.Upload(q);
+  k_d.Upload(cache.k);
+  v_d.Upload(cache.v);
+  ks_d.Upload(cache.k_scale);
+  vs_d.Upload(cache.v_scale);
+  out.Poison();
+  workspace.Poison();
+  KvLayer kv{k_d.get(), v_d.get(), shape.block_size, shape.kv_heads, d, /*fp8=*/true, ks_d.get(), vs_d.get()};
+  PagedAttention(q_d.get(), step.meta, shape.num_heads, kv, scale, workspace.get(), out.get(), nullptr);
+  ExpectNoCudaError(c.name);
+
+  const std::vector<double> want = ReferenceAttention(q, h, shape, cache.k_seen, cache.v_seen, scale);
+  ExpectClose(out.Download(), want, d, shape.num_heads, 1e-2, 2e-2, c.name);
+  EXPECT_TRUE(out.GuardIntact());
+  EXPECT_TRUE(workspace.GuardIntact());
+}
+
+std::vector<AttentionCase> Fp8AttentionCases() {
+  std::vector<AttentionCase> cases;
+  for (const AttentionCase& c : AttentionCases()) {
+    for (const char* name :
+         {"DecodeG1D32Bs4", "DecodeG8D128Bs16", "DecodeG16D64Bs16", "DecodeG4D256Bs16", "DecodeBatch1Long",
+          "DecodeMostSplitsEmpty", "DecodeG32UsesPrefillKernel", "PrefillFromZeroG8D128Bs16", "PrefillCachedG8D32Bs4",
+          "PrefillG2D64Bs8", "PrefillG4D256Bs16", "MixedG8D128Bs16", "MixedG2D32Bs4"}) {
+      if (c.name == name) cases.push_back(c);
+    }
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, Fp8PagedAttentionTest, testing::ValuesIn(Fp8AttentionCases()),
+                         [](const testing::TestParamInfo<AttentionCase>& info) { return info.param.name; });
+
+// The store kernel into an fp8 cache: v exactly as the host quantizes the bf16 inputs; k (normed
+// and rotated in fp32 on the device) within one fp8 step of the double reference; scales of the
+// heads' largest magnitudes; no other slot touched.
+TEST(Fp8KvCacheTest, StoreQuantizesEachHeadWithItsOwnScale) {
+  if (VisibleDeviceCount() == 0) GTEST_SKIP() << "no GPU visible";
+  for (const Shape shape : {Shape{8, 2, 128, 16}, Shape{4, 4, 32, 4}, Shape{4, 2, 256, 16}, Shape{6, 3, 64, 8}}) {
+    const int d = shape.head_dim, rotary_dim = d / 2;
+    const std::string what = "D" + std::to_string(d) + " KV" + std::to_string(shape.kv_heads);
+    std::mt19937 rng(d);
+    const HostStep h = MakeStep({{0, 9}, {70, 1}, {33, 4}}, shape.block_size, /*sparse=*/true, rng);
+    const int total = shape.num_heads + 2 * shape.kv_heads;
+    const std::vector<uint16_t> qkv = RandomBf16(static_cast<size_t>(h.num_tokens) * total * d, 3.0f, rng);
+    const std::vector<float> q_norm = RandomNormWeights(d, rng), k_norm = RandomNormWeights(d, rng);
+    const std::vector<float> inv_freq = InverseFrequencies(rotary_dim, 1e6);
+    DeviceStep step(h);
+    DeviceArray<uint16_t> qkv_d(qkv.size()), q_out(static_cast<size_t>(h.num_tokens) * shape.num_heads * d);
+    DeviceArray<uint8_t> k_d(CacheElems(h, shape)), v_d(CacheElems(h, shape));
+    DeviceArray<float> ks_d(CacheElems(h, shape) / d), vs_d(CacheElems(h, shape) / d);
+    DeviceArray<float> q_norm_d(d), k_norm_d(d), inv_freq_d(inv_freq.size());
+    qkv_d.Upload(qkv);
+    q_norm_d.Upload(q_norm);
+    k_norm_d.Upload(k_norm);
+    inv_freq_d.Upload(inv_freq);
+    for (auto* a : {&k_d, &v_d}) a->Poison();
+    for (auto* a : {&ks_d, &vs_d}) a->Poison();
+    const std::vector<uint8_t> poisoned_codes = k_d.Download();
+    KvLayer kv{k_d.get(), v_d.get(), shape.block_size, shape.kv_heads, d, /*fp8=*/true, ks_d.get(), vs_d.get()};
+    QkNormRopeStoreKv(qkv_d.get(), step.meta, shape.num_heads, kv, q_norm_d.get(), k_norm_d.get(), 1e-6f, rotary_dim,
+                      inv_freq_d.get(), q_out.get(), nullptr);
+    ExpectNoCudaError(what);
+    const QkvReference ref = ReferenceQkNormRope(qkv, h, shape, &q_norm, &k_norm, 1e-6, rotary_dim, inv_freq);
+    const std::vector<uint8_t> k_got = k_d.Download(), v_got = v_d.Download();
+    const std::vector<float> ks_got = ks_d.Download(), vs_got = vs_d.Download();
+    std::vector<bool> written(CacheElems(h, shape), false);
+    int failures = 0;
+    for (int r = 0; r < h.num_tokens; ++r) {
+      for (int kvh = 0; kvh < shape.kv_heads; ++kvh) {
+        const int64_t at = SlotOffset(h, shape, h.row_seq[r], h.positions[r], kvh);
+        std::fill(written.begin() + at, written.begin() + at + d, true);
+        std::vector<float> v_in(d);
+        for (int i = 0; i < d; ++i) {
+          v_in[i] = Bf16ToFloat(qkv[(static_cast<size_t>(r) * total + shape.num_heads + shape.kv_heads + kvh) * d + i]);
+        }
+        std::vector<uint8_t> v_want(d);
+        const float v_scale = QuantizeHead(v_in.data(), d, v_want.data());
+        if (vs_got[at / d] != v_scale && failures++ < 5) ADD_FAILURE() << what << " v scale row " << r;
+        for (int i = 0; i < d; ++i) {
+          if (v_got[at + i] != v_want[i] && failures++ < 5) ADD_FAILURE() << what << " v row " << r << " element " << i;
+        }
+        const double* k_ref = &ref.k[(static_cast<size_t>(r) * shape.kv_heads + kvh) * d];
+        double amax = 0;
+        for (int i = 0; i < d; ++i) amax = std::max(amax, std::abs(k_ref[i]));
+        const float k_scale = ks_got[at / d];
+        if (!(std::abs(k_scale - amax / 448.0) <= 1e-4 * amax) && failures++ < 5) {
+          ADD_FAILURE() << what << " k scale row " << r << ": " << k_scale << ", want " << amax / 448.0;
+        }
+        for (int i = 0; i < d; ++i) {
+          // e4m3 steps are 2^-3 of the value's binade: half a step is at most 1/16 of |x|; codes
+          // below the normal range step by 2^-9 of the scale.
+          const double got = core::F8E4M3ToFloat(k_got[at + i]) * k_scale;
+          const double tol = std::abs(k_ref[i]) / 16 * 1.01 + k_scale * std::ldexp(1.0, -10) + 1e-4 * amax;
+          if (!(std::abs(got - k_ref[i]) <= tol) && failures++ < 5) {
+            ADD_FAILURE() << what << " k row " << r << " element " << i << ": " << got << ", want " << k_ref[i];
+          }
+        }
+      }
+    }
+    size_t clobbered = 0;
+    for (size_t i = 0; i < written.size(); ++i) {
+      if (!written[i] && (k_got[i] != poisoned_codes[i] || v_got[i] != poisoned_codes[i])) ++clobbered;
+    }
+    EXPECT_EQ(clobbered, 0u) << what << ": cache bytes outside this step's slots changed";
+    EXPECT_TRUE(k_d.GuardIntact() && v_d.GuardIntact() && ks_d.GuardIntact() && vs_d.GuardIntact()) << what;
+  }
+}
 
 // The two launchers in sequence, as a layer runs them: the attention reads the k and v the
 // store kernel just wrote, beside what earlier steps cached.

@@ -40,7 +40,8 @@ std::string GiB(int64_t bytes) { return absl::StrFormat("%.2f GiB", static_cast<
 // cudaMalloc'd memory, freed on destruction.
 class CudaBuffer : public DeviceBuffer {
  public:
-  CudaBuffer(void* data, DType dtype, int64_t rows, int64_t cols) : data_(data), dtype_(dtype), rows_(rows), cols_(cols) {}
+  CudaBuffer(void* data, DType dtype, int64_t rows, int64_t cols)
+      : data_(data), dtype_(dtype), rows_(rows), cols_(cols) {}
   ~CudaBuffer() override { cudaFree(data_); }
   Tensor tensor() const override { return Tensor{data_, dtype_, rows_, cols_}; }
 
@@ -161,6 +162,7 @@ class CudaBackend : public Backend {
 
   std::string name() const override { return name_; }
   DType activation_dtype() const override { return DType::kBF16; }
+  bool SupportsKvDtype(DType dtype) const override { return dtype == DType::kBF16 || dtype == DType::kF8E4M3; }
   bool SupportsGraphs() const override { return true; }
 
   // ---- Memory ----
@@ -172,8 +174,8 @@ class CudaBackend : public Backend {
       (void)cudaGetLastError();
       size_t free = 0, total = 0;
       cudaMemGetInfo(&free, &total);
-      return absl::ResourceExhaustedError(absl::StrCat("out of GPU memory on ", name_, ": ", GiB(bytes),
-                                                       " needed, ", GiB(free), " free of ", GiB(total)));
+      return absl::ResourceExhaustedError(absl::StrCat("out of GPU memory on ", name_, ": ", GiB(bytes), " needed, ",
+                                                       GiB(free), " free of ", GiB(total)));
     }
     return std::unique_ptr<DeviceBuffer>(new CudaBuffer(p, dtype, rows, cols));
   }
@@ -204,7 +206,7 @@ class CudaBackend : public Backend {
   }
 
   absl::StatusOr<std::unique_ptr<DeviceWeight>> PrepareFusedWeight(const std::vector<core::TensorView>& parts,
-                                                                  WeightUse use) override {
+                                                                   WeightUse use) override {
     const DType dtype = use == WeightUse::kVector ? DType::kF32 : DType::kBF16;
     int64_t rows = 0;
     for (const auto& p : parts) {
@@ -274,8 +276,8 @@ class CudaBackend : public Backend {
     // device, so a step's sampling is one copy in and one copy out.
     const int64_t rows = l.max_logit_rows;
     history_capacity_ = std::max<int64_t>(int64_t{1} << 20, 4 * int64_t{l.max_context});
-    sample_bytes_ = rows * sizeof(cuda::SampleParamsGpu) + history_capacity_ * 4 +
-                    rows * (4 + 4 + 4 + 2 * cuda::kMaxLogprobs * 4);
+    sample_bytes_ =
+        rows * sizeof(cuda::SampleParamsGpu) + history_capacity_ * 4 + rows * (4 + 4 + 4 + 2 * cuda::kMaxLogprobs * 4);
     MOE_ASSIGN_OR_RETURN(sample_host_, AllocateHost(sample_bytes_));
     MOE_ASSIGN_OR_RETURN(sample_dev_, Allocate(DType::kI8, 1, sample_bytes_));
     if (l.max_bias_width > 0 || max_padded_rows_ > 0) {
@@ -304,7 +306,8 @@ class CudaBackend : public Backend {
       MOE_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, start, stop));
       return ms / 1e3 / reps;
     };
-    auto copy = time([&] { cudaMemcpyAsync(b->tensor().data, a->tensor().data, bytes, cudaMemcpyDeviceToDevice, stream_); }, 10);
+    auto copy = time(
+        [&] { cudaMemcpyAsync(b->tensor().data, a->tensor().data, bytes, cudaMemcpyDeviceToDevice, stream_); }, 10);
     if (!copy.ok()) return copy.status();
     r.memory_gbps = 2.0 * bytes / *copy / 1e9;
     r.memory_what = absl::StrFormat("device-to-device copy of %.1f GiB, bytes read + written", bytes / double(1 << 30));
@@ -326,11 +329,13 @@ class CudaBackend : public Backend {
       MOE_RETURN_IF_ERROR(Upload(view, DType::kBF16, static_cast<char*>(w->tensor().data)));
     }
     absl::Status gemm_status;
-    auto gemm = time([&] {
-      absl::Status s = linear_->Run(x->tensor().as<uint16_t>(), n, w->tensor().as<uint16_t>(), n, n, nullptr,
-                                    y->tensor().data, false, stream_);
-      if (!s.ok()) gemm_status = s;
-    }, 10);
+    auto gemm = time(
+        [&] {
+          absl::Status s = linear_->Run(x->tensor().as<uint16_t>(), n, w->tensor().as<uint16_t>(), n, n, nullptr,
+                                        y->tensor().data, false, stream_);
+          if (!s.ok()) gemm_status = s;
+        },
+        10);
     cudaEventDestroy(start);
     cudaEventDestroy(stop);
     if (!gemm.ok()) return gemm.status();
@@ -382,8 +387,8 @@ class CudaBackend : public Backend {
       if (p.penalized() && row.history != nullptr) {
         const int64_t n = static_cast<int64_t>(row.history->size());
         if (used + n > history_capacity_) {
-          return absl::ResourceExhaustedError(absl::StrCat("the step's penalty history of more than ",
-                                                           history_capacity_, " tokens"));
+          return absl::ResourceExhaustedError(
+              absl::StrCat("the step's penalty history of more than ", history_capacity_, " tokens"));
         }
         std::memcpy(history + used, row.history->data(), n * 4);
         g.prompt_len = row.prompt_len;
@@ -660,8 +665,8 @@ class CudaBackend : public Backend {
   // ---- Operations ----
   void Embed(const DeviceWeight& table, const StepTensors& step, const Tensor& x) override {
     Begin("Embed");
-    cuda::Embed(AsCuda(table).as<uint16_t>(), step.token_ids.as<int32_t>(), step.num_tokens,
-                static_cast<int>(x.cols), x.as<float>(), stream_);
+    cuda::Embed(AsCuda(table).as<uint16_t>(), step.token_ids.as<int32_t>(), step.num_tokens, static_cast<int>(x.cols),
+                x.as<float>(), stream_);
     Launched("Embed");
   }
 
@@ -709,8 +714,11 @@ class CudaBackend : public Backend {
   void Attention(const AttentionArgs& a, const StepTensors& step) override {
     const cuda::StepMeta meta = Meta(step);
     cuda::KvLayer kv;
-    kv.k = static_cast<uint16_t*>(a.cache->k(a.layer));
-    kv.v = static_cast<uint16_t*>(a.cache->v(a.layer));
+    kv.k = a.cache->k(a.layer);
+    kv.v = a.cache->v(a.layer);
+    kv.k_scale = a.cache->k_scale(a.layer);
+    kv.v_scale = a.cache->v_scale(a.layer);
+    kv.fp8 = a.cache->dtype() == DType::kF8E4M3;
     kv.block_size = a.cache->shape().block_size;
     kv.kv_heads = a.num_kv_heads;
     kv.head_dim = a.head_dim;
@@ -746,7 +754,8 @@ class CudaBackend : public Backend {
     p.routed_scaling_factor = spec.routed_scaling_factor;
     p.correction_bias = correction_bias != nullptr ? AsCuda(*correction_bias).as<float>() : nullptr;
     Begin("RouteTopK");
-    if (absl::Status s = cuda::CheckRouterParams(p); !s.ok() && pending_.ok()) pending_ = core::Annotate(s, "RouteTopK");
+    if (absl::Status s = cuda::CheckRouterParams(p); !s.ok() && pending_.ok())
+      pending_ = core::Annotate(s, "RouteTopK");
     cuda::RouteTopK(logits.as<float>(), static_cast<int>(logits.rows), p, ids.as<int32_t>(), weights.as<float>(),
                     stream_);
     Launched("RouteTopK");
@@ -759,6 +768,30 @@ class CudaBackend : public Backend {
                        backend_index.as<int32_t>(), host_ids.as<int32_t>(), host_weights.as<float>(),
                        backend_ids.as<int32_t>(), backend_weights.as<float>(), stream_);
     Launched("SplitRouting");
+  }
+
+  void CountPicks(const Tensor& ids, const StepTensors& step, int scratch_block, const Tensor& counts) override {
+    Begin("CountPicks");
+    cuda::CountPicks(ids.as<int32_t>(), static_cast<int>(ids.rows), static_cast<int>(ids.cols),
+                     step.row_seq.as<int32_t>(), step.block_table.as<int32_t>(), step.max_blocks, scratch_block,
+                     static_cast<int>(counts.cols), counts.as<int32_t>(), stream_);
+    Launched("CountPicks");
+  }
+
+  absl::Status ReplaceExpert(DeviceExperts& experts, int slot, const core::TensorView& gate, const core::TensorView& up,
+                             const core::TensorView& down) override {
+    auto& ex = static_cast<CudaExperts&>(experts);
+    if (slot < 0 || slot >= ex.weights.num_experts) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("expert slot ", slot, " outside [0, ", ex.weights.num_experts, ")"));
+    }
+    const int64_t part = int64_t{ex.weights.intermediate} * ex.weights.hidden * 2;
+    char* gu = static_cast<char*>(ex.gate_up->tensor().data);
+    char* dn = static_cast<char*>(ex.down->tensor().data);
+    // Queued on the stream through the pinned staging buffers: in order with the steps around it.
+    MOE_RETURN_IF_ERROR(Upload(gate, DType::kBF16, gu + (2 * slot) * part));
+    MOE_RETURN_IF_ERROR(Upload(up, DType::kBF16, gu + (2 * slot + 1) * part));
+    return Upload(down, DType::kBF16, dn + slot * part);
   }
 
   void MoeExperts(const Tensor& x, const Tensor& ids, const Tensor& weights, const DeviceExperts& experts,
@@ -1099,10 +1132,10 @@ class CudaBackend : public Backend {
   void Keep(cudaError_t err, const char* what) {
     if (err == cudaSuccess) return;
     absl::Status s = cuda::CudaStatus(err, what, __FILE__, __LINE__);
-    const bool sticky = err == cudaErrorIllegalAddress || err == cudaErrorLaunchFailure ||
-                        err == cudaErrorHardwareStackError || err == cudaErrorIllegalInstruction ||
-                        err == cudaErrorMisalignedAddress || err == cudaErrorInvalidPc || err == cudaErrorECCUncorrectable ||
-                        err == cudaErrorDevicesUnavailable || err == cudaErrorContextIsDestroyed;
+    const bool sticky =
+        err == cudaErrorIllegalAddress || err == cudaErrorLaunchFailure || err == cudaErrorHardwareStackError ||
+        err == cudaErrorIllegalInstruction || err == cudaErrorMisalignedAddress || err == cudaErrorInvalidPc ||
+        err == cudaErrorECCUncorrectable || err == cudaErrorDevicesUnavailable || err == cudaErrorContextIsDestroyed;
     s = absl::InternalError(absl::StrCat(sticky ? "the GPU context is lost: " : "", "CUDA error in ", what, " on ",
                                          name_, ": ", cudaGetErrorName(err), ": ", cudaGetErrorString(err)));
     if (sticky && lost_.ok()) lost_ = s;

@@ -37,12 +37,17 @@ struct StepMeta {
 };
 
 // The paged KV cache of one layer: K and V each [num_blocks][kv_heads][block_size][head_dim] bf16.
+// One layer of the paged KV cache (backend.h's layout): bf16 K and V, or fp8 e4m3 ones with an
+// fp32 scale per position and KV head ([block][kv_head][slot]).
 struct KvLayer {
-  uint16_t* k = nullptr;
-  uint16_t* v = nullptr;
+  void* k = nullptr;
+  void* v = nullptr;
   int block_size = 16;
   int kv_heads = 0;
   int head_dim = 0;
+  bool fp8 = false;
+  float* k_scale = nullptr;  // fp8 only
+  float* v_scale = nullptr;
 };
 
 // ---- Dense operations (dense_ops.cu) ----
@@ -77,9 +82,9 @@ void GatherRows(const float* src, int cols, const int32_t* rows, int n, float* o
 // their first rotary_dim dims with angle position * inv_freq[i] (fp32 [rotary_dim/2]) computed
 // in fp32; q goes to q_out [T x H*head_dim] bf16; k and v go into the cache at the row's slot
 // (block_table[row_seq][position / block_size], position % block_size).
-void QkNormRopeStoreKv(const uint16_t* qkv, const StepMeta& meta, int num_heads, const KvLayer& kv,
-                       const float* q_norm, const float* k_norm, float eps, int rotary_dim, const float* inv_freq,
-                       uint16_t* q_out, cudaStream_t stream);
+void QkNormRopeStoreKv(const uint16_t* qkv, const StepMeta& meta, int num_heads, const KvLayer& kv, const float* q_norm,
+                       const float* k_norm, float eps, int rotary_dim, const float* inv_freq, uint16_t* q_out,
+                       cudaStream_t stream);
 
 // Causal attention of every row's query over its sequence's cached keys [0, position] (GQA:
 // query head h reads kv head h / (num_heads / kv_heads)); out [T x H*head_dim] bf16. Picks the
@@ -93,7 +98,7 @@ int64_t AttentionWorkspaceFloats(int max_tokens, int max_kv_len, int num_heads, 
 // ---- Routing (routing.cu), as runtime/src/routing.cc defines it ----
 
 struct RouterParams {
-  bool sigmoid = false;         // false: softmax scoring
+  bool sigmoid = false;  // false: softmax scoring
   int num_experts = 0;
   int top_k = 0;
   bool normalize_top_k = false;
@@ -144,7 +149,7 @@ struct SampleParamsGpu {  // one per row, device memory
   int32_t sequence;       // Philox counter word 1
   int32_t history_start;  // this row's tokens in `history`: [history_start, history_start + prompt_len + output_len)
   int32_t prompt_len, output_len;
-  int32_t logprobs;       // top alternatives wanted (0: none; at most kMaxLogprobs)
+  int32_t logprobs;  // top alternatives wanted (0: none; at most kMaxLogprobs)
 };
 constexpr int kMaxLogprobs = 20;
 // logits [R x V] fp32, modified in place by the penalties. tokens [R]; when any row wants

@@ -3,14 +3,13 @@
 // of the chosen weights, the normalisation and the scaling), and the same total order for the
 // choice (larger first, ties to the lower index), so ids agree with the CPU except on near-ties
 // that the two exp implementations or the softmax sum order resolve differently.
-#include "cuda/routing.h"
-
 #include <cuda_runtime.h>
 
 #include <cmath>
 #include <cstdint>
 
 #include "absl/strings/str_cat.h"
+#include "cuda/routing.h"
 
 namespace moe::runtime::cuda {
 namespace {
@@ -307,7 +306,26 @@ __global__ void SplitRoutingKernel(const int32_t* __restrict__ ids, const float*
   }
 }
 
+__global__ void CountPicksKernel(const int32_t* __restrict__ ids, int rows, int top_k,
+                                 const int32_t* __restrict__ row_seq, const int32_t* __restrict__ block_table,
+                                 int max_blocks, int scratch_block, int num_experts, int32_t* __restrict__ counts) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= rows * top_k) return;
+  const int r = i / top_k;
+  if (block_table[static_cast<int64_t>(row_seq[r]) * max_blocks] == scratch_block) return;
+  const int32_t e = ids[i];
+  if (e >= 0 && e < num_experts) atomicAdd(counts + e, 1);
+}
+
 }  // namespace
+
+void CountPicks(const int32_t* ids, int rows, int top_k, const int32_t* row_seq, const int32_t* block_table,
+                int max_blocks, int scratch_block, int num_experts, int32_t* counts, cudaStream_t stream) {
+  if (rows == 0 || top_k == 0) return;
+  const int n = rows * top_k;
+  CountPicksKernel<<<(n + 255) / 256, 256, 0, stream>>>(ids, rows, top_k, row_seq, block_table, max_blocks,
+                                                        scratch_block, num_experts, counts);
+}
 
 void SplitRouting(const int32_t* ids, const float* weights, int rows, int top_k, const int32_t* backend_index,
                   int32_t* host_ids, float* host_weights, int32_t* backend_ids, float* backend_weights,

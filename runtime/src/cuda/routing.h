@@ -26,4 +26,10 @@ void SplitRouting(const int32_t* ids, const float* weights, int rows, int top_k,
                   int32_t* host_ids, float* host_weights, int32_t* backend_ids, float* backend_weights,
                   cudaStream_t stream);
 
+// counts[e] += picks of expert e in ids [rows x top_k] (ids < 0 skipped), over the rows whose
+// sequence's first block is not `scratch_block` (a graph step's padding rows): the routing
+// statistics behind the experts a GPU holds while serving. One thread per pick, atomics.
+void CountPicks(const int32_t* ids, int rows, int top_k, const int32_t* row_seq, const int32_t* block_table,
+                int max_blocks, int scratch_block, int num_experts, int32_t* counts, cudaStream_t stream);
+
 }  // namespace moe::runtime::cuda

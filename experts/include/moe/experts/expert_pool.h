@@ -51,13 +51,13 @@ using ExpertWeightSource = std::function<absl::StatusOr<ExpertWeights>(int layer
 
 struct ExpertPoolOptions {
   ExpertFormat format = ExpertFormat::kBF16;
-  int group = 32;                     // int4 group size: 32, 64 or 128
-  int threads = 0;                    // 0: every core this process may use
-  std::optional<KernelKind> kernel;   // unset: chosen per call from the CPU and the token count
+  int group = 32;                    // int4 group size: 32, 64 or 128
+  int threads = 0;                   // 0: every core this process may use
+  std::optional<KernelKind> kernel;  // unset: chosen per call from the CPU and the token count
   bool pin_threads = true;
-  std::string shm_name;               // share the arena across processes under this name
-  std::string model_id;               // identifies the weights in a shared segment's key
-  bool progress = true;               // loading progress on stderr
+  std::string shm_name;  // share the arena across processes under this name
+  std::string model_id;  // identifies the weights in a shared segment's key
+  bool progress = true;  // loading progress on stderr
   // Calls of at most this many tokens use the decode schedule (long contiguous streams of the
   // active experts' weights, a few units per thread); larger calls the batch schedule (work
   // items per expert). 0: always the batch schedule.
@@ -72,6 +72,11 @@ struct ExpertPoolOptions {
   int64_t linger_us = 2000;
 };
 
+// A slot of topk_ids that the call skips: its weight is not read and no expert runs for it. A
+// token whose every slot is skipped gets zeros. (A tensor split's rank computes the experts it
+// owns, and expert deferral splits a token's picks over two calls.)
+inline constexpr int32_t kSkippedSlot = -1;
+
 class ExpertPool {
  public:
   // Packs every expert from `source` into the arena (or attaches to a published shared segment).
@@ -83,7 +88,8 @@ class ExpertPool {
   struct Ticket {
     uint64_t id = 0;
   };
-  // kInvalidArgument for a layer or expert id out of range (nothing is started);
+  // topk_ids may hold kSkippedSlot. kInvalidArgument for a layer or expert id out of range
+  // (nothing is started);
   // kFailedPrecondition if a call is already in flight.
   absl::StatusOr<Ticket> Submit(int layer, const float* hidden, int64_t num_tokens, const int32_t* topk_ids,
                                 const float* topk_weights, float* out);

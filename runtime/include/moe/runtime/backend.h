@@ -24,6 +24,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -117,6 +118,13 @@ class DeviceExperts {
   virtual int64_t bytes() const = 0;
 };
 
+// Bytes one position takes in one layer's KV cache, K and V, in `dtype`: fp8 adds one fp32 scale
+// per KV head to each of K and V.
+inline int64_t KvBytesPerPositionLayer(int kv_heads, int head_dim, core::DType dtype) {
+  return 2 * static_cast<int64_t>(kv_heads) *
+         (head_dim * core::DTypeSize(dtype) + (dtype == core::DType::kF8E4M3 ? int64_t{4} : int64_t{0}));
+}
+
 struct KvCacheShape {
   int num_layers = 0;
   int num_blocks = 0;  // blocks the scheduler may hand out; the cache holds one more (scratch)
@@ -129,41 +137,63 @@ struct KvCacheShape {
   int64_t block_bytes(int64_t bytes_per_element) const {
     return 2 * elements_per_block_layer() * num_layers * bytes_per_element;
   }
+  int64_t block_bytes(core::DType dtype) const {
+    return KvBytesPerPositionLayer(num_kv_heads, head_dim, dtype) * block_size * num_layers;
+  }
   // Bytes of K and V for every layer, scratch block included, at `bytes_per_element`.
   int64_t bytes(int64_t bytes_per_element) const {
     return 2 * elements_per_block_layer() * (num_blocks + 1) * num_layers * bytes_per_element;
   }
+  int64_t bytes(core::DType dtype) const { return block_bytes(dtype) * (num_blocks + 1); }
 };
 
 // The paged KV cache: fixed-size blocks of positions, each holding the keys and values of every
 // layer for `block_size` consecutive positions of one sequence. A sequence's block table lists
 // its blocks in position order; position p lives in block table[p / block_size], slot
 // p % block_size. Layout, for K and V separately: [layer][block][kv_head][slot][head_dim], in the
-// backend's KV dtype, so that one head's keys in one block are contiguous. Block `num_blocks`
+// cache's dtype, so that one head's keys in one block are contiguous. Block `num_blocks`
 // (one past the last the scheduler hands out) is scratch: padded rows of a step write there.
+// An fp8 cache (e4m3) also holds one fp32 scale per position and KV head for each of K and V,
+// [layer][block][kv_head][slot]: a head's stored vector times its scale is the key or value.
 class KvCache {
  public:
   KvCache(const KvCacheShape& shape, core::DType dtype, std::unique_ptr<DeviceBuffer> k,
-          std::unique_ptr<DeviceBuffer> v)
-      : shape_(shape), dtype_(dtype), k_(std::move(k)), v_(std::move(v)) {}
+          std::unique_ptr<DeviceBuffer> v, std::unique_ptr<DeviceBuffer> k_scale = nullptr,
+          std::unique_ptr<DeviceBuffer> v_scale = nullptr)
+      : shape_(shape),
+        dtype_(dtype),
+        k_(std::move(k)),
+        v_(std::move(v)),
+        k_scale_(std::move(k_scale)),
+        v_scale_(std::move(v_scale)) {}
 
   const KvCacheShape& shape() const { return shape_; }
   core::DType dtype() const { return dtype_; }
   int scratch_block() const { return shape_.num_blocks; }
   // Layer `layer`'s K (or V) storage: [num_blocks + 1][kv_heads][block_size][head_dim].
-  void* k(int layer) const { return At(k_->tensor(), layer); }
-  void* v(int layer) const { return At(v_->tensor(), layer); }
+  void* k(int layer) const { return At(k_->tensor(), layer, shape_.elements_per_block_layer(), dtype_); }
+  void* v(int layer) const { return At(v_->tensor(), layer, shape_.elements_per_block_layer(), dtype_); }
+  // An fp8 cache's scales of layer `layer`: [num_blocks + 1][kv_heads][block_size] fp32; null for
+  // other dtypes.
+  float* k_scale(int layer) const { return Scales(k_scale_.get(), layer); }
+  float* v_scale(int layer) const { return Scales(v_scale_.get(), layer); }
 
  private:
-  void* At(const Tensor& t, int layer) const {
+  void* At(const Tensor& t, int layer, int64_t per_block, core::DType dtype) const {
     return static_cast<char*>(t.data) +
-           static_cast<int64_t>(layer) * (shape_.num_blocks + 1) * shape_.elements_per_block_layer() *
-               core::DTypeSize(dtype_);
+           static_cast<int64_t>(layer) * (shape_.num_blocks + 1) * per_block * core::DTypeSize(dtype);
+  }
+  float* Scales(const DeviceBuffer* b, int layer) const {
+    if (b == nullptr) return nullptr;
+    return static_cast<float*>(
+        At(b->tensor(), layer, static_cast<int64_t>(shape_.block_size) * shape_.num_kv_heads, core::DType::kF32));
   }
   KvCacheShape shape_;
   core::DType dtype_;
   std::unique_ptr<DeviceBuffer> k_;
   std::unique_ptr<DeviceBuffer> v_;
+  std::unique_ptr<DeviceBuffer> k_scale_;
+  std::unique_ptr<DeviceBuffer> v_scale_;
 };
 
 // Blocks needed to hold `positions` positions.
@@ -216,9 +246,9 @@ struct SampleOutput {
 
 // Attention of one layer: the fused QKV projection's output in, attention's output out.
 struct AttentionArgs {
-  Tensor qkv;   // [T x (H + 2 KV) * head_dim] activation dtype, bias added: q heads, k heads, v heads
-  Tensor q;     // [T x H * head_dim] scratch for the rotated queries
-  Tensor out;   // [T x H * head_dim] activation dtype
+  Tensor qkv;  // [T x (H + 2 KV) * head_dim] activation dtype, bias added: q heads, k heads, v heads
+  Tensor q;    // [T x H * head_dim] scratch for the rotated queries
+  Tensor out;  // [T x H * head_dim] activation dtype
   int num_heads = 0;
   int num_kv_heads = 0;
   int head_dim = 0;
@@ -227,7 +257,7 @@ struct AttentionArgs {
   float eps = 1e-6f;
   const DeviceWeight* q_norm = nullptr;  // per-head RMSNorm weights [head_dim], or null
   const DeviceWeight* k_norm = nullptr;
-  const Tensor* inv_freq = nullptr;      // [1 x rotary_dim / 2] fp32 RoPE inverse frequencies
+  const Tensor* inv_freq = nullptr;  // [1 x rotary_dim / 2] fp32 RoPE inverse frequencies
   KvCache* cache = nullptr;
   int layer = 0;
 };
@@ -258,24 +288,28 @@ class Backend {
   // ---- Memory, at load ----
   // kInvalidArgument for a dtype the backend cannot compute with; kResourceExhausted when out
   // of memory (the message gives the bytes needed and free).
-  virtual absl::StatusOr<std::unique_ptr<DeviceWeight>> PrepareWeight(const core::TensorView& host,
-                                                                     WeightUse use) = 0;
+  virtual absl::StatusOr<std::unique_ptr<DeviceWeight>> PrepareWeight(const core::TensorView& host, WeightUse use) = 0;
   // One weight made of `parts` stacked by rows (2-D parts with the same number of columns, or
   // 1-D parts concatenated): the fused QKV and gate+up projections and their biases.
   virtual absl::StatusOr<std::unique_ptr<DeviceWeight>> PrepareFusedWeight(const std::vector<core::TensorView>& parts,
-                                                                          WeightUse use) = 0;
+                                                                           WeightUse use) = 0;
   // One MoE layer's routed experts (gate, up, down of each), for MoeExperts. Backends that do not
   // run routed experts themselves return kUnimplemented.
-  virtual absl::StatusOr<std::unique_ptr<DeviceExperts>> PrepareExperts(
-      const std::vector<core::TensorView>& gate, const std::vector<core::TensorView>& up,
-      const std::vector<core::TensorView>& down) {
+  virtual absl::StatusOr<std::unique_ptr<DeviceExperts>> PrepareExperts(const std::vector<core::TensorView>& gate,
+                                                                        const std::vector<core::TensorView>& up,
+                                                                        const std::vector<core::TensorView>& down) {
     return absl::UnimplementedError(name() + " keeps no routed experts");
   }
   virtual absl::StatusOr<std::unique_ptr<DeviceBuffer>> Allocate(core::DType dtype, int64_t rows, int64_t cols) = 0;
   virtual absl::StatusOr<std::unique_ptr<HostBuffer>> AllocateHost(int64_t bytes) = 0;
   virtual absl::StatusOr<std::unique_ptr<Event>> CreateEvent() = 0;
-  // K and V in the activation dtype, scratch block included.
-  absl::StatusOr<std::unique_ptr<KvCache>> CreateKvCache(const KvCacheShape& shape);
+  // Whether the backend's attention reads a KV cache of `dtype`: its activation dtype, and on a GPU
+  // fp8 e4m3 too (--kv-cache-dtype fp8).
+  virtual bool SupportsKvDtype(core::DType dtype) const { return dtype == activation_dtype(); }
+  // K and V in `dtype` (the activation dtype when unset), scratch block included. kInvalidArgument
+  // for a dtype SupportsKvDtype refuses; kResourceExhausted when it does not fit.
+  absl::StatusOr<std::unique_ptr<KvCache>> CreateKvCache(const KvCacheShape& shape,
+                                                         std::optional<core::DType> dtype = std::nullopt);
   // The step arena: `bytes` of backend memory, carved by Take during a step, and a host staging
   // buffer of `input_bytes` for BeginStep's upload.
   absl::Status ReserveArena(int64_t bytes, int64_t input_bytes);
@@ -293,7 +327,7 @@ class Backend {
     int num_experts = 0;
     int top_k = 0;
     int moe_intermediate = 0;
-    int max_bias_width = 0;  // the widest Linear with a bias (the fused QKV), 0 when none has one
+    int max_bias_width = 0;     // the widest Linear with a bias (the fused QKV), 0 when none has one
     bool host_experts = false;  // some layers' routed experts run on the host (StartHostExperts)
   };
   virtual absl::Status ReserveScratch(const StepLimits& limits) { return absl::OkStatus(); }
@@ -446,6 +480,17 @@ class Backend {
   virtual void SplitRouting(const Tensor& ids, const Tensor& weights, const Tensor& backend_index,
                             const Tensor& host_ids, const Tensor& host_weights, const Tensor& backend_ids,
                             const Tensor& backend_weights) = 0;
+  // Routing statistics for the experts a backend holds while serving (--gpu-experts-per-layer
+  // without a profile): counts [1 x E] int32 += each pick (id >= 0) of ids [T x k], over the rows
+  // whose sequence is real (padding rows of a graph step, whose block table holds only
+  // `scratch_block`, are left out).
+  virtual void CountPicks(const Tensor& ids, const StepTensors& step, int scratch_block, const Tensor& counts) = 0;
+  // Overwrites expert `slot` of `experts` (PrepareExperts' order) with another expert's weights
+  // (gate, up [I x H], down [H x I]). Between steps: nothing queued may be reading them.
+  virtual absl::Status ReplaceExpert(DeviceExperts& experts, int slot, const core::TensorView& gate,
+                                     const core::TensorView& up, const core::TensorView& down) {
+    return absl::UnimplementedError(name() + " keeps no routed experts");
+  }
   // out += sigmoid(gate) * shared per row (gate null: out += shared); fp32.
   virtual void AddSharedExpert(const Tensor& out, const Tensor& shared, const Tensor* gate) = 0;
   // out[i] = src[rows[i]]; rows int32 [n x 1].

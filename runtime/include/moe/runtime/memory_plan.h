@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "moe/core/dtype.h"
 #include "moe/experts/packed.h"
 #include "moe/runtime/model_spec.h"
 #include "moe/runtime/placement.h"
@@ -27,6 +28,8 @@ struct MemoryPlanOptions {
   int max_batch_tokens = 2048;
   int max_logit_rows = 256;
   int kv_block_size = 16;
+  // The GPU's KV cache: bf16, or fp8 e4m3 with a scale per position and KV head (--kv-cache-dtype).
+  core::DType kv_dtype = core::DType::kBF16;
   int64_t gpu_free_bytes = 0;   // free memory of the GPU the plan is for (--gpu-memory-gb)
   int64_t host_free_bytes = 0;  // 0: the host is not checked
   // The CPU pool's packed format for the routed experts the placement puts there.
@@ -64,11 +67,12 @@ struct MemoryPlan {
   int64_t gpu_read_per_token = 0;
   int cpu_expert_layers = 0;  // layers whose routed experts the pool holds
   // When the GPU does not fit: why, with the largest context (at max_seqs) and the most sequences
-  // (at context) that would. Empty when it fits.
+  // (at context) that would, and with a bf16 KV cache the largest context in fp8. Empty when it
+  // fits.
   std::string refusal;
 };
 
-// GPU: weights by role (from `placement`), the bf16 KV cache for context x max_seqs, the step
+// GPU: weights by role (from `placement`), the KV cache (options.kv_dtype) for context x max_seqs, the step
 // arena at max_batch_tokens, and the backend's fixed workspaces; host: the pool's arena for the
 // routed experts placed on the CPU (in options.host_format) and the pinned buffers. Only routed
 // experts run on the CPU beside a GPU: other tensors placed there are counted in host memory

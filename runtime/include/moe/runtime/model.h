@@ -86,10 +86,24 @@ struct ModelOptions {
   // Of the pool's layers, experts the backend holds too (--gpu-experts-per-layer): each token's
   // picks of them run on the backend while the pool computes the rest.
   std::map<int, std::vector<int>> backend_experts;
+  // Of every pool layer, this many experts the backend holds too, chosen while serving
+  // (--gpu-experts-per-layer without a profile): each step counts the router's picks on the
+  // backend; every `held_experts_refresh_steps` steps the counts (older ones weighed down by 3/4
+  // at each refresh, so older traffic fades) rank the experts, and the held ones that fell clearly
+  // out of the top (routing_profile.h: PlanHeldExpertSwaps) are replaced by the newcomers, one
+  // expert's weights a step, so serving never pauses. Until the first refresh the
+  // backend holds experts 0..n-1. Not with backend_experts.
+  int held_experts_per_layer = 0;
+  int held_experts_refresh_steps = 256;
   // Hybrid prefill: a step of at least this many tokens streams each pool layer's packed experts to
   // the GPU over PCIe and computes them there (--prefill-offload-tokens). -1: measured at load
   // (one layer both ways); 0: never.
   int prefill_offload_tokens = -1;
+  // Expert deferral (--defer-experts, off by default, not lossless): in a pool layer followed by
+  // another, each token's N lowest-weighted routed experts finish in the pool while the next
+  // layer's attention runs, and their sum joins that layer's MoE output instead of this one's
+  // (KTransformers' expert deferral). In [0, top_k); needs pool layers.
+  int defer_experts = 0;
   // The pool's ExpertPoolOptions::linger_us. Unset: 0 on a backend that computes on the host's
   // cores (between MoE layers they are its own), pool.linger_us otherwise.
   std::optional<int64_t> expert_linger_us;
@@ -99,6 +113,9 @@ struct ModelOptions {
   int max_logit_rows = 256;
   // Longest sequence the KV cache will serve (0: the model's max_position_embeddings).
   int max_context = 0;
+  // The KV cache's element type (--kv-cache-dtype): unset, the backend's activation dtype (bf16 on a
+  // GPU, fp32 on the CPU); fp8 e4m3 with per-position, per-head scales on a GPU.
+  std::optional<core::DType> kv_cache_dtype;
   // Decode steps replayed as CUDA graphs on backends that have them (off: eager, for debugging).
   bool graphs = true;
   // Loading progress (bytes, GB/s) on stderr.
@@ -114,8 +131,7 @@ class Model {
   // Loads config.json and the safetensors weights of `model_dir` onto `backend` (the CPU
   // backend when null). Every expected tensor is checked first; errors name the tensor, the
   // file, what the config expects and what was found. Unused tensors give one warning.
-  static absl::StatusOr<std::unique_ptr<Model>> Load(const std::string& model_dir,
-                                                     const ModelOptions& options = {},
+  static absl::StatusOr<std::unique_ptr<Model>> Load(const std::string& model_dir, const ModelOptions& options = {},
                                                      std::shared_ptr<Backend> backend = nullptr);
   ~Model();
 
@@ -138,6 +154,8 @@ class Model {
   static StepArena StepArenaBytes(const ModelSpec& spec, core::DType activation, int64_t max_tokens,
                                   int64_t max_logit_rows, int max_context);
 
+  // The dtype of this model's KV caches.
+  core::DType kv_dtype() const { return options_.kv_cache_dtype.value_or(backend_->activation_dtype()); }
   // A KV cache for this model with `num_blocks` blocks of `block_size` positions.
   absl::StatusOr<std::unique_ptr<KvCache>> NewKvCache(int num_blocks, int block_size = 16);
 
@@ -159,6 +177,18 @@ class Model {
   // and what the load measured to choose it ("" when set by hand or off).
   int prefill_offload_tokens() const { return prefill_offload_tokens_; }
   const std::string& prefill_offload_note() const { return prefill_offload_note_; }
+  // The experts the backend holds of pool layer `layer` now (backend_experts or chosen while
+  // serving), in slot order; empty for other layers.
+  std::vector<int> held_experts(int layer) const;
+  // Held experts chosen while serving: refreshes so far, swaps applied, and the share of the picks
+  // counted since load that went to the experts held when they were counted.
+  struct HeldExpertsStats {
+    int64_t refreshes = 0;
+    int64_t swaps = 0;
+    int64_t picks = 0;
+    int64_t held_picks = 0;
+  };
+  HeldExpertsStats held_experts_stats() const;
   // Hybrid execution: the host calls of the routed experts since the last reset (benchmarks).
   HostExpertsTiming host_experts_timing() const { return routed_experts_->timing(); }
   void ResetHostExpertsTiming() { routed_experts_->ResetTiming(); }
@@ -193,6 +223,13 @@ class Model {
   int prefill_offload_tokens_ = 0;
   std::string prefill_offload_note_;
   absl::Status SetUpStreamedExperts();
+  // Held experts chosen while serving (ModelOptions::held_experts_per_layer), before each step:
+  // applies one queued swap, and every held_experts_refresh_steps steps ranks the counts and queues
+  // the swaps.
+  struct HeldExperts;
+  absl::Status StartHeldExperts();
+  absl::Status RefreshHeldExperts();
+  std::unique_ptr<HeldExperts> held_;
   std::unique_ptr<RoutedExperts> routed_experts_;  // per layer, the backend's or the pool's
   StepTap tap_;
   // The KV cache the backend's decode graphs were recorded on (they hold its addresses): a step

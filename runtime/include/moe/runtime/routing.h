@@ -11,8 +11,8 @@ namespace moe::runtime {
 
 // router_logits: [num_tokens x spec.num_experts]; correction_bias: [num_experts] or null.
 // Writes topk_ids and topk_weights, [num_tokens x spec.top_k] each, best expert first.
-void RouteTokens(const RoutingSpec& spec, const float* router_logits, int64_t num_tokens,
-                 const float* correction_bias, int32_t* topk_ids, float* topk_weights);
+void RouteTokens(const RoutingSpec& spec, const float* router_logits, int64_t num_tokens, const float* correction_bias,
+                 int32_t* topk_ids, float* topk_weights);
 
 // Hybrid execution with some of a CPU layer's experts held by the backend too: one row's k picks
 // (ids, weights) split by backend_index[expert], the expert's index among the backend's, or -1.
@@ -23,5 +23,12 @@ void RouteTokens(const RoutingSpec& spec, const float* router_logits, int64_t nu
 // backend's), so that neither side reads an expert for it.
 void SplitPicks(const int32_t* ids, const float* weights, int k, const int32_t* backend_index, int32_t* host_ids,
                 float* host_weights, int32_t* backend_ids, float* backend_weights);
+
+// Expert deferral (--defer-experts): one row's k picks split into those computed now and the `n`
+// lowest-weighted ones (ties: the later slot), which finish later, beside the next layer's
+// attention. Slots of weight 0 (SplitPicks' fillers) and skipped slots never count among the n.
+// The other side's slots are experts::kSkippedSlot with weight 0 on each side.
+void SplitDeferredPicks(const int32_t* ids, const float* weights, int k, int n, int32_t* now_ids, float* now_weights,
+                        int32_t* later_ids, float* later_weights);
 
 }  // namespace moe::runtime

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -45,5 +46,14 @@ double ShareOfPicks(const RoutingProfile& profile, int layer, const std::vector<
 // The mean over `layers` (every layer of the profile when empty) of the share of picks that each
 // layer's `n` most used experts took.
 double MeanShareOfMostUsed(const RoutingProfile& profile, const std::vector<int>& layers, int n);
+
+// The experts a GPU holds of a CPU layer when they are chosen while serving: given each expert's
+// score (its decayed pick count) and the experts held now, the swaps {held expert out, expert in}
+// that move the held set toward the top |held| by score, the best newcomer taking the place of the
+// weakest holder first. A newcomer replaces a holder only when its score is above `margin` times
+// the holder's and the gap is beyond two standard deviations of a pick count (a Poisson count's
+// is its square root), so that noise in the counts does not churn the GPU's copies.
+std::vector<std::pair<int, int>> PlanHeldExpertSwaps(const std::vector<double>& scores, const std::vector<int>& held,
+                                                     double margin);
 
 }  // namespace moe::runtime

@@ -8,22 +8,30 @@
 
 namespace moe::core {
 
-enum class DType { kBF16, kF16, kF32, kI8, kI32, kI64 };
+// kF8E4M3 (OCP fp8 e4m3, "fn": no infinities, max 448) holds only what moeserve quantizes itself
+// (the KV cache with --kv-cache-dtype fp8); checkpoints in it are not read.
+enum class DType { kBF16, kF16, kF32, kI8, kI32, kI64, kF8E4M3 };
 
 // Bytes per element.
 constexpr int64_t DTypeSize(DType t) {
   switch (t) {
     case DType::kBF16:
-    case DType::kF16: return 2;
+    case DType::kF16:
+      return 2;
     case DType::kF32:
-    case DType::kI32: return 4;
-    case DType::kI8: return 1;
-    case DType::kI64: return 8;
+    case DType::kI32:
+      return 4;
+    case DType::kI8:
+    case DType::kF8E4M3:
+      return 1;
+    case DType::kI64:
+      return 8;
   }
   return 0;
 }
 
-// The safetensors spelling: "BF16", "F16", "F32", "I8", "I32", "I64".
+// The safetensors spelling: "BF16", "F16", "F32", "I8", "I32", "I64" ("F8_E4M3" is named but not
+// parsed: checkpoints in fp8 are not read).
 const char* DTypeName(DType t);
 std::optional<DType> DTypeFromName(std::string_view name);
 
@@ -46,6 +54,14 @@ inline uint16_t FloatToBf16(float f) {
 
 // IEEE half precision to float (subnormals, infinities and NaN included).
 float F16ToFloat(uint16_t h);
+
+// fp8 e4m3 (fn) to float; 0x7f and 0xff are NaN.
+float F8E4M3ToFloat(uint8_t v);
+// Round to nearest even, saturating to +-448 (as CUDA's __nv_cvt_float_to_fp8 with
+// __NV_SATFINITE does); NaN stays NaN.
+uint8_t FloatToF8E4M3(float f);
+// The largest finite fp8 e4m3 value.
+inline constexpr float kF8E4M3Max = 448.0f;
 
 // Converts `n` elements of type `src_type` to float.
 void ConvertToFloat(const void* src, DType src_type, float* dst, int64_t n);
