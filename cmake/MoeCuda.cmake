@@ -1,6 +1,7 @@
 # Resolves MOE_ENABLE_CUDA (AUTO|ON|OFF) into MOE_CUDA_ENABLED and, when on, enables the CUDA
 # language. CUDA code is C++17 and targets Hopper (sm_90) unless CMAKE_CUDA_ARCHITECTURES says else.
 set(MOE_CUDA_ENABLED OFF)
+set(MOE_NCCL_ENABLED OFF)
 string(TOUPPER "${MOE_ENABLE_CUDA}" _moe_cuda)
 if(NOT _moe_cuda STREQUAL "OFF")
   if(NOT CMAKE_CUDA_COMPILER AND EXISTS /usr/local/cuda/bin/nvcc)
@@ -17,6 +18,17 @@ if(NOT _moe_cuda STREQUAL "OFF")
     set(CMAKE_CUDA_STANDARD_REQUIRED ON)
     find_package(CUDAToolkit REQUIRED)
     set(MOE_CUDA_ENABLED ON)
+    # NCCL sits beside the toolkit (or in the system's library path): NCCL::nccl, MOE_NCCL_ENABLED.
+    find_path(MOE_NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS})
+    find_library(MOE_NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR})
+    if(MOE_NCCL_INCLUDE_DIR AND MOE_NCCL_LIBRARY)
+      add_library(NCCL::nccl SHARED IMPORTED)
+      set_target_properties(NCCL::nccl PROPERTIES
+        IMPORTED_LOCATION "${MOE_NCCL_LIBRARY}" INTERFACE_INCLUDE_DIRECTORIES "${MOE_NCCL_INCLUDE_DIR}")
+      set(MOE_NCCL_ENABLED ON)
+    else()
+      message(STATUS "moeserve: NCCL not found; building without NcclCommunicator")
+    endif()
   elseif(_moe_cuda STREQUAL "ON")
     message(FATAL_ERROR "MOE_ENABLE_CUDA=ON but no CUDA compiler was found (set CMAKE_CUDA_COMPILER)")
   else()

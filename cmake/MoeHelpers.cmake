@@ -13,13 +13,14 @@ function(moe_cc_library)
   set_target_properties(${A_NAME} PROPERTIES POSITION_INDEPENDENT_CODE ON)
 endfunction()
 
-# moe_cc_test(NAME name SRCS ... DEPS ... [LABELS ...] [TIMEOUT s])
-# A GoogleTest binary registered with CTest, one CTest entry per test case.
+# moe_cc_test(NAME name SRCS ... DEPS ... [LABELS ...] [TIMEOUT s] [TEST_PREFIX p])
+# A GoogleTest binary registered with CTest, one CTest entry per test case (named p + the case,
+# so that `ctest -R p` picks the binary's cases).
 function(moe_cc_test)
   if(NOT MOE_BUILD_TESTS)
     return()
   endif()
-  cmake_parse_arguments(A "" "NAME;TIMEOUT" "SRCS;DEPS;LABELS" ${ARGN})
+  cmake_parse_arguments(A "" "NAME;TIMEOUT;TEST_PREFIX" "SRCS;DEPS;LABELS" ${ARGN})
   add_executable(${A_NAME} ${A_SRCS})
   target_link_libraries(${A_NAME} PRIVATE ${A_DEPS} GTest::gtest GTest::gmock GTest::gtest_main)
   target_compile_definitions(${A_NAME} PRIVATE
@@ -34,6 +35,7 @@ function(moe_cc_test)
     set(labels cpu)
   endif()
   gtest_discover_tests(${A_NAME}
+    TEST_PREFIX "${A_TEST_PREFIX}"
     DISCOVERY_TIMEOUT 60
     PROPERTIES LABELS "${labels}" TIMEOUT ${A_TIMEOUT})
 endfunction()
