@@ -109,6 +109,7 @@ class RendezvousClient {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::string> Request(uint32_t op, std::string_view key, std::string_view value,
                                       absl::Duration timeout);
+  absl::Status NotSet(std::string_view key, absl::Duration timeout) const;
 
   const std::string address_;
   const HostPort server_;
