@@ -350,9 +350,22 @@ TEST(GlooCommunicatorTest, BadArgumentsAreRefusedAndLeaveItUsable) {
   GlooOptions bad_host = Options(0, 1, (*server)->address());
   bad_host.host = "no-such-host.invalid";
   EXPECT_EQ(GlooCommunicator::Create(bad_host).status().code(), absl::StatusCode::kInvalidArgument);
+  GlooOptions by_interface = Options(0, 1, (*server)->address());
+  by_interface.interface = "no-such-if0";
+  const auto no_interface = GlooCommunicator::Create(by_interface);
+  EXPECT_EQ(no_interface.status().code(), absl::StatusCode::kInvalidArgument) << no_interface.status();
+  EXPECT_NE(no_interface.status().message().find("interface 'no-such-if0'"), std::string::npos)
+      << no_interface.status();
+  by_interface.interface = "lo";  // loopback, by name
+  by_interface.prefix = "by-interface";
+  const auto loopback = GlooCommunicator::Create(by_interface);
+  ASSERT_TRUE(loopback.ok()) << loopback.status();
+  EXPECT_NE((*loopback)->Describe().find("via lo"), std::string::npos) << (*loopback)->Describe();
   // A group whose other rank never comes: the rendezvous ends at the timeout.
   auto alone = GlooCommunicator::Create(Options(0, 2, (*server)->address(), absl::Milliseconds(300)));
   EXPECT_EQ(alone.status().code(), absl::StatusCode::kDeadlineExceeded) << alone.status();
+  EXPECT_NE(alone.status().message().find("key 'test/1' was not set within 300ms"), std::string::npos)
+      << alone.status();
   (*server)->Stop();
 }
 

@@ -53,6 +53,7 @@ absl::StatusOr<std::string> DecodeResult(const std::string& bytes, int rank) {
   (void)SendAll(parent, encoded.data(), encoded.size(), absl::InfiniteFuture(), "result");
   std::cout.flush();
   std::cerr.flush();
+  std::fflush(nullptr);
   _exit(0);
 }
 

@@ -387,9 +387,9 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(std::
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;  // every call returns; a lost peer cannot hang this thread
   ncclComm_t comm = nullptr;
+  const ncclResult_t init = ncclCommInitRankConfig(&comm, size, id, rank, &config);
   absl::Status status =
-      internal::NcclStatus(ncclCommInitRankConfig(&comm, size, id, rank, &config), comm,
-                           "ncclCommInitRankConfig(&comm, size, id, rank, &config)", __FILE__, __LINE__);
+      internal::NcclStatus(init, comm, "ncclCommInitRankConfig(&comm, size, id, rank, &config)", __FILE__, __LINE__);
   if (status.ok()) status = PollUntilDone(comm, "ncclCommInitRankConfig", absl::Now() + timeout);
   if (status.code() == absl::StatusCode::kDeadlineExceeded) {
     status = absl::DeadlineExceededError(absl::StrCat("not every rank joined within ", absl::FormatDuration(timeout),

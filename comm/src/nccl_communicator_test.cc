@@ -9,20 +9,14 @@
 #include <thread>
 #include <vector>
 
+#include "cuda_status.h"
 #include "gtest/gtest.h"
 #include "moe/core/dtype.h"
 
 namespace moe::comm {
 namespace {
 
-int VisibleGpus() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  return n;
-}
+int VisibleGpus() { return internal::VisibleGpuCount(); }
 
 // Device memory, freed at the end of the scope.
 struct DeviceBuffer {

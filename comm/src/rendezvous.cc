@@ -454,9 +454,7 @@ absl::StatusOr<std::string> RendezvousClient::Request(uint32_t op, std::string_v
     case kOk:
       return std::move(reply->payload);
     case kTimeout:
-      return absl::DeadlineExceededError(
-          absl::StrCat(where, "key '", std::string(key), "' was not set within ", absl::FormatDuration(timeout),
-                       " (has every rank started, with the same store address and prefix?)"));
+      return NotSet(key, timeout);
     case kBadRequest:
     case kTooLarge:
       return absl::InvalidArgumentError(absl::StrCat(where, "refused: ", reply->payload));
@@ -478,9 +476,18 @@ absl::StatusOr<std::string> RendezvousClient::Get(std::string_view key, absl::Du
 absl::Status RendezvousClient::Wait(const std::vector<std::string>& keys, absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
   for (const std::string& key : keys) {
-    MOE_RETURN_IF_ERROR(Request(kWait, key, "", std::max(deadline - absl::Now(), absl::ZeroDuration())).status());
+    const absl::Status s = Request(kWait, key, "", std::max(deadline - absl::Now(), absl::ZeroDuration())).status();
+    if (s.code() == absl::StatusCode::kDeadlineExceeded) return NotSet(key, timeout);  // the whole wait's timeout
+    MOE_RETURN_IF_ERROR(s);
   }
   return absl::OkStatus();
+}
+
+absl::Status RendezvousClient::NotSet(std::string_view key, absl::Duration timeout) const {
+  return absl::DeadlineExceededError(absl::StrCat("rendezvous store at ", address_, ": key '", std::string(key),
+                                                  "' was not set within ", absl::FormatDuration(timeout),
+                                                  " (has every rank started, with the same store address and "
+                                                  "prefix?)"));
 }
 
 }  // namespace moe::comm

@@ -15,6 +15,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "deadline.h"
+#include "moe/core/status.h"
 
 namespace moe::comm {
 namespace {
@@ -53,6 +54,37 @@ absl::StatusOr<bool> WaitReady(int fd, short events, absl::Time deadline) {
     if (rc == 0) return false;
     if (errno != EINTR) return absl::InternalError(absl::StrCat("poll: ", std::strerror(errno)));
   }
+}
+
+// Sends or receives exactly n bytes at p, waiting (up to the deadline) whenever the socket would
+// block.
+absl::Status Transfer(const TcpSocket& socket, char* p, size_t n, absl::Time deadline, std::string_view what,
+                      bool sending) {
+  size_t done = 0;
+  while (done < n) {
+    const ssize_t rc =
+        sending ? ::send(socket.fd(), p + done, n - done, MSG_NOSIGNAL) : ::recv(socket.fd(), p + done, n - done, 0);
+    if (rc > 0) {
+      done += static_cast<size_t>(rc);
+      continue;
+    }
+    if (rc == 0) {
+      return absl::UnavailableError(
+          absl::StrCat(std::string(what), ": the peer closed the connection after ", done, " of ", n, " bytes"));
+    }
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      MOE_ASSIGN_OR_RETURN(const bool ready, WaitReady(socket.fd(), sending ? POLLOUT : POLLIN, deadline));
+      if (!ready) {
+        return absl::DeadlineExceededError(absl::StrCat(std::string(what), sending ? ": sent " : ": received ", done,
+                                                        " of ", n, " bytes before the deadline"));
+      }
+      continue;
+    }
+    return absl::UnavailableError(absl::StrCat(std::string(what), ": the connection failed after ", done, " of ", n,
+                                               " bytes: ", std::strerror(errno)));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -207,57 +239,11 @@ absl::StatusOr<TcpSocket> ConnectTcp(const std::string& host, int port, absl::Ti
 }
 
 absl::Status SendAll(const TcpSocket& socket, const void* data, size_t n, absl::Time deadline, std::string_view what) {
-  const auto* p = static_cast<const char*>(data);
-  size_t done = 0;
-  while (done < n) {
-    const ssize_t rc = ::send(socket.fd(), p + done, n - done, MSG_NOSIGNAL);
-    if (rc > 0) {
-      done += static_cast<size_t>(rc);
-      continue;
-    }
-    if (rc < 0 && errno == EINTR) continue;
-    if (rc < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      auto ready = WaitReady(socket.fd(), POLLOUT, deadline);
-      if (!ready.ok()) return ready.status();
-      if (!*ready) {
-        return absl::DeadlineExceededError(
-            absl::StrCat(std::string(what), ": sent ", done, " of ", n, " bytes before the deadline"));
-      }
-      continue;
-    }
-    return absl::UnavailableError(absl::StrCat(std::string(what), ": the connection failed after ", done, " of ", n,
-                                               " bytes: ", std::strerror(errno)));
-  }
-  return absl::OkStatus();
+  return Transfer(socket, const_cast<char*>(static_cast<const char*>(data)), n, deadline, what, /*sending=*/true);
 }
 
 absl::Status RecvAll(const TcpSocket& socket, void* data, size_t n, absl::Time deadline, std::string_view what) {
-  auto* p = static_cast<char*>(data);
-  size_t done = 0;
-  while (done < n) {
-    const ssize_t rc = ::recv(socket.fd(), p + done, n - done, 0);
-    if (rc > 0) {
-      done += static_cast<size_t>(rc);
-      continue;
-    }
-    if (rc == 0) {
-      return absl::UnavailableError(
-          absl::StrCat(std::string(what), ": the peer closed the connection after ", done, " of ", n, " bytes"));
-    }
-    if (errno == EINTR) continue;
-    if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      auto ready = WaitReady(socket.fd(), POLLIN, deadline);
-      if (!ready.ok()) return ready.status();
-      if (!*ready) {
-        return absl::DeadlineExceededError(
-            absl::StrCat(std::string(what), ": received ", done, " of ", n, " bytes before the deadline"));
-      }
-      continue;
-    }
-    return absl::UnavailableError(absl::StrCat(std::string(what), ": the connection failed after ", done, " of ", n,
-                                               " bytes: ", std::strerror(errno)));
-  }
-  return absl::OkStatus();
+  return Transfer(socket, static_cast<char*>(data), n, deadline, what, /*sending=*/false);
 }
 
 }  // namespace moe::comm

@@ -1,13 +1,14 @@
-// moeserve bench experts, load and serve: their flags, and the calls into the benchmarks, which
+// moeserve bench experts, load, serve and comm: their flags, and the calls into the benchmarks, which
 // measure and print (bench/).
 #include <iostream>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "comm_bench.h"
 #include "commands.h"
-#include "model_loading.h"
 #include "expert_bench.h"
 #include "load_bench.h"
+#include "model_loading.h"
 #include "moe/core/status.h"
 #include "moe/experts/arena.h"
 #include "moe/runtime/model.h"
@@ -249,15 +250,54 @@ void AddBenchServe(CLI::App& bench, CommandRun* selected) {
   app->add_flag("--json", f->json, "print one JSON array of rows");
 }
 
+struct CommBenchFlags {
+  bench::CommBenchOptions options;
+  bool json = false;
+};
+
+int BenchComm(const CommBenchFlags& flags) {
+  auto result = bench::RunCommBench(flags.options);
+  if (!result.ok()) return Fail(result.status(), 1);
+  bench::PrintCommBench(*result, flags.json, std::cout);
+  return 0;
+}
+
+void AddBenchComm(CLI::App& bench, CommandRun* selected) {
+  auto f = std::make_shared<CommBenchFlags>();
+  CLI::App* app = AddCommand(
+      bench, "comm", "the CPU workers' all-reduce (Gloo over TCP) against a plain TCP stream",
+      "Starts --ranks processes on 127.0.0.1 that form a GlooCommunicator group (the CPU workers of a\n"
+      "tensor split), and times the fp32 all-reduce of one hidden-state row (decode) and of a chunk of\n"
+      "--tokens rows (prefill): the median over repeats, each after a barrier. The bound is measured in\n"
+      "the same run: one TCP stream between two of the processes over 127.0.0.1 moving the same bytes.\n"
+      "Columns: all-reduce time, algorithm bandwidth (bytes / time), bus bandwidth (2(n-1)/n x bytes /\n"
+      "time: what each rank sends and receives), the TCP stream's GB/s, and bus bandwidth over it.",
+      [f] { return BenchComm(*f); }, selected);
+  bench::CommBenchOptions& o = f->options;
+  app->add_option("--ranks", o.ranks, "processes in the group")->check(IntIn(2, 64))->capture_default_str();
+  app->add_option("--hidden", o.hidden, "fp32 elements of one row")->check(IntIn(1, 1 << 16))->capture_default_str();
+  app->add_option("--tokens", o.chunk_tokens, "rows of the prefill chunk")
+      ->check(IntIn(1, 1 << 16))
+      ->capture_default_str();
+  app->add_option("--seconds", o.seconds_per_point, "time spent on each size, for the all-reduce and for the bound")
+      ->check(NumberIn(0.01, 600))
+      ->capture_default_str();
+  app->add_flag("--json", f->json,
+                "print one JSON object: ranks, communicator, rows (name, bytes, repeats, allreduce_us, algbw_gbps, "
+                "busbw_gbps, tcp_gbps, ratio)");
+}
+
 }  // namespace
 
 void AddBenchCommand(CLI::App& root, CommandRun* selected) {
-  CLI::App* bench = root.add_subcommand("bench", "benchmarks: bench experts, bench load, bench serve, bench model");
+  CLI::App* bench =
+      root.add_subcommand("bench", "benchmarks: bench experts, bench load, bench serve, bench model, bench comm");
   bench->require_subcommand(1);
   AddBenchExperts(*bench, selected);
   AddBenchLoad(*bench, selected);
   AddBenchServe(*bench, selected);
   AddBenchModel(*bench, selected);
+  AddBenchComm(*bench, selected);
 }
 
 }  // namespace moe::deploy

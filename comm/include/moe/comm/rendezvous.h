@@ -45,7 +45,7 @@ struct RendezvousServerOptions {
   std::string host = "127.0.0.1";       // an address of this host, or "0.0.0.0" for every interface
   int port = 0;                         // 0: a free port, reported by port()
   int64_t max_store_bytes = 256 << 20;  // keys and values held in all; a SET beyond answers FULL
-  int max_connections = 4096;           // more wait in the kernel's backlog
+  int max_connections = 1024;           // more wait in the kernel's backlog
 };
 
 // Serves the store on one background thread (poll(2) over every connection; waiting requests
@@ -109,6 +109,7 @@ class RendezvousClient {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::string> Request(uint32_t op, std::string_view key, std::string_view value,
                                       absl::Duration timeout);
+  absl::Status NotSet(std::string_view key, absl::Duration timeout) const;
 
   const std::string address_;
   const HostPort server_;
