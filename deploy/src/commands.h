@@ -15,6 +15,7 @@ void AddChatTemplateCommand(CLI::App& root, CommandRun* selected);
 void AddTokenizeCommand(CLI::App& root, CommandRun* selected);
 void AddInspectCommand(CLI::App& root, CommandRun* selected);
 void AddProfileExpertsCommand(CLI::App& root, CommandRun* selected);
+void AddWorkerCommand(CLI::App& root, CommandRun* selected);
 // `bench model`, declared under `bench` by AddBenchCommand.
 void AddBenchModel(CLI::App& bench, CommandRun* selected);
 

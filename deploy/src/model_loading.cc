@@ -147,11 +147,9 @@ absl::StatusOr<runtime::Device> ResolveDevice(const DeviceFlags& flags, const st
   return runtime::Device{runtime::Device::Kind::kCuda, 0};
 }
 
-absl::StatusOr<std::unique_ptr<runtime::Model>> LoadModelForCommand(const std::string& model_dir,
-                                                                    const DeviceFlags& device_flags,
-                                                                    const ExpertFlags& experts,
-                                                                    runtime::ModelOptions options, int64_t extra_bytes,
-                                                                    const std::string& command) {
+absl::StatusOr<std::unique_ptr<runtime::Model>> LoadModelForCommand(
+    const std::string& model_dir, const DeviceFlags& device_flags, const ExpertFlags& experts,
+    runtime::ModelOptions options, int64_t extra_bytes, const std::string& command, const BeforeLoad& before_load) {
   MOE_RETURN_IF_ERROR(experts.Apply(&options, command));
   const auto parsed = runtime::ParseDevice(device_flags.device);
   if (!parsed.ok()) return parsed.status();
@@ -218,6 +216,7 @@ absl::StatusOr<std::unique_ptr<runtime::Model>> LoadModelForCommand(const std::s
   if (!backend.ok()) return backend.status();
   std::cerr << "moeserve " << command << ": device " << (*backend)->name() << ": " << why << "\n";
   for (const std::string& note : notes) std::cerr << "moeserve " << command << ": " << note << "\n";
+  if (before_load) MOE_RETURN_IF_ERROR(before_load(**backend, options));
   auto model = runtime::Model::Load(model_dir, options, std::shared_ptr<runtime::Backend>(std::move(*backend)));
   if (model.ok() && !(*model)->prefill_offload_note().empty()) {
     std::cerr << "moeserve " << command << ": " << (*model)->prefill_offload_note() << "\n";

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -57,10 +58,11 @@ absl::Status CheckModelFlags(const DeviceFlags& device, const ExpertFlags& exper
 // there. `options` carries the command's other settings; the expert flags are applied here (on a
 // GPU the routed experts run on it). Call CheckModelFlags first: errors from here are runtime
 // errors (exit 1).
-absl::StatusOr<std::unique_ptr<runtime::Model>> LoadModelForCommand(const std::string& model_dir,
-                                                                    const DeviceFlags& device,
-                                                                    const ExpertFlags& experts,
-                                                                    runtime::ModelOptions options, int64_t extra_bytes,
-                                                                    const std::string& command);
+// `before_load`, when given, runs once the backend is made and before the model loads onto it (a
+// worker makes its NCCL communicator on the backend's stream there).
+using BeforeLoad = std::function<absl::Status(runtime::Backend& backend, runtime::ModelOptions& options)>;
+absl::StatusOr<std::unique_ptr<runtime::Model>> LoadModelForCommand(
+    const std::string& model_dir, const DeviceFlags& device, const ExpertFlags& experts, runtime::ModelOptions options,
+    int64_t extra_bytes, const std::string& command, const BeforeLoad& before_load = nullptr);
 
 }  // namespace moe::deploy

@@ -71,6 +71,7 @@ int RunMoeserve(int argc, char** argv) {
   AddTokenizeCommand(root, &selected);
   AddInspectCommand(root, &selected);
   AddProfileExpertsCommand(root, &selected);
+  AddWorkerCommand(root, &selected);
   root.add_subcommand("version", "print the version")->callback([&selected] {
     selected = [] {
       std::cout << "moeserve " << kVersion << "\n";

@@ -9,7 +9,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "cluster_config.h"
 #include "commands.h"
+#include "launcher.h"
 #include "model_loading.h"
 #include "moe/runtime/model_executor.h"
 #include "moe/scheduler/frontend.h"
@@ -39,6 +41,8 @@ struct ServeFlags {
   bool api_key_protect_metrics = false;
   ExpertFlags experts;
   DeviceFlags device;
+  std::string config;  // a cluster file: the launcher
+  int node = 0;
 };
 
 int64_t PhysicalMemoryBytes() {
@@ -106,7 +110,31 @@ absl::Status PlanKvCache(const ServeFlags& flags, const runtime::ModelSpec& spec
   return absl::OkStatus();
 }
 
+// `serve --config FILE`: the deployment the cluster file describes, this node's share of it.
+int RunServeConfig(const ServeFlags& flags) {
+  if (!flags.model.empty()) {
+    return Fail(absl::InvalidArgumentError("--config names the model (its model: key); drop --model"), 2);
+  }
+  auto config = LoadClusterConfig(flags.config);
+  if (!config.ok()) return Fail(config.status(), 2);
+  if (flags.node < 0 || flags.node >= static_cast<int>(config->nodes.size())) {
+    return Fail(
+        absl::InvalidArgumentError(absl::StrCat("--node ", flags.node, ": ", flags.config, " lists ",
+                                                config->nodes.size(), " nodes (0 to ", config->nodes.size() - 1, ")")),
+        2);
+  }
+  LaunchOptions options;
+  options.node = flags.node;
+  options.program = "/proc/self/exe";
+  options.request_log = !flags.no_request_log;
+  return RunCluster(*config, options);
+}
+
 int RunServe(const ServeFlags& flags) {
+  if (!flags.config.empty()) return RunServeConfig(flags);
+  if (flags.model.empty()) {
+    return Fail(absl::InvalidArgumentError("--model DIR (one process) or --config FILE (a deployment) is required"), 2);
+  }
   for (const auto& [address, flag] : {std::pair{flags.listen, "listen"}, std::pair{flags.http, "http"}}) {
     if (address == "off" && std::string(flag) == "http") continue;
     if (absl::Status s = CheckListenAddress(address, flag); !s.ok()) return Fail(s, 2);
@@ -209,7 +237,14 @@ void AddServeCommand(CLI::App& root, CommandRun* selected) {
       "requests, lets the running ones finish for up to --drain-seconds, then ends the rest with\n"
       "UNAVAILABLE \"server shutting down\". One JSON line per request goes to stderr.",
       [f] { return RunServe(*f); }, selected);
-  app->add_option("--model", f->model, "Hugging Face model directory")->required();
+  app->add_option("--model", f->model, "Hugging Face model directory (one process; or --config)");
+  app->add_option("--config", f->config,
+                  "a cluster file (YAML): the model, the nodes and GPUs, the split, the experts' placement, the "
+                  "scheduler and the server; this process starts and supervises its node's workers, and on node 0 "
+                  "serves the client APIs (see the README's \"Several GPUs and nodes\")");
+  app->add_option("--node", f->node, "with --config: which of the file's nodes this is (0 serves the client APIs)")
+      ->check(IntIn(0, 4096))
+      ->capture_default_str();
   app->add_option("--listen", f->listen, "gRPC address, HOST:PORT ([::1]:PORT for IPv6; port 0 picks one)")
       ->capture_default_str();
   app->add_option("--http", f->http, "HTTP address for the OpenAI API, /metrics, /health and /ready; 'off' for none")

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "model_weights.h"
+#include "moe/comm/communicator.h"
 #include "moe/core/logging.h"
 #include "moe/core/status.h"
 #include "moe/runtime/backend_cpu.h"
@@ -60,6 +61,9 @@ struct Model::StepBuffers {
   FfnBuffers ffn;
   Tensor last_h;  // [L x hidden] activation dtype
   Tensor logits;  // [L x vocab] fp32
+  // A tensor split's LM-head shard: this rank's [L x vocab / parts], and every rank's stacked
+  // [parts * L x vocab / parts] (no rows without a split LM head).
+  Tensor logits_shard, logits_shards;
 };
 
 namespace {
@@ -67,8 +71,9 @@ namespace {
 // Every tensor of a step's StepBuffers with its dtype and shape, for `t` tokens and `l` logit
 // rows, in the order they are taken: one list for sizing the arena at load and for carving it.
 template <typename Take>
-absl::Status ForEachStepBuffer(const ModelSpec& s, DType act, int64_t t, int64_t l, Model::StepBuffers* buf,
-                               Take&& take) {
+absl::Status ForEachStepBuffer(const ModelSpec& s, DType act, int64_t t, int64_t l, int vocab_parts,
+                               Model::StepBuffers* buf, Take&& take) {
+  const int64_t shard_rows = vocab_parts > 1 ? l : 0, shard_vocab = s.vocab_size / std::max(vocab_parts, 1);
   const int64_t hidden = s.hidden_size, q_width = int64_t{s.num_heads} * s.head_dim;
   const int64_t qkv_width = q_width + 2 * int64_t{s.num_kv_heads} * s.head_dim;
   const int64_t width = std::max<int64_t>({s.intermediate_size, s.shared_expert_intermediate_size, 1});
@@ -98,6 +103,8 @@ absl::Status ForEachStepBuffer(const ModelSpec& s, DType act, int64_t t, int64_t
       {&buf->ffn.split_out, DType::kF32, t, hidden},
       {&buf->last_h, act, l, hidden},
       {&buf->logits, DType::kF32, l, s.vocab_size},
+      {&buf->logits_shard, DType::kF32, shard_rows, shard_vocab},
+      {&buf->logits_shards, DType::kF32, shard_rows * vocab_parts, shard_vocab},
   };
   for (const auto& e : list) MOE_RETURN_IF_ERROR(take(e.out, e.dtype, e.rows, e.cols));
   return absl::OkStatus();
@@ -213,12 +220,12 @@ Model::~Model() {
 }
 
 Model::StepArena Model::StepArenaBytes(const ModelSpec& s, DType activation, int64_t max_tokens, int64_t max_logit_rows,
-                                       int max_context) {
+                                       int max_context, int vocab_parts) {
   auto aligned = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
   StepArena arena;
   int64_t per_step = 0;
   StepBuffers sizing;
-  (void)ForEachStepBuffer(s, activation, max_tokens, max_logit_rows, &sizing,
+  (void)ForEachStepBuffer(s, activation, max_tokens, max_logit_rows, vocab_parts, &sizing,
                           [&](Tensor*, DType dtype, int64_t rows, int64_t cols) {
                             per_step += aligned(rows * cols * core::DTypeSize(dtype));
                             return absl::OkStatus();
@@ -244,6 +251,45 @@ std::vector<float> RopeInverseFrequencies(const ModelSpec& spec) {
 
 int64_t Model::weight_bytes() const { return weights_->bytes; }
 
+absl::Status Model::PlanShare() {
+  const ParallelConfig& p = options_.parallel;
+  local_ = spec_;
+  layers_ = Range{0, spec_.num_layers};
+  if (!p.split()) return absl::OkStatus();
+  if (p.comm == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a ", ParallelModeName(p.mode), " split of ", p.size, " needs a communicator joining its ranks"));
+  }
+  switch (p.mode) {
+    case ParallelMode::kTensor: {
+      MOE_ASSIGN_OR_RETURN(shard_, PlanTensorShard(spec_, p.rank, p.size));
+      local_.num_heads = static_cast<int>(shard_.q_heads.size());
+      local_.num_kv_heads = static_cast<int>(shard_.kv_heads.size());
+      local_.intermediate_size = static_cast<int>(shard_.dense.size());
+      local_.shared_expert_intermediate_size = static_cast<int>(shard_.shared.size());
+      return absl::OkStatus();
+    }
+    case ParallelMode::kLayer: {
+      MOE_ASSIGN_OR_RETURN(layers_, PlanLayerStage(spec_, p.rank, p.size));
+      return absl::OkStatus();
+    }
+    case ParallelMode::kNone:
+      break;
+  }
+  return absl::OkStatus();
+}
+
+bool Model::holds_logits() const {
+  const ParallelConfig& p = options_.parallel;
+  return !(p.split() && p.mode == ParallelMode::kLayer && p.rank != p.size - 1);
+}
+
+int Model::VocabParts() const {
+  const ParallelConfig& p = options_.parallel;
+  const bool split_head = p.split() && p.mode == ParallelMode::kTensor && shard_.vocab.size() < spec_.vocab_size;
+  return split_head ? p.size : 1;
+}
+
 absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& model_dir, const ModelOptions& options,
                                                    std::shared_ptr<Backend> backend) {
   std::unique_ptr<Model> model(new Model());
@@ -259,6 +305,7 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& model_dir,
   if (model->options_.max_context <= 0 || model->options_.max_context > spec.max_position_embeddings) {
     model->options_.max_context = spec.max_position_embeddings;
   }
+  MOE_RETURN_IF_ERROR(model->PlanShare());
   model->backend_ =
       backend != nullptr
           ? std::move(backend)
@@ -266,6 +313,7 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& model_dir,
   Backend& b = *model->backend_;
   MOE_ASSIGN_OR_RETURN(model->source_, OpenSafetensors(model_dir));
   std::vector<int>& pool_layers = model->pool_layers_;
+  const Range& layers = model->layers_;
   if (options.experts == RoutedExpertsMode::kPool) {
     if (options.pool_layers) {
       pool_layers = *options.pool_layers;
@@ -283,6 +331,16 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& model_dir,
         if (spec.IsMoeLayer(l)) pool_layers.push_back(l);
       }
     }
+    // A layer split's stage holds only its own layers' experts.
+    pool_layers.erase(std::remove_if(pool_layers.begin(), pool_layers.end(),
+                                     [&](int l) { return l < layers.begin || l >= layers.end; }),
+                      pool_layers.end());
+  }
+  const bool tensor = options.parallel.mode == ParallelMode::kTensor && options.parallel.split();
+  if (tensor && (options.held_experts_per_layer > 0 || !options.backend_experts.empty())) {
+    return absl::UnimplementedError(
+        "a tensor split owns its share of the routed experts; holding a pool layer's experts on the GPU too "
+        "(--gpu-experts-per-layer) is not built for it yet");
   }
   const bool pool = !pool_layers.empty();
   if (options.kv_cache_dtype && !b.SupportsKvDtype(*options.kv_cache_dtype)) {
@@ -343,8 +401,11 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& model_dir,
       std::iota(backend_experts[l].begin(), backend_experts[l].end(), 0);
     }
   }
+  internal::WeightShare share;
+  share.layers = layers;
+  if (tensor) share.tensor = model->shard_;
   MOE_ASSIGN_OR_RETURN(model->weights_,
-                       internal::LoadWeights(spec, *model->source_, b, backend_experts, options.progress));
+                       internal::LoadWeights(spec, *model->source_, b, backend_experts, options.progress, share));
   if (held_n > 0) MOE_RETURN_IF_ERROR(model->StartHeldExperts());
   if (pool) {
     experts::ExpertPoolOptions pool_options = options.pool;
@@ -352,8 +413,8 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& model_dir,
     MOE_ASSIGN_OR_RETURN(model->pool_,
                          internal::CreatePool(spec, *model->source_, pool_options, model_dir, pool_layers));
   }
-  model->routed_experts_ =
-      internal::MakeRoutedExperts(b, *model->weights_, spec, model->pool_.get(), pool_layers, options.defer_experts);
+  model->routed_experts_ = internal::MakeRoutedExperts(b, *model->weights_, spec, model->pool_.get(), pool_layers,
+                                                       options.defer_experts, tensor ? &model->shard_ : nullptr);
   MOE_RETURN_IF_ERROR(model->ReserveStep());
   if (pool && !b.HostAddressable() && options.prefill_offload_tokens != 0) {
     MOE_RETURN_IF_ERROR(model->SetUpStreamedExperts());
@@ -451,14 +512,14 @@ absl::Status Model::SetUpStreamedExperts() {
 
 absl::Status Model::ReserveStep() {
   Backend& b = *backend_;
-  const ModelSpec& s = spec_;
+  const ModelSpec& s = local_;
   const std::vector<float> inv_freq = RopeInverseFrequencies(s);
   MOE_ASSIGN_OR_RETURN(rope_inv_freq_, b.Allocate(DType::kF32, 1, static_cast<int64_t>(inv_freq.size())));
   b.CopyFromHost(inv_freq.data(), rope_inv_freq_->tensor());
 
   const int64_t t = options_.max_step_tokens, l = options_.max_logit_rows;
   const int64_t qkv_width = int64_t{s.num_heads + 2 * s.num_kv_heads} * s.head_dim;
-  const StepArena arena = StepArenaBytes(s, b.activation_dtype(), t, l, options_.max_context);
+  const StepArena arena = StepArenaBytes(s, b.activation_dtype(), t, l, options_.max_context, VocabParts());
   MOE_RETURN_IF_ERROR(b.ReserveArena(arena.total, arena.inputs));
   Backend::StepLimits limits;
   limits.max_tokens = static_cast<int>(t);
@@ -478,12 +539,16 @@ absl::Status Model::ReserveStep() {
   return b.Synchronize();
 }
 
+int64_t Model::KvBlockBytes(int block_size) const {
+  return KvBytesPerPositionLayer(local_.num_kv_heads, spec_.head_dim, kv_dtype()) * block_size * layers_.size();
+}
+
 absl::StatusOr<std::unique_ptr<KvCache>> Model::NewKvCache(int num_blocks, int block_size) {
   KvCacheShape shape;
-  shape.num_layers = spec_.num_layers;
+  shape.num_layers = static_cast<int>(layers_.size());
   shape.num_blocks = num_blocks;
   shape.block_size = block_size;
-  shape.num_kv_heads = spec_.num_kv_heads;
+  shape.num_kv_heads = local_.num_kv_heads;
   shape.head_dim = spec_.head_dim;
   return backend_->CreateKvCache(shape, kv_dtype());
 }
@@ -588,7 +653,7 @@ StepInputs Model::BuildInputs(const ForwardBatch& batch, const KvCache& cache, i
 absl::StatusOr<Model::StepBuffers> Model::TakeBuffers(int64_t t, int64_t l) {
   Backend& b = *backend_;
   StepBuffers buf;
-  MOE_RETURN_IF_ERROR(ForEachStepBuffer(spec_, b.activation_dtype(), t, l, &buf,
+  MOE_RETURN_IF_ERROR(ForEachStepBuffer(local_, b.activation_dtype(), t, l, VocabParts(), &buf,
                                         [&](Tensor* out, DType dtype, int64_t rows, int64_t cols) -> absl::Status {
                                           MOE_ASSIGN_OR_RETURN(*out, b.Take(dtype, rows, cols));
                                           return absl::OkStatus();
@@ -604,10 +669,19 @@ absl::Status Model::RunLayers(const StepTensors& step, const StepBuffers& buf, K
   auto tap = [&](std::string_view what, int layer, const Tensor& t) {
     if (tap_) tap_(what, layer, t);
   };
-  b.Embed(*w.embed, step, buf.x);
+  // A split: the shares are summed after each block (tensor), or the hidden states come from the
+  // stage before and go on to the next (layer).
+  const ParallelConfig& par = options_.parallel;
+  comm::Communicator* comm = par.split() ? par.comm : nullptr;
+  const bool tensor = comm != nullptr && par.mode == ParallelMode::kTensor;
+  if (layers_.begin == 0) {
+    b.Embed(*w.embed, step, buf.x);
+  } else {
+    b.RecvTensor(buf.x, par.rank - 1, *comm);
+  }
   tap("embed", -1, buf.x);
   const Tensor* pending = nullptr;  // the last block's output, not yet added to the residual
-  for (int layer = 0; layer < s.num_layers; ++layer) {
+  for (int layer = static_cast<int>(layers_.begin); layer < layers_.end; ++layer) {
     const LayerWeights& lw = w.layers[layer];
     // Attention block.
     b.AddRmsNorm(buf.x, pending, *lw.input_norm, s.rms_norm_eps, buf.h);
@@ -619,8 +693,8 @@ absl::Status Model::RunLayers(const StepTensors& step, const StepBuffers& buf, K
     args.qkv = buf.qkv;
     args.q = buf.q;
     args.out = buf.attn;
-    args.num_heads = s.num_heads;
-    args.num_kv_heads = s.num_kv_heads;
+    args.num_heads = local_.num_heads;
+    args.num_kv_heads = local_.num_kv_heads;
     args.head_dim = s.head_dim;
     args.rotary_dim = s.rotary_dim;
     args.scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim));
@@ -629,10 +703,11 @@ absl::Status Model::RunLayers(const StepTensors& step, const StepBuffers& buf, K
     args.k_norm = lw.k_norm.get();
     args.inv_freq = &inv_freq;
     args.cache = &cache;
-    args.layer = layer;
+    args.layer = layer - static_cast<int>(layers_.begin);  // the cache holds this stage's layers
     b.Attention(args, step);
     tap("attention", layer, buf.attn);
     b.Linear(buf.attn, *lw.o, nullptr, buf.delta);
+    if (tensor) b.AllReduceSum(buf.delta, *comm);
     tap("o_proj", layer, buf.delta);
     // FFN block: routed experts (plus shared ones) or a dense SwiGLU.
     b.AddRmsNorm(buf.x, &buf.delta, *lw.post_attention_norm, s.rms_norm_eps, buf.h);
@@ -655,14 +730,30 @@ absl::Status Model::RunLayers(const StepTensors& step, const StepBuffers& buf, K
       internal::RunFfn(b, lw.dense, buf.h, buf.ffn, buf.delta);
       tap("ffn", layer, buf.delta);
     }
+    if (tensor) b.AllReduceSum(buf.delta, *comm);
     pending = &buf.delta;
+  }
+  if (layers_.end < s.num_layers) {                                       // a layer split's stage before the last
+    if (pending != nullptr) b.AddSharedExpert(buf.x, *pending, nullptr);  // x += the last block's output
+    b.SendTensor(buf.x, par.rank + 1, *comm);
+    return absl::OkStatus();
   }
   // Only the rows that want logits go through the final norm and the LM head.
   if (buf.logits.rows == 0) return absl::OkStatus();
   b.AddRmsNorm(buf.x, pending, *w.final_norm, s.rms_norm_eps, buf.h);
   tap("final_norm", -1, buf.h);
   b.GatherRows(buf.h, step.logit_rows, buf.last_h);
-  b.Linear(buf.last_h, *w.lm_head, nullptr, buf.logits);
+  if (const int parts = VocabParts(); parts > 1) {
+    // Each rank's rows of the LM head, gathered into whole rows of logits on every rank.
+    const int64_t rows = buf.logits.rows;
+    const Tensor shard = buf.logits_shard.Rows(0, rows);
+    const Tensor shards = buf.logits_shards.Rows(0, rows * parts);
+    b.Linear(buf.last_h, *w.lm_head, nullptr, shard);
+    b.AllGather(shard, *comm, shards);
+    b.ConcatColumns(shards, parts, buf.logits);
+  } else {
+    b.Linear(buf.last_h, *w.lm_head, nullptr, buf.logits);
+  }
   tap("logits", -1, buf.logits);
   return absl::OkStatus();
 }
@@ -700,6 +791,7 @@ absl::StatusOr<Tensor> Model::ForwardOnDevice(const ForwardBatch& batch, KvCache
   } else {
     MOE_RETURN_IF_ERROR(RunLayers(step, buf, cache));
   }
+  if (!holds_logits()) return buf.logits.Rows(0, 0);
   return buf.logits.Rows(0, static_cast<int64_t>(batch.logit_rows.size()));
 }
 

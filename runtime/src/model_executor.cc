@@ -81,6 +81,12 @@ int32_t ModelExecutor::Sample(const SampleRow& row, const float* logits, int voc
 absl::StatusOr<std::vector<SampledToken>> ModelExecutor::Execute(const StepPlan& plan) {
   MOE_RETURN_IF_ERROR(CheckSampleRows(plan));
   MOE_ASSIGN_OR_RETURN(Tensor device_logits, model_.ForwardOnDevice(plan.batch, *cache_));
+  if (!model_.holds_logits()) {
+    // A layer split's stage before the last: its share of the step is done once it is queued; the
+    // last stage samples.
+    MOE_RETURN_IF_ERROR(model_.backend().Synchronize());
+    return std::vector<SampledToken>{};
+  }
   const int vocab = info_.vocab_size;
   std::vector<SampledToken> tokens(plan.samples.size());
   // On a backend that samples (a GPU), the logits never leave it: only the tokens come back.
@@ -106,7 +112,8 @@ absl::StatusOr<std::vector<SampledToken>> ModelExecutor::Execute(const StepPlan&
     }
     return tokens;
   }
-  if (on_device.code() != absl::StatusCode::kUnimplemented && on_device.code() != absl::StatusCode::kResourceExhausted) {
+  if (on_device.code() != absl::StatusCode::kUnimplemented &&
+      on_device.code() != absl::StatusCode::kResourceExhausted) {
     return on_device;
   }
   // The host samples: the CPU backend, or a step with more penalty history than the GPU keeps.

@@ -1,6 +1,7 @@
 #include "model_weights.h"
 
 #include <algorithm>
+#include <cstring>
 #include <optional>
 #include <set>
 
@@ -16,17 +17,43 @@ namespace {
 
 using core::Shape;
 
-// Fetches tensors by name, checks them and hands them to the backend; remembers what it used
-// and counts the bytes it handed over.
+// Rows [r.begin, r.end) of a 2-D view (or elements of a 1-D one): a view into the same memory.
+core::TensorView RowSlice(const core::TensorView& v, Range r) {
+  core::TensorView out = v;
+  const int64_t row = v.shape.size() > 1 ? v.shape[1] : 1;
+  out.data = static_cast<const char*>(v.data) + r.begin * row * core::DTypeSize(v.dtype);
+  out.shape[0] = r.size();
+  return out;
+}
+
+// A tensor's share in a split: rows or columns of a range, or the whole tensor.
+struct Slice {
+  enum class Kind { kWhole, kRows, kColumns } kind = Kind::kWhole;
+  Range range;
+  static Slice Rows(Range r) { return {Kind::kRows, r}; }
+  static Slice Columns(Range r) { return {Kind::kColumns, r}; }
+  // The shape the share has, of a tensor of shape `whole`.
+  core::Shape Of(core::Shape whole) const {
+    if (kind == Kind::kRows) whole[0] = range.size();
+    if (kind == Kind::kColumns) whole[1] = range.size();
+    return whole;
+  }
+};
+
+// Fetches tensors by name, checks them and hands them (or a split's share of them) to the
+// backend; remembers what it used and counts the bytes it handed over. Column shares are copied
+// into `slices`, which must outlive the weights.
 class WeightLoader {
  public:
-  WeightLoader(const WeightSource& source, Backend& backend, core::ProgressReporter* progress)
-      : source_(source), backend_(backend), progress_(progress) {}
+  WeightLoader(const WeightSource& source, Backend& backend, core::ProgressReporter* progress,
+               std::vector<std::vector<uint8_t>>* slices)
+      : source_(source), backend_(backend), progress_(progress), slices_(slices) {}
 
   // `why` names the config keys behind the expected shape, for the error message.
-  absl::StatusOr<std::unique_ptr<DeviceWeight>> Load(const std::string& name, const Shape& want,
-                                                     const std::string& why, WeightUse use = WeightUse::kMatrix) {
-    MOE_ASSIGN_OR_RETURN(core::TensorView view, Check(name, want, why));
+  absl::StatusOr<std::unique_ptr<DeviceWeight>> Load(const std::string& name, const Shape& want, const std::string& why,
+                                                     WeightUse use = WeightUse::kMatrix, Slice slice = {}) {
+    MOE_ASSIGN_OR_RETURN(core::TensorView whole, Check(name, want, why));
+    const core::TensorView view = Share(whole, slice);
     auto weight = backend_.PrepareWeight(view, use);
     if (!weight.ok()) return core::Annotate(weight.status(), name);
     Count(view.bytes(), **weight);
@@ -36,11 +63,13 @@ class WeightLoader {
   // Several tensors stacked by rows into one weight (the fused QKV and gate+up projections).
   absl::StatusOr<std::unique_ptr<DeviceWeight>> LoadFused(const std::vector<std::string>& names,
                                                           const std::vector<Shape>& shapes, const std::string& why,
-                                                          WeightUse use = WeightUse::kMatrix) {
+                                                          WeightUse use = WeightUse::kMatrix,
+                                                          const std::vector<Slice>& slices = {}) {
     std::vector<core::TensorView> views;
     int64_t bytes = 0;
     for (size_t i = 0; i < names.size(); ++i) {
-      MOE_ASSIGN_OR_RETURN(core::TensorView view, Check(names[i], shapes[i], why));
+      MOE_ASSIGN_OR_RETURN(core::TensorView whole, Check(names[i], shapes[i], why));
+      const core::TensorView view = Share(whole, i < slices.size() ? slices[i] : Slice{});
       bytes += view.bytes();
       views.push_back(view);
     }
@@ -50,17 +79,22 @@ class WeightLoader {
     return weight;
   }
 
-  // Loads an FFN's three matrices, gate and up fused; with out == null only checks them.
+  // Loads an FFN's three matrices, gate and up fused; with out == null only checks them. `share`
+  // (a tensor split's): the intermediate units this rank holds, gate's and up's rows and down's
+  // columns.
   absl::Status LoadFfn(const std::string& prefix, const char* gate, const char* up, const char* down, int64_t hidden,
-                       int64_t width, const std::string& why, FfnWeights* out) {
+                       int64_t width, const std::string& why, FfnWeights* out,
+                       std::optional<Range> share = std::nullopt) {
     const std::string names[3] = {prefix + gate + ".weight", prefix + up + ".weight", prefix + down + ".weight"};
     const Shape shapes[3] = {{width, hidden}, {width, hidden}, {hidden, width}};
     if (out == nullptr) {
       for (int i = 0; i < 3; ++i) MOE_RETURN_IF_ERROR(Check(names[i], shapes[i], why).status());
       return absl::OkStatus();
     }
-    MOE_ASSIGN_OR_RETURN(out->gate_up, LoadFused({names[0], names[1]}, {shapes[0], shapes[1]}, why));
-    MOE_ASSIGN_OR_RETURN(out->down, Load(names[2], shapes[2], why));
+    const Slice rows = share ? Slice::Rows(*share) : Slice{}, columns = share ? Slice::Columns(*share) : Slice{};
+    MOE_ASSIGN_OR_RETURN(
+        out->gate_up, LoadFused({names[0], names[1]}, {shapes[0], shapes[1]}, why, WeightUse::kMatrix, {rows, rows}));
+    MOE_ASSIGN_OR_RETURN(out->down, Load(names[2], shapes[2], why, WeightUse::kMatrix, columns));
     return absl::OkStatus();
   }
 
@@ -109,8 +143,8 @@ class WeightLoader {
     used_.insert(name);
     auto view = source_.Get(name);
     if (!view.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat(view.status().message(), " (config expects ",
-                                                     core::ShapeString(want), ": ", why, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(view.status().message(), " (config expects ", core::ShapeString(want), ": ", why, ")"));
     }
     const std::string file = source_.FileOf(name);
     if (view->shape != want) {
@@ -118,10 +152,31 @@ class WeightLoader {
                                                      ", config expects ", core::ShapeString(want), " (", why, ")"));
     }
     if (view->dtype != core::DType::kBF16 && view->dtype != core::DType::kF16 && view->dtype != core::DType::kF32) {
-      return absl::InvalidArgumentError(absl::StrCat(name, ": dtype ", core::DTypeName(view->dtype), " in ", file,
-                                                     ", expected BF16, F16 or F32"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": dtype ", core::DTypeName(view->dtype), " in ", file, ", expected BF16, F16 or F32"));
     }
     return *view;
+  }
+
+  // The share of `whole` a slice names: a view for rows, a copy for columns (kept in slices_).
+  core::TensorView Share(const core::TensorView& whole, const Slice& slice) {
+    switch (slice.kind) {
+      case Slice::Kind::kWhole:
+        return whole;
+      case Slice::Kind::kRows:
+        return RowSlice(whole, slice.range);
+      case Slice::Kind::kColumns: {
+        const int64_t rows = whole.shape[0], cols = whole.shape[1], elem = core::DTypeSize(whole.dtype);
+        std::vector<uint8_t>& copy = slices_->emplace_back(rows * slice.range.size() * elem);
+        for (int64_t r = 0; r < rows; ++r) {
+          std::memcpy(copy.data() + r * slice.range.size() * elem,
+                      static_cast<const uint8_t*>(whole.data) + (r * cols + slice.range.begin) * elem,
+                      slice.range.size() * elem);
+        }
+        return core::TensorView{copy.data(), whole.dtype, slice.Of(whole.shape)};
+      }
+    }
+    return whole;
   }
 
   void Count(int64_t source_bytes, const DeviceWeight& weight) {
@@ -132,22 +187,34 @@ class WeightLoader {
   const WeightSource& source_;
   Backend& backend_;
   core::ProgressReporter* progress_;
+  std::vector<std::vector<uint8_t>>* slices_;
   std::set<std::string> used_;
   int64_t device_bytes_ = 0;
 };
 
-absl::Status LoadAttention(const ModelSpec& s, const std::string& p, WeightLoader& w, LayerWeights& l) {
+// `shard`: a tensor split's query and KV heads (rows of q, k, v and their biases; columns of o).
+absl::Status LoadAttention(const ModelSpec& s, const std::string& p, WeightLoader& w, LayerWeights& l,
+                           const std::optional<TensorShard>& shard) {
   const int64_t h = s.hidden_size, qw = int64_t{s.num_heads} * s.head_dim, kvw = int64_t{s.num_kv_heads} * s.head_dim;
+  std::vector<Slice> qkv_slices;
+  Slice o_slice;
+  if (shard) {
+    const int64_t d = s.head_dim;
+    const Range q{shard->q_heads.begin * d, shard->q_heads.end * d};
+    const Range kv{shard->kv_heads.begin * d, shard->kv_heads.end * d};
+    qkv_slices = {Slice::Rows(q), Slice::Rows(kv), Slice::Rows(kv)};
+    o_slice = Slice::Columns(q);
+  }
   const std::string heads = absl::StrCat("num_attention_heads=", s.num_heads, " x head_dim=", s.head_dim);
   const std::string kv_heads = absl::StrCat("num_key_value_heads=", s.num_kv_heads, " x head_dim=", s.head_dim);
   const std::string a = p + "self_attn.";
   const std::string qkv_why = heads + ", " + kv_heads;
   MOE_ASSIGN_OR_RETURN(l.qkv, w.LoadFused({a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"},
-                                          {{qw, h}, {kvw, h}, {kvw, h}}, qkv_why));
-  MOE_ASSIGN_OR_RETURN(l.o, w.Load(a + "o_proj.weight", {h, qw}, heads));
+                                          {{qw, h}, {kvw, h}, {kvw, h}}, qkv_why, WeightUse::kMatrix, qkv_slices));
+  MOE_ASSIGN_OR_RETURN(l.o, w.Load(a + "o_proj.weight", {h, qw}, heads, WeightUse::kMatrix, o_slice));
   if (s.qkv_bias) {
     MOE_ASSIGN_OR_RETURN(l.qkv_bias, w.LoadFused({a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"},
-                                                 {{qw}, {kvw}, {kvw}}, qkv_why, WeightUse::kVector));
+                                                 {{qw}, {kvw}, {kvw}}, qkv_why, WeightUse::kVector, qkv_slices));
   }
   if (s.qk_norm) {
     const std::string d = absl::StrCat("head_dim=", s.head_dim);
@@ -161,8 +228,10 @@ absl::Status LoadAttention(const ModelSpec& s, const std::string& p, WeightLoade
   return absl::OkStatus();
 }
 
+// `shard`: a tensor split's; the rank holds the routed experts it owns (when the backend runs
+// them) and its columns of the shared experts.
 absl::Status LoadMoe(const ModelSpec& s, const std::string& p, WeightLoader& w, const std::vector<int>& on_backend,
-                     Backend& backend, LayerWeights& l) {
+                     Backend& backend, LayerWeights& l, const std::optional<TensorShard>& shard) {
   const int64_t h = s.hidden_size;
   const int e = s.routing.num_experts;
   const bool mixtral = s.arch == Architecture::kMixtral;
@@ -187,7 +256,22 @@ absl::Status LoadMoe(const ModelSpec& s, const std::string& p, WeightLoader& w, 
     MOE_RETURN_IF_ERROR(w.CheckOnly(up[i], {s.moe_intermediate_size, h}, width));
     MOE_RETURN_IF_ERROR(w.CheckOnly(down[i], {h, s.moe_intermediate_size}, width));
   }
-  if (static_cast<int>(on_backend.size()) == e) {
+  if (static_cast<int>(on_backend.size()) == e && shard) {
+    // The experts this rank owns, in id order, and each expert's index among them.
+    std::vector<std::string> g, u, d;
+    std::vector<int32_t> index(e, -1);
+    for (int i = 0; i < e; ++i) {
+      if (!shard->OwnsExpert(i)) continue;
+      index[i] = static_cast<int32_t>(g.size());
+      g.push_back(gate[i]);
+      u.push_back(up[i]);
+      d.push_back(down[i]);
+    }
+    MOE_ASSIGN_OR_RETURN(l.experts, w.LoadExperts(g, u, d, h, s.moe_intermediate_size, width));
+    MOE_ASSIGN_OR_RETURN(l.owner_index, backend.Allocate(core::DType::kI32, 1, e));
+    backend.CopyFromHost(index.data(), l.owner_index->tensor());
+    MOE_RETURN_IF_ERROR(backend.Synchronize());  // `index` goes away
+  } else if (static_cast<int>(on_backend.size()) == e) {
     MOE_ASSIGN_OR_RETURN(l.experts, w.LoadExperts(gate, up, down, h, s.moe_intermediate_size, width));
   } else if (!on_backend.empty()) {
     // Some of a pool layer's experts on the backend too, in the order given.
@@ -206,11 +290,11 @@ absl::Status LoadMoe(const ModelSpec& s, const std::string& p, WeightLoader& w, 
   if (s.shared_expert_intermediate_size > 0) {
     const bool qwen2 = s.arch == Architecture::kQwen2Moe;
     const std::string sp = block + (qwen2 ? "shared_expert." : "shared_experts.");
-    const std::string why = qwen2 ? absl::StrCat("shared_expert_intermediate_size=", s.shared_expert_intermediate_size)
-                                  : absl::StrCat("n_shared_experts x moe_intermediate_size=",
-                                                 s.shared_expert_intermediate_size);
-    MOE_RETURN_IF_ERROR(
-        w.LoadFfn(sp, "gate_proj", "up_proj", "down_proj", h, s.shared_expert_intermediate_size, why, &l.shared));
+    const std::string why =
+        qwen2 ? absl::StrCat("shared_expert_intermediate_size=", s.shared_expert_intermediate_size)
+              : absl::StrCat("n_shared_experts x moe_intermediate_size=", s.shared_expert_intermediate_size);
+    MOE_RETURN_IF_ERROR(w.LoadFfn(sp, "gate_proj", "up_proj", "down_proj", h, s.shared_expert_intermediate_size, why,
+                                  &l.shared, shard ? std::optional<Range>(shard->shared) : std::nullopt));
     if (s.shared_expert_gate) {
       MOE_ASSIGN_OR_RETURN(l.shared_gate, w.Load(block + "shared_expert_gate.weight", {1, h}, "shared expert gate"));
     }
@@ -223,7 +307,7 @@ absl::Status LoadMoe(const ModelSpec& s, const std::string& p, WeightLoader& w, 
 absl::StatusOr<std::unique_ptr<Model::Weights>> LoadWeights(const ModelSpec& s, const WeightSource& source,
                                                             Backend& backend,
                                                             const std::vector<std::vector<int>>& backend_experts,
-                                                            bool progress) {
+                                                            bool progress, const WeightShare& share) {
   // What goes to the backend: every tensor but the routed experts of the layers the pool holds.
   int64_t total = 0;
   for (const std::string& name : source.Names()) {
@@ -239,36 +323,47 @@ absl::StatusOr<std::unique_ptr<Model::Weights>> LoadWeights(const ModelSpec& s, 
   }
   std::optional<core::ProgressReporter> reporter;
   if (progress) reporter.emplace(absl::StrCat("loading weights onto ", backend.name()), total);
-  WeightLoader w(source, backend, reporter ? &*reporter : nullptr);
   auto weights = std::make_unique<Model::Weights>();
+  WeightLoader w(source, backend, reporter ? &*reporter : nullptr, &weights->slices);
   const int64_t h = s.hidden_size, vocab = s.vocab_size;
   const std::string vh = absl::StrCat("vocab_size=", vocab, ", hidden_size=", h);
-  MOE_ASSIGN_OR_RETURN(weights->embed, w.Load("model.embed_tokens.weight", {vocab, h}, vh, WeightUse::kEmbedding));
-  MOE_ASSIGN_OR_RETURN(weights->final_norm,
-                       w.Load("model.norm.weight", {h}, absl::StrCat("hidden_size=", h), WeightUse::kVector));
-  if (s.tie_word_embeddings && !source.Has("lm_head.weight")) {
-    weights->lm_head = weights->embed.get();
-  } else {
-    MOE_ASSIGN_OR_RETURN(weights->lm_head_owned, w.Load("lm_head.weight", {vocab, h}, vh));
-    weights->lm_head = weights->lm_head_owned.get();
+  // A layer split: the first stage embeds; the last holds the final norm and the LM head.
+  const bool first = share.layers.begin == 0, last = share.layers.end == s.num_layers;
+  const bool tied = s.tie_word_embeddings && !source.Has("lm_head.weight");
+  const std::optional<TensorShard>& shard = share.tensor;
+  const Slice vocab_rows = shard && shard->vocab.size() < vocab ? Slice::Rows(shard->vocab) : Slice{};
+  if (first) {
+    MOE_ASSIGN_OR_RETURN(weights->embed, w.Load("model.embed_tokens.weight", {vocab, h}, vh, WeightUse::kEmbedding));
+  }
+  if (last) {
+    MOE_ASSIGN_OR_RETURN(weights->final_norm,
+                         w.Load("model.norm.weight", {h}, absl::StrCat("hidden_size=", h), WeightUse::kVector));
+    if (tied && first && vocab_rows.kind == Slice::Kind::kWhole) {
+      weights->lm_head = weights->embed.get();
+    } else {
+      MOE_ASSIGN_OR_RETURN(weights->lm_head_owned, w.Load(tied ? "model.embed_tokens.weight" : "lm_head.weight",
+                                                          {vocab, h}, vh, WeightUse::kMatrix, vocab_rows));
+      weights->lm_head = weights->lm_head_owned.get();
+    }
   }
   weights->layers.resize(s.num_layers);
-  for (int layer = 0; layer < s.num_layers; ++layer) {
+  for (int layer = static_cast<int>(share.layers.begin); layer < share.layers.end; ++layer) {
     const std::string p = absl::StrCat("model.layers.", layer, ".");
     LayerWeights& l = weights->layers[layer];
-    MOE_RETURN_IF_ERROR(LoadAttention(s, p, w, l));
+    MOE_RETURN_IF_ERROR(LoadAttention(s, p, w, l, shard));
     if (s.IsMoeLayer(layer)) {
-      MOE_RETURN_IF_ERROR(LoadMoe(s, p, w, backend_experts[layer], backend, l));
+      MOE_RETURN_IF_ERROR(LoadMoe(s, p, w, backend_experts[layer], backend, l, shard));
     } else {
       MOE_RETURN_IF_ERROR(w.LoadFfn(p + "mlp.", "gate_proj", "up_proj", "down_proj", h, s.intermediate_size,
-                                    absl::StrCat("intermediate_size=", s.intermediate_size, " (dense layer)"),
-                                    &l.dense));
+                                    absl::StrCat("intermediate_size=", s.intermediate_size, " (dense layer)"), &l.dense,
+                                    shard ? std::optional<Range>(shard->dense) : std::nullopt));
     }
   }
   MOE_RETURN_IF_ERROR(backend.Synchronize());
   if (reporter) reporter->Finish();
   weights->bytes = w.device_bytes();
-  w.WarnUnused();
+  // A rank of a split leaves the other ranks' tensors unused on purpose.
+  if (first && last && !shard) w.WarnUnused();
   return weights;
 }
 

@@ -21,7 +21,7 @@ namespace {
 class LayerExperts : public RoutedExperts, public HostExperts {
  public:
   LayerExperts(Backend& backend, const Model::Weights& weights, const ModelSpec& spec, experts::ExpertPool* pool,
-               const std::vector<int>& pool_layers, int defer)
+               const std::vector<int>& pool_layers, int defer, const TensorShard* shard)
       : backend_(backend),
         weights_(weights),
         pool_(pool),
@@ -30,6 +30,10 @@ class LayerExperts : public RoutedExperts, public HostExperts {
         hidden_(spec.hidden_size),
         defer_(defer) {
     for (size_t i = 0; i < pool_layers.size(); ++i) pool_index_[pool_layers[i]] = static_cast<int>(i);
+    if (shard != nullptr) {
+      owned_.resize(spec.routing.num_experts);
+      for (int e = 0; e < spec.routing.num_experts; ++e) owned_[e] = shard->OwnsExpert(e);
+    }
   }
   ~LayerExperts() override { DropDeferred(); }
 
@@ -45,8 +49,9 @@ class LayerExperts : public RoutedExperts, public HostExperts {
         MOE_RETURN_IF_ERROR(AwaitDeferred(layer));
         const int32_t* now_ids = ids.as<int32_t>();
         const float* now_weights = weights.as<float>();
+        KeepOwned(&now_ids, &now_weights, hidden.rows);
         if (Defers(layer)) {
-          SplitDeferred(ids.as<int32_t>(), weights.as<float>(), hidden.rows);
+          SplitDeferred(now_ids, now_weights, hidden.rows);
           now_ids = now_ids_.data();
           now_weights = now_weights_.data();
         }
@@ -80,6 +85,7 @@ class LayerExperts : public RoutedExperts, public HostExperts {
                        float* out) override {
     const auto start = std::chrono::steady_clock::now();
     absl::Status s = AwaitDeferred(layer);
+    KeepOwned(&ids, &weights, rows);
     if (s.ok() && Defers(layer)) {
       SplitDeferred(ids, weights, rows);
       ids = now_ids_.data();
@@ -113,6 +119,22 @@ class LayerExperts : public RoutedExperts, public HostExperts {
 
  private:
   enum class Mode { kBackend, kPool, kHost };
+
+  // A tensor split's rank computes the experts it owns: the others' slots are skipped.
+  void KeepOwned(const int32_t** ids, const float** weights, int64_t rows) {
+    if (owned_.empty()) return;
+    const size_t slots = static_cast<size_t>(rows) * top_k_;
+    owned_ids_.assign(*ids, *ids + slots);
+    owned_weights_.assign(*weights, *weights + slots);
+    for (size_t i = 0; i < slots; ++i) {
+      if (owned_ids_[i] >= 0 && !owned_[owned_ids_[i]]) {
+        owned_ids_[i] = experts::kSkippedSlot;
+        owned_weights_[i] = 0.0f;
+      }
+    }
+    *ids = owned_ids_.data();
+    *weights = owned_weights_.data();
+  }
 
   // Expert deferral: a pool layer followed by another defers each token's `defer_` lowest-weighted
   // picks; they run in the pool while the next layer's attention runs, and their sum is added to
@@ -195,6 +217,9 @@ class LayerExperts : public RoutedExperts, public HostExperts {
   Deferred deferred_;
   std::vector<int32_t> now_ids_, later_ids_;
   std::vector<float> now_weights_, later_weights_;
+  std::vector<bool> owned_;  // a tensor split's experts of this rank (empty: every expert)
+  std::vector<int32_t> owned_ids_;
+  std::vector<float> owned_weights_;
   std::vector<float> deferred_hidden_, deferred_out_;
   mutable std::mutex timing_mu_;
   HostExpertsTiming timing_;
@@ -233,8 +258,16 @@ absl::Status RunMoe(Backend& b, const ModelSpec& spec, const LayerWeights& lw, R
   // The routed experts start; the shared expert runs meanwhile, into its own buffer. A pool layer
   // whose most used experts the backend holds too sends each pick to one side, both at once.
   const bool split = lw.backend_index != nullptr;
+  const bool owned = lw.owner_index != nullptr;  // a tensor split's share of the experts on the backend
   const Tensor split_out = buf.split_out.Rows(0, rows);
-  if (split) {
+  if (owned) {
+    // The picks of this rank's experts, as indices among them; the others at weight 0.
+    const Tensor host_ids = buf.split_host_ids.Rows(0, rows), host_weights = buf.split_host_weights.Rows(0, rows);
+    const Tensor own_ids = buf.split_backend_ids.Rows(0, rows);
+    const Tensor own_weights = buf.split_backend_weights.Rows(0, rows);
+    b.SplitRouting(ids, weights, lw.owner_index->tensor(), host_ids, host_weights, own_ids, own_weights);
+    b.MoeExperts(x, own_ids, own_weights, *lw.experts, out);
+  } else if (split) {
     const Tensor host_ids = buf.split_host_ids.Rows(0, rows), host_weights = buf.split_host_weights.Rows(0, rows);
     const Tensor backend_ids = buf.split_backend_ids.Rows(0, rows);
     const Tensor backend_weights = buf.split_backend_weights.Rows(0, rows);
@@ -250,7 +283,7 @@ absl::Status RunMoe(Backend& b, const ModelSpec& spec, const LayerWeights& lw, R
     RunFfn(b, lw.shared, x, buf, shared_out);
     if (lw.shared_gate != nullptr) b.Linear(x, *lw.shared_gate, nullptr, buf.shared_gate.Rows(0, rows));
   }
-  MOE_RETURN_IF_ERROR(routed.Finish());
+  if (!owned) MOE_RETURN_IF_ERROR(routed.Finish());
   if (split) b.AddSharedExpert(out, split_out, nullptr);
   if (shared) {
     const Tensor gate = buf.shared_gate.Rows(0, rows);
@@ -261,8 +294,8 @@ absl::Status RunMoe(Backend& b, const ModelSpec& spec, const LayerWeights& lw, R
 
 std::unique_ptr<RoutedExperts> MakeRoutedExperts(Backend& backend, const Model::Weights& weights, const ModelSpec& spec,
                                                  experts::ExpertPool* pool, const std::vector<int>& pool_layers,
-                                                 int defer_experts) {
-  return std::make_unique<LayerExperts>(backend, weights, spec, pool, pool_layers, defer_experts);
+                                                 int defer_experts, const TensorShard* shard) {
+  return std::make_unique<LayerExperts>(backend, weights, spec, pool, pool_layers, defer_experts, shard);
 }
 
 absl::StatusOr<std::unique_ptr<experts::ExpertPool>> CreatePool(const ModelSpec& spec, const WeightSource& source,

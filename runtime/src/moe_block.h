@@ -55,10 +55,11 @@ absl::Status RunMoe(Backend& b, const ModelSpec& spec, const LayerWeights& lw, R
 // Routed experts of every MoE layer: the layers of `pool_layers` (model layer indexes, in the
 // pool's order) in `pool`, the others on the backend (MoeExperts). On a backend whose memory the
 // CPU cannot address, the pool's layers go through its host calls (StartHostExperts).
-// `defer_experts` > 0: expert deferral (ModelOptions::defer_experts).
+// `defer_experts` > 0: expert deferral (ModelOptions::defer_experts). `shard` (a tensor split's,
+// or null): the pool computes only the experts this rank owns.
 std::unique_ptr<RoutedExperts> MakeRoutedExperts(Backend& backend, const Model::Weights& weights, const ModelSpec& spec,
                                                  experts::ExpertPool* pool, const std::vector<int>& pool_layers,
-                                                 int defer_experts);
+                                                 int defer_experts, const TensorShard* shard);
 
 // Packs the routed experts of the model layers `moe_layers` into a new CPU expert pool.
 absl::StatusOr<std::unique_ptr<experts::ExpertPool>> CreatePool(const ModelSpec& spec, const WeightSource& source,

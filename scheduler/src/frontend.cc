@@ -76,8 +76,7 @@ double Ms(std::optional<Clock::time_point> at, Clock::time_point from) {
 // once; the service's own state is immutable but for an atomic id counter.
 class GenerationService final : public pb::Generation::Service {
  public:
-  GenerationService(Engine& engine, const TextModel& text, std::string placement, RequestLog& log,
-                    const ApiKeys* keys)
+  GenerationService(Engine& engine, const TextModel& text, std::string placement, RequestLog& log, const ApiKeys* keys)
       : engine_(engine), text_(text), placement_(std::move(placement)), log_(log), keys_(keys) {}
 
   // Counts a call refused before it ran, and returns its status.
@@ -379,9 +378,13 @@ class Frontend::Impl {
   // its own reference until it ends.
   std::shared_ptr<internal::OpenAiApi> openai ABSL_GUARDED_BY(metrics_mu);
 
+  std::function<std::string()> extra_metrics ABSL_GUARDED_BY(metrics_mu);
+
   std::string RenderMetrics() {
     absl::MutexLock lock(&metrics_mu);
-    return metrics_engine != nullptr ? metrics_engine->RenderMetrics() : std::string();
+    std::string text = metrics_engine != nullptr ? metrics_engine->RenderMetrics() : std::string();
+    if (extra_metrics) text += extra_metrics();
+    return text;
   }
 
   // The API, or null after a 503 saying why there is none.
@@ -393,6 +396,7 @@ class Frontend::Impl {
     }
     const ServingState state = http->state();
     if (api != nullptr && state == ServingState::kServing) return api;
+    if (api != nullptr && state == ServingState::kRestarting) return api;  // requests queue meanwhile
     SetJsonError(response, 503,
                  state == ServingState::kLoading ? "the model is loading; retry when /ready answers 200"
                                                  : "the server is shutting down",
@@ -411,10 +415,10 @@ absl::Status Frontend::Impl::AddOpenAiRoutes() {
       {"POST", "/v1/completions", &internal::OpenAiApi::Completions},
       {"POST", "/v1/chat/completions", &internal::OpenAiApi::ChatCompletions}};
   for (const auto& [method, pattern, handler] : routes) {
-    MOE_RETURN_IF_ERROR(http->Handle(method, pattern,
-                                     [this, handler = handler](const httplib::Request& request, httplib::Response& response) {
-                                       if (auto api = OpenAi(response)) ((*api).*handler)(request, response);
-                                     }));
+    MOE_RETURN_IF_ERROR(http->Handle(
+        method, pattern, [this, handler = handler](const httplib::Request& request, httplib::Response& response) {
+          if (auto api = OpenAi(response)) ((*api).*handler)(request, response);
+        }));
   }
   return absl::OkStatus();
 }
@@ -491,8 +495,8 @@ absl::Status Frontend::Serve(std::unique_ptr<runtime::Executor> executor) {
   auto engine = Engine::Start(std::move(executor), options.scheduler);
   if (!engine.ok()) return engine.status();
   impl.engine = std::move(*engine);
-  impl.service =
-      std::make_unique<GenerationService>(*impl.engine, *impl.text, options.placement, *impl.log, options.api_keys.get());
+  impl.service = std::make_unique<GenerationService>(*impl.engine, *impl.text, options.placement, *impl.log,
+                                                     options.api_keys.get());
   impl.reflection_v1 = std::make_unique<internal::ReflectionV1Service>(
       std::vector<std::string>{kGenerationService, "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
                                "grpc.reflection.v1alpha.ServerReflection"});
@@ -523,7 +527,8 @@ absl::Status Frontend::Serve(std::unique_ptr<runtime::Executor> executor) {
     absl::MutexLock lock(&impl.metrics_mu);
     impl.metrics_engine = impl.engine.get();
     internal::OpenAiApi::RequestLogFn log;
-    if (impl.log->enabled()) log = [request_log = impl.log.get()](const nlohmann::ordered_json& line) { request_log->Write(line); };
+    if (impl.log->enabled())
+      log = [request_log = impl.log.get()](const nlohmann::ordered_json& line) { request_log->Write(line); };
     impl.openai = std::make_shared<internal::OpenAiApi>(*impl.engine, *impl.text, ModelId(options), std::move(log));
   }
   if (impl.http != nullptr) impl.http->set_state(ServingState::kServing);
@@ -535,6 +540,21 @@ int Frontend::http_port() const { return impl_->http != nullptr ? impl_->http->p
 int Frontend::port() const { return impl_->port; }
 std::string Frontend::DescribeText() const { return impl_->text != nullptr ? impl_->text->Describe() : ""; }
 Engine& Frontend::engine() { return *impl_->engine; }
+
+void Frontend::SetWorkersReady(bool ready) {
+  if (impl_ == nullptr || impl_->server == nullptr) return;
+  grpc::HealthCheckServiceInterface* health = impl_->server->GetHealthCheckService();
+  health->SetServingStatus(ready);
+  health->SetServingStatus(kGenerationService, ready);
+  if (impl_->http != nullptr && impl_->http->state() != ServingState::kDraining) {
+    impl_->http->set_state(ready ? ServingState::kServing : ServingState::kRestarting);
+  }
+}
+
+void Frontend::set_extra_metrics(std::function<std::string()> render) {
+  absl::MutexLock lock(&impl_->metrics_mu);
+  impl_->extra_metrics = std::move(render);
+}
 
 int Frontend::Drain(std::chrono::milliseconds grace) {
   if (impl_ == nullptr) return 0;

@@ -217,6 +217,10 @@ void HttpServer::AddBuiltinRoutes() {
           response.status = 503;
           response.set_content("draining\n", "text/plain");
           return;
+        case ServingState::kRestarting:
+          response.status = 503;
+          response.set_content("restarting\n", "text/plain");
+          return;
       }
     });
   };

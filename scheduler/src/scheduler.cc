@@ -11,12 +11,18 @@ constexpr int kMaxLogprobs = 20;
 
 const char* FinishReasonName(FinishReason reason) {
   switch (reason) {
-    case FinishReason::kLength: return "length";
-    case FinishReason::kEos: return "eos";
-    case FinishReason::kStopToken: return "stop_token";
-    case FinishReason::kAborted: return "aborted";
-    case FinishReason::kDeadline: return "deadline";
-    case FinishReason::kError: return "error";
+    case FinishReason::kLength:
+      return "length";
+    case FinishReason::kEos:
+      return "eos";
+    case FinishReason::kStopToken:
+      return "stop_token";
+    case FinishReason::kAborted:
+      return "aborted";
+    case FinishReason::kDeadline:
+      return "deadline";
+    case FinishReason::kError:
+      return "error";
   }
   return "?";
 }
@@ -30,6 +36,9 @@ struct Scheduler::Sequence {
   bool running = false;
   bool started = false;  // admitted at least once (a preempted sequence is re-admitted)
   bool aborted = false;
+  // This admission's id in step plans (0 while not running): a sequence re-admitted after a
+  // preemption recomputes its cache from the start under a new id.
+  uint64_t uid = 0;
 };
 
 Scheduler::Scheduler(const SchedulerConfig& config)
@@ -43,7 +52,8 @@ Scheduler::Sequence* Scheduler::Find(const std::string& id) {
 
 absl::Status Scheduler::Add(Request r) {
   if (r.id.empty()) return absl::InvalidArgumentError("request_id: empty");
-  if (Find(r.id) != nullptr) return absl::InvalidArgumentError(absl::StrCat("request_id: '", r.id, "' is already in use"));
+  if (Find(r.id) != nullptr)
+    return absl::InvalidArgumentError(absl::StrCat("request_id: '", r.id, "' is already in use"));
   if (r.prompt.empty()) return absl::InvalidArgumentError("token_ids: empty prompt");
   for (size_t i = 0; i < r.prompt.size(); ++i) {
     if (r.prompt[i] < 0 || r.prompt[i] >= config_.vocab_size) {
@@ -61,9 +71,9 @@ absl::Status Scheduler::Add(Request r) {
   }
   const int64_t prompt_len = static_cast<int64_t>(r.prompt.size());
   if (config_.max_prompt_tokens > 0 && prompt_len > config_.max_prompt_tokens) {
-    return absl::InvalidArgumentError(absl::StrCat("token_ids: prompt of ", prompt_len,
-                                                   " tokens is longer than this server accepts (max_prompt_tokens=",
-                                                   config_.max_prompt_tokens, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("token_ids: prompt of ", prompt_len,
+                     " tokens is longer than this server accepts (max_prompt_tokens=", config_.max_prompt_tokens, ")"));
   }
   if (prompt_len >= config_.context) {
     return absl::InvalidArgumentError(absl::StrCat("token_ids: prompt of ", prompt_len,
@@ -80,11 +90,12 @@ absl::Status Scheduler::Add(Request r) {
     return absl::InvalidArgumentError(absl::StrCat("sampling.", v.message()));
   }
   if (r.sampling.top_k > config_.vocab_size) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("sampling.top_k must be at most the vocabulary size (", config_.vocab_size, "), got ", r.sampling.top_k));
+    return absl::InvalidArgumentError(absl::StrCat("sampling.top_k must be at most the vocabulary size (",
+                                                   config_.vocab_size, "), got ", r.sampling.top_k));
   }
   if (r.logprobs < 0 || r.logprobs > kMaxLogprobs) {
-    return absl::InvalidArgumentError(absl::StrCat("logprobs: must be between 0 and ", kMaxLogprobs, ", got ", r.logprobs));
+    return absl::InvalidArgumentError(
+        absl::StrCat("logprobs: must be between 0 and ", kMaxLogprobs, ", got ", r.logprobs));
   }
   if (runtime::BlocksFor(total, config_.block_size) > config_.num_blocks) {
     return absl::ResourceExhaustedError(absl::StrCat("request needs ", runtime::BlocksFor(total, config_.block_size),
@@ -140,6 +151,7 @@ void Scheduler::Finish(Sequence* seq, FinishReason reason, absl::Status error, s
   out->prompt_tokens = static_cast<int>(seq->request.prompt.size());
   out->completion_tokens = seq->generated;
   blocks_.Free(&seq->blocks);
+  Release(seq);
   running_.erase(std::remove(running_.begin(), running_.end(), seq), running_.end());
   waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), seq), waiting_.end());
   sequences_.erase(seq->request.id);  // frees seq
@@ -148,11 +160,17 @@ void Scheduler::Finish(Sequence* seq, FinishReason reason, absl::Status error, s
 void Scheduler::Preempt(Sequence* seq) {
   // Recompute later: drop the cache, keep every token, go first in line.
   blocks_.Free(&seq->blocks);
+  Release(seq);
   seq->computed = 0;
   seq->running = false;
   running_.erase(std::remove(running_.begin(), running_.end(), seq), running_.end());
   waiting_.push_front(seq);
   ++preemptions_;
+}
+
+void Scheduler::Release(Sequence* seq) {
+  if (seq->uid != 0) released_.push_back(seq->uid);
+  seq->uid = 0;
 }
 
 bool Scheduler::EnsureBlocks(Sequence* seq, int64_t positions, bool may_preempt) {
@@ -197,7 +215,8 @@ std::vector<Output> Scheduler::Step(runtime::Executor& executor, Clock::time_poi
   // Aborted and late requests end before any work is planned for them.
   std::vector<Sequence*> ending;
   for (auto& [id, seq] : sequences_) {
-    if (seq->aborted || (seq->request.deadline.has_value() && now >= *seq->request.deadline)) ending.push_back(seq.get());
+    if (seq->aborted || (seq->request.deadline.has_value() && now >= *seq->request.deadline))
+      ending.push_back(seq.get());
   }
   for (Sequence* seq : ending) {
     Finish(seq, seq->aborted ? FinishReason::kAborted : FinishReason::kDeadline,
@@ -228,6 +247,7 @@ std::vector<Output> Scheduler::Step(runtime::Executor& executor, Clock::time_poi
     if (!schedule(seq, /*may_preempt=*/false)) break;
     waiting_.pop_front();
     seq->running = true;
+    seq->uid = ++last_uid_;
     running_.push_back(seq);
     if (!seq->started) {
       seq->started = true;
@@ -237,9 +257,9 @@ std::vector<Output> Scheduler::Step(runtime::Executor& executor, Clock::time_poi
     }
   }
   // Drop entries of sequences preempted after they were scheduled.
-  scheduled.erase(std::remove_if(scheduled.begin(), scheduled.end(),
-                                 [&](const Scheduled& s) { return !s.seq->running; }),
-                  scheduled.end());
+  scheduled.erase(
+      std::remove_if(scheduled.begin(), scheduled.end(), [&](const Scheduled& s) { return !s.seq->running; }),
+      scheduled.end());
   if (scheduled.empty()) return outputs;
 
   runtime::StepPlan plan;
@@ -247,7 +267,7 @@ std::vector<Output> Scheduler::Step(runtime::Executor& executor, Clock::time_poi
     const int32_t row0 = static_cast<int32_t>(plan.batch.token_ids.size());
     plan.batch.token_ids.insert(plan.batch.token_ids.end(), s.seq->tokens.begin() + s.first,
                                 s.seq->tokens.begin() + s.first + s.count);
-    plan.batch.sequences.push_back(runtime::SequenceChunk{s.first, s.count, s.seq->blocks});
+    plan.batch.sequences.push_back(runtime::SequenceChunk{s.first, s.count, s.seq->blocks, s.seq->uid});
     // The chunk that reaches the last token samples the next one.
     if (s.first + s.count == static_cast<int64_t>(s.seq->tokens.size())) {
       plan.batch.logit_rows.push_back(row0 + s.count - 1);
@@ -255,6 +275,8 @@ std::vector<Output> Scheduler::Step(runtime::Executor& executor, Clock::time_poi
     }
   }
 
+  plan.released = std::move(released_);
+  released_.clear();
   absl::StatusOr<std::vector<runtime::SampledToken>> sampled = executor.Execute(plan);
   if (!sampled.ok()) {
     for (const Scheduled& s : scheduled) Finish(s.seq, FinishReason::kError, sampled.status(), &outputs);

@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "cpu/kernels.h"
+#include "moe/comm/communicator.h"
 #include "moe/core/cpu_features.h"
 #include "moe/core/memory.h"
 #include "moe/core/status.h"
@@ -120,6 +121,13 @@ absl::Status CheckWeightDType(const core::TensorView& t) {
 }
 
 class CpuBackend : public Backend {
+  // The first failed collective of the step, returned by the next Synchronize (as a GPU's queued
+  // work reports its errors there).
+  absl::Status comm_error_;
+  void KeepCommError(absl::Status s, const std::string& what) {
+    if (!s.ok() && comm_error_.ok()) comm_error_ = core::Annotate(s, what);
+  }
+
  public:
   CpuBackend(int threads, experts::ExpertFormat weight_format, int weight_group)
       : arena_(threads), weight_format_(weight_format), weight_group_(weight_group) {}
@@ -222,7 +230,33 @@ class CpuBackend : public Backend {
 
   void CopyToHost(const Tensor& src, void* dst) override { std::memcpy(dst, src.data, src.bytes()); }
   void CopyFromHost(const void* src, const Tensor& dst) override { std::memcpy(dst.data, src, dst.bytes()); }
-  absl::Status Synchronize() override { return absl::OkStatus(); }
+  absl::Status Synchronize() override {
+    absl::Status s = std::move(comm_error_);
+    comm_error_ = absl::OkStatus();
+    return s;
+  }
+
+  void AllReduceSum(const Tensor& t, comm::Communicator& comm) override {
+    KeepCommError(comm.AllReduceSum(t.data, t.numel(), t.dtype), "all-reduce");
+  }
+  void AllGather(const Tensor& t, comm::Communicator& comm, const Tensor& out) override {
+    KeepCommError(comm.AllGather(t.data, out.data, t.bytes()), "all-gather");
+  }
+  void SendTensor(const Tensor& t, int peer, comm::Communicator& comm) override {
+    KeepCommError(comm.Send(t.data, t.bytes(), peer), absl::StrCat("send to rank ", peer));
+  }
+  void RecvTensor(const Tensor& t, int peer, comm::Communicator& comm) override {
+    KeepCommError(comm.Recv(t.data, t.bytes(), peer), absl::StrCat("receive from rank ", peer));
+  }
+  void ConcatColumns(const Tensor& stacked, int parts, const Tensor& out) override {
+    const int64_t rows = out.rows, cols = stacked.cols, elem = core::DTypeSize(out.dtype);
+    for (int p = 0; p < parts; ++p) {
+      for (int64_t r = 0; r < rows; ++r) {
+        std::memcpy(static_cast<char*>(out.data) + (r * out.cols + p * cols) * elem,
+                    static_cast<const char*>(stacked.data) + ((p * rows + r) * cols) * elem, cols * elem);
+      }
+    }
+  }
 
   void Embed(const DeviceWeight& table, const StepTensors& step, const Tensor& x) override {
     const CpuWeight& t = AsCpu(table);

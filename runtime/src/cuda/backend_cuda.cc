@@ -23,6 +23,7 @@
 #include "cuda/ops.h"
 #include "cuda/routing.h"
 #include "cuda/streamed_layout.h"
+#include "moe/comm/communicator.h"
 #include "moe/core/dtype.h"
 #include "moe/core/logging.h"
 #include "moe/core/status.h"
@@ -818,6 +819,40 @@ class CudaBackend : public Backend {
     Launched("GatherRows");
   }
 
+  // The communicator queues on stream_ (made with stream_handle()); a failure it reports at once
+  // is kept for Synchronize like a failed launch.
+  void AllReduceSum(const Tensor& t, comm::Communicator& comm) override {
+    Begin("AllReduceSum");
+    KeepStatus(comm.AllReduceSum(t.data, t.numel(), t.dtype), "AllReduceSum");
+    Launched("AllReduceSum");
+  }
+  void AllGather(const Tensor& t, comm::Communicator& comm, const Tensor& out) override {
+    Begin("AllGather");
+    KeepStatus(comm.AllGather(t.data, out.data, t.bytes()), "AllGather");
+    Launched("AllGather");
+  }
+  void SendTensor(const Tensor& t, int peer, comm::Communicator& comm) override {
+    Begin("SendTensor");
+    KeepStatus(comm.Send(t.data, t.bytes(), peer), "SendTensor");
+    Launched("SendTensor");
+  }
+  void RecvTensor(const Tensor& t, int peer, comm::Communicator& comm) override {
+    Begin("RecvTensor");
+    KeepStatus(comm.Recv(t.data, t.bytes(), peer), "RecvTensor");
+    Launched("RecvTensor");
+  }
+  void ConcatColumns(const Tensor& stacked, int parts, const Tensor& out) override {
+    Begin("ConcatColumns");
+    const size_t elem = core::DTypeSize(out.dtype), width = stacked.cols * elem;
+    for (int p = 0; p < parts; ++p) {
+      MOE_CUDA_KEEP(cudaMemcpy2DAsync(static_cast<char*>(out.data) + p * width, out.cols * elem,
+                                      static_cast<const char*>(stacked.data) + p * out.rows * width, width, width,
+                                      out.rows, cudaMemcpyDeviceToDevice, stream_));
+    }
+    Launched("ConcatColumns");
+  }
+  void* stream_handle() const override { return stream_; }
+
  private:
   static cuda::StepMeta Meta(const StepTensors& step) {
     cuda::StepMeta m;
@@ -1127,6 +1162,10 @@ class CudaBackend : public Backend {
     if (!timing_ || capturing_ || timed_.empty() || timed_.back().end >= 0) return;
     timed_.back().end = timed_.back().start + 1;
     MOE_CUDA_KEEP(cudaEventRecord(timing_events_[timed_.back().end], stream_));
+  }
+
+  void KeepStatus(const absl::Status& s, const char* what) {
+    if (!s.ok() && pending_.ok()) pending_ = core::Annotate(s, what);
   }
 
   void Keep(cudaError_t err, const char* what) {

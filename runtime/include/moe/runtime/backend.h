@@ -37,6 +37,10 @@
 #include "moe/runtime/model_spec.h"
 #include "moe/runtime/sampler.h"
 
+namespace moe::comm {
+class Communicator;
+}
+
 namespace moe::runtime {
 
 // A typed [rows x cols] view of backend memory, row-major and dense. Does not own.
@@ -495,6 +499,23 @@ class Backend {
   virtual void AddSharedExpert(const Tensor& out, const Tensor& shared, const Tensor* gate) = 0;
   // out[i] = src[rows[i]]; rows int32 [n x 1].
   virtual void GatherRows(const Tensor& src, const Tensor& rows, const Tensor& out) = 0;
+
+  // ---- Several ranks (parallel.h): a step's tensors over a communicator ----
+  // The CPU backend runs each at once on host memory (a Gloo communicator); a GPU queues it on its
+  // stream (an NCCL communicator made on stream_handle()). An error surfaces at Synchronize.
+  // t, in place: summed over the ranks (fp32 or the activation dtype).
+  virtual void AllReduceSum(const Tensor& t, comm::Communicator& comm) = 0;
+  // out [comm.size() * t.rows x t.cols] = every rank's t, in rank order.
+  virtual void AllGather(const Tensor& t, comm::Communicator& comm, const Tensor& out) = 0;
+  // t to rank `peer`, or from it into t; paired in order with the peer's call.
+  virtual void SendTensor(const Tensor& t, int peer, comm::Communicator& comm) = 0;
+  virtual void RecvTensor(const Tensor& t, int peer, comm::Communicator& comm) = 0;
+  // out [rows x parts * cols] = the `parts` blocks of stacked [parts * rows x cols], side by side
+  // (the LM head's shards gathered into rows of logits).
+  virtual void ConcatColumns(const Tensor& stacked, int parts, const Tensor& out) = 0;
+  // The stream an NCCL communicator for this backend's tensors must queue on (a cudaStream_t), or
+  // null for a backend that computes on the host.
+  virtual void* stream_handle() const { return nullptr; }
 
  private:
   std::unique_ptr<DeviceBuffer> arena_;

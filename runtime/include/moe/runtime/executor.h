@@ -48,6 +48,9 @@ struct SampledToken {
 struct StepPlan {
   ForwardBatch batch;
   std::vector<SampleRow> samples;  // one per batch.logit_rows entry, same order
+  // Sequence ids (SequenceChunk::seq_id) that ended since the last plan: their blocks were freed
+  // and the ids are not used again. An executor that mirrors sequences drops them.
+  std::vector<uint64_t> released;
 };
 
 // The KV cache an executor holds: the scheduler hands out block ids below num_blocks, each
@@ -77,7 +80,8 @@ class Executor {
  public:
   virtual ~Executor() = default;
 
-  // Runs one step: one sampled token per logit row of the plan, in order. A row whose logits
+  // Runs one step: one sampled token per logit row of the plan, in order (none on a rank that
+  // holds no logits: a layer split's stage before the last). A row whose logits
   // are not finite gets its own error (kInternal) and the others are served. The whole step
   // fails with kInvalidArgument for a malformed plan (a token id outside the vocabulary, a block
   // outside the cache or a block table too short for its positions, sample rows that do not

@@ -23,6 +23,7 @@
 #include "moe/experts/expert_pool.h"
 #include "moe/runtime/backend.h"
 #include "moe/runtime/model_spec.h"
+#include "moe/runtime/parallel.h"
 #include "moe/runtime/weight_source.h"
 
 namespace moe::runtime {
@@ -32,6 +33,9 @@ struct SequenceChunk {
   int64_t first_position = 0;  // position of the chunk's first token in its sequence
   int32_t num_tokens = 0;
   std::vector<int32_t> block_table;  // KV blocks holding positions [0, first_position+num_tokens)
+  // The sequence's id across steps, for executors that mirror sequences in other processes (0:
+  // none given). The model itself does not read it.
+  uint64_t seq_id = 0;
 };
 
 // One step's input. Rows of token_ids are grouped by sequence, in the order of `sequences`.
@@ -120,6 +124,12 @@ struct ModelOptions {
   bool graphs = true;
   // Loading progress (bytes, GB/s) on stderr.
   bool progress = false;
+  // Several ranks (parallel.h): this model is rank `parallel.rank`'s share. A tensor split holds a
+  // share of every layer (heads, FFN columns, its routed experts, LM-head rows) and sums the
+  // shares with one all-reduce after attention and one after the FFN or MoE block; a layer split
+  // holds a range of layers, receives the hidden states from the stage before and sends them to
+  // the next. Every rank runs every step's Forward with the same batch.
+  ParallelConfig parallel;
 };
 
 // 1 / theta^(2i / rotary_dim) for i < rotary_dim / 2, computed in fp32 as transformers does when
@@ -151,11 +161,19 @@ class Model {
     int64_t total = 0;
     int64_t inputs = 0;
   };
+  // `vocab_parts` > 1: the LM head split by rows in a tensor split of that many ranks.
   static StepArena StepArenaBytes(const ModelSpec& spec, core::DType activation, int64_t max_tokens,
-                                  int64_t max_logit_rows, int max_context);
+                                  int64_t max_logit_rows, int max_context, int vocab_parts = 1);
 
+  const ParallelConfig& parallel() const { return options_.parallel; }
+  // Whether Forward produces logits on this rank: every rank but the layer split's non-final
+  // stages (a tensor split gathers the LM head's shards on every rank).
+  bool holds_logits() const;
   // The dtype of this model's KV caches.
   core::DType kv_dtype() const { return options_.kv_cache_dtype.value_or(backend_->activation_dtype()); }
+  // Bytes one KV block of `block_size` positions takes in this rank's caches (its layers and KV
+  // heads, in kv_dtype()).
+  int64_t KvBlockBytes(int block_size) const;
   // A KV cache for this model with `num_blocks` blocks of `block_size` positions.
   absl::StatusOr<std::unique_ptr<KvCache>> NewKvCache(int num_blocks, int block_size = 16);
 
@@ -204,6 +222,11 @@ class Model {
 
  private:
   Model() = default;
+  // The share of the model this rank holds (ModelOptions::parallel): local_, shard_, layers_.
+  absl::Status PlanShare();
+  // The LM head's shards gathered into each row of logits (a tensor split of a vocabulary that
+  // divides evenly), or 1.
+  int VocabParts() const;
   absl::Status CheckBatch(const ForwardBatch& batch, const KvCache& cache) const;
   absl::Status ReserveStep();
   StepInputs BuildInputs(const ForwardBatch& batch, const KvCache& cache, int pad_to, int kv_bucket) const;
@@ -211,6 +234,11 @@ class Model {
   absl::Status RunLayers(const StepTensors& step, const StepBuffers& b, KvCache& cache);
 
   ModelSpec spec_;
+  // This rank's share of the model (a split's local head counts and FFN widths), the full spec
+  // when there is no split; and its layers [first, end).
+  ModelSpec local_;
+  TensorShard shard_;
+  Range layers_;
   ModelOptions options_;
   std::shared_ptr<Backend> backend_;
   std::unique_ptr<WeightSource> source_;

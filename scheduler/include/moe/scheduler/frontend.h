@@ -9,6 +9,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -22,11 +23,11 @@ namespace moe::scheduler {
 struct FrontendOptions {
   std::string listen = "127.0.0.1:50051";  // port 0 picks a free one (see port())
   SchedulerConfig scheduler;               // its KV blocks and vocabulary come from the executor
-  std::string placement;  // reported by GetModelInfo: where routed experts run
-  std::string http_listen;  // HOST:PORT of the HTTP listener (/metrics, /health, /ready); "" for none
-  int64_t max_request_bytes = 4 << 20;  // larger gRPC messages and HTTP bodies are refused
-  bool request_log = false;  // one JSON line per request on stderr
-  TlsFiles tls;  // PEM files for gRPC and HTTP; a client CA asks clients for certificates
+  std::string placement;                   // reported by GetModelInfo: where routed experts run
+  std::string http_listen;                 // HOST:PORT of the HTTP listener (/metrics, /health, /ready); "" for none
+  int64_t max_request_bytes = 4 << 20;     // larger gRPC messages and HTTP bodies are refused
+  bool request_log = false;                // one JSON line per request on stderr
+  TlsFiles tls;                            // PEM files for gRPC and HTTP; a client CA asks clients for certificates
   // With keys, gRPC calls need `authorization: Bearer KEY` metadata and HTTP an Authorization
   // header (UNAUTHENTICATED / 401 otherwise); health and metrics stay open unless protect_metrics.
   std::shared_ptr<const ApiKeys> api_keys;
@@ -34,7 +35,7 @@ struct FrontendOptions {
   // The text side (tokenizer, chat template, parsers) is read from the model folder at Serve;
   // empty model_dir: token ids only.
   std::string model_dir;
-  std::string served_model_name;  // the model's id in the OpenAI API; "": model_dir's basename
+  std::string served_model_name;   // the model's id in the OpenAI API; "": model_dir's basename
   std::string chat_template_file;  // replaces tokenizer_config.json's chat_template
   std::string tool_call_parser;    // "": the model type's default; "none": tool calls stay content
   std::string reasoning_parser;    // same
@@ -47,8 +48,8 @@ class Frontend {
   // address, a port outside 0..65535 or bad TLS files; kUnavailable if the address is in use.
   static absl::StatusOr<std::unique_ptr<Frontend>> Create(const FrontendOptions& options);
   // Loads the text model, starts the engine over `executor` and the gRPC server; health turns
-  // SERVING. Errors as Create, TextModel::Load and Engine::Start. What `executor` holds (a ModelExecutor's model) must outlive the
-  // frontend, or its Shutdown; a failed Serve has already destroyed the executor.
+  // SERVING. Errors as Create, TextModel::Load and Engine::Start. What `executor` holds (a ModelExecutor's model) must
+  // outlive the frontend, or its Shutdown; a failed Serve has already destroyed the executor.
   absl::Status Serve(std::unique_ptr<runtime::Executor> executor);
   // Before Serve: the scheduler's settings and the placement, when they depend on the model
   // (loaded after Create, so that /health reports the load).
@@ -67,6 +68,12 @@ class Frontend {
   // have `grace` to finish; then the rest end with UNAVAILABLE "server shutting down" and the
   // servers stop. Returns how many requests were cut off.
   int Drain(std::chrono::milliseconds grace);
+  // A deployment's workers, after Serve: while they are restarted (ready false) gRPC health turns
+  // NOT_SERVING and /health and /ready answer 503 "restarting"; requests still queue for them.
+  void SetWorkersReady(bool ready);
+  // Lines /metrics adds after the engine's (Prometheus text), e.g. the workers' restarts; called
+  // on the HTTP server's threads.
+  void set_extra_metrics(std::function<std::string()> render);
   // Stops accepting calls, ends the live ones, returns when the server is down.
   void Shutdown();
   // Blocks until Shutdown() (from another thread or a signal handler's thread).

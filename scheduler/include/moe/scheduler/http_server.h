@@ -29,7 +29,8 @@
 namespace moe::scheduler {
 
 // What /health and /ready report.
-enum class ServingState { kLoading, kServing, kDraining };
+// kRestarting: a deployment's workers are being restarted; requests still queue for them.
+enum class ServingState { kLoading, kServing, kDraining, kRestarting };
 
 struct HttpServerOptions {
   // HOST:PORT: an IPv4 address, [IPv6] in brackets ([::1], [::] for every address), or

@@ -33,11 +33,11 @@ struct SchedulerConfig {
   // Requests waiting for a slot beyond the max_seqs that run; Add fails with kResourceExhausted
   // past it. 0: no waiting room, a request that cannot start at once is refused.
   int max_queue = 256;
-  int context = 4096;    // prompt + max_new_tokens limit
+  int context = 4096;         // prompt + max_new_tokens limit
   int max_prompt_tokens = 0;  // longest prompt accepted; 0: the context less one new token
   // The executor's KV cache and model; Engine::Start fills these in from the executor.
   int block_size = 16;
-  int num_blocks = 0;    // KV blocks in the cache
+  int num_blocks = 0;  // KV blocks in the cache
   int vocab_size = 0;
   std::vector<int> eos_token_ids;
 };
@@ -76,6 +76,8 @@ class Scheduler {
   // Makes sure `seq` has blocks for `positions` positions, preempting newer sequences if needed.
   bool EnsureBlocks(Sequence* seq, int64_t positions, bool may_preempt);
   void Preempt(Sequence* seq);
+  // Its blocks are gone: the next plan tells the executor its id is no more.
+  void Release(Sequence* seq);
   void CheckStop(Sequence* seq, int32_t token, std::vector<Output>* outputs);
   runtime::SampleRow SampleRowFor(const Sequence& seq) const;
 
@@ -86,6 +88,8 @@ class Scheduler {
   std::deque<Sequence*> waiting_;                               // FCFS; preempted ones go first
   std::vector<Sequence*> running_;                              // in admission order
   int64_t preemptions_ = 0;
+  uint64_t last_uid_ = 0;
+  std::vector<uint64_t> released_;  // ids of sequences released since the last plan
 };
 
 }  // namespace moe::scheduler

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <thread>
 
@@ -15,6 +16,12 @@
 #include "absl/synchronization/mutex.h"
 
 namespace moe::core {
+
+// Where progress lines go besides stderr: a worker process streams them to its frontend. `line` is
+// what stderr gets; `fraction` of the job is done (1 on the last line). Set before reporters start
+// and cleared after they finish; the sink is called from their threads.
+using ProgressSink = std::function<void(const std::string& line, double fraction)>;
+void SetProgressSink(ProgressSink sink);
 
 class ProgressReporter {
  public:

@@ -1,0 +1,526 @@
+#include "launcher.h"
+
+#include <grpcpp/grpcpp.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <functional>
+#include <iostream>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/hash/hash.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
+#include "absl/synchronization/mutex.h"
+#include "flags.h"
+#include "moe/comm/rendezvous.h"
+#include "moe/core/status.h"
+#include "moe/experts/arena.h"
+#include "moe/scheduler/frontend.h"
+#include "moe/worker/remote_executor.h"
+#include "moeserve/v1/worker.grpc.pb.h"
+#if MOE_COMM_HAS_NCCL
+#include "moe/comm/nccl_communicator.h"
+#endif
+
+namespace moe::deploy {
+namespace {
+
+namespace pb = ::moeserve::v1;
+using Clock = std::chrono::steady_clock;
+
+std::atomic<bool> g_stop{false};
+void OnSignal(int) { g_stop.store(true); }
+
+void Log(const std::string& line) { std::cerr << "moeserve serve: " << line << std::endl; }
+
+// A `moeserve worker` child: started with its cores, killed with the launcher (PR_SET_PDEATHSIG).
+class WorkerProcess {
+ public:
+  // Starts the worker listening on `listen` and waits for the port it reports. kUnavailable when
+  // it exits or says nothing within 60 s.
+  static absl::StatusOr<std::unique_ptr<WorkerProcess>> Start(const std::string& program, const std::string& listen,
+                                                              const std::vector<int>& cpus, int rank) {
+    int out[2];
+    if (pipe(out) != 0) return absl::InternalError("pipe failed");
+    const std::string rank_text = std::to_string(rank);
+    const pid_t pid = fork();
+    if (pid < 0) return absl::InternalError("fork failed");
+    if (pid == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      dup2(out[1], STDOUT_FILENO);
+      close(out[0]);
+      close(out[1]);
+      if (!cpus.empty()) {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        for (int c : cpus) CPU_SET(c, &set);
+        sched_setaffinity(0, sizeof(set), &set);
+      }
+      execl(program.c_str(), program.c_str(), "worker", "--listen", listen.c_str(), "--rank", rank_text.c_str(),
+            static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    close(out[1]);
+    auto w = std::unique_ptr<WorkerProcess>(new WorkerProcess(pid, rank));
+    // "worker listening on port N"
+    FILE* f = fdopen(out[0], "r");
+    char line[256];
+    const auto deadline = Clock::now() + std::chrono::seconds(60);
+    while (Clock::now() < deadline && f != nullptr && std::fgets(line, sizeof(line), f) != nullptr) {
+      const std::string text(line);
+      const std::string tag = "worker listening on port ";
+      if (absl::StartsWith(text, tag) &&
+          absl::SimpleAtoi(absl::StripTrailingAsciiWhitespace(text.substr(tag.size())), &w->port_)) {
+        break;
+      }
+    }
+    if (f != nullptr) std::fclose(f);
+    if (w->port_ == 0) return absl::UnavailableError(absl::StrCat("worker ", rank, " did not start (", program, ")"));
+    return w;
+  }
+
+  ~WorkerProcess() { Kill(); }
+  pid_t pid() const { return pid_; }
+  int port() const { return port_; }
+  int rank() const { return rank_; }
+  // True once the process has ended (reaped); `why` says how.
+  bool Exited(std::string* why) {
+    if (pid_ <= 0) return true;
+    int status = 0;
+    const pid_t r = waitpid(pid_, &status, WNOHANG);
+    if (r == 0) return false;
+    *why = WIFSIGNALED(status) ? absl::StrCat("killed by signal ", WTERMSIG(status))
+                               : absl::StrCat("exited with code ", WEXITSTATUS(status));
+    pid_ = -1;
+    return true;
+  }
+  void Kill() {
+    if (pid_ <= 0) return;
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+  }
+
+ private:
+  WorkerProcess(pid_t pid, int rank) : pid_(pid), rank_(rank) {}
+  pid_t pid_;
+  int rank_;
+  int port_ = 0;
+};
+
+// The cores this process may use, split into `parts` contiguous shares.
+std::vector<std::vector<int>> SplitCores(int parts) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  std::vector<int> cores;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    for (int c = 0; c < CPU_SETSIZE; ++c) {
+      if (CPU_ISSET(c, &set)) cores.push_back(c);
+    }
+  }
+  std::vector<std::vector<int>> shares(parts);
+  if (cores.empty() || parts <= 0) return shares;
+  for (int p = 0; p < parts; ++p) {
+    const size_t begin = cores.size() * p / parts, end = std::max(begin + 1, cores.size() * (p + 1) / parts);
+    for (size_t i = begin; i < end && i < cores.size(); ++i) shares[p].push_back(cores[i]);
+  }
+  return shares;
+}
+
+absl::Status FromGrpc(const grpc::Status& s, const std::string& what) {
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), absl::StrCat(what, ": ", s.error_message()));
+}
+
+// The shared expert arena's name for a rank: one per host for a tensor split (every rank attaches
+// to all the experts); one per stage for a layer split (each holds its own layers).
+std::string ArenaName(const ClusterConfig& c, int rank) {
+  std::string base = c.expert_shm;
+  if (base.empty()) {
+    base = absl::StrFormat("moeserve-%016x", absl::HashOf(std::filesystem::weakly_canonical(c.model).string(),
+                                                          c.expert_format, c.expert_group));
+  }
+  return c.mode == runtime::ParallelMode::kLayer ? absl::StrCat(base, "-s", rank) : base;
+}
+
+// One generation of the deployment's workers, from node 0: this node's processes, every rank's
+// address, and what their loads reported.
+struct WorkerGroup {
+  int generation = 0;
+  std::vector<std::unique_ptr<WorkerProcess>> local;  // node 0's
+  std::vector<std::string> addresses;                 // every rank's
+  runtime::KvCapacity kv;
+  runtime::ModelInfo info;
+  std::string description;
+  int attached = 0;  // ranks whose routed experts came from the shared arena
+};
+
+class Launcher {
+ public:
+  Launcher(const ClusterConfig& c, const LaunchOptions& o) : c_(c), o_(o) {}
+
+  int Run();
+
+ private:
+  absl::StatusOr<std::unique_ptr<WorkerGroup>> StartGroup(int generation);
+  pb::InitRequest InitFor(int rank, int generation, const std::string& nccl_id, const std::vector<int>& cpus) const;
+  absl::Status InitAll(WorkerGroup& g, const std::string& nccl_id, const std::vector<std::vector<int>>& cpus);
+  absl::Status LoadAll(WorkerGroup& g);
+  void StopGroup(WorkerGroup* g);
+  // Whether a worker of the group has exited (and why).
+  bool AnyExited(WorkerGroup& g, std::string* why);
+  int RunOtherNode();
+
+  const ClusterConfig& c_;
+  const LaunchOptions& o_;
+  std::unique_ptr<comm::RendezvousServer> store_;
+  std::atomic<int64_t> restarts_{0};
+};
+
+pb::InitRequest Launcher::InitFor(int rank, int generation, const std::string& nccl_id,
+                                  const std::vector<int>& cpus) const {
+  pb::InitRequest r;
+  pb::ParallelPlan* p = r.mutable_parallel();
+  p->set_world_size(c_.ranks);
+  p->set_rank(rank);
+  p->set_mode(c_.mode == runtime::ParallelMode::kTensor  ? pb::ParallelPlan::TENSOR
+              : c_.mode == runtime::ParallelMode::kLayer ? pb::ParallelPlan::LAYER
+                                                         : pb::ParallelPlan::MODE_UNSPECIFIED);
+  pb::CommBootstrap* comm = r.mutable_comm();
+  comm->set_timeout_ms(c_.comm_timeout_ms);
+  comm->set_prefix(absl::StrCat("moe/gen", generation));
+  if (c_.gpu()) {
+    comm->set_backend(pb::CommBootstrap::NCCL);
+    comm->set_nccl_unique_id(nccl_id);
+  } else {
+    comm->set_backend(pb::CommBootstrap::GLOO);
+    if (store_ != nullptr) comm->set_rendezvous(store_->address());
+  }
+  int node = 0;
+  while (node + 1 < static_cast<int>(c_.nodes.size()) && c_.FirstRankOn(node + 1) <= rank) ++node;
+  comm->set_host(c_.nodes.size() > 1 ? c_.nodes[node].host : "127.0.0.1");
+  pb::ModelPlacement* pl = r.mutable_placement();
+  pl->set_model_dir(c_.model);
+  pl->set_device(c_.gpu() ? absl::StrCat("cuda:", c_.nodes[node].gpus[rank - c_.FirstRankOn(node)]) : "cpu");
+  pl->set_threads(static_cast<int32_t>(cpus.size()));
+  pl->mutable_cpus()->Add(cpus.begin(), cpus.end());
+  pl->set_expert_format(c_.expert_format);
+  pl->set_expert_group(c_.expert_group);
+  pl->set_expert_threads(c_.expert_threads > 0 ? c_.expert_threads : static_cast<int32_t>(cpus.size()));
+  const bool pool = !c_.gpu() || c_.cpu_moe || c_.n_cpu_moe > 0 || !c_.override_tensor.empty();
+  if (pool) pl->set_expert_shm(ArenaName(c_, rank));
+  pl->set_cpu_moe(c_.cpu_moe);
+  pl->set_n_cpu_moe(c_.n_cpu_moe);
+  for (const std::string& rule : c_.override_tensor) pl->add_override_tensor(rule);
+  pl->set_max_step_tokens(c_.max_batch_tokens);
+  pl->set_max_logit_rows(c_.max_seqs);
+  pl->set_max_context(static_cast<int32_t>(c_.ctx.value_or(0)));
+  pl->set_graphs(true);
+  pl->set_kv_cache_dtype(c_.kv_cache_dtype);
+  pl->set_kv_cache_bytes(c_.kv_cache_mb << 20);
+  pl->set_kv_block_size(16);
+  pl->set_defer_experts(c_.defer_experts);
+  return r;
+}
+
+absl::Status Launcher::InitAll(WorkerGroup& g, const std::string& nccl_id, const std::vector<std::vector<int>>& cpus) {
+  // Every rank at once: they rendezvous with each other.
+  std::vector<absl::Status> results(g.addresses.size());
+  std::vector<std::thread> threads;
+  for (size_t rank = 0; rank < g.addresses.size(); ++rank) {
+    threads.emplace_back([&, rank] {
+      auto channel = grpc::CreateChannel(g.addresses[rank], grpc::InsecureChannelCredentials());
+      if (!channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(60))) {
+        results[rank] =
+            absl::UnavailableError(absl::StrCat("worker ", rank, " at ", g.addresses[rank], " cannot be reached"));
+        return;
+      }
+      auto stub = pb::Worker::NewStub(channel);
+      grpc::ClientContext ctx;
+      pb::InitResponse response;
+      const std::vector<int> mine = rank < cpus.size() ? cpus[rank] : std::vector<int>{};
+      const grpc::Status s = stub->Init(&ctx, InitFor(static_cast<int>(rank), g.generation, nccl_id, mine), &response);
+      results[rank] = s.ok() ? absl::OkStatus() : FromGrpc(s, absl::StrCat("worker ", rank, " Init"));
+      if (s.ok()) Log(absl::StrCat("worker ", rank, " at ", g.addresses[rank], ": ", response.description()));
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (const absl::Status& s : results) MOE_RETURN_IF_ERROR(s);
+  return absl::OkStatus();
+}
+
+absl::Status Launcher::LoadAll(WorkerGroup& g) {
+  const int ranks = static_cast<int>(g.addresses.size());
+  std::vector<absl::Status> results(ranks);
+  std::vector<pb::LoadProgress> done(ranks);
+  auto load = [&](int rank) {
+    auto stub = pb::Worker::NewStub(grpc::CreateChannel(g.addresses[rank], grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    auto reader = stub->Load(&ctx, pb::LoadRequest{});
+    pb::LoadProgress progress;
+    while (reader->Read(&progress)) {
+      if (progress.done()) done[rank] = progress;
+    }
+    const grpc::Status s = reader->Finish();
+    results[rank] = s.ok() ? absl::OkStatus() : FromGrpc(s, absl::StrCat("worker ", rank, " Load"));
+    if (s.ok()) Log(absl::StrCat("worker ", rank, ": ", done[rank].message()));
+  };
+  // The first rank of each node fills the node's shared expert arena; the others then attach.
+  std::vector<int> first, rest;
+  for (int n = 0; n < static_cast<int>(c_.nodes.size()); ++n) {
+    for (int i = 0; i < c_.WorkersOn(n); ++i) {
+      (i == 0 || c_.mode == runtime::ParallelMode::kLayer ? first : rest).push_back(c_.FirstRankOn(n) + i);
+    }
+  }
+  for (const std::vector<int>* wave : {&first, &rest}) {
+    std::vector<std::thread> threads;
+    for (int rank : *wave) threads.emplace_back(load, rank);
+    for (std::thread& t : threads) t.join();
+  }
+  for (const absl::Status& s : results) MOE_RETURN_IF_ERROR(s);
+  const int logits_rank = c_.mode == runtime::ParallelMode::kLayer ? ranks - 1 : 0;
+  g.kv = runtime::KvCapacity{done[0].kv_blocks(), done[0].kv_block_size()};
+  for (const pb::LoadProgress& d : done) {
+    g.kv.num_blocks = std::min(g.kv.num_blocks, d.kv_blocks());  // available memory: the minimum over ranks
+    g.attached += d.attached_experts();
+  }
+  const pb::LoadProgress& l = done[logits_rank];
+  g.info.architecture = l.model_type();
+  g.info.vocab_size = l.vocab_size();
+  g.info.max_position_embeddings = l.max_position_embeddings();
+  g.info.eos_token_ids.assign(l.eos_token_ids().begin(), l.eos_token_ids().end());
+  g.info.num_experts = l.num_experts();
+  g.info.experts_per_token = l.experts_per_token();
+  g.description = absl::StrCat(ranks, " workers (", runtime::ParallelModeName(c_.mode), " split", ", ",
+                               c_.gpu() ? "NCCL" : "Gloo", "); rank ", logits_rank, ": ", l.description());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<WorkerGroup>> Launcher::StartGroup(int generation) {
+  auto g = std::make_unique<WorkerGroup>();
+  g->generation = generation;
+  const int here = c_.WorkersOn(0);
+  const std::vector<std::vector<int>> cores = c_.gpu() ? std::vector<std::vector<int>>(here) : SplitCores(here);
+  std::vector<std::vector<int>> cpus(c_.ranks);
+  for (int i = 0; i < here; ++i) cpus[i] = cores[i];
+  for (int i = 0; i < here; ++i) {
+    const ClusterNode& node = c_.nodes[0];
+    const std::string listen =
+        c_.nodes.size() > 1 ? absl::StrCat(node.host, ":", node.port > 0 ? node.port + i : 0) : "127.0.0.1:0";
+    MOE_ASSIGN_OR_RETURN(auto w, WorkerProcess::Start(o_.program, listen, cpus[i], i));
+    g->addresses.push_back(absl::StrCat(c_.nodes.size() > 1 ? node.host : "127.0.0.1", ":", w->port()));
+    g->local.push_back(std::move(w));
+  }
+  for (int n = 1; n < static_cast<int>(c_.nodes.size()); ++n) {
+    for (int i = 0; i < c_.WorkersOn(n); ++i)
+      g->addresses.push_back(absl::StrCat(c_.nodes[n].host, ":", c_.nodes[n].port + i));
+  }
+  std::string nccl_id;
+  if (c_.gpu() && c_.ranks > 1) {
+#if MOE_COMM_HAS_NCCL
+    MOE_ASSIGN_OR_RETURN(nccl_id, comm::NcclUniqueId());
+#else
+    return absl::FailedPreconditionError("this moeserve was built without NCCL: GPU workers need it");
+#endif
+  }
+  MOE_RETURN_IF_ERROR(InitAll(*g, nccl_id, cpus));
+  MOE_RETURN_IF_ERROR(LoadAll(*g));
+  return g;
+}
+
+bool Launcher::AnyExited(WorkerGroup& g, std::string* why) {
+  for (auto& w : g.local) {
+    std::string how;
+    if (w->Exited(&how)) {
+      *why = absl::StrCat("worker ", w->rank(), " ", how);
+      return true;
+    }
+  }
+  return false;
+}
+
+void Launcher::StopGroup(WorkerGroup* g) {
+  if (g == nullptr) return;
+  // Workers on other nodes end themselves on Shutdown; their launchers start new ones.
+  for (size_t rank = g->local.size(); rank < g->addresses.size(); ++rank) {
+    auto stub = pb::Worker::NewStub(grpc::CreateChannel(g->addresses[rank], grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    pb::ShutdownResponse response;
+    (void)stub->Shutdown(&ctx, pb::ShutdownRequest{}, &response);
+  }
+  g->local.clear();  // kills this node's
+}
+
+int Launcher::RunOtherNode() {
+  // Node N > 0: this node's workers on their fixed ports, restarted whenever one exits; node 0
+  // drives them.
+  const int n = o_.node, here = c_.WorkersOn(n);
+  const std::vector<std::vector<int>> cores = c_.gpu() ? std::vector<std::vector<int>>(here) : SplitCores(here);
+  std::vector<std::unique_ptr<WorkerProcess>> workers(here);
+  int backoff_ms = c_.restart_backoff_ms;
+  while (!g_stop.load()) {
+    for (int i = 0; i < here; ++i) {
+      std::string why;
+      if (workers[i] != nullptr && !workers[i]->Exited(&why)) continue;
+      if (workers[i] != nullptr) Log(absl::StrCat("worker ", c_.FirstRankOn(n) + i, " ", why, "; starting it again"));
+      auto w = WorkerProcess::Start(o_.program, absl::StrCat(c_.nodes[n].host, ":", c_.nodes[n].port + i), cores[i],
+                                    c_.FirstRankOn(n) + i);
+      if (!w.ok()) {
+        Log(std::string(w.status().message()));
+        std::this_thread::sleep_for(std::chrono::milliseconds(backoff_ms));
+        backoff_ms = std::min(2 * backoff_ms, 30000);
+        continue;
+      }
+      workers[i] = std::move(*w);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return 0;
+}
+
+int Launcher::Run() {
+  std::signal(SIGINT, OnSignal);
+  std::signal(SIGTERM, OnSignal);
+  if (o_.node != 0) return RunOtherNode();
+
+  scheduler::FrontendOptions fo;
+  fo.listen = c_.listen;
+  fo.http_listen = c_.http == "off" ? "" : c_.http;
+  fo.request_log = o_.request_log;
+  fo.model_dir = c_.model;
+  fo.served_model_name = c_.served_model_name;
+  if (!c_.api_key_file.empty()) {
+    auto keys = scheduler::ApiKeys::Load(c_.api_key_file);
+    if (!keys.ok()) return FailCommand("serve", keys.status(), 2);
+    fo.api_keys = std::make_shared<const scheduler::ApiKeys>(std::move(*keys));
+  }
+  auto frontend = scheduler::Frontend::Create(fo);
+  if (!frontend.ok()) return FailCommand("serve", frontend.status());
+  if (!c_.gpu() && c_.ranks > 1) {
+    comm::RendezvousServerOptions so;
+    if (!c_.rendezvous.empty()) {
+      const size_t colon = c_.rendezvous.rfind(':');
+      so.host = c_.rendezvous.substr(0, colon);
+      (void)absl::SimpleAtoi(c_.rendezvous.substr(colon + 1), &so.port);
+    }
+    auto store = comm::RendezvousServer::Start(so);
+    if (!store.ok()) return FailCommand("serve", store.status());
+    store_ = std::move(*store);
+  }
+  Log(absl::StrCat("starting ", c_.ranks, " workers for ", c_.model, " (", runtime::ParallelModeName(c_.mode),
+                   " split) from ", c_.path));
+  auto group = StartGroup(1);
+  if (!group.ok()) return FailCommand("serve", group.status());
+
+  worker::RemoteExecutor::Options eo;
+  eo.workers = (*group)->addresses;
+  eo.logits_rank = c_.mode == runtime::ParallelMode::kLayer ? c_.ranks - 1 : 0;
+  eo.kv = (*group)->kv;
+  eo.info = (*group)->info;
+  eo.description = (*group)->description;
+  auto executor = worker::RemoteExecutor::Connect(eo);
+  if (!executor.ok()) return FailCommand("serve", executor.status());
+  worker::RemoteExecutor* remote = executor->get();
+
+  scheduler::SchedulerConfig sc;
+  sc.max_seqs = c_.max_seqs;
+  sc.max_queue = c_.max_queue;
+  sc.max_batch_tokens = c_.max_batch_tokens;
+  const int64_t positions = int64_t{eo.kv.num_blocks} * eo.kv.block_size;
+  sc.context = static_cast<int>(std::min<int64_t>(
+      {c_.ctx.value_or(eo.info.max_position_embeddings), eo.info.max_position_embeddings, positions}));
+  sc.max_prompt_tokens = sc.context;
+  (*frontend)->set_scheduler(sc, eo.description);
+  if (absl::Status s = (*frontend)->Serve(std::move(*executor)); !s.ok()) return FailCommand("serve", s);
+  (*frontend)->set_extra_metrics([this] {
+    return absl::StrCat(
+        "# HELP moeserve_worker_restarts_total Times the worker group was restarted after a worker was lost.\n"
+        "# TYPE moeserve_worker_restarts_total counter\nmoeserve_worker_restarts_total ",
+        restarts_.load(), "\n");
+  });
+  Log(absl::StrCat(eo.description, "; KV cache ", eo.kv.num_blocks, " blocks of ", eo.kv.block_size,
+                   " positions; context ", sc.context));
+  std::cout << "serving on port " << (*frontend)->port() << std::endl;
+
+  // Supervision: a lost worker fails the steps in flight at once (MarkBroken), then the group
+  // starts again under a new generation; restarts in a row back off.
+  std::unique_ptr<WorkerGroup> current = std::move(*group);
+  int backoff_ms = c_.restart_backoff_ms, in_a_row = 0;
+  Clock::time_point healthy_since = Clock::now();
+  while (!g_stop.load()) {
+    std::string why;
+    const bool lost = AnyExited(*current, &why) || !remote->healthy();
+    if (!lost) {
+      if (in_a_row > 0 && Clock::now() - healthy_since > std::chrono::minutes(1)) {
+        in_a_row = 0;
+        backoff_ms = c_.restart_backoff_ms;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      continue;
+    }
+    if (why.empty()) why = "a worker's control stream broke";
+    remote->MarkBroken(why);
+    (*frontend)->SetWorkersReady(false);
+    Log(absl::StrCat(why, ": the steps in flight fail with UNAVAILABLE; restarting the group"));
+    StopGroup(current.get());
+    if (++in_a_row > c_.max_restarts) {
+      Log(absl::StrCat(in_a_row - 1, " restarts in a row (supervisor.max_restarts): giving up"));
+      (*frontend)->Drain(std::chrono::seconds(0));
+      return 1;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(backoff_ms));
+    backoff_ms = std::min(2 * std::max(backoff_ms, 1), 30000);
+    auto next = StartGroup(current->generation + 1);
+    if (!next.ok()) {
+      Log(absl::StrCat("restart failed: ", next.status().message()));
+      current = std::make_unique<WorkerGroup>();
+      current->generation = current->generation + 1;
+      continue;
+    }
+    if (absl::Status s = remote->Reattach((*next)->addresses); !s.ok()) {
+      Log(absl::StrCat("restart failed: ", s.message()));
+      current = std::move(*next);
+      continue;
+    }
+    current = std::move(*next);
+    restarts_.fetch_add(1);
+    healthy_since = Clock::now();
+    (*frontend)->SetWorkersReady(true);
+    Log(absl::StrCat("group restarted (generation ", current->generation, "); ", current->attached, " of ", c_.ranks,
+                     " workers attached the shared expert arena instead of reloading the experts"));
+  }
+  Log(absl::StrFormat("draining: running requests have up to %d s to finish", c_.drain_seconds));
+  const int cut = (*frontend)->Drain(std::chrono::seconds(c_.drain_seconds));
+  StopGroup(current.get());
+  if (store_ != nullptr) store_->Stop();
+  // The shared arenas this deployment named go with it.
+  if (c_.expert_shm.empty()) {
+    for (int rank = 0; rank < c_.ranks; ++rank) (void)experts::HostArena::Unlink(ArenaName(c_, rank));
+  }
+  Log(absl::StrFormat("stopped (%d requests cut off by the drain's end)", cut));
+  return 0;
+}
+
+}  // namespace
+
+int RunCluster(const ClusterConfig& config, const LaunchOptions& options) {
+  Launcher launcher(config, options);
+  return launcher.Run();
+}
+
+}  // namespace moe::deploy

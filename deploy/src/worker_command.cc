@@ -1,0 +1,62 @@
+// `moeserve worker`: one rank of a deployment, serving the control plane (worker.proto) that the
+// launcher's frontend drives. The launcher starts it; it prints "worker listening on port N" on
+// stdout once it serves, and ends on Shutdown, SIGTERM or SIGINT.
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <iostream>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "commands.h"
+#include "worker_service.h"
+
+namespace moe::deploy {
+namespace {
+
+std::atomic<bool> g_worker_stop{false};
+void OnWorkerSignal(int) { g_worker_stop.store(true); }
+
+struct WorkerFlags {
+  std::string listen = "127.0.0.1:0";
+  int rank = -1;
+};
+
+int RunWorker(const WorkerFlags& flags) {
+  if (absl::Status s = CheckListenAddress(flags.listen, "listen"); !s.ok()) return FailCommand("worker", s, 2);
+  std::atomic<bool> shutdown{false};
+  WorkerService service([&shutdown] { shutdown.store(true); });
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(flags.listen, grpc::InsecureServerCredentials(), &port);
+  builder.SetMaxReceiveMessageSize(256 << 20);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0) {
+    return FailCommand("worker", absl::UnavailableError(absl::StrCat("cannot listen on ", flags.listen)), 1);
+  }
+  std::signal(SIGINT, OnWorkerSignal);
+  std::signal(SIGTERM, OnWorkerSignal);
+  std::cout << "worker listening on port " << port << std::endl;
+  while (!shutdown.load() && !g_worker_stop.load()) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  return 0;
+}
+
+}  // namespace
+
+void AddWorkerCommand(CLI::App& root, CommandRun* selected) {
+  auto f = std::make_shared<WorkerFlags>();
+  CLI::App* app = AddCommand(
+      root, "worker", "one rank of a deployment (started by serve --config; not for direct use)",
+      "Serves the control plane (moeserve.v1.Worker) for a frontend: Init joins the group's communicator,\n"
+      "Load loads this rank's share of the model, Execute runs the step plans it streams. Started and\n"
+      "supervised by `moeserve serve --config FILE`; prints \"worker listening on port N\" once it serves.",
+      [f] { return RunWorker(*f); }, selected);
+  app->add_option("--listen", f->listen, "HOST:PORT to serve on (port 0 picks a free one)")->capture_default_str();
+  app->add_option("--rank", f->rank, "the rank the launcher started it as (for logs)");
+}
+
+}  // namespace moe::deploy

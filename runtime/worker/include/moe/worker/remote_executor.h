@@ -1,0 +1,72 @@
+// RemoteExecutor: the Executor of a frontend whose model runs in worker processes. Every step plan
+// goes to every worker over its Execute stream (worker.proto), as what changed since the last
+// step (step_codec.h); the rank that holds the logits answers with the tokens, the others with an
+// empty result once their share of the step is done.
+//
+// When a worker is lost (its stream breaks, or its supervisor calls MarkBroken) the step in flight
+// fails with kUnavailable at once, and later steps wait, up to heal_timeout, for the supervisor to
+// restart the group and Reattach it; the frontend's queue meanwhile stays as it is. A step that
+// finds the group still broken then fails with kUnavailable.
+//
+// Thread-safety: Execute from one thread at a time (the engine's); MarkBroken, Reattach, healthy,
+// restarts, kv_capacity, model_info and Describe from any thread.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "moe/runtime/executor.h"
+#include "moe/worker/step_codec.h"
+
+namespace moe::worker {
+
+class RemoteExecutor final : public runtime::Executor {
+ public:
+  struct Options {
+    std::vector<std::string> workers;  // HOST:PORT of each rank, rank order
+    int logits_rank = 0;               // the rank whose results carry the tokens
+    runtime::KvCapacity kv;            // the smallest cache of the ranks
+    runtime::ModelInfo info;
+    std::string description;
+    absl::Duration heal_timeout = absl::Seconds(120);
+  };
+  // Opens an Execute stream to every worker (which must be loaded). kUnavailable naming the worker
+  // that cannot be reached.
+  static absl::StatusOr<std::unique_ptr<RemoteExecutor>> Connect(const Options& options);
+  ~RemoteExecutor() override;
+
+  absl::StatusOr<std::vector<runtime::SampledToken>> Execute(const runtime::StepPlan& plan) override;
+  runtime::KvCapacity kv_capacity() const override { return options_.kv; }
+  const runtime::ModelInfo& model_info() const override { return options_.info; }
+  std::string Describe() const override { return options_.description; }
+
+  // The group is lost: the step in flight fails at once (its streams are cancelled), and steps
+  // wait for Reattach.
+  void MarkBroken(const std::string& why);
+  // The restarted group's workers (loaded again): new streams, empty mirrors; steps resume.
+  // kUnavailable when a worker cannot be reached (the group stays broken).
+  absl::Status Reattach(const std::vector<std::string>& workers);
+  bool healthy() const;
+  // Times the group was reattached.
+  int64_t restarts() const;
+
+ private:
+  class Group;  // the streams of one generation of workers
+  explicit RemoteExecutor(const Options& options) : options_(options) {}
+
+  const Options options_;
+  mutable absl::Mutex mu_;
+  std::shared_ptr<Group> group_ ABSL_GUARDED_BY(mu_);
+  std::string broken_ ABSL_GUARDED_BY(mu_);  // why, while broken
+  int64_t restarts_ ABSL_GUARDED_BY(mu_) = 0;
+  PlanEncoder encoder_;           // the engine thread's
+  uint64_t generation_seen_ = 0;  // the engine thread's: the group its encoder's mirror belongs to
+};
+
+}  // namespace moe::worker

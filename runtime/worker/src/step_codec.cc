@@ -1,0 +1,165 @@
+#include "moe/worker/step_codec.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace moe::worker {
+
+namespace pb = ::moeserve::v1;
+
+absl::StatusOr<pb::StepRequest> PlanEncoder::Encode(const runtime::StepPlan& plan) {
+  pb::StepRequest req;
+  req.set_step(++step_);
+  for (uint64_t id : plan.released) {
+    sequences_.erase(id);
+    req.add_released(id);
+  }
+  size_t row = 0;
+  for (size_t i = 0; i < plan.batch.sequences.size(); ++i) {
+    const runtime::SequenceChunk& c = plan.batch.sequences[i];
+    if (c.seq_id == 0) {
+      return absl::InvalidArgumentError(absl::StrCat("step plan: sequence ", i, " has no id (seq_id)"));
+    }
+    pb::SequenceStep* s = req.add_sequences();
+    s->set_id(c.seq_id);
+    s->set_first_position(c.first_position);
+    s->mutable_token_ids()->Add(plan.batch.token_ids.begin() + row, plan.batch.token_ids.begin() + row + c.num_tokens);
+    row += c.num_tokens;
+    auto it = sequences_.find(c.seq_id);
+    const bool known = it != sequences_.end() && c.first_position != 0;
+    const bool appended = known && it->second.size() <= c.block_table.size() &&
+                          std::equal(it->second.begin(), it->second.end(), c.block_table.begin());
+    if (appended) {
+      s->mutable_blocks()->Add(c.block_table.begin() + it->second.size(), c.block_table.end());
+    } else {
+      s->set_replace_blocks(true);
+      s->mutable_blocks()->Add(c.block_table.begin(), c.block_table.end());
+    }
+    sequences_[c.seq_id] = c.block_table;
+  }
+  req.mutable_logit_rows()->Add(plan.batch.logit_rows.begin(), plan.batch.logit_rows.end());
+  for (const runtime::SampleRow& r : plan.samples) {
+    pb::SamplingSpec* s = req.add_samples();
+    s->set_temperature(r.sampling.temperature);
+    s->set_top_k(r.sampling.top_k);
+    s->set_top_p(r.sampling.top_p);
+    s->set_min_p(r.sampling.min_p);
+    s->set_repetition_penalty(r.sampling.repetition_penalty);
+    s->set_presence_penalty(r.sampling.presence_penalty);
+    s->set_frequency_penalty(r.sampling.frequency_penalty);
+    s->set_seed(r.seed);
+    s->set_sequence(r.sequence);
+    s->set_position(r.position);
+    s->set_prompt_len(r.prompt_len);
+    s->set_logprobs(r.logprobs);
+  }
+  return req;
+}
+
+absl::StatusOr<runtime::StepPlan> PlanDecoder::Decode(const pb::StepRequest& req) {
+  // Checked against the mirror first, so that a bad request changes nothing.
+  std::map<uint64_t, Sequence> touched;  // the sequences as they will be after this step
+  for (int i = 0; i < req.sequences_size(); ++i) {
+    const pb::SequenceStep& s = req.sequences(i);
+    if (touched.count(s.id())) {
+      return absl::InvalidArgumentError(absl::StrCat("step ", req.step(), ": sequence ", s.id(), " twice"));
+    }
+    auto it = sequences_.find(s.id());
+    const bool fresh = s.first_position() == 0;
+    if (!fresh && it == sequences_.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("step ", req.step(), ": sequence ", s.id(),
+                                                     " continues at position ", s.first_position(),
+                                                     " but this worker has not seen it"));
+    }
+    Sequence seq = fresh ? Sequence{} : it->second;
+    if (static_cast<int64_t>(seq.tokens.size()) != s.first_position()) {
+      return absl::InvalidArgumentError(absl::StrCat("step ", req.step(), ": sequence ", s.id(),
+                                                     " continues at position ", s.first_position(), " but has ",
+                                                     seq.tokens.size(), " tokens"));
+    }
+    if (s.replace_blocks() || fresh) seq.blocks.clear();
+    seq.blocks.insert(seq.blocks.end(), s.blocks().begin(), s.blocks().end());
+    seq.tokens.insert(seq.tokens.end(), s.token_ids().begin(), s.token_ids().end());
+    touched.emplace(s.id(), std::move(seq));
+  }
+  if (req.samples_size() != req.logit_rows_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("step ", req.step(), ": ", req.samples_size(), " sampling rows for ",
+                                                   req.logit_rows_size(), " logit rows"));
+  }
+
+  runtime::StepPlan plan;
+  std::vector<uint64_t> row_sequence;  // the sequence of each row of the batch
+  for (const pb::SequenceStep& s : req.sequences()) {
+    const Sequence& seq = touched.at(s.id());
+    plan.batch.token_ids.insert(plan.batch.token_ids.end(), s.token_ids().begin(), s.token_ids().end());
+    plan.batch.sequences.push_back(runtime::SequenceChunk{s.first_position(), s.token_ids_size(), seq.blocks, s.id()});
+    row_sequence.insert(row_sequence.end(), s.token_ids_size(), s.id());
+  }
+  plan.batch.logit_rows.assign(req.logit_rows().begin(), req.logit_rows().end());
+  for (int i = 0; i < req.samples_size(); ++i) {
+    const pb::SamplingSpec& s = req.samples(i);
+    runtime::SampleRow r;
+    r.sampling.temperature = s.temperature();
+    r.sampling.top_k = s.top_k();
+    r.sampling.top_p = s.top_p();
+    r.sampling.min_p = s.min_p();
+    r.sampling.repetition_penalty = s.repetition_penalty();
+    r.sampling.presence_penalty = s.presence_penalty();
+    r.sampling.frequency_penalty = s.frequency_penalty();
+    r.seed = s.seed();
+    r.sequence = s.sequence();
+    r.position = s.position();
+    r.prompt_len = s.prompt_len();
+    r.logprobs = s.logprobs();
+    const int32_t row = req.logit_rows(i);
+    if (row < 0 || row >= static_cast<int32_t>(row_sequence.size())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("step ", req.step(), ": logit row ", row, " outside [0, ", row_sequence.size(), ")"));
+    }
+    // The penalties read the sequence's tokens so far: every token fed to it.
+    if (r.sampling.penalized()) r.history = touched.at(row_sequence[row]).tokens;
+    plan.samples.push_back(std::move(r));
+  }
+  for (auto& [id, seq] : touched) sequences_[id] = std::move(seq);
+  for (uint64_t id : req.released()) {
+    sequences_.erase(id);
+    plan.released.push_back(id);
+  }
+  return plan;
+}
+
+pb::SampledTokenResult ToProto(const runtime::SampledToken& token) {
+  pb::SampledTokenResult r;
+  r.set_token(token.token);
+  if (token.logprobs) {
+    r.set_has_logprobs(true);
+    r.set_logprob(token.logprobs->logprob);
+    for (const auto& [id, lp] : token.logprobs->top) {
+      pb::AlternativeLogprob* t = r.add_top();
+      t->set_token(id);
+      t->set_logprob(lp);
+    }
+  }
+  if (!token.error.ok()) {
+    r.set_error_code(static_cast<int32_t>(token.error.code()));
+    r.set_error(std::string(token.error.message()));
+  }
+  return r;
+}
+
+runtime::SampledToken FromProto(const pb::SampledTokenResult& r) {
+  runtime::SampledToken token;
+  token.token = r.token();
+  if (r.has_logprobs()) {
+    runtime::TokenLogprobs lp;
+    lp.logprob = r.logprob();
+    for (const pb::AlternativeLogprob& t : r.top()) lp.top.emplace_back(t.token(), t.logprob());
+    token.logprobs = std::move(lp);
+  }
+  if (r.error_code() != 0) token.error = absl::Status(static_cast<absl::StatusCode>(r.error_code()), r.error());
+  return token;
+}
+
+}  // namespace moe::worker
