@@ -4,7 +4,7 @@
 # libraries that machine lacks) and env.sh (their library path), as scripts/device-ctest.sh
 # expects. Logs go to $LOGS (or ./gpu-logs); each phase has a time limit, so that a hung phase
 # leaves the others their time.
-#   scripts/gpu-check.sh BUNDLE_DIR [tests|experts|cpubackend|cputhreads|cpu|sanitize|bench|hybrid|gpuexperts|prefill|serve|profile|all ...]
+#   scripts/gpu-check.sh BUNDLE_DIR [tests|experts|cpubackend|cputhreads|cpushared|cpu|sanitize|bench|hybrid|gpuexperts|prefill|serve|profile|all ...]
 set -uo pipefail
 bundle=$(cd "$1" && pwd); shift
 phases=" ${*:-all} "
@@ -55,6 +55,45 @@ if want cputhreads; then
     timeout 100 "$bundle/bin/moeserve" bench model --model "$model" --device cpu --weight-format int8 --expert-format int8 \
       --batches 1 --prompts 64 --decode-steps 16 $cfg > "$out/bench-cpu-threads.log" 2>&1
     echo "bench model --device cpu $cfg: exit $?"; grep -E "^decode" "$out/bench-cpu-threads.log"
+  done
+fi
+if want cpushared; then
+  # One set of pinned threads for the CPU backend's operations and the expert pool (--shared-threads
+  # on, the default) against the backend's own threads beside the pool's (off), and the blocked
+  # attention: first the tests on this machine's cores (AMX from 16 rows), then paired rounds of the
+  # whole model on the CPU (decode at batch 1 and 8 against the read bound, prefill of 512), and
+  # decode at a 4096-token context, where attention reads 16 MB of KV cache a token.
+  timeout 150 "$bundle/bin/runtime_test" \
+    --gtest_filter='*PagedAttention*:CpuBackendThreads*:PackedLinear*:Backends/BackendTest.*/cpu*' \
+    > "$out/runtime-test-shared.log" 2>&1
+  echo "runtime_test (attention, lent threads): exit $?"; grep -E "PASSED|FAILED" "$out/runtime-test-shared.log" | head -8
+  timeout 200 "$bundle/bin/goldens_test" \
+    --gtest_filter='*TheBackendOnThePoolsThreads*:*LogitsAndGreedyIds*:*DecodeWithKvCache*:*BatchingSequences*:*ChunkedPrefill*' \
+    > "$out/goldens-test-shared.log" 2>&1
+  echo "goldens_test: exit $?"; grep -E "goldens \]|kv cache \]|PASSED|FAILED" "$out/goldens-test-shared.log" | head -16
+  timeout 100 "$bundle/bin/experts_test" --gtest_filter='*LentThreads*:*Linger*' > "$out/experts-test-shared.log" 2>&1
+  echo "experts_test (lent threads): exit $?"; grep -E "PASSED|FAILED" "$out/experts-test-shared.log" | head -5
+  make_model
+  for round in 1 2; do
+    for shared in on off; do
+      timeout 150 "$bundle/bin/moeserve" bench model --model "$model" --device cpu --weight-format int8 \
+        --expert-format int8 --batches 1,8 --prompts 512 --decode-steps 32 --shared-threads $shared \
+        > "$out/bench-cpu-shared-$shared-$round.log" 2>&1
+      echo "round $round, bench model --device cpu --weight-format int8 --shared-threads $shared: exit $?"
+      grep -E "^(bandwidth|host read|decode|prefill)" "$out/bench-cpu-shared-$shared-$round.log"
+    done
+  done
+  for shared in on off; do
+    timeout 150 "$bundle/bin/moeserve" bench model --model "$model" --device cpu --weight-format bf16 \
+      --expert-format int8 --batches 1 --prompts 512 --decode-steps 16 --shared-threads $shared \
+      > "$out/bench-cpu-shared-bf16-$shared.log" 2>&1
+    echo "bench model --device cpu --weight-format bf16 --shared-threads $shared: exit $?"
+    grep -E "^(decode|prefill)" "$out/bench-cpu-shared-bf16-$shared.log"
+    timeout 200 "$bundle/bin/moeserve" bench model --model "$model" --device cpu --weight-format int8 \
+      --expert-format int8 --batches 1 --decode-context 4096 --prompts 2048 --decode-steps 16 \
+      --shared-threads $shared > "$out/bench-cpu-shared-long-$shared.log" 2>&1
+    echo "bench model --decode-context 4096 --prompts 2048 --shared-threads $shared: exit $?"
+    grep -E "^(decode|prefill)" "$out/bench-cpu-shared-long-$shared.log"
   done
 fi
 if want cpu; then
