@@ -83,6 +83,12 @@ if want cpushared; then
       grep -E "^(bandwidth|host read|decode|prefill)" "$out/bench-cpu-shared-$shared-$round.log"
     done
   done
+  # The threads awake between steps too (after a step they sleep by default).
+  timeout 150 "$bundle/bin/moeserve" bench model --model "$model" --device cpu --weight-format int8 \
+    --expert-format int8 --batches 1,8 --prompts 512 --decode-steps 32 --expert-linger-us 2000 \
+    > "$out/bench-cpu-shared-linger.log" 2>&1
+  echo "bench model --device cpu --weight-format int8 --expert-linger-us 2000: exit $?"
+  grep -E "^(decode|prefill)" "$out/bench-cpu-shared-linger.log"
   for shared in on off; do
     timeout 150 "$bundle/bin/moeserve" bench model --model "$model" --device cpu --weight-format bf16 \
       --expert-format int8 --batches 1 --prompts 512 --decode-steps 16 --shared-threads $shared \
