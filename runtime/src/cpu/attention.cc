@@ -109,7 +109,8 @@ using Merge = AttentionScratch::Merge;
 using Lanes = AttentionScratch::Lanes;
 
 // One thread's tiles: the block's queries by dimension (qt, scaled), its running output by
-// dimension (o), and zero-padded copies of a short tile's keys and values (16 rows each).
+// dimension (o), and zero-padded copies of the keys and values of a tile that is short or lies
+// across blocks (16 rows each).
 struct ThreadTiles {
   Lanes* qt;
   Lanes* o;
