@@ -47,11 +47,13 @@ if want cpubackend; then
   done
 fi
 if want cputhreads; then
-  # What bounds CPU decode at batch 1: the pool's threads sleeping between layers (the default on
-  # the CPU backend) against lingering, and the cores split between the backend and the pool.
+  # What bounded CPU decode at batch 1 with two sets of threads (--shared-threads off): the pool's
+  # sleeping between layers against lingering, and the cores split between the backend and the
+  # pool; then the one shared set (the default) for comparison.
   make_model
-  for cfg in "--expert-linger-us 0" "--expert-linger-us 2000" "--threads 4 --expert-threads 12 --expert-linger-us 2000" \
-             "--threads 8 --expert-threads 8 --expert-linger-us 2000"; do
+  for cfg in "--shared-threads off --expert-linger-us 0" "--shared-threads off --expert-linger-us 2000" \
+             "--shared-threads off --threads 4 --expert-threads 12 --expert-linger-us 2000" \
+             "--shared-threads off --threads 8 --expert-threads 8 --expert-linger-us 2000" "--shared-threads on"; do
     timeout 100 "$bundle/bin/moeserve" bench model --model "$model" --device cpu --weight-format int8 --expert-format int8 \
       --batches 1 --prompts 64 --decode-steps 16 $cfg > "$out/bench-cpu-threads.log" 2>&1
     echo "bench model --device cpu $cfg: exit $?"; grep -E "^decode" "$out/bench-cpu-threads.log"
