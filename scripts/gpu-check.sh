@@ -4,7 +4,7 @@
 # libraries that machine lacks) and env.sh (their library path), as scripts/device-ctest.sh
 # expects. Logs go to $LOGS (or ./gpu-logs); each phase has a time limit, so that a hung phase
 # leaves the others their time.
-#   scripts/gpu-check.sh BUNDLE_DIR [tests|experts|cpubackend|cputhreads|cpu|sanitize|bench|hybrid|gpuexperts|prefill|serve|profile|fp8kv|defer|heldexperts|all ...]
+#   scripts/gpu-check.sh BUNDLE_DIR [tests|experts|cpubackend|cputhreads|cpushared|cpu|sanitize|bench|hybrid|gpuexperts|prefill|serve|profile|fp8kv|defer|heldexperts|all ...]
 set -uo pipefail
 bundle=$(cd "$1" && pwd); shift
 phases=" ${*:-all} "
@@ -47,14 +47,61 @@ if want cpubackend; then
   done
 fi
 if want cputhreads; then
-  # What bounds CPU decode at batch 1: the pool's threads sleeping between layers (the default on
-  # the CPU backend) against lingering, and the cores split between the backend and the pool.
+  # What bounded CPU decode at batch 1 with two sets of threads (--shared-threads off): the pool's
+  # sleeping between layers against lingering, and the cores split between the backend and the
+  # pool; then the one shared set (the default) for comparison.
   make_model
-  for cfg in "--expert-linger-us 0" "--expert-linger-us 2000" "--threads 4 --expert-threads 12 --expert-linger-us 2000" \
-             "--threads 8 --expert-threads 8 --expert-linger-us 2000"; do
+  for cfg in "--shared-threads off --expert-linger-us 0" "--shared-threads off --expert-linger-us 2000" \
+             "--shared-threads off --threads 4 --expert-threads 12 --expert-linger-us 2000" \
+             "--shared-threads off --threads 8 --expert-threads 8 --expert-linger-us 2000" "--shared-threads on"; do
     timeout 100 "$bundle/bin/moeserve" bench model --model "$model" --device cpu --weight-format int8 --expert-format int8 \
       --batches 1 --prompts 64 --decode-steps 16 $cfg > "$out/bench-cpu-threads.log" 2>&1
     echo "bench model --device cpu $cfg: exit $?"; grep -E "^decode" "$out/bench-cpu-threads.log"
+  done
+fi
+if want cpushared; then
+  # One set of pinned threads for the CPU backend's operations and the expert pool (--shared-threads
+  # on, the default) against the backend's own threads beside the pool's (off), and the blocked
+  # attention: first the tests on this machine's cores (AMX from 16 rows), then paired rounds of the
+  # whole model on the CPU (decode at batch 1 and 8 against the read bound, prefill of 512), and
+  # decode at a 4096-token context, where attention reads 16 MB of KV cache a token.
+  timeout 150 "$bundle/bin/runtime_test" \
+    --gtest_filter='*PagedAttention*:CpuBackendThreads*:PackedLinear*:Backends/BackendTest.*/cpu*' \
+    > "$out/runtime-test-shared.log" 2>&1
+  echo "runtime_test (attention, lent threads): exit $?"; grep -E "PASSED|FAILED" "$out/runtime-test-shared.log" | head -8
+  timeout 200 "$bundle/bin/goldens_test" \
+    --gtest_filter='*TheBackendOnThePoolsThreads*:*LogitsAndGreedyIds*:*DecodeWithKvCache*:*BatchingSequences*:*ChunkedPrefill*' \
+    > "$out/goldens-test-shared.log" 2>&1
+  echo "goldens_test: exit $?"; grep -E "goldens \]|kv cache \]|PASSED|FAILED" "$out/goldens-test-shared.log" | head -16
+  timeout 100 "$bundle/bin/experts_test" --gtest_filter='*LentThreads*:*Linger*' > "$out/experts-test-shared.log" 2>&1
+  echo "experts_test (lent threads): exit $?"; grep -E "PASSED|FAILED" "$out/experts-test-shared.log" | head -5
+  make_model
+  for round in 1 2; do
+    for shared in on off; do
+      timeout 150 "$bundle/bin/moeserve" bench model --model "$model" --device cpu --weight-format int8 \
+        --expert-format int8 --batches 1,8 --prompts 512 --decode-steps 32 --shared-threads $shared \
+        > "$out/bench-cpu-shared-$shared-$round.log" 2>&1
+      echo "round $round, bench model --device cpu --weight-format int8 --shared-threads $shared: exit $?"
+      grep -E "^(bandwidth|host read|decode|prefill)" "$out/bench-cpu-shared-$shared-$round.log"
+    done
+  done
+  # The threads awake between steps too (after a step they sleep by default).
+  timeout 150 "$bundle/bin/moeserve" bench model --model "$model" --device cpu --weight-format int8 \
+    --expert-format int8 --batches 1,8 --prompts 512 --decode-steps 32 --expert-linger-us 2000 \
+    > "$out/bench-cpu-shared-linger.log" 2>&1
+  echo "bench model --device cpu --weight-format int8 --expert-linger-us 2000: exit $?"
+  grep -E "^(decode|prefill)" "$out/bench-cpu-shared-linger.log"
+  for shared in on off; do
+    timeout 150 "$bundle/bin/moeserve" bench model --model "$model" --device cpu --weight-format bf16 \
+      --expert-format int8 --batches 1 --prompts 512 --decode-steps 16 --shared-threads $shared \
+      > "$out/bench-cpu-shared-bf16-$shared.log" 2>&1
+    echo "bench model --device cpu --weight-format bf16 --shared-threads $shared: exit $?"
+    grep -E "^(decode|prefill)" "$out/bench-cpu-shared-bf16-$shared.log"
+    timeout 200 "$bundle/bin/moeserve" bench model --model "$model" --device cpu --weight-format int8 \
+      --expert-format int8 --batches 1 --decode-context 4096 --prompts 2048 --decode-steps 16 \
+      --shared-threads $shared > "$out/bench-cpu-shared-long-$shared.log" 2>&1
+    echo "bench model --decode-context 4096 --prompts 2048 --shared-threads $shared: exit $?"
+    grep -E "^(decode|prefill)" "$out/bench-cpu-shared-long-$shared.log"
   done
 fi
 if want cpu; then

@@ -274,6 +274,29 @@ TEST_P(GoldensTest, PoolThreadsLingerOnlyWhenAskedOnTheCpuBackend) {
   for (int round = 0; round < 2; ++round) EXPECT_EQ(FullForward(*lingering, prompt), want) << "round " << round;
 }
 
+// By default the CPU backend's operations run on the pool's threads (one set of threads for the
+// whole step); on the backend's own threads instead, every logit is the same bits, prefill (a
+// whole prompt) and decode alike.
+TEST_P(GoldensTest, TheBackendOnThePoolsThreadsGivesTheSameBits) {
+  auto shared = LoadFixture(GetParam());
+  runtime::ModelOptions options;
+  options.share_host_threads = false;
+  auto own = LoadFixture(GetParam(), options);
+  ASSERT_NE(shared, nullptr);
+  ASSERT_NE(own, nullptr);
+  EXPECT_EQ(shared->backend().host_threads(), &shared->expert_pool()->host_threads());
+  EXPECT_EQ(own->backend().host_threads(), nullptr);
+  const std::vector<int32_t> prompt = testing::LoadGolden(GetParam())["cases"][2]["prompt_ids"];
+  EXPECT_EQ(FullForward(*shared, prompt), FullForward(*own, prompt));
+  runtime::GenerateOptions generate;
+  generate.max_new_tokens = 6;
+  generate.step_logits = true;
+  generate.stop_at_eos = false;
+  auto a = runtime::Generate(*shared, prompt, generate), b = runtime::Generate(*own, prompt, generate);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(a->step_logits, b->step_logits);
+}
+
 INSTANTIATE_TEST_SUITE_P(Fixtures, GoldensTest, ::testing::Values("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"),
                          [](const auto& info) { return info.param; });
 

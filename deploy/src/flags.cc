@@ -201,8 +201,15 @@ void ExpertFlags::Add(CLI::App* app) {
       ->capture_default_str();
   app->add_option("--expert-linger-us", linger_us,
                   "microseconds the pool's threads stay awake after a MoE layer, ready for the next (default: 0 on "
-                  "the CPU backend, whose own threads need the cores between layers)")
+                  "the CPU backend, where they rest after each step: within one they stay awake anyway when "
+                  "--shared-threads is on, and with it off the backend's own threads need the cores)")
       ->check(IntIn(0, 10'000'000));
+  app->add_option("--shared-threads", shared_threads,
+                  "on the CPU backend with the expert pool: on runs the backend's operations on the pool's pinned "
+                  "threads, one set for the whole step, awake from one operation to the next; off gives the backend "
+                  "its own threads (--threads) beside the pool's")
+      ->check(CLI::IsMember({"on", "off"}))
+      ->capture_default_str();
   app->add_option("--expert-shm", shm,
                   "keep the packed experts in shared memory /dev/shm/NAME (and NAME.1, ... when large); later "
                   "processes attach instead of loading");
@@ -217,6 +224,7 @@ absl::Status ExpertFlags::Apply(runtime::ModelOptions* options, const std::strin
   pool.threads = threads;
   WarnIfMoreThreadsThanCores(threads, "expert-threads", command);
   if (linger_us) options->expert_linger_us = *linger_us;
+  options->share_host_threads = shared_threads == "on";
   if (!kernel.empty()) {
     MOE_ASSIGN_OR_RETURN(pool.kernel, experts::ParseKernel(kernel));
   }

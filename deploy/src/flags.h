@@ -50,8 +50,9 @@ int AvailableCores();
 void WarnIfMoreThreadsThanCores(int threads, const std::string& flag, const std::string& command);
 
 // The expert-pool flags shared by the commands that load a model: --experts, --expert-format,
-// --expert-group, --expert-kernel, --expert-threads, --expert-linger-us, --expert-shm, and the
-// placement of routed experts beside a GPU: --cpu-moe, --n-cpu-moe, --override-tensor.
+// --expert-group, --expert-kernel, --expert-threads, --expert-linger-us, --expert-shm,
+// --shared-threads, and the placement of routed experts beside a GPU: --cpu-moe, --n-cpu-moe,
+// --override-tensor.
 struct ExpertFlags {
   std::string mode = "auto";
   std::string format = "bf16";
@@ -60,6 +61,7 @@ struct ExpertFlags {
   int threads = 0;
   std::optional<int64_t> linger_us;
   std::string shm;
+  std::string shared_threads = "on";
   // Hybrid execution on a GPU: which layers' routed experts stay in the CPU pool.
   bool cpu_moe = false;
   int n_cpu_moe = 0;

@@ -25,11 +25,13 @@ class ExpertPool::Impl {
   Impl(int threads, const ExpertPoolOptions& options, const std::vector<int>& cpus,
        const internal::PackedExperts& experts)
       : workers(threads, options.linger_us, options.pin_threads, cpus),
+        loops(workers.crew(), threads),
         experts(experts),
         scratch(experts.num_experts),
         times(threads) {}
 
   internal::WorkerThreads workers;
+  internal::CrewLoops loops;        // the crew lent to the caller's other loops
   internal::PackedExperts experts;  // data set once the arena is loaded
   internal::CallScratch scratch;
   internal::PhaseTimes times;
@@ -183,6 +185,8 @@ absl::Status ExpertPool::Run(int layer, const float* hidden, int64_t num_tokens,
   s.times.CountCall();
   return absl::OkStatus();
 }
+
+HostThreads& ExpertPool::host_threads() { return impl_->loops; }
 
 std::string ExpertPool::PhaseReport() const { return impl_->times.Report(); }
 

@@ -1,5 +1,6 @@
 #include "moe/experts/expert_pool.h"
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <optional>
@@ -11,6 +12,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "moe/core/dtype.h"
+#include "moe/experts/host_threads.h"
 
 namespace moe::experts {
 namespace {
@@ -163,11 +165,13 @@ INSTANTIATE_TEST_SUITE_P(Kernels, ExpertPoolTest,
 
 class ExpertPoolBehaviour : public ::testing::Test {
  protected:
-  std::unique_ptr<ExpertPool> Make(int threads, ExpertFormat format = ExpertFormat::kInt8) {
+  std::unique_ptr<ExpertPool> Make(int threads, ExpertFormat format = ExpertFormat::kInt8,
+                                   int64_t linger_us = ExpertPoolOptions().linger_us) {
     ExpertPoolOptions options;
     options.format = format;
     options.threads = threads;
     options.progress = false;
+    options.linger_us = linger_us;
     auto pool = ExpertPool::Create(SmallShape(), options, experts_.Source());
     EXPECT_TRUE(pool.ok()) << pool.status();
     return pool.ok() ? std::move(*pool) : nullptr;
@@ -547,6 +551,61 @@ TEST_F(ExpertPoolBehaviour, SharedArenaIsAttachedNotReloaded) {
   auto other = ExpertPool::Create(SmallShape(), options, experts_.Source());
   EXPECT_EQ(other.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_TRUE(HostArena::Unlink(name).ok());
+}
+
+// The pool's threads lent as HostThreads: every index of a loop runs once, whatever the loop's
+// size and grain; a loop posted while a call is in flight finishes the call first (its result is
+// what Compute gives); a loop inside a body runs inline; calls and loops alternate, lingering or
+// not, held through a step or resting after it.
+TEST_F(ExpertPoolBehaviour, LentThreadsRunEveryIndexOnceBesideThePoolsCalls) {
+  Routing r = RandomRouting(SmallShape(), 5, 31);
+  std::vector<float> want(r.x.size());
+  {
+    auto pool = Make(1);
+    ASSERT_TRUE(pool->Compute(1, r.x.data(), 5, r.ids.data(), r.w.data(), want.data()).ok());
+  }
+  for (int64_t linger_us : {int64_t{0}, int64_t{2000}}) {
+    auto created = Make(3, ExpertFormat::kInt8, linger_us);
+    ASSERT_NE(created, nullptr);
+    ExpertPool& pool = *created;
+    HostThreads& threads = pool.host_threads();
+    EXPECT_EQ(threads.size(), 3);
+    for (int round = 0; round < 40; ++round) {
+      const int64_t n = 1 + (round * 37) % 500, grain = 1 + round % 7;
+      std::vector<std::atomic<int>> seen(n);
+      std::vector<float> out(r.x.size(), -1.0f);
+      auto ticket = pool.Submit(1, r.x.data(), 5, r.ids.data(), r.w.data(), out.data());
+      ASSERT_TRUE(ticket.ok());
+      std::atomic<int> short_ranges{0};
+      threads.ParallelFor(n, grain, [&](int64_t begin, int64_t end) {
+        if (end - begin < grain && end != n) short_ranges.fetch_add(1);
+        for (int64_t i = begin; i < end; ++i) seen[i].fetch_add(1);
+      });
+      EXPECT_EQ(out, want) << "the call in flight was finished before the loop, round " << round;
+      ASSERT_TRUE(pool.Wait(*ticket).ok());
+      EXPECT_EQ(out, want) << "linger " << linger_us << " us, round " << round;
+      for (int64_t i = 0; i < n; ++i) ASSERT_EQ(seen[i].load(), 1) << "index " << i << " of " << n;
+      EXPECT_EQ(short_ranges.load(), 0);
+      // A loop inside a body runs on that body's thread.
+      std::atomic<int64_t> inner{0};
+      threads.ParallelFor(8, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          const std::thread::id outer = std::this_thread::get_id();
+          threads.ParallelFor(100, 1, [&](int64_t b, int64_t e) {
+            EXPECT_EQ(std::this_thread::get_id(), outer);
+            inner.fetch_add(e - b);
+          });
+        }
+      });
+      EXPECT_EQ(inner.load(), 800);
+      if (round % 3 == 0) threads.Rest();
+      if (round % 10 == 0) std::this_thread::sleep_for(std::chrono::milliseconds(3));  // past the linger
+      if (round == 20) {
+        EXPECT_GT(pool.MeasureReadBandwidth(1 << 20, 1), 0.0);
+      }
+    }
+    threads.Rest();
+  }
 }
 
 }  // namespace

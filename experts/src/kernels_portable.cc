@@ -6,6 +6,7 @@
 
 #include "moe/core/cpu_features.h"
 #include "moe/core/dtype.h"
+#include "moe/core/fast_exp.h"
 #include "moe/experts/kernels.h"
 #include "target_clones.h"
 
@@ -19,13 +20,7 @@ inline float FastExp(float x) {
   const float t = x * 1.44269504088896341f;
   const float n = __builtin_roundevenf(t);
   const float f = t - n;
-  float p = 1.5353362e-4f;
-  p = p * f + 1.3398874e-3f;
-  p = p * f + 9.6182458e-3f;
-  p = p * f + 5.5503361e-2f;
-  p = p * f + 2.4022652e-1f;
-  p = p * f + 6.9314720e-1f;
-  p = p * f + 1.0f;
+  const float p = core::Exp2Fraction(f);
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, 4);

@@ -4,6 +4,8 @@
 
 #include <immintrin.h>
 
+#include "moe/core/fast_exp.h"
+
 namespace moe::experts::internal {
 
 // e^-g = 2^t with t = -g log2 e split into round(t) (vscalefps) and a degree-6 polynomial of the
@@ -14,13 +16,8 @@ __attribute__((target("avx512f"), always_inline)) inline __m512 SiluMul16(__m512
   const __m512 t = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_mul_ps(g, _mm512_sub_ps(_mm512_setzero_ps(), log2e))));
   const __m512 r = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, r);
-  __m512 p = _mm512_set1_ps(1.5353362e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3398874e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6182458e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503361e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022652e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314720e-1f));
-  p = _mm512_fmadd_ps(p, f, one);
+  __m512 p = _mm512_set1_ps(core::kExp2Coefficients[6]);
+  for (int i = 5; i >= 0; --i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(core::kExp2Coefficients[i]));
   const __m512 e = _mm512_scalef_ps(p, r);  // e^-g
   return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), u);
 }

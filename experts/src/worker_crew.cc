@@ -3,6 +3,7 @@
 #include <pthread.h>
 #include <sched.h>
 
+#include <algorithm>
 #include <utility>
 
 #include "oneapi/tbb/info.h"
@@ -22,6 +23,7 @@ std::vector<int> AllowedCpus() {
 
 void Crew::Post(std::function<void()> lead) {
   lead_ = std::move(lead);
+  posted_ = true;
   lead_done_.store(false);
   lead_pending_.store(true);
   round_.fetch_add(1);
@@ -30,6 +32,8 @@ void Crew::Post(std::function<void()> lead) {
 }
 
 void Crew::Finish() {
+  if (!posted_) return;
+  posted_ = false;
   arena_.execute([&] {
     if (TryLead()) return;
     bool joined = false;
@@ -76,10 +80,17 @@ void Crew::Resident() {
       TryJoin();
       continue;
     }
-    const auto deadline = std::chrono::steady_clock::now() + linger_;
+    // Held (between the loops of a step), the threads wait longer; Hold(false) shortens the wait
+    // of those already waiting.
+    const auto since = std::chrono::steady_clock::now();
     for (int spins = 0; round_.load(std::memory_order_acquire) == seen && !stop_.load(std::memory_order_relaxed);
          ++spins) {
-      if (spins % 256 == 0 && std::chrono::steady_clock::now() >= deadline) break;
+      if (spins % 256 == 0) {
+        const auto linger = held_.load(std::memory_order_relaxed)
+                                ? std::max<std::chrono::steady_clock::duration>(linger_, kHeldLinger)
+                                : linger_;
+        if (std::chrono::steady_clock::now() - since >= linger) break;
+      }
       Relax(spins);
     }
     if (round_.load() != seen && !stop_.load()) continue;
@@ -91,6 +102,35 @@ void Crew::Resident() {
     }
     return;
   }
+}
+
+namespace {
+// Set while a thread runs a CrewLoops body: a loop started from there runs inline.
+thread_local bool in_crew_loop = false;
+}  // namespace
+
+void CrewLoops::ParallelFor(int64_t n, int64_t grain, absl::FunctionRef<void(int64_t, int64_t)> body) {
+  if (n <= 0) return;
+  if (in_crew_loop) {
+    body(0, n);
+    return;
+  }
+  crew_.Finish();  // a pool call in flight: the crew does one thing at a time
+  const int64_t chunk = std::max<int64_t>({grain, 1, n / (threads_ * kChunksPerThread)});
+  if (threads_ == 1 || n <= chunk) {
+    body(0, n);
+    return;
+  }
+  crew_.Hold(true);
+  alignas(64) std::atomic<int64_t> next{0};
+  auto worker = [&] {
+    in_crew_loop = true;
+    for (int64_t begin; (begin = next.fetch_add(chunk, std::memory_order_relaxed)) < n;) {
+      body(begin, std::min(n, begin + chunk));
+    }
+    in_crew_loop = false;
+  };
+  crew_.Run(worker);
 }
 
 // Pins each thread that enters the arena to one CPU, by arena slot. A thread that joins from

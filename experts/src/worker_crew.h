@@ -1,5 +1,6 @@
 // The expert pool's worker threads: a oneTBB arena of one slot per thread, each thread pinned to
-// one CPU when asked, and the Crew that keeps them awake between calls.
+// one CPU when asked, the Crew that keeps them awake between calls, and CrewLoops, the crew lent
+// to other host work (the CPU backend's operations) as HostThreads.
 #pragma once
 
 #include <immintrin.h>
@@ -13,6 +14,8 @@
 #include <memory>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
+#include "moe/experts/host_threads.h"
 #include "oneapi/tbb/blocked_range.h"
 #include "oneapi/tbb/global_control.h"
 #include "oneapi/tbb/parallel_for.h"
@@ -52,11 +55,16 @@ inline void SpinUntil(const std::atomic<int64_t>& flag, int64_t value) {
 // work between calls and 0.38 ms with 1 ms (`moeserve bench experts --gap-us`), the threads
 // idle for 45% of the call before their first work; lingering, 0.26-0.28 ms.
 //
-// Thread-safety: Post, Finish and Park come from one thread outside the arena (the pool's
-// caller), one call at a time: Post, then Finish, and Park only with no call posted. Broadcast
-// comes from the lead only, inside the posted call. Everything else the threads share goes
-// through atomics, deliberately: a lock or a condition variable would put the lingering threads
-// to sleep, which is what the crew exists to avoid.
+// The same crew runs other host work's parallel loops (Run, for CrewLoops): the driving thread
+// opens a broadcast itself, with no call posted. While held (Hold), between the loops of one step
+// of that work, the threads linger up to kHeldLinger whatever linger_us says.
+//
+// Thread-safety: Post, Finish, Run, Hold and Park come from one thread outside the arena (the
+// pool's caller, the driver), one at a time: Post, then Finish; Run finishes a posted call first;
+// Park only with no call posted. Broadcast comes from the lead only, inside the posted call (or
+// from Run). Everything else the threads share goes through atomics, deliberately: a lock or a
+// condition variable would put the lingering threads to sleep, which is what the crew exists to
+// avoid.
 class Crew {
  public:
   // `arena` must outlive the crew; `workers` is the arena's threads besides the caller's slot.
@@ -67,18 +75,21 @@ class Crew {
   void Post(std::function<void()> lead);
 
   // Returns once the posted call has run: the caller runs it if no crew thread has taken it,
-  // and otherwise helps with its work.
+  // and otherwise helps with its work. Returns at once when no call is posted.
   void Finish();
 
   // From the lead: runs worker() on this thread and every crew thread that joins, and returns
-  // once all of them have left it. Brings in the arena's other threads that are not lingering.
+  // once all of them have left it. With `bring_in` (inside the arena only), brings in the
+  // arena's other threads that are not lingering.
   template <typename F>
-  void Broadcast(F& worker) {
+  void Broadcast(F& worker, bool bring_in = true) {
     work_ = [](void* f) { (*static_cast<F*>(f))(); };
     work_arg_ = &worker;
     entry_.store(kOpen | 1);  // the lead takes part
     round_.fetch_add(1);
-    for (int missing = workers_ - resident_.load(); missing > 0; --missing) group_.run([this] { Resident(); });
+    for (int missing = bring_in ? workers_ - resident_.load() : 0; missing > 0; --missing) {
+      group_.run([this] { Resident(); });
+    }
     worker();
     for (int spins = 0;; ++spins) {  // close it once the others are done
       int64_t alone = kOpen | 1;
@@ -87,9 +98,33 @@ class Crew {
     }
   }
 
+  // From the driver, with no call posted (one is finished first): runs worker() on this thread
+  // and every crew thread that joins, as Broadcast does. When the whole crew lingers the driver
+  // opens the broadcast from outside the arena: entering it would pin and unpin this thread
+  // (two system calls) for every loop. Otherwise it enters to bring the sleeping threads in.
+  template <typename F>
+  void Run(F& worker) {
+    Finish();
+    if (resident_.load(std::memory_order_acquire) >= workers_) {
+      // A thread that stops lingering meanwhile is missed: the work is shared through counters,
+      // so the others do its part.
+      Broadcast(worker, /*bring_in=*/false);
+    } else {
+      arena_.execute([&] { Broadcast(worker); });
+    }
+  }
+
+  // While held, the threads linger up to kHeldLinger after each round instead of linger_us.
+  void Hold(bool held) { held_.store(held, std::memory_order_relaxed); }
+
   // Sends the lingering threads away and waits for them (before other work in the arena, and
   // before the pool goes). No call may be in flight.
   void Park();
+
+  // How long held threads wait for the next round: far longer than the gaps between one step's
+  // operations (the longest are serial host work of a long prefill, a few milliseconds), and a
+  // bound on the spinning of a driver that never says its step is over.
+  static constexpr std::chrono::milliseconds kHeldLinger{50};
 
  private:
   static constexpr int64_t kOpen = int64_t{1} << 40;
@@ -106,6 +141,7 @@ class Crew {
   const int workers_;      // the arena's threads besides the caller's slot
   const std::chrono::steady_clock::duration linger_;
   std::function<void()> lead_;
+  bool posted_ = false;  // a call posted and not yet finished; the driver's only
   void (*work_)(void*) = nullptr;
   void* work_arg_ = nullptr;
   // Each on its own cache line: the lingering threads keep reading round_, which the others'
@@ -117,6 +153,29 @@ class Crew {
   alignas(64) std::atomic<int64_t> entry_{0};
   alignas(64) std::atomic<int> resident_{0};  // crew threads in Resident()
   std::atomic<bool> stop_{false};
+  std::atomic<bool> held_{false};
+};
+
+// The crew lent as HostThreads (see there): each loop is a broadcast whose threads take chunks of
+// the range, in order, from one counter.
+//
+// Thread-safety: as HostThreads; the driver is the crew's (the pool's caller).
+class CrewLoops final : public HostThreads {
+ public:
+  // `crew` must outlive this; `threads`: the crew's threads and the driver.
+  CrewLoops(Crew& crew, int threads) : crew_(crew), threads_(threads) {}
+
+  int size() const override { return threads_; }
+  void ParallelFor(int64_t n, int64_t grain, absl::FunctionRef<void(int64_t begin, int64_t end)> body) override;
+  void Rest() override { crew_.Hold(false); }
+
+ private:
+  // Chunks a loop is cut into per thread: a few, so that uneven work (attention's causal rows)
+  // evens out, at one update of a shared counter each.
+  static constexpr int64_t kChunksPerThread = 4;
+
+  Crew& crew_;
+  const int threads_;
 };
 
 class PinningObserver;

@@ -29,6 +29,11 @@ class BackendTest : public ::testing::TestWithParam<BackendKind> {
     auto backend = testing_util::MakeBackend(GetParam());
     if (!backend.ok()) GTEST_SKIP() << backend.status();
     b_ = std::move(*backend);
+    if (GetParam() == BackendKind::kCpuOnPoolThreads) {
+      pool_ = testing_util::TinyPool(3);
+      ASSERT_NE(pool_, nullptr);
+      b_->UseHostThreads(&pool_->host_threads());
+    }
     ASSERT_TRUE(b_->ReserveArena(64 << 20, 1 << 20).ok());
     // Scratch for the largest case of each test: Linear's 257 rows of 2048 biased outputs, the
     // attention cases' heads and contexts, the MoE cases' experts.
@@ -82,6 +87,7 @@ class BackendTest : public ::testing::TestWithParam<BackendKind> {
     return std::move(*weight);
   }
 
+  std::unique_ptr<experts::ExpertPool> pool_;  // whose threads b_ runs on, with kCpuOnPoolThreads
   std::unique_ptr<Backend> b_;
   std::vector<std::unique_ptr<DeviceBuffer>> buffers_;
   std::vector<std::vector<uint8_t>> hosts_;
@@ -162,6 +168,33 @@ TEST(PackedLinearTest, PackedLinearWeightsMatchTheFp32Product) {
       EXPECT_LT(rel, format == experts::ExpertFormat::kInt8 ? 2e-2 : 0.2)
           << experts::FormatName(format) << " rows " << rows << " n " << n << " k " << k;
     }
+  }
+}
+
+// The CPU backend's Linears give the same bits on an expert pool's threads as on its own, for
+// bf16 weights (fp32 math) and packed int8 ones (VNNI, and AMX from 16 rows where the CPU has it):
+// the threads share out the output columns, and no column's sum depends on which thread does it.
+TEST(CpuBackendThreadsTest, LinearsGiveTheSameBitsOnThePoolsThreads) {
+  auto pool = testing_util::TinyPool(3);
+  ASSERT_NE(pool, nullptr);
+  for (const auto format : {experts::ExpertFormat::kBF16, experts::ExpertFormat::kInt8}) {
+    auto own = CreateCpuBackend(2, format, 32), lent = CreateCpuBackend(2, format, 32);
+    lent->UseHostThreads(&pool->host_threads());
+    EXPECT_EQ(lent->host_threads(), &pool->host_threads());
+    for (const auto& [rows, n, k] :
+         {std::tuple<int64_t, int64_t, int64_t>{1, 2048, 256}, {37, 257, 192}, {3, 60, 64}}) {
+      const std::vector<uint8_t> wh = testing_util::HostTensor(Random(n * k, 7), DType::kBF16);
+      std::vector<float> x = Random(rows * k, 8), a(rows * n, NAN), b(rows * n, NAN);
+      const core::TensorView view{wh.data(), DType::kBF16, {n, k}};
+      auto wa = own->PrepareWeight(view, WeightUse::kMatrix), wb = lent->PrepareWeight(view, WeightUse::kMatrix);
+      ASSERT_TRUE(wa.ok() && wb.ok());
+      own->Linear(Tensor{x.data(), DType::kF32, rows, k}, **wa, nullptr, Tensor{a.data(), DType::kF32, rows, n});
+      lent->Linear(Tensor{x.data(), DType::kF32, rows, k}, **wb, nullptr, Tensor{b.data(), DType::kF32, rows, n});
+      ASSERT_TRUE(lent->Synchronize().ok());
+      EXPECT_EQ(a, b) << experts::FormatName(format) << " rows " << rows << " n " << n << " k " << k;
+    }
+    lent->UseHostThreads(nullptr);
+    EXPECT_EQ(lent->host_threads(), nullptr);
   }
 }
 
@@ -640,7 +673,7 @@ TEST_P(BackendTest, AttentionMatchesFullAttentionOverMixedSteps) {
 INSTANTIATE_TEST_SUITE_P(Backends, BackendTest, ::testing::Values(BackendKind::kCuda),
                          [](const auto& info) { return testing_util::BackendKindName(info.param); });
 #else
-INSTANTIATE_TEST_SUITE_P(Backends, BackendTest, ::testing::Values(BackendKind::kCpu),
+INSTANTIATE_TEST_SUITE_P(Backends, BackendTest, ::testing::Values(BackendKind::kCpu, BackendKind::kCpuOnPoolThreads),
                          [](const auto& info) { return testing_util::BackendKindName(info.param); });
 #endif
 

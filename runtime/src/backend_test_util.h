@@ -11,20 +11,41 @@
 #include "absl/status/statusor.h"
 #include "moe/core/dtype.h"
 #include "moe/core/status.h"
+#include "moe/experts/expert_pool.h"
 #include "moe/runtime/backend.h"
 #include "moe/runtime/device.h"
 
 namespace moe::runtime::testing_util {
 
-enum class BackendKind { kCpu, kCuda };
+// kCpuOnPoolThreads: the CPU backend with an expert pool's threads lent to it (the test lends them).
+enum class BackendKind { kCpu, kCpuOnPoolThreads, kCuda };
 
-inline std::string BackendKindName(BackendKind k) { return k == BackendKind::kCpu ? "cpu" : "cuda"; }
+inline std::string BackendKindName(BackendKind k) {
+  return k == BackendKind::kCpu ? "cpu" : k == BackendKind::kCpuOnPoolThreads ? "cpu_on_pool_threads" : "cuda";
+}
 
 // The backend, or a status saying why it is absent (no GPU: the test skips).
 inline absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(BackendKind kind) {
-  if (kind == BackendKind::kCpu) return CreateBackend(Device{Device::Kind::kCpu, 0}, 2);
+  if (kind != BackendKind::kCuda) return CreateBackend(Device{Device::Kind::kCpu, 0}, 2);
   if (CudaDeviceCount() == 0) return absl::UnavailableError("no GPU visible");
   return CreateBackend(Device{Device::Kind::kCuda, 0});
+}
+
+// A small int8 expert pool of `threads` threads (zero weights), whose threads a test lends to a
+// CPU backend (Backend::UseHostThreads).
+inline std::unique_ptr<experts::ExpertPool> TinyPool(int threads) {
+  constexpr int64_t kSize = 16;
+  static const std::vector<uint16_t> zeros(kSize * kSize);  // bf16 zeros
+  experts::ExpertPoolOptions options;
+  options.format = experts::ExpertFormat::kInt8;
+  options.threads = threads;
+  options.progress = false;
+  auto pool = experts::ExpertPool::Create(experts::ExpertShape{1, 2, 1, kSize, kSize}, options,
+                                          [](int, int) -> absl::StatusOr<experts::ExpertWeights> {
+                                            const core::TensorView w{zeros.data(), core::DType::kBF16, {kSize, kSize}};
+                                            return experts::ExpertWeights{w, w, w};
+                                          });
+  return pool.ok() ? std::move(*pool) : nullptr;
 }
 
 inline std::vector<float> Random(int64_t n, uint32_t seed, float scale = 1.0f) {

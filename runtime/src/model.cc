@@ -211,7 +211,10 @@ Model::HeldExpertsStats Model::held_experts_stats() const { return held_ ? held_
 
 Model::~Model() {
   // The backend outlives the pool (it may be shared, and is destroyed last): nothing of its may
-  // still reach the pool's memory or this model's routed experts.
+  // still reach the pool's memory, threads or this model's routed experts.
+  if (backend_ != nullptr && pool_ != nullptr && backend_->host_threads() == &pool_->host_threads()) {
+    backend_->UseHostThreads(nullptr);
+  }
   if (backend_ != nullptr && pool_ != nullptr && !backend_->HostAddressable()) {
     (void)backend_->Synchronize();
     backend_->ClearGraphs();
@@ -412,6 +415,7 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& model_dir,
     pool_options.linger_us = options.expert_linger_us.value_or(b.ComputesOnHostCores() ? 0 : pool_options.linger_us);
     MOE_ASSIGN_OR_RETURN(model->pool_,
                          internal::CreatePool(spec, *model->source_, pool_options, model_dir, pool_layers));
+    if (b.ComputesOnHostCores() && options.share_host_threads) b.UseHostThreads(&model->pool_->host_threads());
   }
   model->routed_experts_ = internal::MakeRoutedExperts(b, *model->weights_, spec, model->pool_.get(), pool_layers,
                                                        options.defer_experts, tensor ? &model->shard_ : nullptr);

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "cpu/attention.h"
 #include "cpu/kernels.h"
 #include "moe/comm/communicator.h"
 #include "moe/core/cpu_features.h"
@@ -20,7 +21,6 @@
 #include "moe/experts/kernels.h"
 #include "moe/runtime/routing.h"
 #include "oneapi/tbb/blocked_range.h"
-#include "oneapi/tbb/blocked_range2d.h"
 #include "oneapi/tbb/info.h"
 #include "oneapi/tbb/parallel_for.h"
 #include "oneapi/tbb/task_arena.h"
@@ -120,6 +120,9 @@ absl::Status CheckWeightDType(const core::TensorView& t) {
       absl::StrCat("dtype ", core::DTypeName(t.dtype), " is not a weight type (BF16, F16, F32)"));
 }
 
+// Operations run when they are queued, each a parallel loop over the backend's threads: its own
+// oneTBB arena, or the expert pool's pinned crew once lent one (UseHostThreads), so that the
+// step's operations and the pool's calls share one set of threads, awake from one to the next.
 class CpuBackend : public Backend {
   // The first failed collective of the step, returned by the next Synchronize (as a GPU's queued
   // work reports its errors there).
@@ -132,9 +135,17 @@ class CpuBackend : public Backend {
   CpuBackend(int threads, experts::ExpertFormat weight_format, int weight_group)
       : arena_(threads), weight_format_(weight_format), weight_group_(weight_group) {}
 
-  std::string name() const override { return absl::StrCat("cpu (", arena_.max_concurrency(), " threads)"); }
+  std::string name() const override {
+    return host_threads_ != nullptr ? absl::StrCat("cpu (", threads(), " threads, the expert pool's)")
+                                    : absl::StrCat("cpu (", threads(), " threads)");
+  }
   bool ComputesOnHostCores() const override { return true; }
   bool HostAddressable() const override { return true; }
+  void UseHostThreads(experts::HostThreads* threads) override {
+    if (host_threads_ != nullptr) host_threads_->Rest();
+    host_threads_ = threads;
+  }
+  experts::HostThreads* host_threads() const override { return host_threads_; }
   DType activation_dtype() const override { return DType::kF32; }
 
   absl::StatusOr<std::unique_ptr<DeviceWeight>> PrepareWeight(const core::TensorView& host, WeightUse use) override {
@@ -187,29 +198,25 @@ class CpuBackend : public Backend {
 
   absl::StatusOr<Roofline> MeasureRoofline(int64_t bytes) override {
     Roofline r;
-    const int64_t n = bytes / 8;
-    MOE_ASSIGN_OR_RETURN(auto buffer, core::AlignedBuffer::Allocate(n * 8));
-    double* v = buffer.as<double>();
-    arena_.execute([&] {
-      tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, 1 << 16), [&](const auto& range) {
-        for (int64_t i = range.begin(); i < range.end(); ++i) v[i] = static_cast<double>(i & 7);
-      });
+    const int64_t n = bytes / 4;
+    MOE_ASSIGN_OR_RETURN(auto buffer, core::AlignedBuffer::Allocate(n * 4));
+    float* v = buffer.as<float>();
+    ParallelFor(n, 1 << 16, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) v[i] = static_cast<float>(i & 7);
     });
     double best = 0;
     for (int repeat = 0; repeat < 5; ++repeat) {
       const auto start = std::chrono::steady_clock::now();
-      std::atomic<double> sink{0};
-      arena_.execute([&] {
-        tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, 1 << 16), [&](const auto& range) {
-          double acc = 0;
-          for (int64_t i = range.begin(); i < range.end(); ++i) acc += v[i];
-          sink.store(acc, std::memory_order_relaxed);
-        });
+      std::atomic<float> sink{0};
+      // In sixteen partial sums: one running sum is bound by its adds' latency, not by memory (it
+      // read half as fast as the expert pool's probe on the same threads).
+      ParallelFor(n, 1 << 16, [&](int64_t begin, int64_t end) {
+        sink.store(internal::SumF32(v + begin, end - begin), std::memory_order_relaxed);
       });
-      best = std::max(best, n * 8 / std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      best = std::max(best, n * 4 / std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     }
     r.memory_gbps = best / 1e9;
-    r.memory_what = absl::StrCat("host read bandwidth, ", arena_.max_concurrency(), " threads");
+    r.memory_what = absl::StrCat("host read bandwidth, ", threads(), " threads");
     // The fp32 Linear at a prefill-like shape.
     const int64_t m = 256, k = 2048, out = 2048;
     std::vector<float> x(m * k, 0.5f), w(out * k, 0.25f), y(m * out);
@@ -230,7 +237,9 @@ class CpuBackend : public Backend {
 
   void CopyToHost(const Tensor& src, void* dst) override { std::memcpy(dst, src.data, src.bytes()); }
   void CopyFromHost(const void* src, const Tensor& dst) override { std::memcpy(dst.data, src, dst.bytes()); }
+  // Every operation has run by now: the threads may rest until the next step.
   absl::Status Synchronize() override {
+    if (host_threads_ != nullptr) host_threads_->Rest();
     absl::Status s = std::move(comm_error_);
     comm_error_ = absl::OkStatus();
     return s;
@@ -263,10 +272,10 @@ class CpuBackend : public Backend {
     const int64_t h = t.cols();
     float* out = x.as<float>();
     const int32_t* ids = step.token_ids.as<int32_t>();
-    for (int64_t i = 0; i < step.num_tokens; ++i) {
+    For(step.num_tokens, [&](int64_t i) {
       const float* row = t.RowF32(ids[i], out + i * h);
       if (row != out + i * h) std::memcpy(out + i * h, row, h * sizeof(float));
-    }
+    });
   }
 
   void AddRmsNorm(const Tensor& x, const Tensor* delta, const DeviceWeight& w, float eps, const Tensor& out) override {
@@ -298,19 +307,18 @@ class CpuBackend : public Backend {
     }
     // Each weight row is read once (converted once) and used for every token: bandwidth-bound
     // at one token, compute-bound (fp32 FMA) for long prefills.
-    arena_.execute([&] {
-      tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, 16), [&](const tbb::blocked_range<int64_t>& range) {
-        std::vector<float> scratch(rows > 1 ? k : 0);
-        for (int64_t j = range.begin(); j < range.end(); ++j) {
-          const float bj = b == nullptr ? 0.0f : b[j];
-          if (rows == 1) {
-            o[j] = wt.Dot(xs, j) + bj;
-            continue;
-          }
-          const float* wj = wt.RowF32(j, scratch.data());
-          for (int64_t t = 0; t < rows; ++t) o[t * n + j] = internal::DotF32(xs + t * k, wj, k) + bj;
+    ParallelFor(n, 16, [&](int64_t begin, int64_t end) {
+      thread_local std::vector<float> scratch;
+      if (rows > 1 && scratch.size() < static_cast<size_t>(k)) scratch.resize(k);
+      for (int64_t j = begin; j < end; ++j) {
+        const float bj = b == nullptr ? 0.0f : b[j];
+        if (rows == 1) {
+          o[j] = wt.Dot(xs, j) + bj;
+          continue;
         }
-      });
+        const float* wj = wt.RowF32(j, scratch.data());
+        for (int64_t t = 0; t < rows; ++t) o[t * n + j] = internal::DotF32(xs + t * k, wj, k) + bj;
+      }
     });
   }
 
@@ -352,40 +360,16 @@ class CpuBackend : public Backend {
         std::memcpy(v_cache + slot_of(r, h), src + q_width + kv_width + h * d, d * sizeof(float));
       }
     });
-    const int group = a.num_heads / a.num_kv_heads;
-    arena_.execute([&] {
-      tbb::parallel_for(tbb::blocked_range2d<int64_t, int>(0, step.num_tokens, 0, a.num_heads),
-                        [&](const tbb::blocked_range2d<int64_t, int>& range) {
-                          std::vector<float> scores;
-                          for (int64_t r = range.rows().begin(); r < range.rows().end(); ++r) {
-                            const int32_t* table =
-                                in.block_table.data() + static_cast<int64_t>(in.row_seq[r]) * in.max_blocks;
-                            const int64_t len = in.positions[r] + 1;  // causal: positions 0..p
-                            scores.resize(len);
-                            for (int h = range.cols().begin(); h < range.cols().end(); ++h) {
-                              const int kvh = h / group;
-                              const float* q = a.q.as<float>() + r * q_width + static_cast<int64_t>(h) * d;
-                              auto at = [&](const float* base, int64_t p) {
-                                return base + table[p / bs] * per_block + (static_cast<int64_t>(kvh) * bs + p % bs) * d;
-                              };
-                              float max_score = -INFINITY;
-                              for (int64_t p = 0; p < len; ++p) {
-                                scores[p] = internal::DotF32(q, at(k_cache, p), d) * a.scale;
-                                max_score = std::max(max_score, scores[p]);
-                              }
-                              float sum = 0;
-                              for (int64_t p = 0; p < len; ++p) {
-                                scores[p] = std::exp(scores[p] - max_score);
-                                sum += scores[p];
-                              }
-                              float* o = a.out.as<float>() + r * q_width + static_cast<int64_t>(h) * d;
-                              std::fill(o, o + d, 0.0f);
-                              const float inv = 1.0f / sum;
-                              for (int64_t p = 0; p < len; ++p) internal::Axpy(scores[p] * inv, at(v_cache, p), d, o);
-                            }
-                          }
-                        });
-    });
+    // Then every row's queries against its sequence's keys, in blocks that read each key once for
+    // the heads of a GQA group (cpu/attention.h).
+    const internal::PagedKv kv{k_cache, v_cache, bs, a.num_kv_heads, d};
+    const internal::AttentionQueries queries{a.q.as<float>(), a.out.as<float>(),     a.num_heads,
+                                             a.scale,         in.positions.data(),   in.seq_start.data(),
+                                             in.num_seqs(),   in.block_table.data(), in.max_blocks};
+    auto loop = [this](int64_t n, int64_t grain, absl::FunctionRef<void(int64_t, int64_t)> body) {
+      ParallelFor(n, grain, body);
+    };
+    internal::PagedAttention(kv, queries, attention_isa_, loop, attention_scratch_);
   }
 
   void SiluMul(const Tensor& gate_up, const Tensor& out) override {
@@ -400,9 +384,12 @@ class CpuBackend : public Backend {
 
   void Route(const Tensor& logits, const RoutingSpec& spec, const DeviceWeight* correction_bias, const Tensor& ids,
              const Tensor& weights) override {
-    RouteTokens(spec, logits.as<float>(), logits.rows,
-                correction_bias != nullptr ? AsCpu(*correction_bias).f32() : nullptr, ids.as<int32_t>(),
-                weights.as<float>());
+    const int64_t e = logits.cols, k = ids.cols;
+    ParallelFor(logits.rows, 16, [&](int64_t begin, int64_t end) {
+      RouteTokens(spec, logits.as<float>() + begin * e, end - begin,
+                  correction_bias != nullptr ? AsCpu(*correction_bias).f32() : nullptr, ids.as<int32_t>() + begin * k,
+                  weights.as<float>() + begin * k);
+    });
   }
 
   void CountPicks(const Tensor& ids, const StepTensors& step, int scratch_block, const Tensor& counts) override {
@@ -433,11 +420,11 @@ class CpuBackend : public Backend {
   void SplitRouting(const Tensor& ids, const Tensor& weights, const Tensor& backend_index, const Tensor& host_ids,
                     const Tensor& host_weights, const Tensor& backend_ids, const Tensor& backend_weights) override {
     const int64_t k = ids.cols;
-    for (int64_t r = 0; r < ids.rows; ++r) {
+    For(ids.rows, [&](int64_t r) {
       SplitPicks(ids.as<int32_t>() + r * k, weights.as<float>() + r * k, static_cast<int>(k),
                  backend_index.as<int32_t>(), host_ids.as<int32_t>() + r * k, host_weights.as<float>() + r * k,
                  backend_ids.as<int32_t>() + r * k, backend_weights.as<float>() + r * k);
-    }
+    });
   }
 
   // The plain routed-expert path: tokens grouped by expert, each expert's FFN run on its rows,
@@ -473,12 +460,12 @@ class CpuBackend : public Backend {
 
   void AddSharedExpert(const Tensor& out, const Tensor& shared, const Tensor* gate) override {
     const int64_t cols = out.cols;
-    for (int64_t r = 0; r < out.rows; ++r) {
+    For(out.rows, [&](int64_t r) {
       const float s = gate == nullptr ? 1.0f : 1.0f / (1.0f + std::exp(-gate->as<float>()[r]));
       float* o = out.as<float>() + r * cols;
       const float* x = shared.as<float>() + r * cols;
       for (int64_t i = 0; i < cols; ++i) o[i] += x[i] * s;
-    }
+    });
   }
 
   void GatherRows(const Tensor& src, const Tensor& rows, const Tensor& out) override {
@@ -572,19 +559,17 @@ class CpuBackend : public Backend {
     }
     const experts::MatmulKernel kernel = experts::GetKernel(kind, f);
     const int64_t blocks = w.layout.blocks();
-    const int64_t grain = std::max<int64_t>(1, blocks / (4 * arena_.max_concurrency()));
-    arena_.execute([&] {
-      tbb::parallel_for(tbb::blocked_range<int64_t>(0, blocks, grain), [&](const tbb::blocked_range<int64_t>& r) {
-        (void)experts::PrepareThreadForKernel(kind);
-        const int64_t ld = (r.end() - r.begin()) * 16;
-        thread_local std::vector<float> y;
-        if (y.size() < static_cast<size_t>(act.m_pad() * ld)) y.resize(act.m_pad() * ld);
-        kernel(w, act, r.begin(), r.end(), y.data(), ld);
-        const int64_t c0 = r.begin() * 16, c1 = std::min(n, r.end() * 16);
-        for (int64_t t = 0; t < rows; ++t) {
-          for (int64_t c = c0; c < c1; ++c) out[t * n + c] = y[t * ld + (c - c0)] + (bias != nullptr ? bias[c] : 0.0f);
-        }
-      });
+    const int64_t grain = std::max<int64_t>(1, blocks / (4 * threads()));
+    ParallelFor(blocks, grain, [&](int64_t begin, int64_t end) {
+      (void)experts::PrepareThreadForKernel(kind);
+      const int64_t ld = (end - begin) * 16;
+      thread_local std::vector<float> y;
+      if (y.size() < static_cast<size_t>(act.m_pad() * ld)) y.resize(act.m_pad() * ld);
+      kernel(w, act, begin, end, y.data(), ld);
+      const int64_t c0 = begin * 16, c1 = std::min(n, end * 16);
+      for (int64_t t = 0; t < rows; ++t) {
+        for (int64_t c = c0; c < c1; ++c) out[t * n + c] = y[t * ld + (c - c0)] + (bias != nullptr ? bias[c] : 0.0f);
+      }
     });
   }
 
@@ -612,18 +597,33 @@ class CpuBackend : public Backend {
     return std::unique_ptr<DeviceWeight>(new CpuWeight(std::move(shape), dtype, nullptr, std::move(owned)));
   }
 
+  int threads() const { return host_threads_ != nullptr ? host_threads_->size() : arena_.max_concurrency(); }
+
+  // body(begin, end) over ranges of at least `grain` that cover [0, n), on the lent threads or the
+  // backend's own arena. Which thread runs which range is not fixed, so no result may depend on it.
+  void ParallelFor(int64_t n, int64_t grain, absl::FunctionRef<void(int64_t, int64_t)> body) {
+    if (host_threads_ != nullptr) {
+      host_threads_->ParallelFor(n, grain, body);
+      return;
+    }
+    arena_.execute([&] {
+      tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, std::max<int64_t>(grain, 1)),
+                        [&](const tbb::blocked_range<int64_t>& r) { body(r.begin(), r.end()); });
+    });
+  }
   template <typename F>
   void For(int64_t n, F&& f) {
-    arena_.execute([&] {
-      tbb::parallel_for(tbb::blocked_range<int64_t>(0, n), [&](const tbb::blocked_range<int64_t>& r) {
-        for (int64_t i = r.begin(); i < r.end(); ++i) f(i);
-      });
+    ParallelFor(n, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) f(i);
     });
   }
 
   tbb::task_arena arena_;
+  experts::HostThreads* host_threads_ = nullptr;  // lent by the expert pool, or null: arena_
   const experts::ExpertFormat weight_format_;
   const int weight_group_;
+  const internal::AttentionIsa attention_isa_ = internal::BestAttentionIsa();
+  internal::AttentionScratch attention_scratch_;
 };
 
 }  // namespace

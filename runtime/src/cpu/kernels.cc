@@ -49,6 +49,18 @@ MOE_CLONES void Bf16RowToF32(const uint16_t* src, int64_t n, float* dst) {
   }
 }
 
+MOE_CLONES float SumF32(const float* x, int64_t n) {
+  float acc[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    for (int j = 0; j < 16; ++j) acc[j] += x[i + j];
+  }
+  for (int j = 0; i < n; ++i, ++j) acc[j] += x[i];
+  float s = 0;
+  for (int j = 0; j < 16; ++j) s += acc[j];
+  return s;
+}
+
 MOE_CLONES void Axpy(float a, const float* x, int64_t n, float* y) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }

@@ -18,6 +18,8 @@
 // (the call's threads read the kernel choice; the measurements return zeros). The const accessors
 // but options() may be read from any thread; the weights are read-only once Create returns.
 // The pool's own threads share a call's work through atomics (see expert_schedules.h).
+// host_threads() lends the same threads to the caller's other parallel work, from the same
+// thread that drives the pool (HostThreads says how).
 #pragma once
 
 #include <cstdint>
@@ -30,6 +32,7 @@
 #include "absl/status/statusor.h"
 #include "moe/core/tensor.h"
 #include "moe/experts/arena.h"
+#include "moe/experts/host_threads.h"
 #include "moe/experts/kernels.h"
 #include "moe/experts/packed.h"
 
@@ -101,6 +104,10 @@ class ExpertPool {
   const ExpertPoolOptions& options() const { return options_; }
   int threads() const { return threads_; }
   const HostArena& arena() const { return *arena_; }
+  // The pool's pinned threads for the driving thread's other parallel loops (the CPU backend's
+  // operations), so that one set of threads does all the host's work; valid while the pool lives.
+  // A loop finishes a call in flight first. The pool's linger_us applies after Rest.
+  HostThreads& host_threads();
   // The packed experts as they lie in the arena (packed.h): expert e of layer l at
   // data + (l * num_experts + e) * expert_bytes, its fused gate+up matrix (16-row blocks that
   // alternate gate and up rows of 16 intermediate units) and then its down matrix; a layer's

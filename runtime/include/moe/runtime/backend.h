@@ -33,6 +33,7 @@
 #include "absl/status/statusor.h"
 #include "moe/core/dtype.h"
 #include "moe/core/tensor.h"
+#include "moe/experts/host_threads.h"
 #include "moe/experts/packed.h"
 #include "moe/runtime/model_spec.h"
 #include "moe/runtime/sampler.h"
@@ -286,6 +287,12 @@ class Backend {
   virtual bool ComputesOnHostCores() const { return false; }
   // True when Tensor::data is a host address the CPU may read (the CPU backend).
   virtual bool HostAddressable() const { return false; }
+  // Lends a backend that computes on the host's cores a set of threads for its operations (the
+  // expert pool's pinned crew: one set of threads for the whole step), in place of its own; null
+  // gives them back. Others ignore it. `threads` must stay valid until given back, and is driven
+  // from the thread that runs this backend's steps; Synchronize lets them rest.
+  virtual void UseHostThreads(experts::HostThreads* threads) {}
+  virtual experts::HostThreads* host_threads() const { return nullptr; }
   // The dtype of activations that feed a Linear and of the KV cache.
   virtual core::DType activation_dtype() const = 0;
 

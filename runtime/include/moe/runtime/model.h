@@ -109,8 +109,14 @@ struct ModelOptions {
   // (KTransformers' expert deferral). In [0, top_k); needs pool layers.
   int defer_experts = 0;
   // The pool's ExpertPoolOptions::linger_us. Unset: 0 on a backend that computes on the host's
-  // cores (between MoE layers they are its own), pool.linger_us otherwise.
+  // cores (the cores are the backend's between MoE layers, or with share_host_threads the threads
+  // stay awake through a step anyway and rest after it), pool.linger_us otherwise.
   std::optional<int64_t> expert_linger_us;
+  // On a backend that computes on the host's cores, with routed experts in the pool: the backend's
+  // operations run on the pool's pinned threads (Backend::UseHostThreads), which stay awake from
+  // one operation to the next within a step and rest after it (for expert_linger_us). Off: the
+  // backend keeps its own threads (--shared-threads).
+  bool share_host_threads = true;
   // The largest step: tokens in one Forward, and rows that want logits. They size the step
   // arena, reserved once at load.
   int max_step_tokens = 2048;
