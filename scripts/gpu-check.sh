@@ -4,7 +4,7 @@
 # libraries that machine lacks) and env.sh (their library path), as scripts/device-ctest.sh
 # expects. Logs go to $LOGS (or ./gpu-logs); each phase has a time limit, so that a hung phase
 # leaves the others their time.
-#   scripts/gpu-check.sh BUNDLE_DIR [tests|experts|cpubackend|cputhreads|cpushared|cpu|sanitize|bench|hybrid|gpuexperts|prefill|serve|profile|fp8kv|defer|heldexperts|all ...]
+#   scripts/gpu-check.sh BUNDLE_DIR [tests|experts|cpubackend|cputhreads|cpushared|cpu|sanitize|bench|hybrid|gpuexperts|prefill|serve|profile|fp8kv|defer|heldexperts|distributed|all ...]
 set -uo pipefail
 bundle=$(cd "$1" && pwd); shift
 phases=" ${*:-all} "
@@ -76,7 +76,8 @@ if want cpushared; then
   timeout 100 "$bundle/bin/experts_test" --gtest_filter='*LentThreads*:*Linger*' > "$out/experts-test-shared.log" 2>&1
   echo "experts_test (lent threads): exit $?"; grep -E "PASSED|FAILED" "$out/experts-test-shared.log" | head -5
   make_model
-  for round in 1 2; do
+  # SHARED_ROUNDS paired rounds (default 2); SHARED_MORE=0 leaves out the linger, bf16 and long-context runs.
+  for round in $(seq 1 "${SHARED_ROUNDS:-2}"); do
     for shared in on off; do
       timeout 150 "$bundle/bin/moeserve" bench model --model "$model" --device cpu --weight-format int8 \
         --expert-format int8 --batches 1,8 --prompts 512 --decode-steps 32 --shared-threads $shared \
@@ -85,6 +86,7 @@ if want cpushared; then
       grep -E "^(bandwidth|host read|decode|prefill)" "$out/bench-cpu-shared-$shared-$round.log"
     done
   done
+  if [[ ${SHARED_MORE:-1} == 1 ]]; then
   # The threads awake between steps too (after a step they sleep by default).
   timeout 150 "$bundle/bin/moeserve" bench model --model "$model" --device cpu --weight-format int8 \
     --expert-format int8 --batches 1,8 --prompts 512 --decode-steps 32 --expert-linger-us 2000 \
@@ -103,6 +105,7 @@ if want cpushared; then
     echo "bench model --decode-context 4096 --prompts 2048 --shared-threads $shared: exit $?"
     grep -E "^(decode|prefill)" "$out/bench-cpu-shared-long-$shared.log"
   done
+  fi
 fi
 if want cpu; then
   # The CPU kernels on this machine's cores (AMX among them), the expert pool against the read
@@ -219,13 +222,30 @@ if want heldexperts; then
   # Each CPU layer's 32 experts held on the GPU, chosen while serving (refreshed every 16 steps),
   # against none.
   make_model
+  # Two rows at batch 1: the second is timed after the first's steps, once the held experts settled.
   for n in 0 32; do
-    extra=(); [[ $n -gt 0 ]] && extra=(--gpu-experts-per-layer $n --gpu-experts-refresh-steps 16)
-    timeout 150 "$bundle/bin/moeserve" bench model --model "$model" --device cuda --cpu-moe --expert-format int8 \
-      --batches 1 --prompts 512 --decode-steps 256 "${extra[@]}" > "$out/bench-held-$n.log" 2>&1
+    extra=(); [[ $n -gt 0 ]] && extra=(--gpu-experts-per-layer $n --gpu-experts-refresh-steps 64)
+    timeout 200 "$bundle/bin/moeserve" bench model --model "$model" --device cuda --cpu-moe --expert-format int8 \
+      --batches 1,1 --prompts 512 --decode-steps 400 "${extra[@]}" > "$out/bench-held-$n.log" 2>&1
     echo "bench model --gpu-experts-per-layer $n (chosen while serving): exit $?"
-    grep -E "^(moeserve|decode)|held" "$out/bench-held-$n.log" | head -8
+    grep -E "^decode|held on the GPU" "$out/bench-held-$n.log" | head -8
   done
+fi
+if want distributed; then
+  # One-rank NCCL communicators, a GPU worker behind the control stream against the in-process GPU
+  # path, the control plane's cost a step on this machine, and Gloo's all-reduce on its cores.
+  timeout 120 "$bundle/bin/comm_gpu_test" > "$out/comm-gpu-test.log" 2>&1; echo "comm_gpu_test: exit $?"
+  grep -E "OK \]|SKIPPED|FAILED|PASSED" "$out/comm-gpu-test.log" | head -12
+  MOE_BINARY_DIR="$bundle/bin" timeout 150 "$bundle/bin/cuda_cluster_test" > "$out/cuda-cluster-test.log" 2>&1
+  echo "cuda_cluster_test: exit $?"
+  grep -E "OK \]|FAILED|PASSED|Failure" "$out/cuda-cluster-test.log" | head -6
+  for dev in cpu cuda; do
+    timeout 120 "$bundle/bin/moeserve" bench control --model "$MOE_TESTDATA_DIR/fixtures/qwen3_moe" --device $dev \
+      --steps 500 > "$out/bench-control-$dev.log" 2>&1; echo "bench control --device $dev: exit $?"
+    grep -E "^(decode|control)" "$out/bench-control-$dev.log"
+  done
+  timeout 60 "$bundle/bin/moeserve" bench comm > "$out/bench-comm.log" 2>&1; echo "bench comm: exit $?"
+  tail -4 "$out/bench-comm.log"
 fi
 if want sanitize; then
   # A prefill, a decode and a mixed step of each fixture (op by op), and graph replays of qwen3_moe,

@@ -291,13 +291,14 @@ void AddBenchComm(CLI::App& bench, CommandRun* selected) {
 
 void AddBenchCommand(CLI::App& root, CommandRun* selected) {
   CLI::App* bench =
-      root.add_subcommand("bench", "benchmarks: bench experts, bench load, bench serve, bench model, bench comm");
+      root.add_subcommand("bench", "benchmarks: bench experts, bench load, bench serve, bench model, bench comm, bench control");
   bench->require_subcommand(1);
   AddBenchExperts(*bench, selected);
   AddBenchLoad(*bench, selected);
   AddBenchServe(*bench, selected);
   AddBenchModel(*bench, selected);
   AddBenchComm(*bench, selected);
+  AddBenchControl(*bench, selected);
 }
 
 }  // namespace moe::deploy

@@ -18,6 +18,8 @@ void AddProfileExpertsCommand(CLI::App& root, CommandRun* selected);
 void AddWorkerCommand(CLI::App& root, CommandRun* selected);
 // `bench model`, declared under `bench` by AddBenchCommand.
 void AddBenchModel(CLI::App& bench, CommandRun* selected);
+// `bench control`, likewise.
+void AddBenchControl(CLI::App& bench, CommandRun* selected);
 
 // Parses argv and runs the command it names: help on stdout with exit 0, a usage error on stderr
 // with exit 2 ("moeserve generate: error: --max-new-tokens: ..."), else the command's own code.

@@ -19,7 +19,6 @@
 #include <thread>
 #include <vector>
 
-#include "absl/hash/hash.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -151,8 +150,14 @@ absl::Status FromGrpc(const grpc::Status& s, const std::string& what) {
 std::string ArenaName(const ClusterConfig& c, int rank) {
   std::string base = c.expert_shm;
   if (base.empty()) {
-    base = absl::StrFormat("moeserve-%016x", absl::HashOf(std::filesystem::weakly_canonical(c.model).string(),
-                                                          c.expert_format, c.expert_group));
+    // FNV-1a of the model's path and format: the same name from any process, so that a restarted
+    // launcher finds the arena its predecessor left.
+    uint64_t h = 1469598103934665603ull;
+    for (char ch :
+         absl::StrCat(std::filesystem::weakly_canonical(c.model).string(), "|", c.expert_format, "|", c.expert_group)) {
+      h = (h ^ static_cast<uint8_t>(ch)) * 1099511628211ull;
+    }
+    base = absl::StrFormat("moeserve-%016x", h);
   }
   return c.mode == runtime::ParallelMode::kLayer ? absl::StrCat(base, "-s", rank) : base;
 }
@@ -174,9 +179,20 @@ class Launcher {
   Launcher(const ClusterConfig& c, const LaunchOptions& o) : c_(c), o_(o) {}
 
   int Run();
+  // The rendezvous store (CPU workers of several ranks), then the workers of `generation`.
+  absl::Status StartStore();
+  absl::StatusOr<std::unique_ptr<WorkerGroup>> StartGroup(int generation);
+  worker::RemoteExecutor::Options ExecutorOptions(const WorkerGroup& g) const {
+    worker::RemoteExecutor::Options eo;
+    eo.workers = g.addresses;
+    eo.logits_rank = c_.mode == runtime::ParallelMode::kLayer ? c_.ranks - 1 : 0;
+    eo.kv = g.kv;
+    eo.info = g.info;
+    eo.description = g.description;
+    return eo;
+  }
 
  private:
-  absl::StatusOr<std::unique_ptr<WorkerGroup>> StartGroup(int generation);
   pb::InitRequest InitFor(int rank, int generation, const std::string& nccl_id, const std::vector<int>& cpus) const;
   absl::Status InitAll(WorkerGroup& g, const std::string& nccl_id, const std::vector<std::vector<int>>& cpus);
   absl::Status LoadAll(WorkerGroup& g);
@@ -323,6 +339,8 @@ absl::StatusOr<std::unique_ptr<WorkerGroup>> Launcher::StartGroup(int generation
         c_.nodes.size() > 1 ? absl::StrCat(node.host, ":", node.port > 0 ? node.port + i : 0) : "127.0.0.1:0";
     MOE_ASSIGN_OR_RETURN(auto w, WorkerProcess::Start(o_.program, listen, cpus[i], i));
     g->addresses.push_back(absl::StrCat(c_.nodes.size() > 1 ? node.host : "127.0.0.1", ":", w->port()));
+    Log(absl::StrCat("worker ", i, " started (pid ", w->pid(), ") on ", g->addresses.back(),
+                     cpus[i].empty() ? "" : absl::StrCat(", ", cpus[i].size(), " cores")));
     g->local.push_back(std::move(w));
   }
   for (int n = 1; n < static_cast<int>(c_.nodes.size()); ++n) {
@@ -340,6 +358,18 @@ absl::StatusOr<std::unique_ptr<WorkerGroup>> Launcher::StartGroup(int generation
   MOE_RETURN_IF_ERROR(InitAll(*g, nccl_id, cpus));
   MOE_RETURN_IF_ERROR(LoadAll(*g));
   return g;
+}
+
+absl::Status Launcher::StartStore() {
+  if (c_.gpu() || c_.ranks == 1) return absl::OkStatus();
+  comm::RendezvousServerOptions so;
+  if (!c_.rendezvous.empty()) {
+    const size_t colon = c_.rendezvous.rfind(':');
+    so.host = c_.rendezvous.substr(0, colon);
+    (void)absl::SimpleAtoi(c_.rendezvous.substr(colon + 1), &so.port);
+  }
+  MOE_ASSIGN_OR_RETURN(store_, comm::RendezvousServer::Start(so));
+  return absl::OkStatus();
 }
 
 bool Launcher::AnyExited(WorkerGroup& g, std::string* why) {
@@ -411,28 +441,13 @@ int Launcher::Run() {
   }
   auto frontend = scheduler::Frontend::Create(fo);
   if (!frontend.ok()) return FailCommand("serve", frontend.status());
-  if (!c_.gpu() && c_.ranks > 1) {
-    comm::RendezvousServerOptions so;
-    if (!c_.rendezvous.empty()) {
-      const size_t colon = c_.rendezvous.rfind(':');
-      so.host = c_.rendezvous.substr(0, colon);
-      (void)absl::SimpleAtoi(c_.rendezvous.substr(colon + 1), &so.port);
-    }
-    auto store = comm::RendezvousServer::Start(so);
-    if (!store.ok()) return FailCommand("serve", store.status());
-    store_ = std::move(*store);
-  }
+  if (absl::Status st = StartStore(); !st.ok()) return FailCommand("serve", st);
   Log(absl::StrCat("starting ", c_.ranks, " workers for ", c_.model, " (", runtime::ParallelModeName(c_.mode),
                    " split) from ", c_.path));
   auto group = StartGroup(1);
   if (!group.ok()) return FailCommand("serve", group.status());
 
-  worker::RemoteExecutor::Options eo;
-  eo.workers = (*group)->addresses;
-  eo.logits_rank = c_.mode == runtime::ParallelMode::kLayer ? c_.ranks - 1 : 0;
-  eo.kv = (*group)->kv;
-  eo.info = (*group)->info;
-  eo.description = (*group)->description;
+  const worker::RemoteExecutor::Options eo = ExecutorOptions(**group);
   auto executor = worker::RemoteExecutor::Connect(eo);
   if (!executor.ok()) return FailCommand("serve", executor.status());
   worker::RemoteExecutor* remote = executor->get();
@@ -464,7 +479,15 @@ int Launcher::Run() {
   Clock::time_point healthy_since = Clock::now();
   while (!g_stop.load()) {
     std::string why;
-    const bool lost = AnyExited(*current, &why) || !remote->healthy();
+    bool lost = AnyExited(*current, &why);
+    if (!lost && !remote->healthy()) {
+      // A control stream broke: name the worker whose process ended, if one did.
+      lost = true;
+      const auto until = Clock::now() + std::chrono::milliseconds(500);
+      while (why.empty() && Clock::now() < until && !AnyExited(*current, &why)) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+    }
     if (!lost) {
       if (in_a_row > 0 && Clock::now() - healthy_since > std::chrono::minutes(1)) {
         in_a_row = 0;
@@ -516,7 +539,32 @@ int Launcher::Run() {
   return 0;
 }
 
+class LocalWorkersImpl final : public LocalWorkers {
+ public:
+  LocalWorkersImpl(const ClusterConfig& c, const LaunchOptions& o)
+      : config_(c), options_(o), launcher_(config_, options_) {}
+  absl::Status Start() {
+    MOE_RETURN_IF_ERROR(launcher_.StartStore());
+    MOE_ASSIGN_OR_RETURN(group_, launcher_.StartGroup(1));
+    return absl::OkStatus();
+  }
+  worker::RemoteExecutor::Options executor_options() const override { return launcher_.ExecutorOptions(*group_); }
+
+ private:
+  const ClusterConfig config_;
+  const LaunchOptions options_;
+  Launcher launcher_;
+  std::unique_ptr<WorkerGroup> group_;
+};
+
 }  // namespace
+
+absl::StatusOr<std::unique_ptr<LocalWorkers>> StartLocalWorkers(const ClusterConfig& config,
+                                                                const LaunchOptions& options) {
+  auto workers = std::make_unique<LocalWorkersImpl>(config, options);
+  MOE_RETURN_IF_ERROR(workers->Start());
+  return std::unique_ptr<LocalWorkers>(std::move(workers));
+}
 
 int RunCluster(const ClusterConfig& config, const LaunchOptions& options) {
   Launcher launcher(config, options);

@@ -8,9 +8,12 @@
 // counted in /metrics.
 #pragma once
 
+#include <memory>
 #include <string>
 
+#include "absl/status/statusor.h"
 #include "cluster_config.h"
+#include "moe/worker/remote_executor.h"
 
 namespace moe::deploy {
 
@@ -19,6 +22,18 @@ struct LaunchOptions {
   std::string program;  // this binary, which the workers run as `PROGRAM worker`
   bool request_log = true;
 };
+
+// Node 0's workers of a deployment, started, joined and loaded (one generation, not supervised):
+// what the launcher starts, for a benchmark or a test of the control plane. Destroying it kills
+// the workers.
+class LocalWorkers {
+ public:
+  virtual ~LocalWorkers() = default;
+  // What a RemoteExecutor over them needs.
+  virtual worker::RemoteExecutor::Options executor_options() const = 0;
+};
+absl::StatusOr<std::unique_ptr<LocalWorkers>> StartLocalWorkers(const ClusterConfig& config,
+                                                                const LaunchOptions& options);
 
 // Runs until SIGINT or SIGTERM (then drains, as serve does) or until the restarts run out.
 // Returns the process exit code.

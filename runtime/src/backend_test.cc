@@ -367,12 +367,13 @@ TEST_P(BackendTest, SplitRoutingSendsEachPickToOneSide) {
   b_->CopyToHost(backend_ids, got_backend.data());
   ASSERT_TRUE(b_->Synchronize().ok());
   const std::vector<float> got_hw = Get(host_w), got_bw = Get(backend_w);
-  // By hand: row 0 has host picks 5, 9 and backend picks 3 (index 0), 7 (index 1).
-  EXPECT_EQ(std::vector<int32_t>(got_host.begin(), got_host.begin() + 4), (std::vector<int32_t>{5, 5, 5, 9}));
-  EXPECT_EQ(std::vector<int32_t>(got_backend.begin(), got_backend.begin() + 4), (std::vector<int32_t>{0, 0, 1, 0}));
+  // By hand: row 0 has host picks 5, 9 and backend picks 3 (index 0), 7 (index 1); each side skips
+  // the other's slots.
+  EXPECT_EQ(std::vector<int32_t>(got_host.begin(), got_host.begin() + 4), (std::vector<int32_t>{-1, 5, -1, 9}));
+  EXPECT_EQ(std::vector<int32_t>(got_backend.begin(), got_backend.begin() + 4), (std::vector<int32_t>{0, -1, 1, -1}));
   EXPECT_EQ(std::vector<float>(got_hw.begin(), got_hw.begin() + 4), (std::vector<float>{0, 0.2f, 0, 0.4f}));
-  // Row 2 is all on the backend: the host keeps its experts at weight 0.
-  EXPECT_EQ(std::vector<int32_t>(got_host.begin() + 8, got_host.begin() + 12), (std::vector<int32_t>{3, 7, 12, 3}));
+  // Row 2 is all on the backend: the host skips every slot, reading no expert for it.
+  EXPECT_EQ(std::vector<int32_t>(got_host.begin() + 8, got_host.begin() + 12), (std::vector<int32_t>{-1, -1, -1, -1}));
   EXPECT_EQ(std::vector<float>(got_hw.begin() + 8, got_hw.begin() + 12), (std::vector<float>{0, 0, 0, 0}));
   // Every row as the CPU's SplitPicks has it.
   for (int64_t r = 0; r < rows; ++r) {

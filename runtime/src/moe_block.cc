@@ -261,7 +261,7 @@ absl::Status RunMoe(Backend& b, const ModelSpec& spec, const LayerWeights& lw, R
   const bool owned = lw.owner_index != nullptr;  // a tensor split's share of the experts on the backend
   const Tensor split_out = buf.split_out.Rows(0, rows);
   if (owned) {
-    // The picks of this rank's experts, as indices among them; the others at weight 0.
+    // The picks of this rank's experts, as indices among them; the others skipped.
     const Tensor host_ids = buf.split_host_ids.Rows(0, rows), host_weights = buf.split_host_weights.Rows(0, rows);
     const Tensor own_ids = buf.split_backend_ids.Rows(0, rows);
     const Tensor own_weights = buf.split_backend_weights.Rows(0, rows);

@@ -89,17 +89,12 @@ void RouteTokens(const RoutingSpec& spec, const float* router_logits, int64_t nu
 
 void SplitPicks(const int32_t* ids, const float* weights, int k, const int32_t* backend_index, int32_t* host_ids,
                 float* host_weights, int32_t* backend_ids, float* backend_weights) {
-  int32_t host_fill = -1, backend_fill = -1;  // an expert of the row on each side
   for (int j = 0; j < k; ++j) {
-    const int32_t local = backend_index[ids[j]];
-    if (local >= 0 && backend_fill < 0) backend_fill = local;
-    if (local < 0 && host_fill < 0) host_fill = ids[j];
-  }
-  for (int j = 0; j < k; ++j) {
-    const int32_t local = backend_index[ids[j]];
-    host_ids[j] = local < 0 ? ids[j] : host_fill >= 0 ? host_fill : ids[j];
-    host_weights[j] = local < 0 ? weights[j] : 0.0f;
-    backend_ids[j] = local >= 0 ? local : backend_fill >= 0 ? backend_fill : 0;
+    const int32_t local = ids[j] >= 0 ? backend_index[ids[j]] : -1;
+    const bool host = ids[j] >= 0 && local < 0;
+    host_ids[j] = host ? ids[j] : experts::kSkippedSlot;
+    host_weights[j] = host ? weights[j] : 0.0f;
+    backend_ids[j] = local >= 0 ? local : experts::kSkippedSlot;
     backend_weights[j] = local >= 0 ? weights[j] : 0.0f;
   }
 }

@@ -439,6 +439,7 @@ class CpuBackend : public Backend {
     for (int64_t t = 0; t < tokens; ++t) {
       for (int64_t j = 0; j < k; ++j) {
         const int32_t e = ids.as<int32_t>()[t * k + j];
+        if (e < 0 || e >= num_experts) continue;  // a skipped slot (SplitPicks')
         rows[e].push_back(static_cast<int32_t>(t));
         scales[e].push_back(weights.as<float>()[t * k + j]);
       }

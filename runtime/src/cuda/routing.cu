@@ -290,18 +290,13 @@ __global__ void SplitRoutingKernel(const int32_t* __restrict__ ids, const float*
   const int r = blockIdx.x * blockDim.x + threadIdx.x;
   if (r >= rows) return;
   const int64_t base = static_cast<int64_t>(r) * top_k;
-  int32_t host_fill = -1, backend_fill = -1;
-  for (int j = 0; j < top_k; ++j) {
-    const int32_t local = backend_index[ids[base + j]];
-    if (local >= 0 && backend_fill < 0) backend_fill = local;
-    if (local < 0 && host_fill < 0) host_fill = ids[base + j];
-  }
   for (int j = 0; j < top_k; ++j) {
     const int32_t id = ids[base + j];
-    const int32_t local = backend_index[id];
-    host_ids[base + j] = local < 0 ? id : host_fill >= 0 ? host_fill : id;
-    host_weights[base + j] = local < 0 ? weights[base + j] : 0.0f;
-    backend_ids[base + j] = local >= 0 ? local : backend_fill >= 0 ? backend_fill : 0;
+    const int32_t local = id >= 0 ? backend_index[id] : -1;
+    const bool host = id >= 0 && local < 0;
+    host_ids[base + j] = host ? id : -1;  // -1: a skipped slot, as SplitPicks leaves it
+    host_weights[base + j] = host ? weights[base + j] : 0.0f;
+    backend_ids[base + j] = local >= 0 ? local : -1;
     backend_weights[base + j] = local >= 0 ? weights[base + j] : 0.0f;
   }
 }

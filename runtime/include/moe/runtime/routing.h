@@ -14,13 +14,13 @@ namespace moe::runtime {
 void RouteTokens(const RoutingSpec& spec, const float* router_logits, int64_t num_tokens, const float* correction_bias,
                  int32_t* topk_ids, float* topk_weights);
 
-// Hybrid execution with some of a CPU layer's experts held by the backend too: one row's k picks
-// (ids, weights) split by backend_index[expert], the expert's index among the backend's, or -1.
-// host_ids/host_weights keep the picks of the experts that are not on the backend;
-// backend_ids/backend_weights take the others, as backend indices. A pick that goes to the other
-// side leaves its slot weight 0 and an expert the row reads there anyway (the first of its picks
-// on that side; when it has none, the original expert on the host side and index 0 on the
-// backend's), so that neither side reads an expert for it.
+// Hybrid execution with some of a CPU layer's experts held by the backend too (or a tensor split's
+// experts of this rank): one row's k picks (ids, weights) split by backend_index[expert], the
+// expert's index among the backend's, or -1. host_ids/host_weights keep the picks of the experts
+// that are not on the backend; backend_ids/backend_weights take the others, as backend indices. A
+// pick that goes to the other side leaves its slot skipped (experts::kSkippedSlot, weight 0): the
+// expert pool and the GPU's MoE kernels pass over such slots, so neither side reads an expert for
+// it (a row with all its picks on one side costs the other nothing).
 void SplitPicks(const int32_t* ids, const float* weights, int k, const int32_t* backend_index, int32_t* host_ids,
                 float* host_weights, int32_t* backend_ids, float* backend_weights);
 

@@ -1,0 +1,218 @@
+// Deployments from cluster files, as a user runs them: `moeserve serve --config FILE` starts its
+// CPU worker processes (Gloo over loopback) and serves the client API; a killed worker fails the
+// streams in flight with UNAVAILABLE at once and the group heals; bad files exit with a message
+// that names the line and the key.
+#include <grpcpp/grpcpp.h>
+#include <signal.h>
+
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <sstream>
+#include <thread>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "moe/experts/arena.h"
+#include "moeserve/v1/generation.grpc.pb.h"
+#include "test_util.h"
+
+namespace moe {
+namespace {
+
+namespace pb = ::moeserve::v1;
+using ::testing::HasSubstr;
+using Clock = std::chrono::steady_clock;
+
+// A cluster file in `dir` for the qwen3_moe fixture: `parallel` and more lines as given.
+std::string WriteConfig(const testing::ScratchDir& dir, const std::string& name, const std::string& body) {
+  const std::string path = dir / name;
+  std::ofstream(path) << body;
+  return path;
+}
+
+std::string Deployment(const std::string& parallel, const std::string& shm) {
+  return "model: " + testing::FixtureDir("qwen3_moe") +
+         "\n"
+         "nodes:\n"
+         "  - {host: 127.0.0.1, workers: 2}\n"
+         "parallel: " +
+         parallel +
+         "\n"
+         "experts:\n"
+         "  cpu_pool: {dtype: bf16, shm: " +
+         shm +
+         "}\n"
+         "scheduler: {max_seqs: 8, kv_cache_mb: 64, drain_seconds: 2}\n"
+         "server: {listen: 127.0.0.1:0, http: 'off'}\n"
+         "supervisor: {restart_backoff_ms: 100}\n";
+}
+
+struct Stream {
+  std::vector<int32_t> tokens;
+  grpc::Status status;
+};
+
+Stream Generate(pb::Generation::Stub& stub, const std::vector<int32_t>& prompt, int n,
+                std::chrono::seconds deadline = std::chrono::seconds(60),
+                const std::function<void(int)>& on_token = nullptr) {
+  pb::GenerateRequest r;
+  r.mutable_token_ids()->Add(prompt.begin(), prompt.end());
+  r.mutable_stopping()->set_max_new_tokens(n);
+  r.mutable_stopping()->set_ignore_eos(true);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + deadline);
+  auto reader = stub.Generate(&ctx, r);
+  Stream s;
+  pb::GenerateResponse msg;
+  while (reader->Read(&msg)) {
+    s.tokens.insert(s.tokens.end(), msg.token_ids().begin(), msg.token_ids().end());
+    if (on_token) on_token(static_cast<int>(s.tokens.size()));
+  }
+  s.status = reader->Finish();
+  return s;
+}
+
+std::unique_ptr<pb::Generation::Stub> Connect(int port) {
+  return pb::Generation::NewStub(
+      grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+}
+
+// A tensor split of 2 and a layer split of 2 serve the goldens' greedy continuations, as one
+// process does, and stop cleanly on SIGTERM.
+TEST(ClusterTest, TensorAndLayerSplitsServeTheGoldensGreedyTokens) {
+  const nlohmann::json golden = testing::LoadGolden("qwen3_moe");
+  for (const std::string parallel : {"{mode: tensor, size: 2}", "{mode: layer, stages: 2}"}) {
+    testing::ScratchDir dir;
+    const std::string shm = "moeserve-test-" + std::to_string(::getpid()) + "-" + std::to_string(parallel.size());
+    testing::ServeProcess serve({"--config", WriteConfig(dir, "cluster.yaml", Deployment(parallel, shm))});
+    ASSERT_GT(serve.port(), 0) << parallel << ": " << serve.err();
+    auto stub = Connect(serve.port());
+    for (size_t c = 0; c < golden["cases"].size(); ++c) {
+      const std::vector<int32_t> want = golden["cases"][c]["greedy_ids"];
+      const Stream s =
+          Generate(*stub, golden["cases"][c]["prompt_ids"].get<std::vector<int32_t>>(), static_cast<int>(want.size()));
+      ASSERT_TRUE(s.status.ok()) << parallel << ": " << s.status.error_message() << "\n" << serve.err();
+      EXPECT_EQ(s.tokens, want) << parallel << " case " << c;
+    }
+    EXPECT_EQ(serve.Stop(SIGTERM), 0) << serve.err();
+    // A named arena outlives its deployment (a restarted launcher attaches to it): this test's goes.
+    for (const std::string name : {shm, shm + "-s0", shm + "-s1"}) (void)experts::HostArena::Unlink(name);
+    EXPECT_THAT(serve.err(), HasSubstr("2 workers (" +
+                                       std::string(parallel.find("tensor") != std::string::npos ? "tensor" : "layer") +
+                                       " split, Gloo)"));
+  }
+}
+
+// Killing a worker while four streams run: each gets UNAVAILABLE within 5 s; the group restarts
+// with the shared expert arena attached (not reloaded), and the next request gets its tokens.
+TEST(ClusterTest, AKilledWorkerFailsTheStreamsAtOnceAndTheGroupHeals) {
+  testing::ScratchDir dir;
+  const std::string shm = "moeserve-test-heal-" + std::to_string(::getpid());
+  testing::ServeProcess serve(
+      {"--config", WriteConfig(dir, "cluster.yaml", Deployment("{mode: tensor, size: 2}", shm))});
+  ASSERT_GT(serve.port(), 0) << serve.err();
+  const std::smatch::string_type log = serve.err();
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(log, m, std::regex("worker 1 started \\(pid ([0-9]+)\\)"))) << log;
+  const pid_t victim = std::stoi(m[1]);
+
+  const nlohmann::json golden = testing::LoadGolden("qwen3_moe");
+  const std::vector<int32_t> prompt = golden["cases"][0]["prompt_ids"];
+  std::atomic<int> started{0};
+  std::vector<Stream> streams(4);
+  std::vector<Clock::time_point> ended(4);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 4; ++i) {
+    threads.emplace_back([&, i] {
+      auto stub = Connect(serve.port());
+      bool counted = false;
+      streams[i] = Generate(*stub, prompt, 1000, std::chrono::seconds(120), [&](int n) {
+        if (!counted && n > 0) {
+          counted = true;
+          started.fetch_add(1);
+        }
+      });
+      ended[i] = Clock::now();
+    });
+  }
+  const auto wait_until = Clock::now() + std::chrono::seconds(60);
+  while (started.load() < 4 && Clock::now() < wait_until) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  const bool all_started = started.load() == 4;
+  const Clock::time_point killed = Clock::now();
+  EXPECT_EQ(::kill(victim, SIGKILL), 0);
+  for (std::thread& t : threads) t.join();
+  ASSERT_TRUE(all_started) << "the streams did not start: " << streams[0].status.error_message() << "\n" << serve.err();
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(streams[i].status.error_code(), grpc::StatusCode::UNAVAILABLE) << streams[i].status.error_message();
+    const double seconds = std::chrono::duration<double>(ended[i] - killed).count();
+    EXPECT_LT(seconds, 5.0) << "stream " << i << " ended " << seconds << " s after the kill";
+  }
+  // The next request waits for the restart, then is served.
+  auto stub = Connect(serve.port());
+  const std::vector<int32_t> want = golden["cases"][0]["greedy_ids"];
+  const Stream after = Generate(*stub, prompt, static_cast<int>(want.size()), std::chrono::seconds(120));
+  ASSERT_TRUE(after.status.ok()) << after.status.error_message() << "\n" << serve.err();
+  EXPECT_EQ(after.tokens, want);
+  const std::string err = serve.err();
+  EXPECT_THAT(err, HasSubstr("worker 1 killed by signal 9"));
+  EXPECT_THAT(err, HasSubstr("group restarted (generation 2); 2 of 2 workers attached the shared expert arena"));
+  EXPECT_EQ(serve.Stop(SIGTERM), 0) << err;
+  (void)experts::HostArena::Unlink(shm);
+}
+
+// Bad cluster files: each exits 2 before any worker starts, naming the file's line and the key.
+TEST(ClusterTest, BadClusterFilesExitWithWhatAndWhere) {
+  testing::ScratchDir dir;
+  const std::string model = testing::FixtureDir("qwen3_moe");
+  const struct {
+    std::string body, message;
+  } cases[] = {
+      {"model: " + model + "\nparalel: {mode: tensor, size: 2}\n",
+       "cluster.yaml:2:1: paralel: unknown key; the file takes comm, experts, model, nodes, parallel"},
+      {"model: " + model + "\nscheduler: {max_seqs: many}\n",
+       "cluster.yaml:2:23: scheduler.max_seqs: expected an integer, found 'many'"},
+      {"model: " + model + "\nnodes: [{host: 127.0.0.1, workers: 3}]\nparallel: {mode: tensor, size: 3}\n",
+       "parallel.size: a tensor split of 3 needs num_attention_heads (4) divisible by it"},
+      {"model: " + model + "\nnodes: [{host: 127.0.0.1, gpus: [0]}]\nparallel: {mode: tensor, size: 2}\n",
+       "the split has 2 ranks and the nodes list 1 GPUs"},
+      {"model: /nonexistent/model\n", "cluster.yaml:1:8: model: '/nonexistent/model'"},
+      {"model: " + model + "\nparallel: {mode: pipeline}\n", "parallel.mode: 'pipeline' is not none, tensor or layer"},
+      {"model: " + model + "\nspeculative: {draft: x}\n", "speculative: speculative decoding is not built yet"},
+  };
+  for (const auto& c : cases) {
+    const std::string path = WriteConfig(dir, "cluster.yaml", c.body);
+    const testing::CommandResult r = testing::RunMoeserve({"serve", "--config", path});
+    EXPECT_EQ(r.exit_code, 2) << c.body << r.err;
+    EXPECT_THAT(r.err, HasSubstr(c.message)) << c.body;
+  }
+  const testing::CommandResult missing = testing::RunMoeserve({"serve", "--config", dir / "none.yaml"});
+  EXPECT_EQ(missing.exit_code, 2);
+  EXPECT_THAT(missing.err, HasSubstr("none.yaml: no such file"));
+}
+
+// Every example cluster file in deploy/examples/ reads and checks (with its model replaced by a
+// fixture): `--node 99` then stops it before anything starts, naming how many nodes it lists.
+TEST(ClusterTest, TheExampleFilesAreValid) {
+  testing::ScratchDir dir;
+  int checked = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(std::string(MOE_SOURCE_DIR) + "/deploy/examples")) {
+    if (entry.path().extension() != ".yaml" || entry.path().filename() == "kubernetes.yaml") continue;
+    std::ifstream in(entry.path());
+    std::stringstream body;
+    body << in.rdbuf();
+    const std::string text = std::regex_replace(body.str(), std::regex("(^|\n)model: [^\n]*"),
+                                                "$1model: " + testing::FixtureDir("qwen3_moe"));
+    const std::string path = WriteConfig(dir, entry.path().filename().string(), text);
+    const testing::CommandResult r = testing::RunMoeserve({"serve", "--config", path, "--node", "99"});
+    EXPECT_EQ(r.exit_code, 2) << entry.path();
+    EXPECT_THAT(r.err, HasSubstr("--node 99: " + path + " lists")) << entry.path() << ": " << r.err;
+    ++checked;
+  }
+  EXPECT_GE(checked, 6);
+}
+
+}  // namespace
+}  // namespace moe
