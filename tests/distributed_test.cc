@@ -154,7 +154,19 @@ TEST_P(SplitTest, SameLogitsAndGreedyTokensAsOneProcess) {
       ++compared;
     }
   }
-  std::cout << "[ split ] " << c.name << ": " << compared << " rows, largest logit difference " << worst << "\n";
+  // And against transformers: the prompts' golden rows.
+  const nlohmann::json golden = testing::LoadGolden(c.arch);
+  float worst_golden = 0;
+  for (size_t k = 0; k < split.size(); ++k) {
+    const auto& gc = golden["cases"][k];
+    const size_t from = gc["logits_from_position"];
+    for (size_t r = 0; r < gc["logits"].size(); ++r) {
+      worst_golden = std::max(worst_golden, testing::MaxAbsDiff(split[k][from + r], gc["logits"][r]));
+    }
+  }
+  EXPECT_LT(worst_golden, 1e-3f) << c.name;
+  std::cout << "[ split ] " << c.name << ": " << compared << " rows, largest logit difference " << worst
+            << " from one process, " << worst_golden << " from transformers\n";
   EXPECT_LT(worst, 1e-4f) << c.name;
   EXPECT_GT(compared, 0);
 }

@@ -23,10 +23,12 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "flags.h"
 #include "moe/comm/rendezvous.h"
+#include "moe/comm/topology.h"
 #include "moe/core/status.h"
 #include "moe/experts/arena.h"
 #include "moe/scheduler/frontend.h"
@@ -200,6 +202,9 @@ class Launcher {
   // Whether a worker of the group has exited (and why).
   bool AnyExited(WorkerGroup& g, std::string* why);
   int RunOtherNode();
+  // What links this node's GPUs (peer access, NVLink or PCIe), and a warning for each pair that NCCL
+  // will have to reach through host memory.
+  void CheckTopology(int node) const;
 
   const ClusterConfig& c_;
   const LaunchOptions& o_;
@@ -396,10 +401,25 @@ void Launcher::StopGroup(WorkerGroup* g) {
   g->local.clear();  // kills this node's
 }
 
+void Launcher::CheckTopology(int node) const {
+  const std::vector<int>& gpus = c_.nodes[node].gpus;
+  if (gpus.size() < 2) return;
+  auto topology = comm::ProbeTopology(gpus);
+  if (!topology.ok()) {
+    Log(absl::StrCat("warning: the GPUs' topology could not be read: ", topology.status().message()));
+    return;
+  }
+  for (absl::string_view line : absl::StrSplit(topology->ToString(), '\n', absl::SkipEmpty())) {
+    Log(absl::StrCat("topology: ", line));
+  }
+  for (const std::string& warning : topology->Warnings()) Log(absl::StrCat("warning: ", warning));
+}
+
 int Launcher::RunOtherNode() {
   // Node N > 0: this node's workers on their fixed ports, restarted whenever one exits; node 0
   // drives them.
   const int n = o_.node, here = c_.WorkersOn(n);
+  CheckTopology(n);
   const std::vector<std::vector<int>> cores = c_.gpu() ? std::vector<std::vector<int>>(here) : SplitCores(here);
   std::vector<std::unique_ptr<WorkerProcess>> workers(here);
   int backoff_ms = c_.restart_backoff_ms;
@@ -427,6 +447,7 @@ int Launcher::Run() {
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
   if (o_.node != 0) return RunOtherNode();
+  CheckTopology(0);
 
   scheduler::FrontendOptions fo;
   fo.listen = c_.listen;
