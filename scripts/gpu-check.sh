@@ -4,7 +4,7 @@
 # libraries that machine lacks) and env.sh (their library path), as scripts/device-ctest.sh
 # expects. Logs go to $LOGS (or ./gpu-logs); each phase has a time limit, so that a hung phase
 # leaves the others their time.
-#   scripts/gpu-check.sh BUNDLE_DIR [tests|experts|cpubackend|cputhreads|cpushared|cpu|sanitize|bench|hybrid|gpuexperts|prefill|serve|profile|fp8kv|defer|heldexperts|distributed|all ...]
+#   scripts/gpu-check.sh BUNDLE_DIR [tests|experts|cpubackend|cputhreads|cpushared|cputests|cpu|sanitize|bench|hybrid|gpuexperts|prefill|serve|profile|fp8kv|defer|heldexperts|distributed|all ...]
 set -uo pipefail
 bundle=$(cd "$1" && pwd); shift
 phases=" ${*:-all} "
@@ -229,6 +229,13 @@ if want heldexperts; then
       --batches 1,1 --prompts 512 --decode-steps 400 "${extra[@]}" > "$out/bench-held-$n.log" 2>&1
     echo "bench model --gpu-experts-per-layer $n (chosen while serving): exit $?"
     grep -E "^decode|held on the GPU" "$out/bench-held-$n.log" | head -8
+  done
+fi
+if want cputests; then
+  # Every CPU test binary the bundle holds, on this machine's cores (AMX among them).
+  for t in experts_test runtime_test goldens_test; do
+    timeout 200 "$bundle/bin/$t" --gtest_brief=1 > "$out/$t-all.log" 2>&1; echo "$t: exit $?"
+    grep -E "PASSED|FAILED|tests ran" "$out/$t-all.log" | head -5
   done
 fi
 if want distributed; then
