@@ -181,6 +181,8 @@ TEST(ClusterTest, BadClusterFilesExitWithWhatAndWhere) {
       {"model: /nonexistent/model\n", "cluster.yaml:1:8: model: '/nonexistent/model'"},
       {"model: " + model + "\nparallel: {mode: pipeline}\n", "parallel.mode: 'pipeline' is not none, tensor or layer"},
       {"model: " + model + "\nspeculative: {draft: x}\n", "speculative: speculative decoding is not built yet"},
+      {"model: " + model + "\nexperts: {gpu_cache: {per_layer: 4}}\n",
+       "experts.gpu_cache: holds some of the CPU layers' experts on a GPU: it needs GPU nodes"},
   };
   for (const auto& c : cases) {
     const std::string path = WriteConfig(dir, "cluster.yaml", c.body);

@@ -147,7 +147,14 @@ absl::Status ReadParallel(const Reader& r, const YAML::Node& p, ClusterConfig* c
 
 absl::Status ReadExperts(const Reader& r, const YAML::Node& e, ClusterConfig* c) {
   if (!e.IsDefined() || e.IsNull()) return absl::OkStatus();
-  MOE_RETURN_IF_ERROR(r.Keys(e, "experts", {"cpu_pool", "cpu_moe", "n_cpu_moe", "rules", "defer"}));
+  MOE_RETURN_IF_ERROR(r.Keys(e, "experts", {"cpu_pool", "cpu_moe", "n_cpu_moe", "rules", "defer", "gpu_cache"}));
+  if (const YAML::Node cache = e["gpu_cache"]; cache.IsDefined() && !cache.IsNull()) {
+    const std::string w = "experts.gpu_cache";
+    MOE_RETURN_IF_ERROR(r.Keys(cache, w, {"per_layer", "refresh_steps", "profile"}));
+    MOE_RETURN_IF_ERROR(r.GetIn(cache, w, "per_layer", &c->gpu_experts_per_layer, 0, 4096));
+    MOE_RETURN_IF_ERROR(r.GetIn(cache, w, "refresh_steps", &c->gpu_experts_refresh_steps, 1, 1 << 30));
+    MOE_RETURN_IF_ERROR(r.Get(cache, w, "profile", &c->expert_profile));
+  }
   if (const YAML::Node pool = e["cpu_pool"]; pool.IsDefined() && !pool.IsNull()) {
     MOE_RETURN_IF_ERROR(r.Keys(pool, "experts.cpu_pool", {"dtype", "group", "threads", "shm"}));
     MOE_RETURN_IF_ERROR(r.Get(pool, "experts.cpu_pool", "dtype", &c->expert_format));
@@ -273,6 +280,15 @@ absl::Status CheckPlan(const Reader& r, const YAML::Node& root, ClusterConfig* c
   if (c->nodes.size() > 1 && c->rendezvous.empty() && !gpu) {
     return r.Error(root["nodes"], "comm.rendezvous",
                    "several nodes of CPU workers need comm.rendezvous: HOST:PORT on node 0 that every node reaches");
+  }
+  if (c->gpu_experts_per_layer > 0 && (!gpu || (!c->cpu_moe && c->n_cpu_moe == 0 && c->override_tensor.empty()))) {
+    return r.Error(root["experts"]["gpu_cache"], "experts.gpu_cache",
+                   "holds some of the CPU layers' experts on a GPU: it needs GPU nodes and routed experts on the CPU "
+                   "(cpu_moe, n_cpu_moe or rules)");
+  }
+  if (c->gpu_experts_per_layer > 0 && c->mode == runtime::ParallelMode::kTensor && c->ranks > 1) {
+    return r.Error(root["experts"]["gpu_cache"], "experts.gpu_cache",
+                   "a tensor split owns its share of the routed experts; held experts are not built for it yet");
   }
   if (c->defer_experts >= spec.routing.top_k && c->defer_experts > 0) {
     return r.Error(root["experts"]["defer"], "experts.defer",

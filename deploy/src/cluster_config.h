@@ -13,6 +13,7 @@
 //     cpu_moe: true                          # or n_cpu_moe: N, or rules
 //     rules: [{match: 'layers\.[0-3]\.', place: cpu}]
 //     defer: 0
+//     gpu_cache: {per_layer: 32, refresh_steps: 256, profile: FILE}   # beside GPUs
 //   scheduler: {max_batch_tokens: 2048, max_seqs: 64, max_queue: 256, ctx: 32768, kv_cache_mb: 1024}
 //   server: {listen: 127.0.0.1:50051, http: 127.0.0.1:8080}
 #pragma once
@@ -50,6 +51,11 @@ struct ClusterConfig {
   int n_cpu_moe = 0;
   std::vector<std::string> override_tensor;  // rules, as --override-tensor REGEX=DEVICE
   int defer_experts = 0;
+  // gpu_cache: of each CPU layer, experts held on the GPU too (ranked by a profile, or by the picks
+  // counted while serving)
+  int gpu_experts_per_layer = 0;
+  int gpu_experts_refresh_steps = 256;
+  std::string expert_profile;
   // scheduler
   int max_batch_tokens = 2048;
   int max_seqs = 64;

@@ -255,6 +255,9 @@ pb::InitRequest Launcher::InitFor(int rank, int generation, const std::string& n
   pl->set_kv_cache_bytes(c_.kv_cache_mb << 20);
   pl->set_kv_block_size(16);
   pl->set_defer_experts(c_.defer_experts);
+  pl->set_gpu_experts_per_layer(c_.gpu_experts_per_layer);
+  pl->set_gpu_experts_refresh_steps(c_.gpu_experts_refresh_steps);
+  pl->set_expert_profile(c_.expert_profile);
   return r;
 }
 

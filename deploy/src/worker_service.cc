@@ -148,6 +148,9 @@ grpc::Status WorkerService::Load(grpc::ServerContext*, const pb::LoadRequest*,
   experts.override_tensor.assign(pl.override_tensor().begin(), pl.override_tensor().end());
   if (!pl.weight_format().empty()) experts.weight_format = pl.weight_format();
   experts.defer_experts = pl.defer_experts();
+  experts.gpu_experts_per_layer = pl.gpu_experts_per_layer();
+  if (pl.gpu_experts_refresh_steps() > 0) experts.gpu_experts_refresh_steps = pl.gpu_experts_refresh_steps();
+  experts.expert_profile = pl.expert_profile();
   if (absl::Status s = CheckModelFlags(device, experts, "worker"); !s.ok()) {
     SetState(pb::WorkerHealthResponse::STARTING, std::string(s.message()));
     return ToGrpc(s);
