@@ -365,31 +365,47 @@ struct KvTiles {
   }
 
   __device__ __forceinline__ const __nv_bfloat16* Ready(int stage) const {
-    if constexpr (!kFp8) {
-      return Bf16Stage(stage);
-    } else {
-      const unsigned char* fp8 = Fp8Stage(stage);
-      const float* scales = reinterpret_cast<const float*>(fp8 + 2 * kKeys * kFp8Stride<kD>);
-      __nv_bfloat16* out = Bf16Stage(0);
-      constexpr int kChunks = kD / 8;  // 8 values a chunk
-      for (int c = threadIdx.x; c < 2 * kKeys * kChunks; c += kThreads) {
-        const int row = c / kChunks;  // K rows, then V rows
-        const int col = (c % kChunks) * 8;
-        const float scale = scales[row];
-        const uint2 raw = *reinterpret_cast<const uint2*>(fp8 + row * kFp8Stride<kD> + col);
-        const __nv_fp8x2_storage_t pairs[4] = {
-            static_cast<__nv_fp8x2_storage_t>(raw.x & 0xffffu), static_cast<__nv_fp8x2_storage_t>(raw.x >> 16),
-            static_cast<__nv_fp8x2_storage_t>(raw.y & 0xffffu), static_cast<__nv_fp8x2_storage_t>(raw.y >> 16)};
-        uint32_t packed[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pairs[j], __NV_E4M3)));
-          packed[j] = PackBf16(f.x * scale, f.y * scale);
-        }
-        *reinterpret_cast<uint4*>(out + row * kStride + col) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-      }
+    if constexpr (kFp8) {
+      Convert(stage, 0, kKeys, threadIdx.x, kThreads);
       __syncthreads();
-      return out;
+    }
+    return kFp8 ? Bf16Stage(0) : Bf16Stage(stage);
+  }
+
+  // As Ready, for a warp that reads only keys [first, first + count) of the tile (the decode
+  // kernel's): the warp converts those alone, so no barrier of the whole CTA is needed.
+  __device__ __forceinline__ const __nv_bfloat16* ReadyForWarp(int stage, int first, int count) const {
+    if constexpr (kFp8) {
+      Convert(stage, first, count, threadIdx.x & 31, 32);
+      __syncwarp();
+    }
+    return kFp8 ? Bf16Stage(0) : Bf16Stage(stage);
+  }
+
+ private:
+  // Keys [first, first + count) of an fp8 stage, K and V, into the bf16 stage (times each key's
+  // scale), by `threads` threads of which this is `thread`.
+  __device__ __forceinline__ void Convert(int stage, int first, int count, int thread, int threads) const {
+    const unsigned char* fp8 = Fp8Stage(stage);
+    const float* scales = reinterpret_cast<const float*>(fp8 + 2 * kKeys * kFp8Stride<kD>);
+    __nv_bfloat16* out = Bf16Stage(0);
+    constexpr int kChunks = kD / 8;  // 8 values a chunk
+    for (int c = thread; c < 2 * count * kChunks; c += threads) {
+      const int i = c / kChunks;                                    // K rows, then V rows
+      const int row = (i < count ? 0 : kKeys - count) + first + i;  // in the stage's K then V rows
+      const int col = (c % kChunks) * 8;
+      const float scale = scales[row];
+      const uint2 raw = *reinterpret_cast<const uint2*>(fp8 + row * kFp8Stride<kD> + col);
+      const __nv_fp8x2_storage_t pairs[4] = {
+          static_cast<__nv_fp8x2_storage_t>(raw.x & 0xffffu), static_cast<__nv_fp8x2_storage_t>(raw.x >> 16),
+          static_cast<__nv_fp8x2_storage_t>(raw.y & 0xffffu), static_cast<__nv_fp8x2_storage_t>(raw.y >> 16)};
+      uint32_t packed[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pairs[j], __NV_E4M3)));
+        packed[j] = PackBf16(f.x * scale, f.y * scale);
+      }
+      *reinterpret_cast<uint4*>(out + row * kStride + col) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
     }
   }
 };
@@ -552,7 +568,7 @@ __global__ void __launch_bounds__(kThreads) DecodeAttentionKernel(const Attentio
       CpAsyncWait<0>();
     }
     __syncthreads();
-    const __nv_bfloat16* tile = tiles.Ready(t & 1) + warp * kWarpKeys * kStride;
+    const __nv_bfloat16* tile = tiles.ReadyForWarp(t & 1, warp * kWarpKeys, kWarpKeys) + warp * kWarpKeys * kStride;
     const int key0 = first + t * kKeys + warp * kWarpKeys;
     if (key0 < end) {
       AttendTile<kD, kWarpKeys>(q, tile, tile + kKeys * kStride, key0, end - 1, end - 1, key0 + kWarpKeys > end,
