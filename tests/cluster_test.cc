@@ -99,7 +99,7 @@ TEST(ClusterTest, TensorAndLayerSplitsServeTheGoldensGreedyTokens) {
     }
     EXPECT_EQ(serve.Stop(SIGTERM), 0) << serve.err();
     // A named arena outlives its deployment (a restarted launcher attaches to it): this test's goes.
-    for (const std::string name : {shm, shm + "-s0", shm + "-s1"}) (void)experts::HostArena::Unlink(name);
+    for (const std::string& name : {shm, shm + "-s0", shm + "-s1"}) (void)experts::HostArena::Unlink(name);
     EXPECT_THAT(serve.err(), HasSubstr("2 workers (" +
                                        std::string(parallel.find("tensor") != std::string::npos ? "tensor" : "layer") +
                                        " split, Gloo)"));

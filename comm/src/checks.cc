@@ -28,6 +28,13 @@ absl::Status CheckBuffer(std::string_view where, const void* data, int64_t count
   return absl::OkStatus();
 }
 
+absl::Status CheckSummable(std::string_view where, core::DType dtype) {
+  if (dtype == core::DType::kF8E4M3) {
+    return Invalid(where, absl::StrCat("cannot sum ", core::DTypeName(dtype), " (sum f32, bf16, f16 or integers)"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckRank(std::string_view where, std::string_view role, int rank, int size) {
   if (rank < 0 || rank >= size) {
     return Invalid(where, absl::StrCat(std::string(role), " ", rank, " is not a rank of this group of ", size,

@@ -7,12 +7,17 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "moe/core/dtype.h"
 
 namespace moe::comm::internal {
 
 // `count` elements of `element_bytes` at `data`: not negative, not null unless empty, and a byte
 // count that fits in 63 bits.
 absl::Status CheckBuffer(std::string_view where, const void* data, int64_t count, int64_t element_bytes);
+
+// AllReduceSum adds floats of 32 and 16 bits and integers; fp8 sums would round away too much and
+// are refused.
+absl::Status CheckSummable(std::string_view where, core::DType dtype);
 
 // `rank` names a rank of a group of `size` (the peer of a Send, the root of a Broadcast: `role`).
 absl::Status CheckRank(std::string_view where, std::string_view role, int rank, int size);

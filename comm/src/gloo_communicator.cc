@@ -129,6 +129,8 @@ void SetSumOf(core::DType dtype, gloo::AllreduceOptions& opts, void* data, int64
       return SetSum<int32_t>(opts, data, count, &SumInts<int32_t>);
     case core::DType::kI64:
       return SetSum<int64_t>(opts, data, count, &SumInts<int64_t>);
+    case core::DType::kF8E4M3:
+      break;  // refused by CheckSummable
   }
 }
 
@@ -337,6 +339,7 @@ absl::Status GlooCommunicator::Run(const char* op, int peer, Body&& body) {
 }
 
 absl::Status GlooCommunicator::AllReduceSum(void* data, int64_t count, core::DType dtype) {
+  MOE_RETURN_IF_ERROR(internal::CheckSummable(Where("all-reduce", -1), dtype));
   MOE_RETURN_IF_ERROR(internal::CheckBuffer(Where("all-reduce", -1), data, count, core::DTypeSize(dtype)));
   return Run("all-reduce", -1, [&] {
     if (count == 0) return;

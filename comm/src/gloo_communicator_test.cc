@@ -330,6 +330,9 @@ TEST(GlooCommunicatorTest, BadArgumentsAreRefusedAndLeaveItUsable) {
     EXPECT_EQ(negative.code(), absl::StatusCode::kInvalidArgument);
     EXPECT_NE(negative.message().find("all-reduce on gloo rank 0 of 1: count -1"), std::string::npos) << negative;
     EXPECT_EQ(comm.AllReduceSum(nullptr, 4, core::DType::kF32).code(), absl::StatusCode::kInvalidArgument);
+    const absl::Status fp8 = comm.AllReduceSum(data, 4, core::DType::kF8E4M3);
+    EXPECT_EQ(fp8.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(fp8.message().find("cannot sum F8_E4M3"), std::string::npos) << fp8;
     EXPECT_EQ(comm.Broadcast(data, 4, 1).code(), absl::StatusCode::kInvalidArgument);
     const absl::Status self = comm.Send(data, 4, 0);
     EXPECT_EQ(self.code(), absl::StatusCode::kInvalidArgument);

@@ -50,6 +50,8 @@ ncclDataType_t NcclType(core::DType dtype) {
       return ncclInt32;
     case core::DType::kI64:
       return ncclInt64;
+    case core::DType::kF8E4M3:
+      break;  // refused by CheckSummable
   }
   return ncclFloat32;
 }
@@ -420,6 +422,7 @@ int NcclCommunicator::size() const { return impl_->size(); }
 int NcclCommunicator::cuda_device() const { return impl_->device(); }
 
 absl::Status NcclCommunicator::AllReduceSum(void* data, int64_t count, core::DType dtype) {
+  MOE_RETURN_IF_ERROR(internal::CheckSummable(impl_->Where("all-reduce"), dtype));
   MOE_RETURN_IF_ERROR(internal::CheckBuffer(impl_->Where("all-reduce"), data, count, core::DTypeSize(dtype)));
   const ncclDataType_t type = NcclType(dtype);
   cudaStream_t stream = impl_->stream();

@@ -78,6 +78,9 @@ TEST_F(NcclOneRankTest, AllReduceOfOneRankLeavesTheValues) {
   Upload(bf16, half);
   ASSERT_TRUE(comm_->AllReduceSum(half.ptr, static_cast<int64_t>(bf16.size()), core::DType::kBF16).ok());
   EXPECT_EQ(Download<uint16_t>(half, bf16.size(), stream_), bf16);
+  // fp8 sums are refused before NCCL sees them, and the group goes on.
+  EXPECT_EQ(comm_->AllReduceSum(half.ptr, 16, core::DType::kF8E4M3).code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(comm_->AllReduceSum(half.ptr, static_cast<int64_t>(bf16.size()), core::DType::kBF16).ok());
   EXPECT_TRUE(comm_->AsyncError().ok());
 }
 

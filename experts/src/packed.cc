@@ -138,7 +138,9 @@ void PackBlockPlain(const MatrixLayout& l, const float* tile, int64_t b, uint8_t
 
 // GCC 12 warns about the undefined pass-through operand inside its own AVX-512 intrinsics.
 #pragma GCC diagnostic push
+#if !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 
 // Transposes 16 x 16 dwords: v[i] holds row i; afterwards v[j] holds column j.
 MOE_PACK_AVX512 inline void Transpose16x16(__m512i v[16]) {

@@ -139,7 +139,7 @@ TEST_P(BackendTest, LinearMatchesReferenceForBf16AndF32Weights) {
 TEST(PackedLinearTest, PackedLinearWeightsMatchTheFp32Product) {
   for (const auto format : {experts::ExpertFormat::kInt8, experts::ExpertFormat::kInt4}) {
     auto b = CreateCpuBackend(2, format, 32);
-    for (const auto [rows, n, k] : {std::tuple<int64_t, int64_t, int64_t>{1, 60, 100}, {37, 257, 192}, {3, 16, 64}}) {
+    for (const auto& [rows, n, k] : {std::tuple<int64_t, int64_t, int64_t>{1, 60, 100}, {37, 257, 192}, {3, 16, 64}}) {
       const std::vector<float> w = Random(n * k, 7), x = Random(rows * k, 8), bias = Random(n, 9);
       const std::vector<uint8_t> wh = testing_util::HostTensor(w, DType::kBF16);
       // Two parts stacked (as a fused QKV is): the first half of the rows, then the rest.

@@ -67,8 +67,12 @@ TEST(CpuFeaturesTest, DescribesTheMachine) {
   const CpuFeatures& f = GetCpuFeatures();
   EXPECT_FALSE(f.ToString().empty());
   // AVX-512 BF16 implies AVX-512F; AMX BF16 implies AMX tiles.
-  if (f.avx512_bf16) EXPECT_TRUE(f.avx512f);
-  if (f.amx_bf16) EXPECT_TRUE(f.amx_tile);
+  if (f.avx512_bf16) {
+    EXPECT_TRUE(f.avx512f);
+  }
+  if (f.amx_bf16) {
+    EXPECT_TRUE(f.amx_tile);
+  }
 }
 
 }  // namespace
