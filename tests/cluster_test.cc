@@ -183,6 +183,8 @@ TEST(ClusterTest, BadClusterFilesExitWithWhatAndWhere) {
       {"model: " + model + "\nspeculative: {draft: x}\n", "speculative: speculative decoding is not built yet"},
       {"model: " + model + "\nexperts: {gpu_cache: {per_layer: 4}}\n",
        "experts.gpu_cache: holds some of the CPU layers' experts on a GPU: it needs GPU nodes"},
+      {"model: " + model + "\ncomm: {rendezvous: node0}\n",
+       "cluster.yaml:2:20: comm.rendezvous: 'node0' is not HOST:PORT (an IPv6 host in brackets, port 0 to 65535)"},
   };
   for (const auto& c : cases) {
     const std::string path = WriteConfig(dir, "cluster.yaml", c.body);

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "flags.h"
+#include "moe/comm/tcp_socket.h"
 #include "moe/core/status.h"
 #include "moe/runtime/model_spec.h"
 #include "moe/runtime/placement.h"
@@ -235,6 +236,12 @@ absl::Status ReadControl(const Reader& r, const YAML::Node& comm, const YAML::No
     MOE_RETURN_IF_ERROR(r.Keys(comm, "comm", {"timeout_ms", "rendezvous"}));
     MOE_RETURN_IF_ERROR(r.GetIn(comm, "comm", "timeout_ms", &c->comm_timeout_ms, 100, 3600000));
     MOE_RETURN_IF_ERROR(r.Get(comm, "comm", "rendezvous", &c->rendezvous));
+    if (!c->rendezvous.empty()) {
+      if (!comm::ParseHostPort(c->rendezvous, "comm.rendezvous").ok()) {
+        return r.Error(comm["rendezvous"], "comm.rendezvous",
+                       absl::StrCat("'", c->rendezvous, "' is not HOST:PORT (an IPv6 host in brackets, port 0 to 65535)"));
+      }
+    }
   }
   if (sup.IsDefined() && !sup.IsNull()) {
     MOE_RETURN_IF_ERROR(r.Keys(sup, "supervisor", {"max_restarts", "restart_backoff_ms"}));

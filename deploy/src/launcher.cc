@@ -28,6 +28,7 @@
 #include "absl/synchronization/mutex.h"
 #include "flags.h"
 #include "moe/comm/rendezvous.h"
+#include "moe/comm/tcp_socket.h"
 #include "moe/comm/topology.h"
 #include "moe/core/status.h"
 #include "moe/experts/arena.h"
@@ -154,7 +155,7 @@ std::string ArenaName(const ClusterConfig& c, int rank) {
   if (base.empty()) {
     // FNV-1a of the model's path and format: the same name from any process, so that a restarted
     // launcher finds the arena its predecessor left.
-    uint64_t h = 1469598103934665603ull;
+    uint64_t h = 14695981039346656037ull;
     for (char ch :
          absl::StrCat(std::filesystem::weakly_canonical(c.model).string(), "|", c.expert_format, "|", c.expert_group)) {
       h = (h ^ static_cast<uint8_t>(ch)) * 1099511628211ull;
@@ -187,7 +188,7 @@ class Launcher {
   worker::RemoteExecutor::Options ExecutorOptions(const WorkerGroup& g) const {
     worker::RemoteExecutor::Options eo;
     eo.workers = g.addresses;
-    eo.logits_rank = c_.mode == runtime::ParallelMode::kLayer ? c_.ranks - 1 : 0;
+    eo.logits_rank = runtime::ParallelConfig::AnsweringRank(c_.mode, c_.ranks);
     eo.kv = g.kv;
     eo.info = g.info;
     eo.description = g.description;
@@ -316,7 +317,7 @@ absl::Status Launcher::LoadAll(WorkerGroup& g) {
     for (std::thread& t : threads) t.join();
   }
   for (const absl::Status& s : results) MOE_RETURN_IF_ERROR(s);
-  const int logits_rank = c_.mode == runtime::ParallelMode::kLayer ? ranks - 1 : 0;
+  const int logits_rank = runtime::ParallelConfig::AnsweringRank(c_.mode, ranks);
   g.kv = runtime::KvCapacity{done[0].kv_blocks(), done[0].kv_block_size()};
   for (const pb::LoadProgress& d : done) {
     g.kv.num_blocks = std::min(g.kv.num_blocks, d.kv_blocks());  // available memory: the minimum over ranks
@@ -338,22 +339,21 @@ absl::StatusOr<std::unique_ptr<WorkerGroup>> Launcher::StartGroup(int generation
   auto g = std::make_unique<WorkerGroup>();
   g->generation = generation;
   const int here = c_.WorkersOn(0);
-  const std::vector<std::vector<int>> cores = c_.gpu() ? std::vector<std::vector<int>>(here) : SplitCores(here);
-  std::vector<std::vector<int>> cpus(c_.ranks);
-  for (int i = 0; i < here; ++i) cpus[i] = cores[i];
+  // Node 0's ranks come first; the others' (empty here) are pinned by their own launchers.
+  const std::vector<std::vector<int>> cpus = c_.gpu() ? std::vector<std::vector<int>>(here) : SplitCores(here);
   for (int i = 0; i < here; ++i) {
     const ClusterNode& node = c_.nodes[0];
     const std::string listen =
-        c_.nodes.size() > 1 ? absl::StrCat(node.host, ":", node.port > 0 ? node.port + i : 0) : "127.0.0.1:0";
+        c_.nodes.size() > 1 ? comm::FormatHostPort(node.host, node.port > 0 ? node.port + i : 0) : "127.0.0.1:0";
     MOE_ASSIGN_OR_RETURN(auto w, WorkerProcess::Start(o_.program, listen, cpus[i], i));
-    g->addresses.push_back(absl::StrCat(c_.nodes.size() > 1 ? node.host : "127.0.0.1", ":", w->port()));
+    g->addresses.push_back(comm::FormatHostPort(c_.nodes.size() > 1 ? node.host : "127.0.0.1", w->port()));
     Log(absl::StrCat("worker ", i, " started (pid ", w->pid(), ") on ", g->addresses.back(),
                      cpus[i].empty() ? "" : absl::StrCat(", ", cpus[i].size(), " cores")));
     g->local.push_back(std::move(w));
   }
   for (int n = 1; n < static_cast<int>(c_.nodes.size()); ++n) {
     for (int i = 0; i < c_.WorkersOn(n); ++i)
-      g->addresses.push_back(absl::StrCat(c_.nodes[n].host, ":", c_.nodes[n].port + i));
+      g->addresses.push_back(comm::FormatHostPort(c_.nodes[n].host, c_.nodes[n].port + i));
   }
   std::string nccl_id;
   if (c_.gpu() && c_.ranks > 1) {
@@ -372,9 +372,9 @@ absl::Status Launcher::StartStore() {
   if (c_.gpu() || c_.ranks == 1) return absl::OkStatus();
   comm::RendezvousServerOptions so;
   if (!c_.rendezvous.empty()) {
-    const size_t colon = c_.rendezvous.rfind(':');
-    so.host = c_.rendezvous.substr(0, colon);
-    (void)absl::SimpleAtoi(c_.rendezvous.substr(colon + 1), &so.port);
+    MOE_ASSIGN_OR_RETURN(const comm::HostPort hp, comm::ParseHostPort(c_.rendezvous, "comm.rendezvous"));
+    so.host = hp.host;
+    so.port = hp.port;
   }
   MOE_ASSIGN_OR_RETURN(store_, comm::RendezvousServer::Start(so));
   return absl::OkStatus();
@@ -431,7 +431,7 @@ int Launcher::RunOtherNode() {
       std::string why;
       if (workers[i] != nullptr && !workers[i]->Exited(&why)) continue;
       if (workers[i] != nullptr) Log(absl::StrCat("worker ", c_.FirstRankOn(n) + i, " ", why, "; starting it again"));
-      auto w = WorkerProcess::Start(o_.program, absl::StrCat(c_.nodes[n].host, ":", c_.nodes[n].port + i), cores[i],
+      auto w = WorkerProcess::Start(o_.program, comm::FormatHostPort(c_.nodes[n].host, c_.nodes[n].port + i), cores[i],
                                     c_.FirstRankOn(n) + i);
       if (!w.ok()) {
         Log(std::string(w.status().message()));
@@ -532,11 +532,13 @@ int Launcher::Run() {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(backoff_ms));
     backoff_ms = std::min(2 * std::max(backoff_ms, 1), 30000);
-    auto next = StartGroup(current->generation + 1);
+    const int generation = current->generation + 1;
+    auto next = StartGroup(generation);
     if (!next.ok()) {
+      // An empty group of the failed generation: the next try takes a new one (and new store keys).
       Log(absl::StrCat("restart failed: ", next.status().message()));
       current = std::make_unique<WorkerGroup>();
-      current->generation = current->generation + 1;
+      current->generation = generation;
       continue;
     }
     if (absl::Status s = remote->Reattach((*next)->addresses); !s.ok()) {

@@ -52,8 +52,9 @@ int64_t PhysicalMemoryBytes() {
 
 // The scheduler's KV blocks and context from the flags and the model: the context is the
 // model's (or --ctx), and never more than the KV cache holds.
-absl::Status PlanKvCache(const ServeFlags& flags, const runtime::ModelSpec& spec, const runtime::Backend& backend,
-                         core::DType kv_dtype, scheduler::SchedulerConfig* sc) {
+absl::Status PlanKvCache(const ServeFlags& flags, const runtime::ModelSpec& spec, runtime::Model& model,
+                         scheduler::SchedulerConfig* sc) {
+  const runtime::Backend& backend = model.backend();
   const int64_t kv_bytes = flags.kv_cache_mb << 20;
   if (backend.HostAddressable() && kv_bytes > PhysicalMemoryBytes()) {
     return absl::InvalidArgumentError(absl::StrFormat("--kv-cache-mb %d is more than this machine's %d MiB of memory",
@@ -64,16 +65,12 @@ absl::Status PlanKvCache(const ServeFlags& flags, const runtime::ModelSpec& spec
         absl::StrFormat("--kv-cache-mb %d is more than the %d MiB %s has free with the model loaded", flags.kv_cache_mb,
                         backend.FreeMemoryBytes() >> 20, backend.name()));
   }
-  runtime::KvCacheShape kv;
-  kv.num_layers = spec.num_layers;
-  kv.block_size = sc->block_size;
-  kv.num_kv_heads = spec.num_kv_heads;
-  kv.head_dim = spec.head_dim;
-  const int64_t blocks = kv_bytes / static_cast<int64_t>(kv.block_bytes(kv_dtype));
+  const int64_t block_bytes = model.KvBlockBytes(sc->block_size);
+  const int64_t blocks = kv_bytes / block_bytes;
   if (blocks < 1) {
     return absl::InvalidArgumentError(
         absl::StrFormat("--kv-cache-mb %d holds no KV block: one block of %d positions takes %d bytes for this model",
-                        flags.kv_cache_mb, sc->block_size, kv.block_bytes(kv_dtype)));
+                        flags.kv_cache_mb, sc->block_size, block_bytes));
   }
   sc->num_blocks = static_cast<int>(std::min<int64_t>(blocks, kMaxContext / sc->block_size));
   const int64_t positions = static_cast<int64_t>(sc->num_blocks) * sc->block_size;
@@ -88,9 +85,7 @@ absl::Status PlanKvCache(const ServeFlags& flags, const runtime::ModelSpec& spec
       return absl::InvalidArgumentError(absl::StrFormat(
           "--ctx %d needs a KV cache of %d positions; --kv-cache-mb %d holds %d (raise --kv-cache-mb to %d)",
           *flags.ctx, *flags.ctx, flags.kv_cache_mb, positions,
-          (runtime::BlocksFor(*flags.ctx, sc->block_size) * static_cast<int64_t>(kv.block_bytes(kv_dtype)) + (1 << 20) -
-           1) >>
-              20));
+          (runtime::BlocksFor(*flags.ctx, sc->block_size) * block_bytes + (1 << 20) - 1) >> 20));
     }
     sc->context = *flags.ctx;
   } else {
@@ -192,7 +187,7 @@ int RunServe(const ServeFlags& flags) {
   sc.max_seqs = flags.max_seqs;
   sc.max_queue = flags.max_queue;
   sc.max_batch_tokens = flags.max_batch_tokens;
-  if (absl::Status s = PlanKvCache(flags, spec, (*model)->backend(), (*model)->kv_dtype(), &sc); !s.ok())
+  if (absl::Status s = PlanKvCache(flags, spec, **model, &sc); !s.ok())
     return Fail(s, 2);
   options.placement = (*model)->expert_pool() != nullptr
                           ? (*model)->expert_pool()->Describe()

@@ -25,7 +25,8 @@ struct WorkerFlags {
 };
 
 int RunWorker(const WorkerFlags& flags) {
-  if (absl::Status s = CheckListenAddress(flags.listen, "listen"); !s.ok()) return FailCommand("worker", s, 2);
+  const std::string who = flags.rank >= 0 ? absl::StrCat("worker ", flags.rank) : "worker";
+  if (absl::Status s = CheckListenAddress(flags.listen, "listen"); !s.ok()) return FailCommand(who, s, 2);
   std::atomic<bool> shutdown{false};
   WorkerService service([&shutdown] { shutdown.store(true); });
   grpc::ServerBuilder builder;
@@ -35,7 +36,7 @@ int RunWorker(const WorkerFlags& flags) {
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
-    return FailCommand("worker", absl::UnavailableError(absl::StrCat("cannot listen on ", flags.listen)), 1);
+    return FailCommand(who, absl::UnavailableError(absl::StrCat("cannot listen on ", flags.listen)), 1);
   }
   std::signal(SIGINT, OnWorkerSignal);
   std::signal(SIGTERM, OnWorkerSignal);
@@ -56,7 +57,7 @@ void AddWorkerCommand(CLI::App& root, CommandRun* selected) {
       "supervised by `moeserve serve --config FILE`; prints \"worker listening on port N\" once it serves.",
       [f] { return RunWorker(*f); }, selected);
   app->add_option("--listen", f->listen, "HOST:PORT to serve on (port 0 picks a free one)")->capture_default_str();
-  app->add_option("--rank", f->rank, "the rank the launcher started it as (for logs)");
+  app->add_option("--rank", f->rank, "the rank the launcher started it as (names it in its error messages)");
 }
 
 }  // namespace moe::deploy

@@ -263,12 +263,8 @@ bool WorkerService::RunStep(const pb::StepRequest& request, pb::StepResult* resu
     }
     return true;
   }
-  // A tensor split's rank 0 answers for the group; a layer split's last stage is the only one
-  // with tokens.
-  const runtime::ParallelConfig& par = model_->parallel();
-  if (!par.split() || par.mode != runtime::ParallelMode::kTensor || par.rank == 0) {
-    for (const runtime::SampledToken& t : *tokens) *result->add_tokens() = worker::ToProto(t);
-  }
+  // Only the answering rank samples (ParallelConfig::answers); the others return no tokens.
+  for (const runtime::SampledToken& t : *tokens) *result->add_tokens() = worker::ToProto(t);
   return true;
 }
 

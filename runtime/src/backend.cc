@@ -27,31 +27,24 @@ absl::StatusOr<std::unique_ptr<KvCache>> Backend::CreateKvCache(const KvCacheSha
         name(), " keeps its KV cache in ", core::DTypeName(activation_dtype()), ", not ", core::DTypeName(dtype)));
   }
   const int64_t rows = static_cast<int64_t>(shape.num_layers) * (shape.num_blocks + 1);
-  std::vector<std::unique_ptr<DeviceBuffer>> parts;
-  absl::Status failed;
-  auto add = [&](core::DType t, int64_t cols) {
-    if (!failed.ok()) return;
-    auto b = Allocate(t, rows, cols);
-    if (b.ok()) {
-      parts.push_back(std::move(*b));
-    } else {
-      failed = b.status();
+  const int64_t scales = dtype == core::DType::kF8E4M3 ? static_cast<int64_t>(shape.block_size) * shape.num_kv_heads : 0;
+  auto allocate = [&]() -> absl::StatusOr<std::unique_ptr<KvCache>> {
+    MOE_ASSIGN_OR_RETURN(auto k, Allocate(dtype, rows, shape.elements_per_block_layer()));
+    MOE_ASSIGN_OR_RETURN(auto v, Allocate(dtype, rows, shape.elements_per_block_layer()));
+    std::unique_ptr<DeviceBuffer> k_scale, v_scale;
+    if (scales > 0) {
+      MOE_ASSIGN_OR_RETURN(k_scale, Allocate(core::DType::kF32, rows, scales));
+      MOE_ASSIGN_OR_RETURN(v_scale, Allocate(core::DType::kF32, rows, scales));
     }
+    return std::make_unique<KvCache>(shape, dtype, std::move(k), std::move(v), std::move(k_scale), std::move(v_scale));
   };
-  add(dtype, shape.elements_per_block_layer());
-  add(dtype, shape.elements_per_block_layer());
-  if (dtype == core::DType::kF8E4M3) {
-    add(core::DType::kF32, static_cast<int64_t>(shape.block_size) * shape.num_kv_heads);
-    add(core::DType::kF32, static_cast<int64_t>(shape.block_size) * shape.num_kv_heads);
-  }
-  if (!failed.ok()) {
+  auto cache = allocate();
+  if (!cache.ok()) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "cannot allocate a KV cache of ", shape.bytes(dtype) >> 20, " MiB (", shape.num_blocks, " blocks of ",
-        shape.block_size, " positions, ", core::DTypeName(dtype), ") on ", name(), ": ", failed.message()));
+        shape.block_size, " positions, ", core::DTypeName(dtype), ") on ", name(), ": ", cache.status().message()));
   }
-  parts.resize(4);
-  return std::make_unique<KvCache>(shape, dtype, std::move(parts[0]), std::move(parts[1]), std::move(parts[2]),
-                                   std::move(parts[3]));
+  return cache;
 }
 
 absl::Status Backend::ReserveArena(int64_t bytes, int64_t input_bytes) {

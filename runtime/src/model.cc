@@ -543,18 +543,20 @@ absl::Status Model::ReserveStep() {
   return b.Synchronize();
 }
 
-int64_t Model::KvBlockBytes(int block_size) const {
-  return KvBytesPerPositionLayer(local_.num_kv_heads, spec_.head_dim, kv_dtype()) * block_size * layers_.size();
-}
-
-absl::StatusOr<std::unique_ptr<KvCache>> Model::NewKvCache(int num_blocks, int block_size) {
+KvCacheShape Model::KvShape(int num_blocks, int block_size) const {
   KvCacheShape shape;
   shape.num_layers = static_cast<int>(layers_.size());
   shape.num_blocks = num_blocks;
   shape.block_size = block_size;
   shape.num_kv_heads = local_.num_kv_heads;
   shape.head_dim = spec_.head_dim;
-  return backend_->CreateKvCache(shape, kv_dtype());
+  return shape;
+}
+
+int64_t Model::KvBlockBytes(int block_size) const { return KvShape(0, block_size).block_bytes(kv_dtype()); }
+
+absl::StatusOr<std::unique_ptr<KvCache>> Model::NewKvCache(int num_blocks, int block_size) {
+  return backend_->CreateKvCache(KvShape(num_blocks, block_size), kv_dtype());
 }
 
 absl::Status Model::CheckBatch(const ForwardBatch& batch, const KvCache& cache) const {

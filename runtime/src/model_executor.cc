@@ -81,9 +81,9 @@ int32_t ModelExecutor::Sample(const SampleRow& row, const float* logits, int voc
 absl::StatusOr<std::vector<SampledToken>> ModelExecutor::Execute(const StepPlan& plan) {
   MOE_RETURN_IF_ERROR(CheckSampleRows(plan));
   MOE_ASSIGN_OR_RETURN(Tensor device_logits, model_.ForwardOnDevice(plan.batch, *cache_));
-  if (!model_.holds_logits()) {
-    // A layer split's stage before the last: its share of the step is done once it is queued; the
-    // last stage samples.
+  if (!model_.parallel().answers()) {
+    // A layer split's stage before the last, or a tensor split's rank above 0: its share of the
+    // step is done once it is queued; the answering rank samples.
     MOE_RETURN_IF_ERROR(model_.backend().Synchronize());
     return std::vector<SampledToken>{};
   }

@@ -228,65 +228,72 @@ absl::Status LoadAttention(const ModelSpec& s, const std::string& p, WeightLoade
   return absl::OkStatus();
 }
 
-// `shard`: a tensor split's; the rank holds the routed experts it owns (when the backend runs
-// them) and its columns of the shared experts.
-absl::Status LoadMoe(const ModelSpec& s, const std::string& p, WeightLoader& w, const std::vector<int>& on_backend,
+// Layer `layer`'s routed experts that the backend holds (`on_backend`, or every one), with the
+// index SplitRouting reads when it holds only some. `shard`: a tensor split's; when the backend
+// runs every expert, the rank holds those it owns.
+absl::Status LoadBackendExperts(const ModelSpec& s, int layer, WeightLoader& w, const std::vector<int>& on_backend,
+                                Backend& backend, LayerWeights& l, const std::optional<TensorShard>& shard) {
+  const int64_t h = s.hidden_size;
+  const int e = s.routing.num_experts;
+  const std::string width = s.arch == Architecture::kMixtral
+                                ? absl::StrCat("intermediate_size=", s.moe_intermediate_size)
+                                : absl::StrCat("moe_intermediate_size=", s.moe_intermediate_size);
+  std::vector<ExpertTensorNames> names(e);
+  for (int i = 0; i < e; ++i) {
+    names[i] = ExpertNames(s, layer, i);
+    MOE_RETURN_IF_ERROR(w.CheckOnly(names[i].gate, {s.moe_intermediate_size, h}, width));
+    MOE_RETURN_IF_ERROR(w.CheckOnly(names[i].up, {s.moe_intermediate_size, h}, width));
+    MOE_RETURN_IF_ERROR(w.CheckOnly(names[i].down, {h, s.moe_intermediate_size}, width));
+  }
+  // The experts the backend holds, in the order it numbers them.
+  const bool every = static_cast<int>(on_backend.size()) == e;
+  std::vector<int> held;
+  if (every && shard) {
+    for (int i = 0; i < e; ++i) {
+      if (shard->OwnsExpert(i)) held.push_back(i);
+    }
+  } else {
+    held = on_backend;
+  }
+  if (held.empty()) return absl::OkStatus();
+  std::vector<std::string> g, u, d;
+  for (int i : held) {
+    g.push_back(names[i].gate);
+    u.push_back(names[i].up);
+    d.push_back(names[i].down);
+  }
+  MOE_ASSIGN_OR_RETURN(l.experts, w.LoadExperts(g, u, d, h, s.moe_intermediate_size, width));
+  if (every && !shard) return absl::OkStatus();  // every pick goes to the backend: no index
+  // Each expert's index among those held, or -1.
+  std::vector<int32_t> index(e, -1);
+  for (size_t i = 0; i < held.size(); ++i) index[held[i]] = static_cast<int32_t>(i);
+  if (shard) {
+    MOE_ASSIGN_OR_RETURN(l.owner_index, backend.Allocate(core::DType::kI32, 1, e));
+    backend.CopyFromHost(index.data(), l.owner_index->tensor());
+    return backend.Synchronize();  // `index` goes away
+  }
+  // Kept on the host too: the held experts chosen while serving are swapped through it.
+  l.backend_index_host = std::move(index);
+  MOE_ASSIGN_OR_RETURN(l.backend_index, backend.Allocate(core::DType::kI32, 1, e));
+  backend.CopyFromHost(l.backend_index_host.data(), l.backend_index->tensor());
+  return absl::OkStatus();
+}
+
+// A MoE layer: its router, the routed experts the backend holds, and its shared experts (a tensor
+// split's rank holds their columns).
+absl::Status LoadMoe(const ModelSpec& s, int layer, WeightLoader& w, const std::vector<int>& on_backend,
                      Backend& backend, LayerWeights& l, const std::optional<TensorShard>& shard) {
   const int64_t h = s.hidden_size;
   const int e = s.routing.num_experts;
-  const bool mixtral = s.arch == Architecture::kMixtral;
-  const std::string block = p + (mixtral ? "block_sparse_moe." : "mlp.");
+  const std::string block =
+      absl::StrCat("model.layers.", layer, s.arch == Architecture::kMixtral ? ".block_sparse_moe." : ".mlp.");
   const std::string experts_key = absl::StrCat("num_experts=", e);
   MOE_ASSIGN_OR_RETURN(l.router, w.Load(block + "gate.weight", {e, h}, experts_key, WeightUse::kRouter));
   if (s.routing.has_correction_bias) {
     MOE_ASSIGN_OR_RETURN(l.correction_bias,
                          w.Load(block + "gate.e_score_correction_bias", {e}, experts_key, WeightUse::kVector));
   }
-  const std::string width = mixtral ? absl::StrCat("intermediate_size=", s.moe_intermediate_size)
-                                    : absl::StrCat("moe_intermediate_size=", s.moe_intermediate_size);
-  std::vector<std::string> gate, up, down;
-  for (int i = 0; i < e; ++i) {
-    const std::string ep = absl::StrCat(block, "experts.", i, ".");
-    gate.push_back(ep + (mixtral ? "w1.weight" : "gate_proj.weight"));
-    up.push_back(ep + (mixtral ? "w3.weight" : "up_proj.weight"));
-    down.push_back(ep + (mixtral ? "w2.weight" : "down_proj.weight"));
-  }
-  for (int i = 0; i < e; ++i) {
-    MOE_RETURN_IF_ERROR(w.CheckOnly(gate[i], {s.moe_intermediate_size, h}, width));
-    MOE_RETURN_IF_ERROR(w.CheckOnly(up[i], {s.moe_intermediate_size, h}, width));
-    MOE_RETURN_IF_ERROR(w.CheckOnly(down[i], {h, s.moe_intermediate_size}, width));
-  }
-  if (static_cast<int>(on_backend.size()) == e && shard) {
-    // The experts this rank owns, in id order, and each expert's index among them.
-    std::vector<std::string> g, u, d;
-    std::vector<int32_t> index(e, -1);
-    for (int i = 0; i < e; ++i) {
-      if (!shard->OwnsExpert(i)) continue;
-      index[i] = static_cast<int32_t>(g.size());
-      g.push_back(gate[i]);
-      u.push_back(up[i]);
-      d.push_back(down[i]);
-    }
-    MOE_ASSIGN_OR_RETURN(l.experts, w.LoadExperts(g, u, d, h, s.moe_intermediate_size, width));
-    MOE_ASSIGN_OR_RETURN(l.owner_index, backend.Allocate(core::DType::kI32, 1, e));
-    backend.CopyFromHost(index.data(), l.owner_index->tensor());
-    MOE_RETURN_IF_ERROR(backend.Synchronize());  // `index` goes away
-  } else if (static_cast<int>(on_backend.size()) == e) {
-    MOE_ASSIGN_OR_RETURN(l.experts, w.LoadExperts(gate, up, down, h, s.moe_intermediate_size, width));
-  } else if (!on_backend.empty()) {
-    // Some of a pool layer's experts on the backend too, in the order given.
-    std::vector<std::string> g, u, d;
-    l.backend_index_host.assign(e, -1);
-    for (size_t i = 0; i < on_backend.size(); ++i) {
-      g.push_back(gate[on_backend[i]]);
-      u.push_back(up[on_backend[i]]);
-      d.push_back(down[on_backend[i]]);
-      l.backend_index_host[on_backend[i]] = static_cast<int32_t>(i);
-    }
-    MOE_ASSIGN_OR_RETURN(l.experts, w.LoadExperts(g, u, d, h, s.moe_intermediate_size, width));
-    MOE_ASSIGN_OR_RETURN(l.backend_index, backend.Allocate(core::DType::kI32, 1, e));
-    backend.CopyFromHost(l.backend_index_host.data(), l.backend_index->tensor());
-  }
+  MOE_RETURN_IF_ERROR(LoadBackendExperts(s, layer, w, on_backend, backend, l, shard));
   if (s.shared_expert_intermediate_size > 0) {
     const bool qwen2 = s.arch == Architecture::kQwen2Moe;
     const std::string sp = block + (qwen2 ? "shared_expert." : "shared_experts.");
@@ -303,6 +310,14 @@ absl::Status LoadMoe(const ModelSpec& s, const std::string& p, WeightLoader& w, 
 }
 
 }  // namespace
+
+ExpertTensorNames ExpertNames(const ModelSpec& spec, int layer, int expert) {
+  const bool mixtral = spec.arch == Architecture::kMixtral;
+  const std::string p =
+      absl::StrCat("model.layers.", layer, mixtral ? ".block_sparse_moe" : ".mlp", ".experts.", expert, ".");
+  if (mixtral) return {p + "w1.weight", p + "w3.weight", p + "w2.weight"};
+  return {p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"};
+}
 
 absl::StatusOr<std::unique_ptr<Model::Weights>> LoadWeights(const ModelSpec& s, const WeightSource& source,
                                                             Backend& backend,
@@ -352,7 +367,7 @@ absl::StatusOr<std::unique_ptr<Model::Weights>> LoadWeights(const ModelSpec& s, 
     LayerWeights& l = weights->layers[layer];
     MOE_RETURN_IF_ERROR(LoadAttention(s, p, w, l, shard));
     if (s.IsMoeLayer(layer)) {
-      MOE_RETURN_IF_ERROR(LoadMoe(s, p, w, backend_experts[layer], backend, l, shard));
+      MOE_RETURN_IF_ERROR(LoadMoe(s, layer, w, backend_experts[layer], backend, l, shard));
     } else {
       MOE_RETURN_IF_ERROR(w.LoadFfn(p + "mlp.", "gate_proj", "up_proj", "down_proj", h, s.intermediate_size,
                                     absl::StrCat("intermediate_size=", s.intermediate_size, " (dense layer)"), &l.dense,

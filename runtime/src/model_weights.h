@@ -18,6 +18,12 @@ namespace moe::runtime {
 
 namespace internal {
 
+// Names of one routed expert's tensors in the checkpoint.
+struct ExpertTensorNames {
+  std::string gate, up, down;
+};
+ExpertTensorNames ExpertNames(const ModelSpec& spec, int layer, int expert);
+
 struct FfnWeights {  // SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused by rows
   std::unique_ptr<DeviceWeight> gate_up, down;
   int64_t width() const { return down->cols(); }

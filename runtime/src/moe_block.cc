@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "moe/core/status.h"
+#include "cpu/kernels.h"
 #include "moe/runtime/routing.h"
 
 namespace moe::runtime::internal {
@@ -28,12 +29,9 @@ class LayerExperts : public RoutedExperts, public HostExperts {
         pool_index_(spec.num_layers, -1),
         top_k_(spec.routing.top_k),
         hidden_(spec.hidden_size),
-        defer_(defer) {
+        defer_(defer),
+        shard_(shard) {
     for (size_t i = 0; i < pool_layers.size(); ++i) pool_index_[pool_layers[i]] = static_cast<int>(i);
-    if (shard != nullptr) {
-      owned_.resize(spec.routing.num_experts);
-      for (int e = 0; e < spec.routing.num_experts; ++e) owned_[e] = shard->OwnsExpert(e);
-    }
   }
   ~LayerExperts() override { DropDeferred(); }
 
@@ -122,12 +120,12 @@ class LayerExperts : public RoutedExperts, public HostExperts {
 
   // A tensor split's rank computes the experts it owns: the others' slots are skipped.
   void KeepOwned(const int32_t** ids, const float** weights, int64_t rows) {
-    if (owned_.empty()) return;
+    if (shard_ == nullptr) return;
     const size_t slots = static_cast<size_t>(rows) * top_k_;
     owned_ids_.assign(*ids, *ids + slots);
     owned_weights_.assign(*weights, *weights + slots);
     for (size_t i = 0; i < slots; ++i) {
-      if (owned_ids_[i] >= 0 && !owned_[owned_ids_[i]]) {
+      if (owned_ids_[i] >= 0 && !shard_->OwnsExpert(owned_ids_[i])) {
         owned_ids_[i] = experts::kSkippedSlot;
         owned_weights_[i] = 0.0f;
       }
@@ -171,8 +169,7 @@ class LayerExperts : public RoutedExperts, public HostExperts {
   absl::Status AddAndDefer(int layer, const float* hidden, int64_t rows, float* out) {
     if (deferred_.ready) {
       deferred_.ready = false;
-      const float* later = deferred_out_.data();
-      for (int64_t i = 0; i < rows * hidden_; ++i) out[i] += later[i];
+      Axpy(1.0f, deferred_out_.data(), rows * hidden_, out);
     }
     if (!Defers(layer)) return absl::OkStatus();
     deferred_hidden_.assign(hidden, hidden + rows * hidden_);
@@ -196,6 +193,7 @@ class LayerExperts : public RoutedExperts, public HostExperts {
   const int top_k_;
   const int64_t hidden_;
   const int defer_;
+  const TensorShard* shard_;  // a tensor split's: the experts of this rank (null: every expert)
   Mode mode_ = Mode::kBackend;
   experts::ExpertPool::Ticket ticket_;
   // The pool call of the layer in flight (kPool: between Start and Finish).
@@ -217,7 +215,6 @@ class LayerExperts : public RoutedExperts, public HostExperts {
   Deferred deferred_;
   std::vector<int32_t> now_ids_, later_ids_;
   std::vector<float> now_weights_, later_weights_;
-  std::vector<bool> owned_;  // a tensor split's experts of this rank (empty: every expert)
   std::vector<int32_t> owned_ids_;
   std::vector<float> owned_weights_;
   std::vector<float> deferred_hidden_, deferred_out_;
@@ -228,14 +225,6 @@ class LayerExperts : public RoutedExperts, public HostExperts {
 };
 
 }  // namespace
-
-ExpertTensorNames ExpertNames(const ModelSpec& spec, int layer, int expert) {
-  const bool mixtral = spec.arch == Architecture::kMixtral;
-  const std::string p =
-      absl::StrCat("model.layers.", layer, mixtral ? ".block_sparse_moe" : ".mlp", ".experts.", expert, ".");
-  if (mixtral) return {p + "w1.weight", p + "w3.weight", p + "w2.weight"};
-  return {p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"};
-}
 
 void RunFfn(Backend& b, const FfnWeights& w, const Tensor& x, const FfnBuffers& buf, const Tensor& out) {
   const int64_t rows = x.rows, width = w.width();
@@ -257,23 +246,19 @@ absl::Status RunMoe(Backend& b, const ModelSpec& spec, const LayerWeights& lw, R
   if (counter.step != nullptr) b.CountPicks(ids, *counter.step, counter.scratch_block, counter.counts);
   // The routed experts start; the shared expert runs meanwhile, into its own buffer. A pool layer
   // whose most used experts the backend holds too sends each pick to one side, both at once.
+  // A tensor split's share of the experts on the backend is routed the same way, its other picks
+  // skipped (other ranks compute them).
   const bool split = lw.backend_index != nullptr;
-  const bool owned = lw.owner_index != nullptr;  // a tensor split's share of the experts on the backend
+  const bool owned = lw.owner_index != nullptr;
   const Tensor split_out = buf.split_out.Rows(0, rows);
-  if (owned) {
-    // The picks of this rank's experts, as indices among them; the others skipped.
-    const Tensor host_ids = buf.split_host_ids.Rows(0, rows), host_weights = buf.split_host_weights.Rows(0, rows);
-    const Tensor own_ids = buf.split_backend_ids.Rows(0, rows);
-    const Tensor own_weights = buf.split_backend_weights.Rows(0, rows);
-    b.SplitRouting(ids, weights, lw.owner_index->tensor(), host_ids, host_weights, own_ids, own_weights);
-    b.MoeExperts(x, own_ids, own_weights, *lw.experts, out);
-  } else if (split) {
+  if (split || owned) {
     const Tensor host_ids = buf.split_host_ids.Rows(0, rows), host_weights = buf.split_host_weights.Rows(0, rows);
     const Tensor backend_ids = buf.split_backend_ids.Rows(0, rows);
     const Tensor backend_weights = buf.split_backend_weights.Rows(0, rows);
-    b.SplitRouting(ids, weights, lw.backend_index->tensor(), host_ids, host_weights, backend_ids, backend_weights);
-    MOE_RETURN_IF_ERROR(routed.Start(layer, x, host_ids, host_weights, out));
-    b.MoeExperts(x, backend_ids, backend_weights, *lw.experts, split_out);
+    const Tensor& index = (owned ? lw.owner_index : lw.backend_index)->tensor();
+    b.SplitRouting(ids, weights, index, host_ids, host_weights, backend_ids, backend_weights);
+    if (split) MOE_RETURN_IF_ERROR(routed.Start(layer, x, host_ids, host_weights, out));
+    b.MoeExperts(x, backend_ids, backend_weights, *lw.experts, owned ? out : split_out);
   } else {
     MOE_RETURN_IF_ERROR(routed.Start(layer, x, ids, weights, out));
   }

@@ -30,11 +30,6 @@ struct FfnBuffers {
   Tensor split_out;                                  // [T x hidden] fp32
 };
 
-// Names of one routed expert's tensors in the checkpoint.
-struct ExpertTensorNames {
-  std::string gate, up, down;
-};
-ExpertTensorNames ExpertNames(const ModelSpec& spec, int layer, int expert);
 
 // Where a MoE block counts its router's picks (the experts a backend holds chosen while serving):
 // the step, the cache's scratch block (padding rows) and the layer's row of counts [1 x E] int32.

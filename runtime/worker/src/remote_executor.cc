@@ -98,7 +98,6 @@ absl::Status RemoteExecutor::Reattach(const std::vector<std::string>& workers) {
     old = std::move(group_);
     group_ = std::move(*group);
     broken_.clear();
-    ++restarts_;
   }
   if (old != nullptr) old->Cancel();
   return absl::OkStatus();
@@ -107,11 +106,6 @@ absl::Status RemoteExecutor::Reattach(const std::vector<std::string>& workers) {
 bool RemoteExecutor::healthy() const {
   absl::MutexLock lock(&mu_);
   return broken_.empty();
-}
-
-int64_t RemoteExecutor::restarts() const {
-  absl::MutexLock lock(&mu_);
-  return restarts_;
 }
 
 absl::StatusOr<std::vector<runtime::SampledToken>> RemoteExecutor::Execute(const runtime::StepPlan& plan) {

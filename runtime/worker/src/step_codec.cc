@@ -1,6 +1,7 @@
 #include "moe/worker/step_codec.h"
 
 #include <algorithm>
+#include <set>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -27,17 +28,18 @@ absl::StatusOr<pb::StepRequest> PlanEncoder::Encode(const runtime::StepPlan& pla
     s->set_first_position(c.first_position);
     s->mutable_token_ids()->Add(plan.batch.token_ids.begin() + row, plan.batch.token_ids.begin() + row + c.num_tokens);
     row += c.num_tokens;
-    auto it = sequences_.find(c.seq_id);
-    const bool known = it != sequences_.end() && c.first_position != 0;
-    const bool appended = known && it->second.size() <= c.block_table.size() &&
-                          std::equal(it->second.begin(), it->second.end(), c.block_table.begin());
+    auto [it, added] = sequences_.try_emplace(c.seq_id);
+    std::vector<int32_t>& mirror = it->second;
+    const bool appended = !added && c.first_position != 0 && mirror.size() <= c.block_table.size() &&
+                          std::equal(mirror.begin(), mirror.end(), c.block_table.begin());
     if (appended) {
-      s->mutable_blocks()->Add(c.block_table.begin() + it->second.size(), c.block_table.end());
+      s->mutable_blocks()->Add(c.block_table.begin() + mirror.size(), c.block_table.end());
+      mirror.insert(mirror.end(), c.block_table.begin() + mirror.size(), c.block_table.end());
     } else {
       s->set_replace_blocks(true);
       s->mutable_blocks()->Add(c.block_table.begin(), c.block_table.end());
+      mirror = c.block_table;
     }
-    sequences_[c.seq_id] = c.block_table;
   }
   req.mutable_logit_rows()->Add(plan.batch.logit_rows.begin(), plan.batch.logit_rows.end());
   for (const runtime::SampleRow& r : plan.samples) {
@@ -59,43 +61,51 @@ absl::StatusOr<pb::StepRequest> PlanEncoder::Encode(const runtime::StepPlan& pla
 }
 
 absl::StatusOr<runtime::StepPlan> PlanDecoder::Decode(const pb::StepRequest& req) {
-  // Checked against the mirror first, so that a bad request changes nothing.
-  std::map<uint64_t, Sequence> touched;  // the sequences as they will be after this step
-  for (int i = 0; i < req.sequences_size(); ++i) {
-    const pb::SequenceStep& s = req.sequences(i);
-    if (touched.count(s.id())) {
+  // Everything is checked against the mirror first, so that a bad request changes nothing; then the
+  // mirror's sequences grow in place.
+  std::set<uint64_t> seen;
+  int64_t rows = 0;
+  for (const pb::SequenceStep& s : req.sequences()) {
+    if (!seen.insert(s.id()).second) {
       return absl::InvalidArgumentError(absl::StrCat("step ", req.step(), ": sequence ", s.id(), " twice"));
     }
+    rows += s.token_ids_size();
+    if (s.first_position() == 0) continue;  // a new sequence (or one started again)
     auto it = sequences_.find(s.id());
-    const bool fresh = s.first_position() == 0;
-    if (!fresh && it == sequences_.end()) {
+    if (it == sequences_.end()) {
       return absl::InvalidArgumentError(absl::StrCat("step ", req.step(), ": sequence ", s.id(),
                                                      " continues at position ", s.first_position(),
                                                      " but this worker has not seen it"));
     }
-    Sequence seq = fresh ? Sequence{} : it->second;
-    if (static_cast<int64_t>(seq.tokens.size()) != s.first_position()) {
+    if (static_cast<int64_t>(it->second.tokens.size()) != s.first_position()) {
       return absl::InvalidArgumentError(absl::StrCat("step ", req.step(), ": sequence ", s.id(),
                                                      " continues at position ", s.first_position(), " but has ",
-                                                     seq.tokens.size(), " tokens"));
+                                                     it->second.tokens.size(), " tokens"));
     }
-    if (s.replace_blocks() || fresh) seq.blocks.clear();
-    seq.blocks.insert(seq.blocks.end(), s.blocks().begin(), s.blocks().end());
-    seq.tokens.insert(seq.tokens.end(), s.token_ids().begin(), s.token_ids().end());
-    touched.emplace(s.id(), std::move(seq));
   }
   if (req.samples_size() != req.logit_rows_size()) {
     return absl::InvalidArgumentError(absl::StrCat("step ", req.step(), ": ", req.samples_size(), " sampling rows for ",
                                                    req.logit_rows_size(), " logit rows"));
   }
+  for (const int32_t row : req.logit_rows()) {
+    if (row < 0 || row >= rows) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("step ", req.step(), ": logit row ", row, " outside [0, ", rows, ")"));
+    }
+  }
 
   runtime::StepPlan plan;
-  std::vector<uint64_t> row_sequence;  // the sequence of each row of the batch
+  std::vector<const Sequence*> row_sequence;  // the sequence of each row of the batch
+  row_sequence.reserve(static_cast<size_t>(rows));
   for (const pb::SequenceStep& s : req.sequences()) {
-    const Sequence& seq = touched.at(s.id());
+    Sequence& seq = sequences_[s.id()];
+    if (s.first_position() == 0) seq.tokens.clear();
+    if (s.replace_blocks() || s.first_position() == 0) seq.blocks.clear();
+    seq.blocks.insert(seq.blocks.end(), s.blocks().begin(), s.blocks().end());
+    seq.tokens.insert(seq.tokens.end(), s.token_ids().begin(), s.token_ids().end());
     plan.batch.token_ids.insert(plan.batch.token_ids.end(), s.token_ids().begin(), s.token_ids().end());
     plan.batch.sequences.push_back(runtime::SequenceChunk{s.first_position(), s.token_ids_size(), seq.blocks, s.id()});
-    row_sequence.insert(row_sequence.end(), s.token_ids_size(), s.id());
+    row_sequence.insert(row_sequence.end(), s.token_ids_size(), &seq);
   }
   plan.batch.logit_rows.assign(req.logit_rows().begin(), req.logit_rows().end());
   for (int i = 0; i < req.samples_size(); ++i) {
@@ -113,16 +123,10 @@ absl::StatusOr<runtime::StepPlan> PlanDecoder::Decode(const pb::StepRequest& req
     r.position = s.position();
     r.prompt_len = s.prompt_len();
     r.logprobs = s.logprobs();
-    const int32_t row = req.logit_rows(i);
-    if (row < 0 || row >= static_cast<int32_t>(row_sequence.size())) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("step ", req.step(), ": logit row ", row, " outside [0, ", row_sequence.size(), ")"));
-    }
     // The penalties read the sequence's tokens so far: every token fed to it.
-    if (r.sampling.penalized()) r.history = touched.at(row_sequence[row]).tokens;
+    if (r.sampling.penalized()) r.history = row_sequence[req.logit_rows(i)]->tokens;
     plan.samples.push_back(std::move(r));
   }
-  for (auto& [id, seq] : touched) sequences_[id] = std::move(seq);
   for (uint64_t id : req.released()) {
     sequences_.erase(id);
     plan.released.push_back(id);

@@ -138,17 +138,11 @@ struct KvCacheShape {
   int head_dim = 0;
 
   int64_t elements_per_block_layer() const { return static_cast<int64_t>(block_size) * num_kv_heads * head_dim; }
-  // Bytes of K and V of one block in every layer.
-  int64_t block_bytes(int64_t bytes_per_element) const {
-    return 2 * elements_per_block_layer() * num_layers * bytes_per_element;
-  }
+  // Bytes of K and V (and fp8's scales) of one block in every layer, in `dtype`.
   int64_t block_bytes(core::DType dtype) const {
     return KvBytesPerPositionLayer(num_kv_heads, head_dim, dtype) * block_size * num_layers;
   }
-  // Bytes of K and V for every layer, scratch block included, at `bytes_per_element`.
-  int64_t bytes(int64_t bytes_per_element) const {
-    return 2 * elements_per_block_layer() * (num_blocks + 1) * num_layers * bytes_per_element;
-  }
+  // The same for every block, scratch included.
   int64_t bytes(core::DType dtype) const { return block_bytes(dtype) * (num_blocks + 1); }
 };
 

@@ -233,6 +233,8 @@ class Model {
   // The LM head's shards gathered into each row of logits (a tensor split of a vocabulary that
   // divides evenly), or 1.
   int VocabParts() const;
+  // This rank's KV cache shape: its layers and KV heads.
+  KvCacheShape KvShape(int num_blocks, int block_size) const;
   absl::Status CheckBatch(const ForwardBatch& batch, const KvCache& cache) const;
   absl::Status ReserveStep();
   StepInputs BuildInputs(const ForwardBatch& batch, const KvCache& cache, int pad_to, int kv_bucket) const;

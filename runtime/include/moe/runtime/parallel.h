@@ -31,6 +31,11 @@ struct ParallelConfig {
   comm::Communicator* comm = nullptr;
 
   bool split() const { return mode != ParallelMode::kNone && size > 1; }
+  // The rank that samples and answers with the step's tokens: a layer split's last stage, else
+  // rank 0 (a tensor split's ranks all hold the logits; the others need not sample them).
+  int answering_rank() const { return AnsweringRank(mode, size); }
+  bool answers() const { return rank == answering_rank(); }
+  static int AnsweringRank(ParallelMode mode, int size) { return mode == ParallelMode::kLayer ? size - 1 : 0; }
 };
 
 // A contiguous range [begin, end).

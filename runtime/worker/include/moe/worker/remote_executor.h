@@ -9,7 +9,7 @@
 // finds the group still broken then fails with kUnavailable.
 //
 // Thread-safety: Execute from one thread at a time (the engine's); MarkBroken, Reattach, healthy,
-// restarts, kv_capacity, model_info and Describe from any thread.
+// kv_capacity, model_info and Describe from any thread.
 #pragma once
 
 #include <cstdint>
@@ -53,8 +53,6 @@ class RemoteExecutor final : public runtime::Executor {
   // kUnavailable when a worker cannot be reached (the group stays broken).
   absl::Status Reattach(const std::vector<std::string>& workers);
   bool healthy() const;
-  // Times the group was reattached.
-  int64_t restarts() const;
 
  private:
   class Group;  // the streams of one generation of workers
@@ -64,7 +62,6 @@ class RemoteExecutor final : public runtime::Executor {
   mutable absl::Mutex mu_;
   std::shared_ptr<Group> group_ ABSL_GUARDED_BY(mu_);
   std::string broken_ ABSL_GUARDED_BY(mu_);  // why, while broken
-  int64_t restarts_ ABSL_GUARDED_BY(mu_) = 0;
   PlanEncoder encoder_;           // the engine thread's
   uint64_t generation_seen_ = 0;  // the engine thread's: the group its encoder's mirror belongs to
 };
