@@ -1,4 +1,4 @@
-#include "moe_block.h"
+#include "model/moe_block.h"
 
 #include <chrono>
 #include <filesystem>

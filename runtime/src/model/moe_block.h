@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "model_weights.h"
+#include "model/model_weights.h"
 #include "moe/experts/expert_pool.h"
 #include "moe/runtime/backend.h"
 #include "moe/runtime/model.h"

@@ -1,4 +1,4 @@
-#include "model_weights.h"
+#include "model/model_weights.h"
 
 #include <algorithm>
 #include <cstring>

@@ -10,13 +10,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "model_weights.h"
+#include "model/model_weights.h"
 #include "moe/comm/communicator.h"
 #include "moe/core/logging.h"
 #include "moe/core/status.h"
 #include "moe/runtime/backend_cpu.h"
 #include "moe/runtime/routing_profile.h"
-#include "moe_block.h"
+#include "model/moe_block.h"
 
 namespace moe::runtime {
 namespace {
