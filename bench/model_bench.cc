@@ -168,9 +168,9 @@ absl::StatusOr<ModelBenchResult> RunModelBench(runtime::Model& model, const Mode
   // The CPU backend's packed Linears (--weight-format): int8 a byte a weight, int4 half of one and
   // a 4-byte scale per group.
   double weight_bytes = 2;
-  if (backend.HostAddressable() && model.options().weight_format != experts::ExpertFormat::kBF16) {
-    weight_bytes =
-        model.options().weight_format == experts::ExpertFormat::kInt8 ? 1.0 : 0.5 + 4.0 / model.options().weight_group;
+  const runtime::WeightPolicy& policy = backend.weight_policy();
+  if (backend.HostAddressable() && policy.matrices != experts::ExpertFormat::kBF16) {
+    weight_bytes = policy.matrices == experts::ExpertFormat::kInt8 ? 1.0 : 0.5 + 4.0 / policy.group;
   }
   experts::ExpertPool* pool = model.expert_pool();
   const bool hybrid = pool != nullptr && !backend.HostAddressable();

@@ -7,6 +7,7 @@
 #include "gtest/gtest.h"
 #include "moe/core/cpu_features.h"
 #include "moe/experts/kernels.h"
+#include "moe/runtime/backend_cpu.h"
 #include "moe/runtime/generate.h"
 #include "moe/runtime/model.h"
 #include "moe/runtime/sampler.h"
@@ -407,7 +408,7 @@ TEST(ExpertDeferralTest, OutOfRangeOrWithoutAPoolIsRefused) {
 TEST_P(QuantizedGoldensTest, PackedLinearWeightsStayCloseToTransformers) {
   const auto [arch, format_name] = GetParam();
   runtime::ModelOptions options;
-  options.weight_format = *experts::ParseFormat(format_name);
+  options.weights = runtime::WeightPolicy::Uniform(*experts::ParseFormat(format_name));
   auto model = LoadFixture(arch, options);
   ASSERT_NE(model, nullptr);
   const GoldenAgreement a = TeacherForcedAgreement(*model, arch);
@@ -421,6 +422,89 @@ TEST_P(QuantizedGoldensTest, PackedLinearWeightsStayCloseToTransformers) {
   // is tested on the backend (backend_test PackedLinearWeights...).
   EXPECT_GT(a.agreement, format_name == "int8" ? 0.65 : 0.15);
   EXPECT_LT(a.worst, format_name == "int8" ? 3.0f : 6.0f);
+}
+
+// Two models on one backend (a target and its draft or MTP head): each has its own step context,
+// so a model loaded for larger steps keeps its arena after a smaller one loads, and the logits a
+// step leaves in its arena are still there after the other model's step, as a verify step reads
+// the target's after drafting.
+TEST(StepContextTest, TwoModelsOnOneBackendKeepTheirOwnSteps) {
+  std::shared_ptr<runtime::Backend> backend(runtime::CreateCpuBackend(2));
+  runtime::ModelOptions big, small;
+  big.experts = small.experts = runtime::RoutedExpertsMode::kBackend;
+  small.max_step_tokens = 4;  // an arena too small for the other model's prompt
+  small.max_logit_rows = 4;
+  auto target = Model::Load(testing::FixtureDir("qwen3_moe"), big, backend);
+  ASSERT_TRUE(target.ok()) << target.status();
+  auto draft = Model::Load(testing::FixtureDir("mixtral"), small, backend);
+  ASSERT_TRUE(draft.ok()) << draft.status();
+  const nlohmann::json golden = testing::LoadGolden("qwen3_moe");
+  const std::vector<int32_t> ids = golden["cases"][0]["prompt_ids"];
+  const int n = static_cast<int>(ids.size());
+  ASSERT_GT(n, small.max_step_tokens);
+  // The target alone, for reference.
+  const std::vector<std::vector<float>> alone = FullForward(*LoadFixture("qwen3_moe", big), ids);
+
+  auto target_cache = (*target)->NewKvCache(8), draft_cache = (*draft)->NewKvCache(8);
+  ASSERT_TRUE(target_cache.ok() && draft_cache.ok());
+  runtime::ForwardBatch prompt;
+  prompt.token_ids = ids;
+  prompt.sequences.push_back(runtime::SequenceChunk{0, n, {0, 1, 2, 3, 4, 5, 6, 7}});
+  prompt.logit_rows = {n - 1};
+  auto logits = (*target)->ForwardOnDevice(prompt, **target_cache);
+  ASSERT_TRUE(logits.ok()) << logits.status();
+  ASSERT_TRUE(backend->Synchronize().ok());
+  // The draft's step between the target's and the reading of its logits.
+  runtime::ForwardBatch one;
+  one.token_ids = {ids[0]};
+  one.sequences.push_back(runtime::SequenceChunk{0, 1, {0}});
+  one.logit_rows = {0};
+  std::vector<float> draft_logits;
+  ASSERT_TRUE((*draft)->Forward(one, **draft_cache, &draft_logits).ok());
+  const float* row = logits->as<float>();
+  EXPECT_EQ(MaxAbsDiff(std::vector<float>(row, row + logits->cols), alone[n - 1]), 0.0f);
+  // The target's next step still has its own arena (a shared one would be the draft's 4 tokens).
+  runtime::ForwardBatch next;
+  next.token_ids = ids;
+  next.sequences.push_back(runtime::SequenceChunk{0, n, {0, 1, 2, 3, 4, 5, 6, 7}});
+  next.logit_rows = {n - 1};
+  std::vector<float> again;
+  ASSERT_TRUE((*target)->Forward(next, **target_cache, &again).ok());
+  EXPECT_EQ(MaxAbsDiff(again, alone[n - 1]), 0.0f);
+}
+
+// A weight policy by role: only attention's Linears packed (int8). The backend holds what the
+// policy plans for each tensor it loads (DeviceWeightBytes, the memory plan's answer), fewer bytes
+// than all-bf16 and more than every Linear in int8, and the logits stay near transformers'.
+TEST(WeightPolicyTest, PacksOnlyTheRolesItNamesAndPlansTheirBytes) {
+  for (const char* arch : {"qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"}) {
+    SCOPED_TRACE(arch);
+    runtime::ModelOptions by_role;
+    by_role.weights.by_role[runtime::TensorRole::kAttention] = experts::ExpertFormat::kInt8;
+    runtime::ModelOptions all_int8;
+    all_int8.weights = runtime::WeightPolicy::Uniform(experts::ExpertFormat::kInt8);
+    auto model = LoadFixture(arch, by_role), plain = LoadFixture(arch), packed = LoadFixture(arch, all_int8);
+    ASSERT_NE(model, nullptr);
+    ASSERT_NE(plain, nullptr);
+    ASSERT_NE(packed, nullptr);
+    // What the policy plans: every tensor but the routed experts (the pool holds those).
+    const runtime::Checkpoint& c = model->checkpoint();
+    int64_t planned = 0;
+    for (const std::string& name : c.source().Names()) {
+      const auto key = c.names().Parse(name);
+      ASSERT_TRUE(key.has_value()) << name;
+      const runtime::TensorRole role = runtime::RoleOf(key->id);
+      if (role == runtime::TensorRole::kRoutedExpert) continue;
+      auto view = c.Get(*key);
+      ASSERT_TRUE(view.ok());
+      planned += model->backend().WeightBytes(view->shape, view->format, runtime::UseOf(role, view->rank()), role);
+    }
+    EXPECT_NEAR(static_cast<double>(model->weight_bytes()), static_cast<double>(planned), 0.01 * planned);
+    EXPECT_LT(model->weight_bytes(), plain->weight_bytes());
+    EXPECT_GT(model->weight_bytes(), packed->weight_bytes());
+    const GoldenAgreement a = TeacherForcedAgreement(*model, arch);
+    EXPECT_GT(a.agreement, 0.65);
+  }
 }
 
 TEST_P(QuantizedGoldensTest, StayCloseToTransformers) {

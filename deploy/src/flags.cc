@@ -229,8 +229,8 @@ absl::Status ExpertFlags::Apply(runtime::ModelOptions* options, const std::strin
     MOE_ASSIGN_OR_RETURN(pool.kernel, experts::ParseKernel(kernel));
   }
   pool.shm_name = shm;
-  MOE_ASSIGN_OR_RETURN(options->weight_format, experts::ParseFormat(weight_format));
-  options->weight_group = group;
+  MOE_ASSIGN_OR_RETURN(const experts::ExpertFormat matrices, experts::ParseFormat(weight_format));
+  options->weights = runtime::WeightPolicy::Uniform(matrices, group);
   if (prefill_offload_tokens) options->prefill_offload_tokens = *prefill_offload_tokens;
   options->defer_experts = defer_experts;
   return absl::OkStatus();

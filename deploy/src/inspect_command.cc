@@ -21,6 +21,7 @@
 #include "moe/core/status.h"
 #include "moe/experts/expert_pool.h"
 #include "moe/runtime/device.h"
+#include "moe/runtime/checkpoint.h"
 #include "moe/runtime/memory_plan.h"
 #include "moe/runtime/model_spec.h"
 #include "moe/runtime/placement.h"
@@ -127,7 +128,7 @@ int RunInspect(const InspectFlags& f) {
     return FailCommand(command, absl::InvalidArgumentError("inspect takes --experts auto or pool"), 2);
   }
 
-  auto spec = runtime::LoadModelSpec(f.model);
+  auto spec = runtime::ReadCheckpointSpec(f.model);
   if (!spec.ok()) return FailCommand(command, spec.status(), 1);
   // The checkpoint's headers where the weights are there; else the tensors config.json implies.
   std::vector<runtime::TensorInfo> tensors;

@@ -19,6 +19,7 @@
 #include "moe/core/progress.h"
 #include "moe/core/status.h"
 #include "moe/runtime/model_spec.h"
+#include "moe/runtime/placement.h"
 #include "moe/runtime/safetensors_writer.h"
 #include "nlohmann/json.hpp"
 #include "oneapi/tbb/parallel_for.h"
@@ -379,75 +380,14 @@ Json ModelConfig(const Shape& s) {
   return c;
 }
 
-void AddFfn(std::vector<TensorEntry>& t, const std::string& p, const char* gate, const char* up, const char* down,
-            int64_t h, int64_t width) {
-  t.push_back({p + gate + ".weight", core::DType::kBF16, {width, h}});
-  t.push_back({p + up + ".weight", core::DType::kBF16, {width, h}});
-  t.push_back({p + down + ".weight", core::DType::kBF16, {h, width}});
-}
-
-void AddAttention(std::vector<TensorEntry>& t, const Shape& s, const std::string& p) {
-  using core::DType;
-  const int64_t h = s.hidden, q = s.heads * s.head_dim, kv = s.kv_heads * s.head_dim;
-  t.push_back({p + "input_layernorm.weight", DType::kBF16, {h}});
-  t.push_back({p + "post_attention_layernorm.weight", DType::kBF16, {h}});
-  t.push_back({p + "self_attn.q_proj.weight", DType::kBF16, {q, h}});
-  t.push_back({p + "self_attn.k_proj.weight", DType::kBF16, {kv, h}});
-  t.push_back({p + "self_attn.v_proj.weight", DType::kBF16, {kv, h}});
-  t.push_back({p + "self_attn.o_proj.weight", DType::kBF16, {h, q}});
-  if (s.qkv_bias) {
-    t.push_back({p + "self_attn.q_proj.bias", DType::kBF16, {q}});
-    t.push_back({p + "self_attn.k_proj.bias", DType::kBF16, {kv}});
-    t.push_back({p + "self_attn.v_proj.bias", DType::kBF16, {kv}});
-  }
-  if (s.qk_norm) {
-    t.push_back({p + "self_attn.q_norm.weight", DType::kBF16, {s.head_dim}});
-    t.push_back({p + "self_attn.k_norm.weight", DType::kBF16, {s.head_dim}});
-  }
-}
-
-void AddMoe(std::vector<TensorEntry>& t, const Shape& s, const std::string& p) {
-  using core::DType;
-  const int64_t h = s.hidden;
-  const bool mixtral = s.arch == Architecture::kMixtral;
-  const std::string block = p + (mixtral ? "block_sparse_moe." : "mlp.");
-  t.push_back({block + "gate.weight", DType::kBF16, {s.experts, h}});
-  if (s.arch == Architecture::kGlm4Moe)
-    t.push_back({block + "gate.e_score_correction_bias", DType::kBF16, {s.experts}});
-  for (int64_t e = 0; e < s.experts; ++e) {
-    const std::string ep = absl::StrCat(block, "experts.", e, ".");
-    if (mixtral) {
-      AddFfn(t, ep, "w1", "w3", "w2", h, s.moe_inter);
-    } else {
-      AddFfn(t, ep, "gate_proj", "up_proj", "down_proj", h, s.moe_inter);
-    }
-  }
-  if (s.arch == Architecture::kQwen2Moe && s.shared_inter > 0) {
-    AddFfn(t, block + "shared_expert.", "gate_proj", "up_proj", "down_proj", h, s.shared_inter);
-    t.push_back({block + "shared_expert_gate.weight", DType::kBF16, {1, h}});
-  }
-  if (s.arch == Architecture::kGlm4Moe && s.n_shared > 0) {
-    AddFfn(t, block + "shared_experts.", "gate_proj", "up_proj", "down_proj", h, s.n_shared * s.moe_inter);
-  }
-}
-
-// Every tensor the loader reads for this shape, in the order of a Hugging Face checkpoint.
-std::vector<TensorEntry> ModelTensors(const Shape& s) {
-  using core::DType;
+// Every tensor the loader reads for `spec`, in the order of a Hugging Face checkpoint: the
+// loader's own list (ExpectedTensors), so that what is written is what is read.
+std::vector<TensorEntry> ModelTensors(const runtime::ModelSpec& spec) {
   std::vector<TensorEntry> t;
-  t.push_back({"model.embed_tokens.weight", DType::kBF16, {s.vocab, s.hidden}});
-  for (int64_t l = 0; l < s.layers; ++l) {
-    const std::string p = absl::StrCat("model.layers.", l, ".");
-    AddAttention(t, s, p);
-    const bool dense = s.arch == Architecture::kGlm4Moe && l < s.first_dense;
-    if (dense) {
-      AddFfn(t, p + "mlp.", "gate_proj", "up_proj", "down_proj", s.hidden, s.inter);
-    } else {
-      AddMoe(t, s, p);
-    }
+  for (const runtime::TensorInfo& info : runtime::ExpectedTensors(spec)) {
+    core::Shape shape = info.rank == 1 ? core::Shape{info.rows} : core::Shape{info.rows, info.elements / info.rows};
+    t.push_back({info.name, core::DType::kBF16, std::move(shape)});
   }
-  t.push_back({"model.norm.weight", DType::kBF16, {s.hidden}});
-  t.push_back({"lm_head.weight", DType::kBF16, {s.vocab, s.hidden}});
   return t;
 }
 
@@ -470,15 +410,16 @@ absl::StatusOr<CheckpointPlan> PlanCheckpoint(const MakeModelOptions& o) {
   CheckpointPlan plan;
   plan.config = ModelConfig(shape).dump(2) + "\n";
   // The loader's own checks on what would be written: a config it refuses is never written.
-  if (absl::Status loads = runtime::ParseModelSpec(plan.config, "config.json").status(); !loads.ok()) {
-    return absl::InternalError(
-        absl::StrCat("make-model: the config.json of preset '", o.preset, "' would not load: ", loads.message()));
+  const absl::StatusOr<runtime::ModelSpec> spec = runtime::ParseModelSpec(plan.config, "config.json");
+  if (!spec.ok()) {
+    return absl::InternalError(absl::StrCat("make-model: the config.json of preset '", o.preset,
+                                            "' would not load: ", spec.status().message()));
   }
   // Split into shards of at most max_shard_bytes of tensors (a tensor is never split), as
   // Hugging Face's max_shard_size does.
   plan.shards.emplace_back();
   int64_t in_shard = 0, headers = 0;
-  for (TensorEntry& t : ModelTensors(shape)) {
+  for (TensorEntry& t : ModelTensors(*spec)) {
     if (in_shard > 0 && in_shard + t.bytes() > o.max_shard_bytes) {
       plan.shards.emplace_back();
       in_shard = 0;

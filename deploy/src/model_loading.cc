@@ -10,7 +10,8 @@
 #include "moe/runtime/memory_plan.h"
 #include "moe/runtime/model_spec.h"
 #include "moe/runtime/routing_profile.h"
-#include "moe/runtime/weight_source.h"
+#include "moe/runtime/checkpoint.h"
+#include "moe/runtime/weight_policy.h"
 
 namespace moe::deploy {
 void DeviceFlags::Add(CLI::App* app) {
@@ -33,11 +34,16 @@ std::optional<core::DType> ParseKvCacheDtype(const std::string& text) {
 }
 
 absl::StatusOr<int64_t> GpuWeightBytes(const std::string& model_dir) {
-  MOE_ASSIGN_OR_RETURN(auto source, runtime::OpenSafetensors(model_dir));
+  MOE_ASSIGN_OR_RETURN(auto checkpoint, runtime::OpenCheckpoint(model_dir));
+  const runtime::ModelSpec& spec = checkpoint->spec();
   int64_t bytes = 0;
-  for (const std::string& name : source->Names()) {
-    MOE_ASSIGN_OR_RETURN(core::TensorView view, source->Get(name));
-    bytes += view.numel() * (name.find("norm") != std::string::npos || view.shape.size() == 1 ? 4 : 2);
+  for (const std::string& name : checkpoint->source().Names()) {
+    const std::optional<runtime::TensorKey> key = checkpoint->names().Parse(name);
+    if (key && key->layer >= spec.num_layers) continue;  // nextn layers: not loaded for the forward
+    MOE_ASSIGN_OR_RETURN(core::TensorView view, checkpoint->source().Get(name));
+    const runtime::TensorRole role = key ? runtime::RoleOf(key->id) : runtime::TensorRole::kOther;
+    bytes += runtime::DeviceWeightBytes(runtime::WeightHome::kGpu, runtime::WeightPolicy{}, view.shape,
+                                        runtime::WeightView::Of(view).format, runtime::UseOf(role, view.rank()), role);
   }
   return bytes;
 }
@@ -97,10 +103,11 @@ absl::Status CheckModelFlags(const DeviceFlags& device_flags, const ExpertFlags&
 
 absl::StatusOr<HybridPlan> PlanHybrid(const std::string& model_dir, const ExpertFlags& experts) {
   HybridPlan plan;
-  MOE_ASSIGN_OR_RETURN(plan.spec, runtime::LoadModelSpec(model_dir));
+  MOE_ASSIGN_OR_RETURN(auto checkpoint, runtime::OpenCheckpoint(model_dir));
+  plan.spec = checkpoint->spec();
   const runtime::ModelSpec& spec = plan.spec;
-  MOE_ASSIGN_OR_RETURN(auto source, runtime::OpenSafetensors(model_dir));
-  MOE_ASSIGN_OR_RETURN(const std::vector<runtime::TensorInfo> tensors, runtime::CheckpointTensors(*source));
+  MOE_ASSIGN_OR_RETURN(const std::vector<runtime::TensorInfo> tensors,
+                       runtime::CheckpointTensors(checkpoint->source()));
   runtime::PlacementOptions options;
   options.cpu_moe = experts.cpu_moe || experts.mode == "pool";
   options.n_cpu_moe = experts.n_cpu_moe;
@@ -110,6 +117,8 @@ absl::StatusOr<HybridPlan> PlanHybrid(const std::string& model_dir, const Expert
   }
   MOE_ASSIGN_OR_RETURN(plan.placement, runtime::PlaceTensors(spec, tensors, options));
   MOE_ASSIGN_OR_RETURN(plan.pool_layers, runtime::CpuExpertLayers(plan.placement));
+  // A nextn layer's experts are not the forward's (speculative decoding places them itself).
+  std::erase_if(plan.pool_layers, [&](int layer) { return layer >= spec.num_layers; });
   plan.moe_layers = spec.num_moe_layers();
   return plan;
 }
@@ -212,7 +221,7 @@ absl::StatusOr<std::unique_ptr<runtime::Model>> LoadModelForCommand(
   options.graphs = !device_flags.eager;
   options.kv_cache_dtype = ParseKvCacheDtype(device_flags.kv_cache_dtype);
   options.progress = gpu;
-  auto backend = runtime::CreateBackend(*device, options.threads, options.weight_format, options.weight_group);
+  auto backend = runtime::CreateBackend(*device, options.threads, options.weights);
   if (!backend.ok()) return backend.status();
   std::cerr << "moeserve " << command << ": device " << (*backend)->name() << ": " << why << "\n";
   for (const std::string& note : notes) std::cerr << "moeserve " << command << ": " << note << "\n";

@@ -47,54 +47,71 @@ absl::StatusOr<std::unique_ptr<KvCache>> Backend::CreateKvCache(const KvCacheSha
   return cache;
 }
 
+StepContext::~StepContext() {
+  if (backend_ != nullptr && backend_->current_ == this) backend_->current_ = &backend_->default_context_;
+}
+
+Backend::Backend() : default_context_(nullptr, 0) {}
+
+Backend::~Backend() = default;
+
+std::unique_ptr<StepContext> Backend::CreateContext() {
+  return std::unique_ptr<StepContext>(new StepContext(this, next_context_id_++));
+}
+
+void Backend::UseContext(StepContext* context) { current_ = context != nullptr ? context : &default_context_; }
+
 absl::Status Backend::ReserveArena(int64_t bytes, int64_t input_bytes) {
-  arena_.reset();
-  staging_.reset();
-  arena_bytes_ = arena_used_ = 0;
+  StepContext& c = *current_;
+  c.arena_.reset();
+  c.staging_.reset();
+  c.arena_bytes_ = c.arena_used_ = 0;
   bytes = AlignUp(bytes);
   auto arena = Allocate(core::DType::kI8, 1, bytes);
   if (!arena.ok()) {
     return absl::ResourceExhaustedError(absl::StrCat("cannot reserve a step arena of ", bytes >> 20, " MiB on ", name(),
                                                      ": ", arena.status().message()));
   }
-  MOE_ASSIGN_OR_RETURN(staging_, AllocateHost(input_bytes));
-  arena_ = std::move(*arena);
-  arena_bytes_ = bytes;
+  MOE_ASSIGN_OR_RETURN(c.staging_, AllocateHost(input_bytes));
+  c.arena_ = std::move(*arena);
+  c.arena_bytes_ = bytes;
   return absl::OkStatus();
 }
 
 absl::StatusOr<Tensor> Backend::Take(core::DType dtype, int64_t rows, int64_t cols) {
+  StepContext& c = *current_;
   const int64_t bytes = AlignUp(rows * cols * core::DTypeSize(dtype));
-  if (arena_ == nullptr || arena_used_ + bytes > arena_bytes_) {
-    return absl::ResourceExhaustedError(absl::StrCat("the step arena of ", arena_bytes_ >> 20,
+  if (c.arena_ == nullptr || c.arena_used_ + bytes > c.arena_bytes_) {
+    return absl::ResourceExhaustedError(absl::StrCat("the step arena of ", c.arena_bytes_ >> 20,
                                                      " MiB is too small for this step (", bytes, " bytes more at ",
-                                                     arena_used_, "); the model was loaded for smaller steps"));
+                                                     c.arena_used_, "); the model was loaded for smaller steps"));
   }
-  Tensor t{static_cast<char*>(arena_->tensor().data) + arena_used_, dtype, rows, cols};
-  arena_used_ += bytes;
+  Tensor t{static_cast<char*>(c.arena_->tensor().data) + c.arena_used_, dtype, rows, cols};
+  c.arena_used_ += bytes;
   return t;
 }
 
 absl::StatusOr<StepTensors> Backend::BeginStep(const StepInputs& in) {
-  arena_used_ = 0;
+  StepContext& c = *current_;
+  c.arena_used_ = 0;
   const std::vector<int32_t>* parts[] = {&in.token_ids, &in.positions,   &in.row_seq,   &in.seq_start,
                                          &in.seq_len,   &in.block_table, &in.logit_rows};
   int64_t total = 0;
   for (const auto* p : parts) total += AlignUp(static_cast<int64_t>(p->size()) * 4);
-  if (staging_ == nullptr || total > staging_->bytes()) {
+  if (c.staging_ == nullptr || total > c.staging_->bytes()) {
     return absl::ResourceExhaustedError(absl::StrCat("the step's inputs take ", total, " bytes, the staging buffer ",
-                                                     staging_ == nullptr ? 0 : staging_->bytes()));
+                                                     c.staging_ == nullptr ? 0 : c.staging_->bytes()));
   }
   MOE_ASSIGN_OR_RETURN(Tensor device, Take(core::DType::kI8, 1, total));
   Tensor views[7];
   int64_t offset = 0;
   for (int i = 0; i < 7; ++i) {
     const int64_t n = static_cast<int64_t>(parts[i]->size());
-    if (n > 0) std::memcpy(staging_->as<char>() + offset, parts[i]->data(), n * 4);
+    if (n > 0) std::memcpy(c.staging_->as<char>() + offset, parts[i]->data(), n * 4);
     views[i] = Tensor{static_cast<char*>(device.data) + offset, core::DType::kI32, n, 1};
     offset += AlignUp(n * 4);
   }
-  CopyFromHost(staging_->data(), device);
+  CopyFromHost(c.staging_->data(), device);
   StepTensors step;
   step.token_ids = views[0];
   step.positions = views[1];

@@ -138,7 +138,7 @@ TEST_P(BackendTest, LinearMatchesReferenceForBf16AndF32Weights) {
 // token and many, with a bias and fused parts, against the fp32 product.
 TEST(PackedLinearTest, PackedLinearWeightsMatchTheFp32Product) {
   for (const auto format : {experts::ExpertFormat::kInt8, experts::ExpertFormat::kInt4}) {
-    auto b = CreateCpuBackend(2, format, 32);
+    auto b = CreateCpuBackend(2, WeightPolicy::Uniform(format, 32));
     for (const auto& [rows, n, k] : {std::tuple<int64_t, int64_t, int64_t>{1, 60, 100}, {37, 257, 192}, {3, 16, 64}}) {
       const std::vector<float> w = Random(n * k, 7), x = Random(rows * k, 8), bias = Random(n, 9);
       const std::vector<uint8_t> wh = testing_util::HostTensor(w, DType::kBF16);
@@ -178,7 +178,7 @@ TEST(CpuBackendThreadsTest, LinearsGiveTheSameBitsOnThePoolsThreads) {
   auto pool = testing_util::TinyPool(3);
   ASSERT_NE(pool, nullptr);
   for (const auto format : {experts::ExpertFormat::kBF16, experts::ExpertFormat::kInt8}) {
-    auto own = CreateCpuBackend(2, format, 32), lent = CreateCpuBackend(2, format, 32);
+    auto own = CreateCpuBackend(2, WeightPolicy::Uniform(format, 32)), lent = CreateCpuBackend(2, WeightPolicy::Uniform(format, 32));
     lent->UseHostThreads(&pool->host_threads());
     EXPECT_EQ(lent->host_threads(), &pool->host_threads());
     for (const auto& [rows, n, k] :

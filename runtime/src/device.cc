@@ -51,10 +51,10 @@ std::string CudaDeviceName(int index) { return absl::StrCat("GPU ", index); }
 #endif
 
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const Device& device, int cpu_threads,
-                                                       experts::ExpertFormat cpu_weight_format, int cpu_weight_group) {
+                                                       const WeightPolicy& cpu_weights) {
   switch (device.kind) {
     case Device::Kind::kCpu:
-      return CreateCpuBackend(cpu_threads, cpu_weight_format, cpu_weight_group);
+      return CreateCpuBackend(cpu_threads, cpu_weights);
     case Device::Kind::kAuto: return absl::InvalidArgumentError("CreateBackend needs a concrete device, not auto");
     case Device::Kind::kCuda: break;
   }

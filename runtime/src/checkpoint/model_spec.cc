@@ -24,6 +24,7 @@ constexpr int64_t kMaxHeads = 1024;
 constexpr int64_t kMaxHeadDim = 1024;
 constexpr int64_t kMaxExperts = 4096;
 constexpr int64_t kMaxSharedExperts = 64;
+constexpr int64_t kMaxNextnLayers = 16;
 constexpr int64_t kMaxIntermediate = int64_t{1} << 20;
 constexpr int64_t kMaxPositions = int64_t{1} << 24;
 
@@ -280,6 +281,9 @@ absl::Status ReadExperts(const ConfigReader& c, ModelSpec& s) {
                                     " is more than ", kMaxIntermediate, " columns of shared experts"));
       }
       s.shared_expert_intermediate_size = static_cast<int>(shared);
+      // GLM-4.5's MTP layers follow the model's own; each has routed experts.
+      MOE_ASSIGN_OR_RETURN(s.num_nextn_layers, c.Int({"num_nextn_predict_layers"}, 0, 0, kMaxNextnLayers));
+      s.nextn_is_moe = true;
       break;
     }
   }
@@ -325,6 +329,18 @@ std::string_view ArchitectureName(Architecture arch) {
   return "?";
 }
 
+std::string_view AttentionKindName(AttentionKind kind) {
+  switch (kind) {
+    case AttentionKind::kGqa:
+      return "gqa";
+    case AttentionKind::kMla:
+      return "mla";
+    case AttentionKind::kGatedDeltaNet:
+      return "gated_deltanet";
+  }
+  return "?";
+}
+
 int ModelSpec::num_moe_layers() const {
   return static_cast<int>(std::count(layer_is_moe.begin(), layer_is_moe.end(), true));
 }
@@ -357,6 +373,7 @@ absl::StatusOr<ModelSpec> ParseModelSpec(std::string_view config_json, std::stri
   MOE_RETURN_IF_ERROR(ReadAttention(c, s));
   MOE_RETURN_IF_ERROR(ReadExperts(c, s));
   MOE_RETURN_IF_ERROR(ReadTokenIds(c, s));
+  s.layer_attention.assign(s.num_all_layers(), AttentionKind::kGqa);
   return s;
 }
 

@@ -132,8 +132,7 @@ class CpuBackend : public Backend {
   }
 
  public:
-  CpuBackend(int threads, experts::ExpertFormat weight_format, int weight_group)
-      : arena_(threads), weight_format_(weight_format), weight_group_(weight_group) {}
+  CpuBackend(int threads, WeightPolicy policy) : arena_(threads), policy_(std::move(policy)) {}
 
   std::string name() const override {
     return host_threads_ != nullptr ? absl::StrCat("cpu (", threads(), " threads, the expert pool's)")
@@ -148,13 +147,18 @@ class CpuBackend : public Backend {
   experts::HostThreads* host_threads() const override { return host_threads_; }
   DType activation_dtype() const override { return DType::kF32; }
 
-  absl::StatusOr<std::unique_ptr<DeviceWeight>> PrepareWeight(const core::TensorView& host, WeightUse use) override {
+  const WeightPolicy& weight_policy() const override { return policy_; }
+
+  absl::StatusOr<std::unique_ptr<DeviceWeight>> PrepareWeight(const core::TensorView& host, WeightUse use,
+                                                              TensorRole role = TensorRole::kOther) override {
     if (host.rank() < 1 || host.rank() > 2) {
       return absl::InvalidArgumentError(
           absl::StrCat("weights must be 1-D or 2-D, got ", core::ShapeString(host.shape)));
     }
     MOE_RETURN_IF_ERROR(CheckWeightDType(host));
-    if (use == WeightUse::kMatrix && weight_format_ != experts::ExpertFormat::kBF16) return Pack({host});
+    if (const experts::ExpertFormat f = policy_.MatrixFormat(role); use == WeightUse::kMatrix && f != experts::ExpertFormat::kBF16) {
+      return Pack({host}, f);
+    }
     // Matrices in bf16 or f32 are used where they lie; everything else becomes an f32 copy.
     if (use != WeightUse::kVector && host.dtype != DType::kF16) {
       return std::unique_ptr<DeviceWeight>(new CpuWeight(host.shape, host.dtype, host.data, {}));
@@ -163,9 +167,12 @@ class CpuBackend : public Backend {
   }
 
   absl::StatusOr<std::unique_ptr<DeviceWeight>> PrepareFusedWeight(const std::vector<core::TensorView>& parts,
-                                                                   WeightUse use) override {
+                                                                   WeightUse use,
+                                                                   TensorRole role = TensorRole::kOther) override {
     for (const auto& p : parts) MOE_RETURN_IF_ERROR(CheckWeightDType(p));
-    if (use == WeightUse::kMatrix && weight_format_ != experts::ExpertFormat::kBF16) return Pack(parts);
+    if (const experts::ExpertFormat f = policy_.MatrixFormat(role); use == WeightUse::kMatrix && f != experts::ExpertFormat::kBF16) {
+      return Pack(parts, f);
+    }
     return Fused(parts);
   }
 
@@ -229,9 +236,9 @@ class CpuBackend : public Backend {
     for (int i = 0; i < reps; ++i) Linear(xt, *weight, nullptr, yt);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     r.matmul_tflops = 2.0 * m * k * out * reps / seconds / 1e12;
-    r.matmul_what = weight_format_ == experts::ExpertFormat::kBF16
+    r.matmul_what = policy_.matrices == experts::ExpertFormat::kBF16
                         ? "fp32 Linear 256x2048x2048"
-                        : absl::StrCat(experts::FormatName(weight_format_), " packed Linear 256x2048x2048");
+                        : absl::StrCat(experts::FormatName(policy_.matrices), " packed Linear 256x2048x2048");
     return r;
   }
 
@@ -512,9 +519,9 @@ class CpuBackend : public Backend {
     rotate(k, k_heads);
   }
 
-  // An owned copy of `parts` stacked by rows: bf16 when every part is bf16, else f32.
-  // `parts` stacked by rows and packed in weight_format_.
-  absl::StatusOr<std::unique_ptr<DeviceWeight>> Pack(const std::vector<core::TensorView>& parts) {
+  // `parts` stacked by rows and packed in `format` (the policy's group for int4).
+  absl::StatusOr<std::unique_ptr<DeviceWeight>> Pack(const std::vector<core::TensorView>& parts,
+                                                     experts::ExpertFormat format) {
     int64_t rows = 0;
     for (const auto& p : parts) {
       if (p.rank() != 2 || p.shape[1] != parts[0].shape[1]) {
@@ -524,7 +531,7 @@ class CpuBackend : public Backend {
     }
     const int64_t cols = parts[0].shape[1];
     MOE_ASSIGN_OR_RETURN(const experts::MatrixLayout layout,
-                         experts::MakeLayout(weight_format_, rows, cols, weight_group_));
+                         experts::MakeLayout(format, rows, cols, policy_.group));
     MOE_ASSIGN_OR_RETURN(auto data, core::AlignedBuffer::Allocate(layout.bytes()));
     experts::PackRows(
         layout,
@@ -621,17 +628,16 @@ class CpuBackend : public Backend {
 
   tbb::task_arena arena_;
   experts::HostThreads* host_threads_ = nullptr;  // lent by the expert pool, or null: arena_
-  const experts::ExpertFormat weight_format_;
-  const int weight_group_;
+  const WeightPolicy policy_;
   const internal::AttentionIsa attention_isa_ = internal::BestAttentionIsa();
   internal::AttentionScratch attention_scratch_;
 };
 
 }  // namespace
 
-std::unique_ptr<Backend> CreateCpuBackend(int threads, experts::ExpertFormat weight_format, int weight_group) {
+std::unique_ptr<Backend> CreateCpuBackend(int threads, const WeightPolicy& policy) {
   if (threads <= 0) threads = tbb::info::default_concurrency();
-  return std::make_unique<CpuBackend>(threads, weight_format, weight_group);
+  return std::make_unique<CpuBackend>(threads, policy);
 }
 
 }  // namespace moe::runtime

@@ -202,12 +202,17 @@ class CudaBackend : public Backend {
     return static_cast<int64_t>(free);
   }
 
-  absl::StatusOr<std::unique_ptr<DeviceWeight>> PrepareWeight(const core::TensorView& host, WeightUse use) override {
-    return PrepareFusedWeight({host}, use);
+  // Matrices, routers and embeddings in bf16, vectors in fp32, whatever the role.
+  const WeightPolicy& weight_policy() const override { return policy_; }
+
+  absl::StatusOr<std::unique_ptr<DeviceWeight>> PrepareWeight(const core::TensorView& host, WeightUse use,
+                                                              TensorRole role = TensorRole::kOther) override {
+    return PrepareFusedWeight({host}, use, role);
   }
 
   absl::StatusOr<std::unique_ptr<DeviceWeight>> PrepareFusedWeight(const std::vector<core::TensorView>& parts,
-                                                                   WeightUse use) override {
+                                                                   WeightUse use,
+                                                                   TensorRole role = TensorRole::kOther) override {
     const DType dtype = use == WeightUse::kVector ? DType::kF32 : DType::kBF16;
     int64_t rows = 0;
     for (const auto& p : parts) {
@@ -262,7 +267,35 @@ class CudaBackend : public Backend {
     return std::unique_ptr<DeviceExperts>(std::move(experts));
   }
 
-  absl::Status ReserveScratch(const StepLimits& l) override {
+  // Grows what an earlier call reserved to the larger of both (a draft model beside its target):
+  // the scratch is shared by every context, and recorded graphs hold its addresses.
+  absl::Status ReserveScratch(const StepLimits& asked) override {
+    StepLimits l = asked;
+    if (scratch_reserved_) {
+      const StepLimits& r = reserved_;
+      const bool fits = l.max_tokens <= r.max_tokens && l.max_logit_rows <= r.max_logit_rows &&
+                        l.max_context <= r.max_context && l.num_heads <= r.num_heads && l.head_dim <= r.head_dim &&
+                        l.vocab <= r.vocab && l.hidden <= r.hidden && l.num_experts <= r.num_experts &&
+                        l.top_k <= r.top_k && l.moe_intermediate <= r.moe_intermediate &&
+                        l.max_bias_width <= r.max_bias_width && (!l.host_experts || r.host_experts);
+      if (fits) return absl::OkStatus();
+      MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+      ClearGraphs();
+      l.max_tokens = std::max(l.max_tokens, r.max_tokens);
+      l.max_logit_rows = std::max(l.max_logit_rows, r.max_logit_rows);
+      l.max_context = std::max(l.max_context, r.max_context);
+      l.num_heads = std::max(l.num_heads, r.num_heads);
+      l.head_dim = std::max(l.head_dim, r.head_dim);
+      l.vocab = std::max(l.vocab, r.vocab);
+      l.hidden = std::max(l.hidden, r.hidden);
+      l.num_experts = std::max(l.num_experts, r.num_experts);
+      l.top_k = std::max(l.top_k, r.top_k);
+      l.moe_intermediate = std::max(l.moe_intermediate, r.moe_intermediate);
+      l.max_bias_width = std::max(l.max_bias_width, r.max_bias_width);
+      l.host_experts = l.host_experts || r.host_experts;
+    }
+    reserved_ = l;
+    scratch_reserved_ = true;
     const int64_t attention = cuda::AttentionWorkspaceFloats(l.max_tokens, l.max_context, l.num_heads, l.head_dim);
     MOE_ASSIGN_OR_RETURN(attention_ws_, Allocate(DType::kF32, 1, std::max<int64_t>(attention, 1)));
     if (l.num_experts > 0) {
@@ -629,7 +662,8 @@ class CudaBackend : public Backend {
 
   absl::Status RunGraphBody(uint64_t key, absl::FunctionRef<absl::Status()> body) {
     if (timing_) return body();  // timed op by op
-    if (auto it = graphs_.find(key); it != graphs_.end()) {
+    const GraphKey graph_key{context().id(), key};
+    if (auto it = graphs_.find(graph_key); it != graphs_.end()) {
       MOE_CUDA_KEEP(cudaGraphLaunch(it->second.exec, stream_));
       return absl::OkStatus();
     }
@@ -659,7 +693,7 @@ class CudaBackend : public Backend {
       cudaGraphExecDestroy(exec);
       return absl::OkStatus();
     }
-    graphs_[key] = Graph{exec, std::move(calls)};
+    graphs_[graph_key] = Graph{exec, std::move(calls)};
     return absl::OkStatus();
   }
 
@@ -1182,6 +1216,7 @@ class CudaBackend : public Backend {
   }
 
   const int device_;
+  const WeightPolicy policy_;
   std::string name_;
   cudaStream_t stream_ = nullptr;
   void* linear_workspace_ = nullptr;
@@ -1202,7 +1237,12 @@ class CudaBackend : public Backend {
     cudaGraphExec_t exec = nullptr;
     std::vector<std::unique_ptr<HostCall>> host_calls;  // what its host function nodes read
   };
-  std::map<uint64_t, Graph> graphs_;
+  // By (step context, the model's key): each model on this backend records its own.
+  using GraphKey = std::pair<uint64_t, uint64_t>;
+  std::map<GraphKey, Graph> graphs_;
+  // The largest limits ReserveScratch was asked for, over every context.
+  StepLimits reserved_;
+  bool scratch_reserved_ = false;
   // Hybrid execution (ReserveHostExperts).
   cudaStream_t host_stream_ = nullptr;
   cudaEvent_t host_fork_ = nullptr, host_join_ = nullptr, host_step_done_ = nullptr;

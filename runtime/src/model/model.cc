@@ -16,16 +16,13 @@
 #include "moe/core/status.h"
 #include "moe/runtime/backend_cpu.h"
 #include "moe/runtime/routing_profile.h"
+#include "model/held_experts.h"
+#include "model/load_plan.h"
+#include "model/prefill_probe.h"
 #include "model/moe_block.h"
 
 namespace moe::runtime {
 namespace {
-
-// A newcomer takes a held expert's place on the backend only when its score is this much higher.
-constexpr double kHeldExpertsMargin = 1.25;
-// At each refresh the scores so far are multiplied by this before the new counts are added: the
-// ranking remembers about four refreshes' worth of picks.
-constexpr double kHeldExpertsDecay = 0.75;
 
 using core::DType;
 using internal::FfnBuffers;
@@ -112,88 +109,6 @@ absl::Status ForEachStepBuffer(const ModelSpec& s, DType act, int64_t t, int64_t
 
 }  // namespace
 
-// Held experts chosen while serving: the picks counted on the backend, each pool layer's scores,
-// and the swaps queued for the next steps.
-struct Model::HeldExperts {
-  std::unique_ptr<DeviceBuffer> counts;  // [num_layers x E] int32 on the backend, rows of pool layers
-  std::unique_ptr<HostBuffer> host_counts;
-  std::vector<int32_t> zeros;
-  std::vector<std::vector<double>> scores;  // per model layer
-  struct Swap {
-    int layer, out, in;
-  };
-  std::deque<Swap> pending;
-  int steps = 0;
-  HeldExpertsStats stats;
-};
-
-absl::Status Model::StartHeldExperts() {
-  Backend& b = *backend_;
-  const int e = spec_.routing.num_experts;
-  held_ = std::make_unique<HeldExperts>();
-  MOE_ASSIGN_OR_RETURN(held_->counts, b.Allocate(DType::kI32, spec_.num_layers, e));
-  MOE_ASSIGN_OR_RETURN(held_->host_counts, b.AllocateHost(int64_t{spec_.num_layers} * e * 4));
-  held_->zeros.assign(static_cast<size_t>(spec_.num_layers) * e, 0);
-  held_->scores.assign(spec_.num_layers, std::vector<double>(e, 0.0));
-  b.CopyFromHost(held_->zeros.data(), held_->counts->tensor());
-  return b.Synchronize();
-}
-
-absl::Status Model::RefreshHeldExperts() {
-  if (held_ == nullptr) return absl::OkStatus();
-  Backend& b = *backend_;
-  HeldExperts& h = *held_;
-  // One swap a step: one expert's weights copied to the backend, queued before the step.
-  while (!h.pending.empty()) {
-    const HeldExperts::Swap swap = h.pending.front();
-    h.pending.pop_front();
-    LayerWeights& lw = weights_->layers[swap.layer];
-    const int slot = lw.backend_index_host[swap.out];
-    if (slot < 0 || lw.backend_index_host[swap.in] >= 0) continue;  // no longer applies
-    const internal::ExpertTensorNames names = internal::ExpertNames(spec_, swap.layer, swap.in);
-    MOE_ASSIGN_OR_RETURN(core::TensorView gate, source_->Get(names.gate));
-    MOE_ASSIGN_OR_RETURN(core::TensorView up, source_->Get(names.up));
-    MOE_ASSIGN_OR_RETURN(core::TensorView down, source_->Get(names.down));
-    MOE_RETURN_IF_ERROR(b.ReplaceExpert(*lw.experts, slot, gate, up, down));
-    lw.backend_index_host[swap.out] = -1;
-    lw.backend_index_host[swap.in] = slot;
-    b.CopyFromHost(lw.backend_index_host.data(), lw.backend_index->tensor());
-    ++h.stats.swaps;
-    break;
-  }
-  if (++h.steps < options_.held_experts_refresh_steps) return absl::OkStatus();
-  h.steps = 0;
-  ++h.stats.refreshes;
-  b.CopyToHost(h.counts->tensor(), h.host_counts->data());
-  MOE_RETURN_IF_ERROR(b.Synchronize());
-  b.CopyFromHost(h.zeros.data(), h.counts->tensor());
-  const int e = spec_.routing.num_experts;
-  h.pending.clear();
-  for (int layer : pool_layers_) {
-    const LayerWeights& lw = weights_->layers[layer];
-    if (lw.backend_index == nullptr) continue;
-    const int32_t* counts = h.host_counts->as<int32_t>() + static_cast<int64_t>(layer) * e;
-    std::vector<double>& scores = h.scores[layer];
-    std::vector<int> held;
-    for (int x = 0; x < e; ++x) {
-      scores[x] = kHeldExpertsDecay * scores[x] + counts[x];
-      h.stats.picks += counts[x];
-      if (lw.backend_index_host[x] >= 0) {
-        held.push_back(x);
-        h.stats.held_picks += counts[x];
-      }
-    }
-    for (const auto& [out, in] : PlanHeldExpertSwaps(scores, held, kHeldExpertsMargin)) {
-      h.pending.push_back({layer, out, in});
-    }
-  }
-  if (!h.pending.empty()) {
-    MOE_LOG(kInfo) << "experts held on " << b.name() << ": " << h.pending.size()
-                   << " swaps queued from the picks counted while serving (one a step)";
-  }
-  return absl::OkStatus();
-}
-
 std::vector<int> Model::held_experts(int layer) const {
   if (layer < 0 || layer >= spec_.num_layers) return {};
   const LayerWeights& lw = weights_->layers[layer];
@@ -207,7 +122,7 @@ std::vector<int> Model::held_experts(int layer) const {
   return held;
 }
 
-Model::HeldExpertsStats Model::held_experts_stats() const { return held_ ? held_->stats : HeldExpertsStats{}; }
+Model::HeldExpertsStats Model::held_experts_stats() const { return held_ ? held_->stats() : HeldExpertsStats{}; }
 
 Model::~Model() {
   // The backend outlives the pool (it may be shared, and is destroyed last): nothing of its may
@@ -293,128 +208,41 @@ int Model::VocabParts() const {
   return split_head ? p.size : 1;
 }
 
-absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& model_dir, const ModelOptions& options,
+absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const ModelOptions& options,
                                                    std::shared_ptr<Backend> backend) {
+  MOE_RETURN_IF_ERROR(internal::CheckStepLimits(options));
   std::unique_ptr<Model> model(new Model());
   model->options_ = options;
-  MOE_ASSIGN_OR_RETURN(model->spec_, LoadModelSpec(model_dir));
+  MOE_ASSIGN_OR_RETURN(model->checkpoint_, OpenCheckpoint(path));
+  model->spec_ = model->checkpoint_->spec();
   const ModelSpec& spec = model->spec_;
-  if (options.max_step_tokens <= 0 || options.max_logit_rows <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat("max_step_tokens (", options.max_step_tokens,
-                                                   ") and max_logit_rows (", options.max_logit_rows,
-                                                   ") must be positive"));
-  }
   model->options_.max_logit_rows = std::min(options.max_logit_rows, options.max_step_tokens);
   if (model->options_.max_context <= 0 || model->options_.max_context > spec.max_position_embeddings) {
     model->options_.max_context = spec.max_position_embeddings;
   }
   MOE_RETURN_IF_ERROR(model->PlanShare());
   model->backend_ =
-      backend != nullptr
-          ? std::move(backend)
-          : std::shared_ptr<Backend>(CreateCpuBackend(options.threads, options.weight_format, options.weight_group));
+      backend != nullptr ? std::move(backend) : std::shared_ptr<Backend>(CreateCpuBackend(options.threads, options.weights));
   Backend& b = *model->backend_;
-  MOE_ASSIGN_OR_RETURN(model->source_, OpenSafetensors(model_dir));
-  std::vector<int>& pool_layers = model->pool_layers_;
-  const Range& layers = model->layers_;
-  if (options.experts == RoutedExpertsMode::kPool) {
-    if (options.pool_layers) {
-      pool_layers = *options.pool_layers;
-      std::sort(pool_layers.begin(), pool_layers.end());
-      pool_layers.erase(std::unique(pool_layers.begin(), pool_layers.end()), pool_layers.end());
-      for (int l : pool_layers) {
-        if (l < 0 || l >= spec.num_layers || !spec.IsMoeLayer(l)) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("routed experts of layer ", l, " in the CPU pool: the model's ", spec.num_layers,
-                           " layers have routed experts in ", spec.num_moe_layers(), " of them, and not in layer ", l));
-        }
-      }
-    } else {
-      for (int l = 0; l < spec.num_layers; ++l) {
-        if (spec.IsMoeLayer(l)) pool_layers.push_back(l);
-      }
-    }
-    // A layer split's stage holds only its own layers' experts.
-    pool_layers.erase(std::remove_if(pool_layers.begin(), pool_layers.end(),
-                                     [&](int l) { return l < layers.begin || l >= layers.end; }),
-                      pool_layers.end());
-  }
-  const bool tensor = options.parallel.mode == ParallelMode::kTensor && options.parallel.split();
-  if (tensor && (options.held_experts_per_layer > 0 || !options.backend_experts.empty())) {
-    return absl::UnimplementedError(
-        "a tensor split owns its share of the routed experts; holding a pool layer's experts on the GPU too "
-        "(--gpu-experts-per-layer) is not built for it yet");
-  }
+  MOE_ASSIGN_OR_RETURN(internal::LoadPlan plan, internal::PlanLoad(spec, options, model->layers_, b));
+  model->pool_layers_ = plan.pool_layers;
+  const std::vector<int>& pool_layers = model->pool_layers_;
   const bool pool = !pool_layers.empty();
-  if (options.kv_cache_dtype && !b.SupportsKvDtype(*options.kv_cache_dtype)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("a KV cache in ", core::DTypeName(*options.kv_cache_dtype), ": ", b.name(), " keeps it in ",
-                     core::DTypeName(b.activation_dtype()),
-                     *options.kv_cache_dtype == DType::kF8E4M3 ? " (an fp8 KV cache is for a GPU)" : ""));
-  }
-  if (options.defer_experts < 0 || options.defer_experts >= spec.routing.top_k) {
-    return absl::InvalidArgumentError(absl::StrCat("defer_experts ", options.defer_experts, ": the model picks ",
-                                                   spec.routing.top_k, " experts a token, so at most ",
-                                                   spec.routing.top_k - 1, " can be deferred"));
-  }
-  if (options.defer_experts > 0 && !pool) {
-    return absl::InvalidArgumentError(
-        "expert deferral finishes routed experts in the CPU pool beside the next layer's attention: it needs "
-        "routed experts in the pool (--experts auto or pool on the CPU, --cpu-moe or --n-cpu-moe on a GPU)");
-  }
-  if (pool && b.HostAddressable() && b.activation_dtype() != DType::kF32) {
-    return absl::FailedPreconditionError(absl::StrCat("routed experts in the CPU expert pool need fp32 activations; ",
-                                                      b.name(), " has ", core::DTypeName(b.activation_dtype())));
-  }
-  // The routed experts each layer's backend holds: all of them, or for a pool layer the ones
-  // options.backend_experts names (--gpu-experts-per-layer).
-  std::vector<std::vector<int>> backend_experts(spec.num_layers);
-  for (int l = 0; l < spec.num_layers; ++l) {
-    backend_experts[l].resize(spec.routing.num_experts);
-    std::iota(backend_experts[l].begin(), backend_experts[l].end(), 0);
-  }
-  for (int l : pool_layers) backend_experts[l].clear();
-  for (const auto& [layer, ids] : options.backend_experts) {
-    if (std::find(pool_layers.begin(), pool_layers.end(), layer) == pool_layers.end()) {
-      return absl::InvalidArgumentError(absl::StrCat("experts of layer ", layer,
-                                                     " held on the backend too: the layer's experts are not in the "
-                                                     "CPU pool"));
-    }
-    std::vector<int> sorted = ids;
-    std::sort(sorted.begin(), sorted.end());
-    if (std::unique(sorted.begin(), sorted.end()) != sorted.end() || sorted.empty() || sorted.front() < 0 ||
-        sorted.back() >= spec.routing.num_experts) {
-      return absl::InvalidArgumentError(absl::StrCat("experts of layer ", layer,
-                                                     " held on the backend too: distinct ids in [0, ",
-                                                     spec.routing.num_experts, ") expected"));
-    }
-    backend_experts[layer] = ids;
-  }
-  const int held_n = options.held_experts_per_layer;
-  if (held_n != 0) {
-    if (held_n < 0 || held_n > spec.routing.num_experts || !options.backend_experts.empty() || pool_layers.empty() ||
-        options.held_experts_refresh_steps < 1) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "experts held on the backend while serving: ", held_n, " of each pool layer's ", spec.routing.num_experts,
-          " (1 to ", spec.routing.num_experts, "), refreshed every ", options.held_experts_refresh_steps,
-          " steps (1 or more), with routed experts in the pool and no backend_experts (a profile's choice)"));
-    }
-    for (int l : pool_layers) {
-      backend_experts[l].resize(held_n);
-      std::iota(backend_experts[l].begin(), backend_experts[l].end(), 0);
-    }
-  }
+  const bool tensor = options.parallel.mode == ParallelMode::kTensor && options.parallel.split();
   internal::WeightShare share;
-  share.layers = layers;
+  share.layers = model->layers_;
   if (tensor) share.tensor = model->shard_;
   MOE_ASSIGN_OR_RETURN(model->weights_,
-                       internal::LoadWeights(spec, *model->source_, b, backend_experts, options.progress, share));
-  if (held_n > 0) MOE_RETURN_IF_ERROR(model->StartHeldExperts());
+                       internal::LoadWeights(*model->checkpoint_, b, plan.backend_experts, options.progress, share));
+  if (options.held_experts_per_layer > 0) {
+    MOE_ASSIGN_OR_RETURN(model->held_,
+                         internal::HeldExpertsPolicy::Start(b, *model->checkpoint_, *model->weights_, pool_layers,
+                                                            options.held_experts_refresh_steps));
+  }
   if (pool) {
     experts::ExpertPoolOptions pool_options = options.pool;
     pool_options.linger_us = options.expert_linger_us.value_or(b.ComputesOnHostCores() ? 0 : pool_options.linger_us);
-    MOE_ASSIGN_OR_RETURN(model->pool_,
-                         internal::CreatePool(spec, *model->source_, pool_options, model_dir, pool_layers));
+    MOE_ASSIGN_OR_RETURN(model->pool_, internal::CreatePool(*model->checkpoint_, pool_options, pool_layers));
     if (b.ComputesOnHostCores() && options.share_host_threads) b.UseHostThreads(&model->pool_->host_threads());
   }
   model->routed_experts_ = internal::MakeRoutedExperts(b, *model->weights_, spec, model->pool_.get(), pool_layers,
@@ -449,73 +277,20 @@ absl::Status Model::SetUpStreamedExperts() {
   MOE_RETURN_IF_ERROR(set);
   prefill_offload_tokens_ = options_.prefill_offload_tokens;
   if (prefill_offload_tokens_ > 0) return absl::OkStatus();
-  // Measured: one layer of `t` random tokens on the pool, then streamed to the GPU and computed
-  // there (its copy not overlapped: the first layer of a step). The CPU's time grows with the
-  // tokens, the stream's hardly: the threshold is where they cross.
-  const int t = std::min(512, options_.max_step_tokens);
-  const int k = s.routing.top_k, h = s.hidden_size;
-  std::mt19937 rng(5);
-  std::vector<float> x(int64_t{t} * h), weights(int64_t{t} * k, 1.0f / k), out(int64_t{t} * h);
-  std::normal_distribution<float> normal;
-  for (float& v : x) v = normal(rng);
-  std::vector<int32_t> ids(int64_t{t} * k), all(s.routing.num_experts);
-  std::iota(all.begin(), all.end(), 0);
-  for (int r = 0; r < t; ++r) {
-    std::shuffle(all.begin(), all.end(), rng);
-    std::copy(all.begin(), all.begin() + k, ids.begin() + int64_t{r} * k);
-  }
-  auto seconds = [](auto&& f) {
-    const auto start = std::chrono::steady_clock::now();
-    f();
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  };
-  // The pool's best of three calls (the first wakes its threads and faults its scratch in).
-  absl::Status cpu_status;
-  double cpu = 1e30;
-  for (int run = 0; run < 3 && cpu_status.ok(); ++run) {
-    cpu = std::min(cpu, seconds([&] {
-                     cpu_status =
-                         pool_->Compute(run % e.num_layers, x.data(), t, ids.data(), weights.data(), out.data());
-                   }));
-  }
-  MOE_RETURN_IF_ERROR(cpu_status);
-  std::vector<uint16_t> xb(x.size());
-  for (size_t i = 0; i < x.size(); ++i) xb[i] = core::FloatToBf16(x[i]);
-  MOE_ASSIGN_OR_RETURN(auto dx, b.Allocate(DType::kBF16, t, h));
-  MOE_ASSIGN_OR_RETURN(auto dids, b.Allocate(DType::kI32, t, k));
-  MOE_ASSIGN_OR_RETURN(auto dw, b.Allocate(DType::kF32, t, k));
-  MOE_ASSIGN_OR_RETURN(auto dout, b.Allocate(DType::kF32, t, h));
-  b.CopyFromHost(xb.data(), dx->tensor());
-  b.CopyFromHost(ids.data(), dids->tensor());
-  b.CopyFromHost(weights.data(), dw->tensor());
-  MOE_RETURN_IF_ERROR(b.Synchronize());
   auto* host = dynamic_cast<HostExperts*>(routed_experts_.get());
   if (host == nullptr) return absl::InternalError("the routed experts cannot run on the host");
-  b.SetStreamTokens(1);
-  // The last pool layer, twice (the first run loads the kernels): nothing after it is prefetched.
-  const int last = e.num_layers - 1;
-  absl::Status gpu_status;
-  double gpu = 0;
-  for (int run = 0; run < 2 && gpu_status.ok(); ++run) {
-    gpu = seconds([&] {
-      gpu_status = b.StartHostExperts(*host, pool_layers_[last], last, dx->tensor(), dids->tensor(), dw->tensor(),
-                                      dout->tensor());
-      if (gpu_status.ok()) gpu_status = b.FinishHostExperts();
-      if (gpu_status.ok()) gpu_status = b.Synchronize();
-    });
-  }
-  MOE_RETURN_IF_ERROR(gpu_status);
-  prefill_offload_tokens_ = std::max(32, static_cast<int>(std::ceil(t * gpu / std::max(cpu, 1e-9))));
+  MOE_ASSIGN_OR_RETURN(const internal::PrefillOffload measured,
+                       internal::MeasurePrefillOffload(b, *pool_, *host, s, pool_layers_, options_.max_step_tokens));
+  prefill_offload_tokens_ = measured.tokens;
+  prefill_offload_note_ = measured.note;
   b.SetStreamTokens(prefill_offload_tokens_);
-  prefill_offload_note_ = absl::StrFormat(
-      "prefill: a CPU layer's experts stream to the GPU and run there in %.1f ms, the CPU pool takes %.1f ms for %d "
-      "tokens: steps of at least %d tokens stream them (--prefill-offload-tokens)",
-      gpu * 1e3, cpu * 1e3, t, prefill_offload_tokens_);
   return absl::OkStatus();
 }
 
 absl::Status Model::ReserveStep() {
   Backend& b = *backend_;
+  context_ = b.CreateContext();  // this model's arena and graphs, whatever else shares the backend
+  b.UseContext(context_.get());
   const ModelSpec& s = local_;
   const std::vector<float> inv_freq = RopeInverseFrequencies(s);
   MOE_ASSIGN_OR_RETURN(rope_inv_freq_, b.Allocate(DType::kF32, 1, static_cast<int64_t>(inv_freq.size())));
@@ -721,7 +496,7 @@ absl::Status Model::RunLayers(const StepTensors& step, const StepBuffers& buf, K
     if (s.IsMoeLayer(layer)) {
       internal::PickCounter counter;
       if (held_ != nullptr && lw.backend_index != nullptr) {
-        counter = {&step, cache.scratch_block(), held_->counts->tensor().Rows(layer, 1)};
+        counter = {&step, cache.scratch_block(), held_->counts(layer)};
       }
       MOE_RETURN_IF_ERROR(
           core::Annotate(internal::RunMoe(b, s, lw, *routed_experts_, layer, buf.h, buf.ffn, buf.delta, counter),
@@ -766,8 +541,9 @@ absl::Status Model::RunLayers(const StepTensors& step, const StepBuffers& buf, K
 
 absl::StatusOr<Tensor> Model::ForwardOnDevice(const ForwardBatch& batch, KvCache& cache) {
   MOE_RETURN_IF_ERROR(CheckBatch(batch, cache));
-  MOE_RETURN_IF_ERROR(RefreshHeldExperts());
   Backend& b = *backend_;
+  b.UseContext(context_.get());
+  if (held_ != nullptr) MOE_RETURN_IF_ERROR(held_->BeforeStep());
   const int rows = static_cast<int>(batch.token_ids.size());
   // A decode step (one token per sequence, each wanting logits) is replayed from a graph.
   bool decode = options_.graphs && !tap_ && b.SupportsGraphs() && batch.logit_rows.size() == batch.token_ids.size();

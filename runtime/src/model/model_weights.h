@@ -12,17 +12,11 @@
 #include "moe/runtime/model.h"
 #include "moe/runtime/model_spec.h"
 #include "moe/runtime/parallel.h"
-#include "moe/runtime/weight_source.h"
+#include "moe/runtime/checkpoint.h"
 
 namespace moe::runtime {
 
 namespace internal {
-
-// Names of one routed expert's tensors in the checkpoint.
-struct ExpertTensorNames {
-  std::string gate, up, down;
-};
-ExpertTensorNames ExpertNames(const ModelSpec& spec, int layer, int expert);
 
 struct FfnWeights {  // SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused by rows
   std::unique_ptr<DeviceWeight> gate_up, down;
@@ -56,13 +50,12 @@ struct WeightShare {
   std::optional<TensorShard> tensor;
 };
 
-// Loads every tensor the spec needs (of `share`: the whole model by default). Errors name the tensor, its file, the
+// Loads every tensor the checkpoint's spec needs (of `share`: the whole model by default). Errors name the tensor, its file, the
 // expected and the found shape or dtype, and the config key the expectation comes from. Routed experts are always
 // checked, but handed to the backend only as `backend_experts[layer]` lists them: every expert,
 // none (the expert pool holds the layer), or some (the pool holds the layer, the backend these
 // too, with a backend_index to find them). Progress (bytes and GB/s) goes to stderr when `progress`.
-absl::StatusOr<std::unique_ptr<Model::Weights>> LoadWeights(const ModelSpec& spec, const WeightSource& source,
-                                                            Backend& backend,
+absl::StatusOr<std::unique_ptr<Model::Weights>> LoadWeights(const Checkpoint& checkpoint, Backend& backend,
                                                             const std::vector<std::vector<int>>& backend_experts,
                                                             bool progress, const WeightShare& share);
 

@@ -283,10 +283,10 @@ std::unique_ptr<RoutedExperts> MakeRoutedExperts(Backend& backend, const Model::
   return std::make_unique<LayerExperts>(backend, weights, spec, pool, pool_layers, defer_experts, shard);
 }
 
-absl::StatusOr<std::unique_ptr<experts::ExpertPool>> CreatePool(const ModelSpec& spec, const WeightSource& source,
+absl::StatusOr<std::unique_ptr<experts::ExpertPool>> CreatePool(const Checkpoint& checkpoint,
                                                                 experts::ExpertPoolOptions options,
-                                                                const std::string& model_dir,
                                                                 const std::vector<int>& moe_layers) {
+  const ModelSpec& spec = checkpoint.spec();
   experts::ExpertShape shape;
   shape.num_layers = static_cast<int>(moe_layers.size());
   shape.num_experts = spec.routing.num_experts;
@@ -294,19 +294,24 @@ absl::StatusOr<std::unique_ptr<experts::ExpertPool>> CreatePool(const ModelSpec&
   shape.hidden = spec.hidden_size;
   shape.intermediate = spec.moe_intermediate_size;
   std::error_code ec;
-  const auto canonical = std::filesystem::weakly_canonical(model_dir, ec);
-  options.model_id = ec ? model_dir : canonical.string();
+  const auto canonical = std::filesystem::weakly_canonical(checkpoint.path(), ec);
+  // The path names the model for people; the content id keeps a changed checkpoint out of the
+  // segment its earlier files filled.
+  options.model_id = absl::StrCat(ec ? checkpoint.path() : canonical.string(), " contents ", checkpoint.id());
   // A pool of some layers only is another segment than the whole model's.
   if (static_cast<int>(moe_layers.size()) != spec.num_moe_layers()) {
     options.model_id += " layers " + absl::StrJoin(moe_layers, ",");
   }
   return experts::ExpertPool::Create(shape, options,
                                      [&](int moe_layer, int expert) -> absl::StatusOr<experts::ExpertWeights> {
-                                       const ExpertTensorNames names = ExpertNames(spec, moe_layers[moe_layer], expert);
-                                       MOE_ASSIGN_OR_RETURN(core::TensorView gate, source.Get(names.gate));
-                                       MOE_ASSIGN_OR_RETURN(core::TensorView up, source.Get(names.up));
-                                       MOE_ASSIGN_OR_RETURN(core::TensorView down, source.Get(names.down));
-                                       return experts::ExpertWeights{gate, up, down};
+                                       const int layer = moe_layers[moe_layer];
+                                       MOE_ASSIGN_OR_RETURN(WeightView gate,
+                                                            checkpoint.Get({TensorId::kExpertGate, layer, expert}));
+                                       MOE_ASSIGN_OR_RETURN(WeightView up,
+                                                            checkpoint.Get({TensorId::kExpertUp, layer, expert}));
+                                       MOE_ASSIGN_OR_RETURN(WeightView down,
+                                                            checkpoint.Get({TensorId::kExpertDown, layer, expert}));
+                                       return experts::ExpertWeights{gate.AsTensor(), up.AsTensor(), down.AsTensor()};
                                      });
 }
 

@@ -57,9 +57,8 @@ std::unique_ptr<RoutedExperts> MakeRoutedExperts(Backend& backend, const Model::
                                                  int defer_experts, const TensorShard* shard);
 
 // Packs the routed experts of the model layers `moe_layers` into a new CPU expert pool.
-absl::StatusOr<std::unique_ptr<experts::ExpertPool>> CreatePool(const ModelSpec& spec, const WeightSource& source,
+absl::StatusOr<std::unique_ptr<experts::ExpertPool>> CreatePool(const Checkpoint& checkpoint,
                                                                 experts::ExpertPoolOptions options,
-                                                                const std::string& model_dir,
                                                                 const std::vector<int>& moe_layers);
 
 }  // namespace moe::runtime::internal

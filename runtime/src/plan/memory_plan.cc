@@ -11,12 +11,17 @@
 #include "moe/experts/expert_pool.h"
 #include "moe/runtime/kv_cache.h"
 #include "moe/runtime/model.h"
+#include "moe/runtime/weight_policy.h"
 
 namespace moe::runtime {
 namespace {
 
-// On a GPU matrices are bf16 and vectors (norms, biases) fp32, whatever the checkpoint holds.
-int64_t GpuBytes(const TensorPlace& t) { return t.elements * (t.rank == 1 ? 4 : 2); }
+// What a tensor takes on the GPU, by the GPU's weight policy (weight_policy.h).
+int64_t GpuBytes(const TensorPlace& t) {
+  const core::Shape shape = t.rank == 1 || t.rows <= 0 ? core::Shape{t.elements} : core::Shape{t.rows, t.elements / t.rows};
+  return DeviceWeightBytes(WeightHome::kGpu, WeightPolicy{}, shape, WeightFormat::Plain(core::DType::kBF16),
+                           UseOf(t.kind.role, t.rank), t.kind.role);
+}
 
 std::string Thousands(int64_t v) {
   std::string digits = absl::StrCat(v), out;
@@ -58,6 +63,8 @@ absl::StatusOr<MemoryPlan> PlanMemory(const ModelSpec& spec, const Placement& pl
   std::set<int> cpu_layers, gpu_expert_layers;
   int64_t host_other = 0, gpu_experts = 0;
   for (const TensorPlace& t : placement.tensors) {
+    // MTP / nextn layers are not loaded for the forward (speculative decoding loads them itself).
+    if (t.kind.layer >= spec.num_layers) continue;
     const bool expert = t.kind.role == TensorRole::kRoutedExpert;
     if (t.device.kind == Device::Kind::kCpu) {
       if (expert) {

@@ -1,7 +1,6 @@
 #include "moe/runtime/placement.h"
 
 #include <cctype>
-#include <charconv>
 #include <map>
 #include <utility>
 
@@ -11,35 +10,6 @@
 namespace moe::runtime {
 namespace {
 
-bool Contains(std::string_view s, std::string_view part) { return s.find(part) != std::string_view::npos; }
-
-// A non-negative decimal that is all of `s`, or -1.
-int Index(std::string_view s) {
-  int v = -1;
-  const auto [end, err] = std::from_chars(s.data(), s.data() + s.size(), v);
-  return err == std::errc() && end == s.data() + s.size() && v >= 0 ? v : -1;
-}
-
-// "model.layers.12.rest" -> 12 and "rest"; -1 for names outside the layers.
-int LayerOf(std::string_view name, std::string_view* rest) {
-  constexpr std::string_view kPrefix = "model.layers.";
-  if (!name.starts_with(kPrefix)) return -1;
-  name.remove_prefix(kPrefix.size());
-  const size_t dot = name.find('.');
-  if (dot == std::string_view::npos) return -1;
-  *rest = name.substr(dot + 1);
-  return Index(name.substr(0, dot));
-}
-
-// The expert of "experts.7.…" in `rest`, or -1.
-int ExpertOf(std::string_view rest) {
-  const size_t at = rest.find("experts.");
-  if (at == std::string_view::npos || (at > 0 && rest[at - 1] != '.')) return -1;
-  std::string_view tail = rest.substr(at + 8);
-  const size_t dot = tail.find('.');
-  return dot == std::string_view::npos ? -1 : Index(tail.substr(0, dot));
-}
-
 // Read whole for every token (an embedding lookup reads one row, a routed expert only when chosen).
 bool PerToken(TensorRole role) {
   return role != TensorRole::kRoutedExpert && role != TensorRole::kOther && role != TensorRole::kEmbedding;
@@ -48,54 +18,6 @@ bool PerToken(TensorRole role) {
 std::string MiB(int64_t bytes) { return absl::StrFormat("%.1f MiB", bytes / 1048576.0); }
 
 }  // namespace
-
-std::string_view TensorRoleName(TensorRole role) {
-  switch (role) {
-    case TensorRole::kEmbedding:
-      return "embedding";
-    case TensorRole::kNorm:
-      return "norm";
-    case TensorRole::kAttention:
-      return "attention";
-    case TensorRole::kRouter:
-      return "router";
-    case TensorRole::kSharedExpert:
-      return "shared expert";
-    case TensorRole::kRoutedExpert:
-      return "routed expert";
-    case TensorRole::kDenseFfn:
-      return "dense FFN";
-    case TensorRole::kLmHead:
-      return "LM head";
-    case TensorRole::kOther:
-      return "other";
-  }
-  return "other";
-}
-
-TensorKind ClassifyTensor(std::string_view name) {
-  TensorKind k;
-  if (name == "model.embed_tokens.weight") return {TensorRole::kEmbedding, -1, -1};
-  if (name == "lm_head.weight") return {TensorRole::kLmHead, -1, -1};
-  if (name == "model.norm.weight") return {TensorRole::kNorm, -1, -1};
-  std::string_view rest;
-  k.layer = LayerOf(name, &rest);
-  if (k.layer < 0) return k;
-  if (Contains(rest, "layernorm") || Contains(rest, "_norm.")) {
-    k.role = TensorRole::kNorm;
-  } else if (rest.starts_with("self_attn.")) {
-    k.role = TensorRole::kAttention;
-  } else if (Contains(rest, "shared_expert")) {  // shared_expert., shared_experts., shared_expert_gate.
-    k.role = TensorRole::kSharedExpert;
-  } else if ((k.expert = ExpertOf(rest)) >= 0) {
-    k.role = TensorRole::kRoutedExpert;
-  } else if (rest.starts_with("mlp.gate.") || rest.starts_with("block_sparse_moe.gate.")) {
-    k.role = TensorRole::kRouter;
-  } else if (rest.starts_with("mlp.")) {
-    k.role = TensorRole::kDenseFfn;
-  }
-  return k;
-}
 
 absl::StatusOr<OverrideRule> ParseOverrideRule(std::string_view view) {
   const std::string text(view);
@@ -226,60 +148,62 @@ absl::StatusOr<std::vector<TensorInfo>> CheckpointTensors(const WeightSource& so
   return out;
 }
 
-std::vector<TensorInfo> ExpectedTensors(const ModelSpec& s) {
+std::vector<TensorInfo> ExpectedTensors(const ModelSpec& s, Container container) {
+  using I = TensorId;
+  const TensorNames& names = TensorNames::For(s.arch, container);
   std::vector<TensorInfo> out;
-  auto add = [&](std::string name, int64_t rows, int64_t cols = 0) {
+  auto add = [&](TensorKey key, int64_t rows, int64_t cols = 0) {
     const int64_t elements = cols > 0 ? rows * cols : rows;
-    out.push_back({std::move(name), 2 * elements, elements, cols > 0 ? 2 : 1, rows});
+    out.push_back({names.Name(key), 2 * elements, elements, cols > 0 ? 2 : 1, rows});
   };
   const int64_t h = s.hidden_size, qw = int64_t{s.num_heads} * s.head_dim, kvw = int64_t{s.num_kv_heads} * s.head_dim;
-  add("model.embed_tokens.weight", s.vocab_size, h);
+  add({I::kEmbedding}, s.vocab_size, h);
   for (int l = 0; l < s.num_layers; ++l) {
-    const std::string p = absl::StrCat("model.layers.", l, ".");
-    const std::string a = p + "self_attn.";
-    add(a + "q_proj.weight", qw, h);
-    add(a + "k_proj.weight", kvw, h);
-    add(a + "v_proj.weight", kvw, h);
-    add(a + "o_proj.weight", h, qw);
+    add({I::kAttnNorm, l}, h);
+    add({I::kFfnNorm, l}, h);
+    add({I::kAttnQ, l}, qw, h);
+    add({I::kAttnK, l}, kvw, h);
+    add({I::kAttnV, l}, kvw, h);
+    add({I::kAttnO, l}, h, qw);
     if (s.qkv_bias) {
-      add(a + "q_proj.bias", qw);
-      add(a + "k_proj.bias", kvw);
-      add(a + "v_proj.bias", kvw);
+      add({I::kAttnQBias, l}, qw);
+      add({I::kAttnKBias, l}, kvw);
+      add({I::kAttnVBias, l}, kvw);
     }
     if (s.qk_norm) {
-      add(a + "q_norm.weight", s.head_dim);
-      add(a + "k_norm.weight", s.head_dim);
+      add({I::kAttnQNorm, l}, s.head_dim);
+      add({I::kAttnKNorm, l}, s.head_dim);
     }
-    add(p + "input_layernorm.weight", h);
-    add(p + "post_attention_layernorm.weight", h);
     if (!s.IsMoeLayer(l)) {
-      add(p + "mlp.gate_proj.weight", s.intermediate_size, h);
-      add(p + "mlp.up_proj.weight", s.intermediate_size, h);
-      add(p + "mlp.down_proj.weight", h, s.intermediate_size);
+      add({I::kDenseGate, l}, s.intermediate_size, h);
+      add({I::kDenseUp, l}, s.intermediate_size, h);
+      add({I::kDenseDown, l}, h, s.intermediate_size);
       continue;
     }
-    const bool mixtral = s.arch == Architecture::kMixtral;
-    const std::string block = p + (mixtral ? "block_sparse_moe." : "mlp.");
     const int e = s.routing.num_experts;
     const int64_t w = s.moe_intermediate_size;
-    add(block + "gate.weight", e, h);
-    if (s.routing.has_correction_bias) add(block + "gate.e_score_correction_bias", e);
-    for (int i = 0; i < e; ++i) {
-      const std::string ep = absl::StrCat(block, "experts.", i, ".");
-      add(ep + (mixtral ? "w1.weight" : "gate_proj.weight"), w, h);
-      add(ep + (mixtral ? "w2.weight" : "down_proj.weight"), h, w);
-      add(ep + (mixtral ? "w3.weight" : "up_proj.weight"), w, h);
+    add({I::kRouter, l}, e, h);
+    if (s.routing.has_correction_bias) add({I::kRouterBias, l}, e);
+    if (names.Stacked(I::kExpertGate)) {  // one tensor of every expert
+      add({I::kExpertGate, l}, e * w, h);
+      add({I::kExpertUp, l}, e * w, h);
+      add({I::kExpertDown, l}, e * h, w);
+    } else {
+      for (int i = 0; i < e; ++i) {
+        add({I::kExpertGate, l, i}, w, h);
+        add({I::kExpertUp, l, i}, w, h);
+        add({I::kExpertDown, l, i}, h, w);
+      }
     }
     if (s.shared_expert_intermediate_size > 0) {
-      const std::string sp = block + (s.arch == Architecture::kQwen2Moe ? "shared_expert." : "shared_experts.");
-      add(sp + "gate_proj.weight", s.shared_expert_intermediate_size, h);
-      add(sp + "up_proj.weight", s.shared_expert_intermediate_size, h);
-      add(sp + "down_proj.weight", h, s.shared_expert_intermediate_size);
-      if (s.shared_expert_gate) add(block + "shared_expert_gate.weight", 1, h);
+      add({I::kSharedGate, l}, s.shared_expert_intermediate_size, h);
+      add({I::kSharedUp, l}, s.shared_expert_intermediate_size, h);
+      add({I::kSharedDown, l}, h, s.shared_expert_intermediate_size);
+      if (s.shared_expert_gate) add({I::kSharedExpertGate, l}, 1, h);
     }
   }
-  add("model.norm.weight", h);
-  if (!s.tie_word_embeddings) add("lm_head.weight", s.vocab_size, h);
+  add({I::kFinalNorm}, h);
+  if (!s.tie_word_embeddings) add({I::kLmHead}, s.vocab_size, h);
   return out;
 }
 

@@ -17,13 +17,13 @@ std::string Fixture(const std::string& arch) {
   return std::string(env != nullptr ? env : MOE_TESTDATA_DIR) + "/fixtures/" + arch;
 }
 
-struct Checkpoint {
+struct FixtureTensors {
   ModelSpec spec;
   std::vector<TensorInfo> tensors;
 };
 
-Checkpoint Load(const std::string& arch) {
-  Checkpoint c;
+FixtureTensors Load(const std::string& arch) {
+  FixtureTensors c;
   auto spec = LoadModelSpec(Fixture(arch));
   EXPECT_TRUE(spec.ok()) << spec.status();
   c.spec = *spec;
@@ -62,7 +62,7 @@ TEST(PlacementTest, ClassifiesEveryFixtureTensor) {
   EXPECT_EQ(ClassifyTensor("model.layers.2.self_attn.q_norm.weight").role, TensorRole::kNorm);
   EXPECT_EQ(ClassifyTensor("model.layers.2.self_attn.k_proj.bias").role, TensorRole::kAttention);
   for (const char* arch : {"qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"}) {
-    const Checkpoint c = Load(arch);
+    const FixtureTensors c = Load(arch);
     for (const TensorInfo& t : c.tensors) {
       EXPECT_NE(ClassifyTensor(t.name).role, TensorRole::kOther) << arch << ": " << t.name;
     }
@@ -70,7 +70,7 @@ TEST(PlacementTest, ClassifiesEveryFixtureTensor) {
 }
 
 TEST(PlacementTest, DefaultsPutEverythingOnTheGpu) {
-  const Checkpoint c = Load("qwen2_moe");
+  const FixtureTensors c = Load("qwen2_moe");
   auto p = PlaceTensors(c.spec, c.tensors, Options());
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_EQ(p->BytesOn(Device::Kind::kCpu), 0);
@@ -79,7 +79,7 @@ TEST(PlacementTest, DefaultsPutEverythingOnTheGpu) {
 }
 
 TEST(PlacementTest, CpuMoeMovesEveryRoutedExpertAndNothingElse) {
-  const Checkpoint c = Load("glm4_moe");
+  const FixtureTensors c = Load("glm4_moe");
   PlacementOptions o = Options();
   o.cpu_moe = true;
   auto p = PlaceTensors(c.spec, c.tensors, o);
@@ -94,7 +94,7 @@ TEST(PlacementTest, CpuMoeMovesEveryRoutedExpertAndNothingElse) {
 
 TEST(PlacementTest, NCpuMoeCountsMoeLayersNotDenseOnes) {
   // glm4_moe: layer 0 is dense (first_k_dense_replace = 1), so the first 2 MoE layers are 1 and 2.
-  const Checkpoint c = Load("glm4_moe");
+  const FixtureTensors c = Load("glm4_moe");
   PlacementOptions o = Options();
   o.n_cpu_moe = 2;
   auto p = PlaceTensors(c.spec, c.tensors, o);
@@ -110,7 +110,7 @@ TEST(PlacementTest, NCpuMoeCountsMoeLayersNotDenseOnes) {
 }
 
 TEST(PlacementTest, TheFirstMatchingOverrideWinsOverTheOtherRules) {
-  const Checkpoint c = Load("mixtral");
+  const FixtureTensors c = Load("mixtral");
   PlacementOptions o = Options();
   o.cpu_moe = true;
   for (const char* rule : {"layers\\.3\\..*experts=cuda", "experts=cpu"}) {
@@ -127,7 +127,7 @@ TEST(PlacementTest, TheFirstMatchingOverrideWinsOverTheOtherRules) {
 }
 
 TEST(PlacementTest, PerTokenTensorsOnTheCpuGetAWarningWithTheirBytes) {
-  const Checkpoint c = Load("qwen2_moe");
+  const FixtureTensors c = Load("qwen2_moe");
   PlacementOptions o = Options();
   auto r = ParseOverrideRule("shared_expert=cpu");
   ASSERT_TRUE(r.ok()) << r.status();
@@ -161,7 +161,7 @@ TEST(PlacementTest, BadRulesSayWhatIsWrong) {
   }
   auto other_gpu = ParseOverrideRule("experts=cuda:1");
   ASSERT_TRUE(other_gpu.ok());
-  const Checkpoint c = Load("mixtral");
+  const FixtureTensors c = Load("mixtral");
   PlacementOptions o = Options();
   o.overrides.push_back(*other_gpu);
   auto p = PlaceTensors(c.spec, c.tensors, o);
@@ -185,7 +185,7 @@ namespace {
 // What runs of a placement: the layers whose experts are all on the CPU; a split layer or another
 // tensor on the CPU is an error naming the tensor and the rule.
 TEST(PlacementTest, CpuExpertLayersAreWhatThePoolHolds) {
-  const Checkpoint c = Load("qwen3_moe");
+  const FixtureTensors c = Load("qwen3_moe");
   PlacementOptions o = Options();
   o.n_cpu_moe = 2;
   auto p = PlaceTensors(c.spec, c.tensors, o);
@@ -234,7 +234,7 @@ namespace {
 // Planning from config.json alone lists the tensors the checkpoint holds, with their sizes.
 TEST(PlacementTest, ExpectedTensorsAreTheCheckpointsOwn) {
   for (const std::string arch : {"qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"}) {
-    const Checkpoint c = Load(arch);
+    const FixtureTensors c = Load(arch);
     const std::vector<TensorInfo> expected = ExpectedTensors(c.spec);
     EXPECT_EQ(expected.size(), c.tensors.size()) << arch;
     for (const TensorInfo& e : expected) {

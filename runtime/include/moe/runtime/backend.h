@@ -37,6 +37,7 @@
 #include "moe/experts/packed.h"
 #include "moe/runtime/model_spec.h"
 #include "moe/runtime/sampler.h"
+#include "moe/runtime/weight_policy.h"
 
 namespace moe::comm {
 class Communicator;
@@ -92,14 +93,6 @@ class Event {
   virtual ~Event() = default;
   virtual void Record() = 0;
   virtual absl::Status Wait() = 0;
-};
-
-// How a weight is used, which decides the form the backend keeps it in.
-enum class WeightUse {
-  kMatrix,     // a Linear's [out x in] weight (bf16 on the GPU; as stored, or packed, on the CPU)
-  kRouter,     // a router's weight: a Linear's, never packed below bf16 (that would flip experts)
-  kEmbedding,  // [vocab x hidden], rows gathered by token id
-  kVector,     // norms, biases, gates' vectors: fp32
 };
 
 // A weight in the form the backend computes with (for the CPU backend, a view of the mapped
@@ -272,9 +265,38 @@ class HostExperts {
                                float* out) = 0;
 };
 
+class Backend;
+
+// One model's step state on a backend: its step arena and input staging (ReserveArena, BeginStep,
+// Take carve the current context's), and the key space of the graphs recorded from its steps. A
+// backend serves several models (a target and its draft model or MTP head on one GPU) by switching
+// contexts between their steps (Backend::UseContext), so that one model's step never overwrites
+// another's arena or replays another's graphs. The backend's scratch for its own kernels is shared:
+// it is sized for the largest of them (ReserveScratch only grows it). Made by
+// Backend::CreateContext; it must not outlive the backend, and leaves it when destroyed.
+class StepContext {
+ public:
+  ~StepContext();
+  StepContext(const StepContext&) = delete;
+  StepContext& operator=(const StepContext&) = delete;
+  uint64_t id() const { return id_; }
+  int64_t arena_bytes() const { return arena_bytes_; }
+
+ private:
+  friend class Backend;
+  StepContext(Backend* backend, uint64_t id) : backend_(backend), id_(id) {}
+  Backend* backend_;
+  uint64_t id_;
+  std::unique_ptr<DeviceBuffer> arena_;
+  std::unique_ptr<HostBuffer> staging_;
+  int64_t arena_bytes_ = 0;
+  int64_t arena_used_ = 0;
+};
+
 class Backend {
  public:
-  virtual ~Backend() = default;
+  Backend();
+  virtual ~Backend();
   virtual std::string name() const = 0;
   // True when the backend computes on the host's CPU cores (the CPU backend): then the expert
   // pool's threads must not stay awake between MoE layers, they would take the cores from it.
@@ -290,14 +312,30 @@ class Backend {
   // The dtype of activations that feed a Linear and of the KV cache.
   virtual core::DType activation_dtype() const = 0;
 
+  // ---- Weights: what it takes and what they cost ----
+  // The form each weight takes here (weight_policy.h); WeightBytes is the memory plan's answer for
+  // this backend, and SupportsWeight says which stored formats PrepareWeight reads (the loader
+  // converts the others on the host first).
+  virtual const WeightPolicy& weight_policy() const = 0;
+  WeightHome weight_home() const { return HostAddressable() ? WeightHome::kHost : WeightHome::kGpu; }
+  bool SupportsWeight(const WeightFormat& stored, WeightUse use) const {
+    return SupportsStoredWeight(weight_home(), stored, use);
+  }
+  int64_t WeightBytes(const core::Shape& shape, const WeightFormat& stored, WeightUse use, TensorRole role) const {
+    return DeviceWeightBytes(weight_home(), weight_policy(), shape, stored, use, role);
+  }
+
   // ---- Memory, at load ----
-  // kInvalidArgument for a dtype the backend cannot compute with; kResourceExhausted when out
-  // of memory (the message gives the bytes needed and free).
-  virtual absl::StatusOr<std::unique_ptr<DeviceWeight>> PrepareWeight(const core::TensorView& host, WeightUse use) = 0;
+  // `role` picks the form a matrix takes under the backend's policy. kInvalidArgument for a dtype
+  // the backend cannot compute with; kResourceExhausted when out of memory (the message gives the
+  // bytes needed and free).
+  virtual absl::StatusOr<std::unique_ptr<DeviceWeight>> PrepareWeight(const core::TensorView& host, WeightUse use,
+                                                                      TensorRole role = TensorRole::kOther) = 0;
   // One weight made of `parts` stacked by rows (2-D parts with the same number of columns, or
   // 1-D parts concatenated): the fused QKV and gate+up projections and their biases.
   virtual absl::StatusOr<std::unique_ptr<DeviceWeight>> PrepareFusedWeight(const std::vector<core::TensorView>& parts,
-                                                                           WeightUse use) = 0;
+                                                                           WeightUse use,
+                                                                           TensorRole role = TensorRole::kOther) = 0;
   // One MoE layer's routed experts (gate, up, down of each), for MoeExperts. Backends that do not
   // run routed experts themselves return kUnimplemented.
   virtual absl::StatusOr<std::unique_ptr<DeviceExperts>> PrepareExperts(const std::vector<core::TensorView>& gate,
@@ -315,12 +353,20 @@ class Backend {
   // for a dtype SupportsKvDtype refuses; kResourceExhausted when it does not fit.
   absl::StatusOr<std::unique_ptr<KvCache>> CreateKvCache(const KvCacheShape& shape,
                                                          std::optional<core::DType> dtype = std::nullopt);
-  // The step arena: `bytes` of backend memory, carved by Take during a step, and a host staging
-  // buffer of `input_bytes` for BeginStep's upload.
+  // ---- Step contexts: one per model on this backend ----
+  // A new context (its arena unreserved). The backend starts in a default context of its own.
+  std::unique_ptr<StepContext> CreateContext();
+  // Makes `context` (this backend's) the one ReserveArena, BeginStep, Take and RunGraph use, until
+  // another is chosen; null goes back to the default context. Between steps only.
+  void UseContext(StepContext* context);
+  StepContext& context() const { return *current_; }
+  // The step arena of the current context: `bytes` of backend memory, carved by Take during a step,
+  // and a host staging buffer of `input_bytes` for BeginStep's upload.
   absl::Status ReserveArena(int64_t bytes, int64_t input_bytes);
-  int64_t arena_bytes() const { return arena_bytes_; }
+  int64_t arena_bytes() const { return current_->arena_bytes_; }
   // Scratch the backend's own kernels need for the largest step (attention splits, expert
-  // grouping, sampling), reserved once at load.
+  // grouping, sampling), reserved at load. Shared by every context: a second model's call only
+  // grows what a first one reserved (forgetting recorded graphs when it must reallocate).
   struct StepLimits {
     int max_tokens = 0;
     int max_logit_rows = 0;
@@ -392,8 +438,9 @@ class Backend {
   // device is lost), naming the operation.
   virtual absl::Status Synchronize() = 0;
   // Runs `body`, which queues operations on this backend. A backend with graphs records it the
-  // first time under `key` and replays the recording later (the same key must queue the same
-  // operations on the same buffers: only their contents change). Others just run it.
+  // first time under `key` (in the current context's key space) and replays the recording later
+  // (the same key must queue the same operations on the same buffers: only their contents change).
+  // Others just run it.
   virtual absl::Status RunGraph(uint64_t key, absl::FunctionRef<absl::Status()> body) { return body(); }
   virtual bool SupportsGraphs() const { return false; }
   // Forgets every recorded graph (their buffers, the KV cache's among them, are about to change).
@@ -519,10 +566,10 @@ class Backend {
   virtual void* stream_handle() const { return nullptr; }
 
  private:
-  std::unique_ptr<DeviceBuffer> arena_;
-  std::unique_ptr<HostBuffer> staging_;
-  int64_t arena_bytes_ = 0;
-  int64_t arena_used_ = 0;
+  friend class StepContext;
+  StepContext default_context_;
+  StepContext* current_ = &default_context_;
+  uint64_t next_context_id_ = 1;
 };
 
 }  // namespace moe::runtime

@@ -10,13 +10,11 @@
 
 namespace moe::runtime {
 
-// threads <= 0: every core this process may run on. `weight_format` int8 or int4 packs every
-// Linear's matrix (attention, shared experts, dense FFN, an untied LM head; not the embedding) in
-// the expert pool's formats and runs them with its kernels (VNNI for few tokens, AMX for many where
-// the CPU has it); bf16 (the default) computes from the checkpoint's weights in fp32 as the
-// reference does.
-std::unique_ptr<Backend> CreateCpuBackend(int threads = 0,
-                                          experts::ExpertFormat weight_format = experts::ExpertFormat::kBF16,
-                                          int weight_group = 32);
+// threads <= 0: every core this process may run on. `policy` packs Linears' matrices (attention,
+// shared experts, dense FFN, an untied LM head; never the embedding or a router) in the expert
+// pool's int8/int4 formats, by role, and runs them with its kernels (VNNI for few tokens, AMX for
+// many where the CPU has it); bf16 (the default) computes from the checkpoint's weights in fp32 as
+// the reference does.
+std::unique_ptr<Backend> CreateCpuBackend(int threads = 0, const WeightPolicy& policy = {});
 
 }  // namespace moe::runtime

@@ -30,8 +30,8 @@ std::string CudaDeviceName(int index);
 
 // The backend for a concrete device (not kAuto). kFailedPrecondition for cuda:N when GPU N is
 // not there (the message says how many are), or in a build without CUDA.
-absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(
-    const Device& device, int cpu_threads = 0, experts::ExpertFormat cpu_weight_format = experts::ExpertFormat::kBF16,
-    int cpu_weight_group = 32);
+// `cpu_weights`: the CPU backend's weight policy (a GPU keeps bf16 matrices and fp32 vectors).
+absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const Device& device, int cpu_threads = 0,
+                                                       const WeightPolicy& cpu_weights = {});
 
 }  // namespace moe::runtime

@@ -24,9 +24,13 @@
 #include "moe/runtime/backend.h"
 #include "moe/runtime/model_spec.h"
 #include "moe/runtime/parallel.h"
-#include "moe/runtime/weight_source.h"
+#include "moe/runtime/checkpoint.h"
 
 namespace moe::runtime {
+
+namespace internal {
+class HeldExpertsPolicy;
+}  // namespace internal
 
 // One sequence's slice of a batch: its new tokens are consecutive rows of the batch.
 struct SequenceChunk {
@@ -77,10 +81,9 @@ enum class RoutedExpertsMode { kBackend, kPool };
 
 struct ModelOptions {
   int threads = 0;  // CPU backend threads; 0: all cores
-  // The CPU backend's Linear weights (when Load makes the backend): bf16 as stored (fp32 math, the
-  // reference), or packed int8/int4 run by the expert pool's kernels (--weight-format).
-  experts::ExpertFormat weight_format = experts::ExpertFormat::kBF16;
-  int weight_group = 32;
+  // The CPU backend's Linear weights (when Load makes the backend), by role: bf16 as stored (fp32
+  // math, the reference), or packed int8/int4 run by the expert pool's kernels (--weight-format).
+  WeightPolicy weights;
   RoutedExpertsMode experts = RoutedExpertsMode::kPool;
   experts::ExpertPoolOptions pool;  // used with kPool; model_id is filled in by Load
   // With kPool: the model layers whose routed experts the pool holds (unset: every MoE layer); the
@@ -144,14 +147,17 @@ std::vector<float> RopeInverseFrequencies(const ModelSpec& spec);
 
 class Model {
  public:
-  // Loads config.json and the safetensors weights of `model_dir` onto `backend` (the CPU
-  // backend when null). Every expected tensor is checked first; errors name the tensor, the
-  // file, what the config expects and what was found. Unused tensors give one warning.
-  static absl::StatusOr<std::unique_ptr<Model>> Load(const std::string& model_dir, const ModelOptions& options = {},
+  // Opens the checkpoint at `path` (OpenCheckpoint: a Hugging Face folder or a file) and loads its
+  // weights onto `backend` (the CPU backend when null). Every expected tensor is checked first;
+  // errors name the tensor, the file, what the config expects and what was found. Unused tensors
+  // give one warning.
+  static absl::StatusOr<std::unique_ptr<Model>> Load(const std::string& path, const ModelOptions& options = {},
                                                      std::shared_ptr<Backend> backend = nullptr);
   ~Model();
 
   const ModelSpec& spec() const { return spec_; }
+  // What the model was loaded from; its tensors stay mapped while the model lives.
+  const Checkpoint& checkpoint() const { return *checkpoint_; }
   const ModelOptions& options() const { return options_; }
   // Decode steps from CUDA graphs (ModelOptions::graphs) from the next step on: a benchmark
   // times both ways on one loaded model.
@@ -249,7 +255,9 @@ class Model {
   Range layers_;
   ModelOptions options_;
   std::shared_ptr<Backend> backend_;
-  std::unique_ptr<WeightSource> source_;
+  // This model's step arena and graphs on the backend (declared after it: destroyed before it).
+  std::unique_ptr<StepContext> context_;
+  std::unique_ptr<Checkpoint> checkpoint_;
   std::unique_ptr<Weights> weights_;
   std::unique_ptr<DeviceBuffer> rope_inv_freq_;  // [1 x rotary_dim / 2] fp32
   std::unique_ptr<HostBuffer> host_logits_;      // [max_logit_rows x vocab] fp32
@@ -259,13 +267,8 @@ class Model {
   int prefill_offload_tokens_ = 0;
   std::string prefill_offload_note_;
   absl::Status SetUpStreamedExperts();
-  // Held experts chosen while serving (ModelOptions::held_experts_per_layer), before each step:
-  // applies one queued swap, and every held_experts_refresh_steps steps ranks the counts and queues
-  // the swaps.
-  struct HeldExperts;
-  absl::Status StartHeldExperts();
-  absl::Status RefreshHeldExperts();
-  std::unique_ptr<HeldExperts> held_;
+  // Held experts chosen while serving (ModelOptions::held_experts_per_layer), run before each step.
+  std::unique_ptr<internal::HeldExpertsPolicy> held_;
   std::unique_ptr<RoutedExperts> routed_experts_;  // per layer, the backend's or the pool's
   StepTap tap_;
   // The KV cache the backend's decode graphs were recorded on (they hold its addresses): a step

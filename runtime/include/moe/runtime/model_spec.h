@@ -41,6 +41,13 @@ struct RoutingSpec {
   float routed_scaling_factor = 1.0f;
 };
 
+// How a layer attends: grouped-query attention over paged K and V (every supported architecture),
+// multi-head latent attention over a paged latent (deepseek_v3), or Gated DeltaNet linear attention
+// over a recurrent state per sequence (qwen3_next's linear layers). The cache plan (cache.h) gives
+// each kind its own group.
+enum class AttentionKind { kGqa, kMla, kGatedDeltaNet };
+std::string_view AttentionKindName(AttentionKind kind);
+
 struct ModelSpec {
   Architecture arch = Architecture::kQwen3Moe;
   std::string model_type;
@@ -68,7 +75,22 @@ struct ModelSpec {
 
   std::vector<int> eos_token_ids;
 
-  bool IsMoeLayer(int layer) const { return layer_is_moe[layer]; }
+  // MTP / nextn layers (GLM-4.5's and DeepSeek-V3's num_nextn_predict_layers): layer ids
+  // [num_layers, num_layers + num_nextn_layers) after the model's own, each a decoder layer (with
+  // routed experts when nextn_is_moe) plus its nextn tensors. The forward does not run them; the
+  // speculative decoder does.
+  int num_nextn_layers = 0;
+  bool nextn_is_moe = false;
+  // Per layer, nextn layers included: how it attends (every layer kGqa until MLA and Gated DeltaNet
+  // land).
+  std::vector<AttentionKind> layer_attention;
+
+  int num_all_layers() const { return num_layers + num_nextn_layers; }
+  bool IsMoeLayer(int layer) const { return layer < num_layers ? layer_is_moe[layer] : nextn_is_moe; }
+  bool IsNextnLayer(int layer) const { return layer >= num_layers; }
+  AttentionKind attention(int layer) const {
+    return layer < static_cast<int>(layer_attention.size()) ? layer_attention[layer] : AttentionKind::kGqa;
+  }
   int num_moe_layers() const;
   // One line: "qwen3_moe: 48 layers, hidden 2048, 32/4 heads x 128, 128 experts top-8 ..."
   std::string Summary() const;

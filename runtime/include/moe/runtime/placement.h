@@ -18,33 +18,12 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "moe/runtime/checkpoint.h"
 #include "moe/runtime/device.h"
 #include "moe/runtime/model_spec.h"
 #include "moe/runtime/weight_source.h"
 
 namespace moe::runtime {
-
-enum class TensorRole {
-  kEmbedding,
-  kNorm,
-  kAttention,
-  kRouter,        // the gate's weight and its correction bias
-  kSharedExpert,  // the shared expert(s) and their sigmoid gate
-  kRoutedExpert,
-  kDenseFfn,  // the FFN of a layer without experts
-  kLmHead,
-  kOther,
-};
-std::string_view TensorRoleName(TensorRole role);
-
-struct TensorKind {
-  TensorRole role = TensorRole::kOther;
-  int layer = -1;   // -1 outside the layers
-  int expert = -1;  // routed experts only
-};
-// The role of a checkpoint tensor of any supported architecture (Qwen2/3-MoE, Mixtral, GLM-4,
-// DeepSeek names), from its name alone.
-TensorKind ClassifyTensor(std::string_view name);
 
 struct OverrideRule {
   std::string text;  // as given, for messages
@@ -91,8 +70,9 @@ struct Placement {
 // Every tensor of a checkpoint, by its header (nothing is read).
 absl::StatusOr<std::vector<TensorInfo>> CheckpointTensors(const WeightSource& source);
 // The tensors the model loader reads from a bf16 checkpoint of `spec`, from config.json alone
-// (planning before the weights are downloaded).
-std::vector<TensorInfo> ExpectedTensors(const ModelSpec& spec);
+// (planning before the weights are downloaded), named as `container` names them (the name table:
+// checkpoint.h), in the order a Hugging Face checkpoint lists them (make-model writes this list).
+std::vector<TensorInfo> ExpectedTensors(const ModelSpec& spec, Container container = Container::kSafetensors);
 
 // kInvalidArgument for n_cpu_moe outside [0, the model's MoE layers], or a cuda:N override
 // naming another GPU than options.gpu (one GPU per process for now).

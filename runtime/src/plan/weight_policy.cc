@@ -1,0 +1,69 @@
+#include "moe/runtime/weight_policy.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace moe::runtime {
+
+WeightUse UseOf(TensorRole role, int rank) {
+  if (rank <= 1) return WeightUse::kVector;
+  switch (role) {
+    case TensorRole::kEmbedding:
+      return WeightUse::kEmbedding;
+    case TensorRole::kRouter:
+      return WeightUse::kRouter;
+    default:
+      return WeightUse::kMatrix;
+  }
+}
+
+WeightPolicy WeightPolicy::Uniform(experts::ExpertFormat format, int group) {
+  WeightPolicy p;
+  p.matrices = format;
+  p.group = group;
+  return p;
+}
+
+experts::ExpertFormat WeightPolicy::MatrixFormat(TensorRole role) const {
+  const auto it = by_role.find(role);
+  return it != by_role.end() ? it->second : matrices;
+}
+
+bool WeightPolicy::packs() const {
+  if (matrices != experts::ExpertFormat::kBF16) return true;
+  for (const auto& [role, format] : by_role) {
+    if (format != experts::ExpertFormat::kBF16) return true;
+  }
+  return false;
+}
+
+std::string WeightPolicy::Describe() const {
+  std::string s = experts::FormatName(matrices);
+  if (matrices == experts::ExpertFormat::kInt4) absl::StrAppend(&s, " (group ", group, ")");
+  for (const auto& [role, format] : by_role) {
+    absl::StrAppend(&s, ", ", std::string(TensorRoleName(role)), ": ", experts::FormatName(format));
+  }
+  return s;
+}
+
+bool SupportsStoredWeight(WeightHome home, const WeightFormat& stored, WeightUse use) {
+  return stored.plain() && (stored.element == core::DType::kBF16 || stored.element == core::DType::kF16 ||
+                            stored.element == core::DType::kF32);
+}
+
+int64_t DeviceWeightBytes(WeightHome home, const WeightPolicy& policy, const core::Shape& shape,
+                          const WeightFormat& stored, WeightUse use, TensorRole role) {
+  const int64_t elements = core::NumElements(shape);
+  if (use == WeightUse::kVector) return elements * 4;
+  if (home == WeightHome::kGpu) return elements * 2;  // bf16
+  if (use == WeightUse::kMatrix && shape.size() == 2) {
+    const experts::ExpertFormat f = policy.MatrixFormat(role);
+    if (f != experts::ExpertFormat::kBF16) {
+      const absl::StatusOr<experts::MatrixLayout> layout = experts::MakeLayout(f, shape[0], shape[1], policy.group);
+      if (layout.ok()) return layout->bytes();
+    }
+  }
+  // Read where it lies in the mapped checkpoint (bf16, f32), or from an f32 copy of an f16 one.
+  return stored.plain() && stored.element == core::DType::kBF16 ? elements * 2 : elements * 4;
+}
+
+}  // namespace moe::runtime
