@@ -10,6 +10,28 @@ namespace moe::worker {
 
 namespace pb = ::moeserve::v1;
 
+namespace {
+
+// A sampling row as the plan had it, its history aside.
+runtime::SampleRow RowFromSpec(const pb::SamplingSpec& s) {
+  runtime::SampleRow r;
+  r.sampling.temperature = s.temperature();
+  r.sampling.top_k = s.top_k();
+  r.sampling.top_p = s.top_p();
+  r.sampling.min_p = s.min_p();
+  r.sampling.repetition_penalty = s.repetition_penalty();
+  r.sampling.presence_penalty = s.presence_penalty();
+  r.sampling.frequency_penalty = s.frequency_penalty();
+  r.seed = s.seed();
+  r.sequence = s.sequence();
+  r.position = s.position();
+  r.prompt_len = s.prompt_len();
+  r.logprobs = s.logprobs();
+  return r;
+}
+
+}  // namespace
+
 absl::StatusOr<pb::StepRequest> PlanEncoder::Encode(const runtime::StepPlan& plan) {
   pb::StepRequest req;
   req.set_step(++step_);
@@ -87,10 +109,24 @@ absl::StatusOr<runtime::StepPlan> PlanDecoder::Decode(const pb::StepRequest& req
     return absl::InvalidArgumentError(absl::StrCat("step ", req.step(), ": ", req.samples_size(), " sampling rows for ",
                                                    req.logit_rows_size(), " logit rows"));
   }
-  for (const int32_t row : req.logit_rows()) {
+  // For a penalized row, the history is the sequence's tokens before the position it draws, so that
+  // position can be at most the row's own position plus one.
+  std::vector<int64_t> row_end;  // per row of the batch: its position + 1
+  row_end.reserve(static_cast<size_t>(rows));
+  for (const pb::SequenceStep& s : req.sequences()) {
+    for (int i = 0; i < s.token_ids_size(); ++i) row_end.push_back(s.first_position() + i + 1);
+  }
+  for (int i = 0; i < req.logit_rows_size(); ++i) {
+    const int32_t row = req.logit_rows(i);
     if (row < 0 || row >= rows) {
       return absl::InvalidArgumentError(
           absl::StrCat("step ", req.step(), ": logit row ", row, " outside [0, ", rows, ")"));
+    }
+    const runtime::SampleRow sample = RowFromSpec(req.samples(i));
+    if (sample.sampling.penalized() && sample.position > row_end[row]) {
+      return absl::InvalidArgumentError(absl::StrCat("step ", req.step(), ": penalized sampling row ", i,
+                                                     " draws position ", sample.position, " from logit row ", row,
+                                                     ", which holds position ", row_end[row] - 1));
     }
   }
 
@@ -109,22 +145,13 @@ absl::StatusOr<runtime::StepPlan> PlanDecoder::Decode(const pb::StepRequest& req
   }
   plan.batch.logit_rows.assign(req.logit_rows().begin(), req.logit_rows().end());
   for (int i = 0; i < req.samples_size(); ++i) {
-    const pb::SamplingSpec& s = req.samples(i);
-    runtime::SampleRow r;
-    r.sampling.temperature = s.temperature();
-    r.sampling.top_k = s.top_k();
-    r.sampling.top_p = s.top_p();
-    r.sampling.min_p = s.min_p();
-    r.sampling.repetition_penalty = s.repetition_penalty();
-    r.sampling.presence_penalty = s.presence_penalty();
-    r.sampling.frequency_penalty = s.frequency_penalty();
-    r.seed = s.seed();
-    r.sequence = s.sequence();
-    r.position = s.position();
-    r.prompt_len = s.prompt_len();
-    r.logprobs = s.logprobs();
-    // The penalties read the sequence's tokens so far: every token fed to it.
-    if (r.sampling.penalized()) r.history = row_sequence[req.logit_rows(i)]->tokens;
+    runtime::SampleRow r = RowFromSpec(req.samples(i));
+    // The penalties read the sequence's tokens before the position this row draws: in a step
+    // with several rows of one sequence, each row sees only the tokens before it.
+    if (r.sampling.penalized()) {
+      const std::vector<int32_t>& tokens = row_sequence[req.logit_rows(i)]->tokens;
+      r.history.assign(tokens.begin(), tokens.begin() + r.position);
+    }
     plan.samples.push_back(std::move(r));
   }
   for (uint64_t id : req.released()) {

@@ -1,7 +1,13 @@
 #include "moe/worker/step_codec.h"
 
+#include <cstdlib>
+#include <memory>
+#include <numeric>
+#include <string>
+
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "moe/runtime/model_executor.h"
 
 namespace moe::worker {
 namespace {
@@ -98,6 +104,67 @@ TEST(StepCodecTest, ARequestThatDoesNotFitIsRefusedWholly) {
   p.batch.token_ids = {1};
   p.batch.sequences = {Chunk(0, 1, {0}, 0)};
   EXPECT_THAT(encoder.Encode(p).status().message(), HasSubstr("has no id"));
+}
+
+std::string FixtureDir(const std::string& arch) {
+  const char* env = std::getenv("MOE_TESTDATA_DIR");  // set when the tests run from a bundle
+  return std::string(env != nullptr ? env : MOE_TESTDATA_DIR) + "/fixtures/" + arch;
+}
+
+// A prefill chunk that asks for the logits of its last three rows, each penalized: through the
+// codec, each row's penalty history must be the sequence's tokens before the position it draws,
+// not everything fed by the end of the step, and the executor must then run the decoded plan as
+// it runs the original.
+TEST(StepCodecTest, APenalizedMultiRowStepRunsOnAWorkerAsInProcess) {
+  runtime::ModelOptions options;
+  options.threads = 2;
+  options.pool.threads = 2;
+  options.pool.progress = false;
+  auto model = runtime::Model::Load(FixtureDir("qwen3_moe"), options);
+  ASSERT_TRUE(model.ok()) << model.status();
+
+  const std::vector<int32_t> prompt = {3, 17, 17, 42, 5, 9, 17, 42};
+  const int32_t n = static_cast<int32_t>(prompt.size());
+  runtime::StepPlan plan;
+  plan.batch.token_ids = prompt;
+  plan.batch.sequences = {Chunk(0, n, {0, 1}, 11)};
+  for (int32_t row = n - 3; row < n; ++row) {
+    plan.batch.logit_rows.push_back(row);
+    runtime::SampleRow r;
+    r.sampling.repetition_penalty = 1.8f;
+    r.sampling.frequency_penalty = 0.7f;
+    r.seed = 5;
+    r.position = static_cast<uint32_t>(row + 1);
+    r.prompt_len = 4;
+    r.history.assign(prompt.begin(), prompt.begin() + row + 1);
+    r.logprobs = 2;
+    plan.samples.push_back(std::move(r));
+  }
+
+  PlanEncoder encoder;
+  PlanDecoder decoder;
+  auto request = encoder.Encode(plan);
+  ASSERT_TRUE(request.ok()) << request.status();
+  auto decoded = decoder.Decode(*request);
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  for (size_t i = 0; i < plan.samples.size(); ++i) {
+    EXPECT_EQ(decoded->samples[i].history, plan.samples[i].history) << "row " << i;
+  }
+
+  auto worker = runtime::ModelExecutor::Create(**model, 8, 8);
+  auto in_process = runtime::ModelExecutor::Create(**model, 8, 8);
+  ASSERT_TRUE(worker.ok() && in_process.ok());
+  auto got = (*worker)->Execute(*decoded);
+  ASSERT_TRUE(got.ok()) << got.status();
+  auto want = (*in_process)->Execute(plan);
+  ASSERT_TRUE(want.ok()) << want.status();
+  ASSERT_EQ(got->size(), 3u);
+  ASSERT_EQ(want->size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ((*got)[i].token, (*want)[i].token) << "row " << i;
+    ASSERT_TRUE((*got)[i].logprobs.has_value());
+    EXPECT_EQ((*got)[i].logprobs->top, (*want)[i].logprobs->top) << "row " << i;
+  }
 }
 
 TEST(StepCodecTest, TokensWithLogprobsAndErrorsRoundTrip) {
