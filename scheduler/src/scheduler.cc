@@ -3,7 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
-#include "moe/runtime/kv_cache.h"
+#include "moe/runtime/cache.h"
 
 namespace moe::scheduler {
 
@@ -132,6 +132,7 @@ SchedulerStats Scheduler::stats() const {
   s.running = static_cast<int>(running_.size());
   s.waiting = static_cast<int>(waiting_.size());
   s.blocks_free = blocks_.num_free();
+  s.blocks_cached = blocks_.num_cached_free();
   s.blocks_used = blocks_.num_blocks() - blocks_.num_free();
   s.preemptions = preemptions_;
   return s;
@@ -150,7 +151,7 @@ void Scheduler::Finish(Sequence* seq, FinishReason reason, absl::Status error, s
   out->error = std::move(error);
   out->prompt_tokens = static_cast<int>(seq->request.prompt.size());
   out->completion_tokens = seq->generated;
-  blocks_.Free(&seq->blocks);
+  blocks_.Release(&seq->blocks);
   Release(seq);
   running_.erase(std::remove(running_.begin(), running_.end(), seq), running_.end());
   waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), seq), waiting_.end());
@@ -159,7 +160,7 @@ void Scheduler::Finish(Sequence* seq, FinishReason reason, absl::Status error, s
 
 void Scheduler::Preempt(Sequence* seq) {
   // Recompute later: drop the cache, keep every token, go first in line.
-  blocks_.Free(&seq->blocks);
+  blocks_.Release(&seq->blocks);
   Release(seq);
   seq->computed = 0;
   seq->running = false;

@@ -11,7 +11,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "moe/runtime/kv_cache.h"
+#include "moe/runtime/cache.h"
 
 namespace moe::runtime {
 namespace {

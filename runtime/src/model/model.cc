@@ -543,20 +543,12 @@ absl::Status Model::ReserveStep() {
   return b.Synchronize();
 }
 
-KvCacheShape Model::KvShape(int num_blocks, int block_size) const {
-  KvCacheShape shape;
-  shape.num_layers = static_cast<int>(layers_.size());
-  shape.num_blocks = num_blocks;
-  shape.block_size = block_size;
-  shape.num_kv_heads = local_.num_kv_heads;
-  shape.head_dim = spec_.head_dim;
-  return shape;
+CachePlan Model::CachePlanFor(int block_size) const {
+  return PlanCache(local_, layers_, CacheOptions{block_size, kv_dtype()});
 }
 
-int64_t Model::KvBlockBytes(int block_size) const { return KvShape(0, block_size).block_bytes(kv_dtype()); }
-
 absl::StatusOr<std::unique_ptr<KvCache>> Model::NewKvCache(int num_blocks, int block_size) {
-  return backend_->CreateKvCache(KvShape(num_blocks, block_size), kv_dtype());
+  return backend_->CreateKvCache(CachePlanFor(block_size), num_blocks);
 }
 
 absl::Status Model::CheckBatch(const ForwardBatch& batch, const KvCache& cache) const {
@@ -590,6 +582,10 @@ absl::Status Model::CheckBatch(const ForwardBatch& batch, const KvCache& cache) 
       return absl::InvalidArgumentError(absl::StrCat("sequence ", s, ": positions up to ",
                                                      c.first_position + c.num_tokens, " exceed the context of ",
                                                      options_.max_context));
+    }
+    if (!c.more_block_tables.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("sequence ", s, ": ", c.more_block_tables.size() + 1,
+                                                     " block tables for a cache of one paged group"));
     }
     const int need = BlocksFor(c.first_position + c.num_tokens, bs);
     if (static_cast<int>(c.block_table.size()) < need) {

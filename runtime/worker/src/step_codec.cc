@@ -62,6 +62,9 @@ absl::StatusOr<pb::StepRequest> PlanEncoder::Encode(const runtime::StepPlan& pla
       s->mutable_blocks()->Add(c.block_table.begin(), c.block_table.end());
       mirror = c.block_table;
     }
+    for (const std::vector<int32_t>& table : c.more_block_tables) {
+      s->add_more_block_tables()->mutable_blocks()->Add(table.begin(), table.end());
+    }
   }
   req.mutable_logit_rows()->Add(plan.batch.logit_rows.begin(), plan.batch.logit_rows.end());
   for (const runtime::SampleRow& r : plan.samples) {
@@ -140,7 +143,14 @@ absl::StatusOr<runtime::StepPlan> PlanDecoder::Decode(const pb::StepRequest& req
     seq.blocks.insert(seq.blocks.end(), s.blocks().begin(), s.blocks().end());
     seq.tokens.insert(seq.tokens.end(), s.token_ids().begin(), s.token_ids().end());
     plan.batch.token_ids.insert(plan.batch.token_ids.end(), s.token_ids().begin(), s.token_ids().end());
-    plan.batch.sequences.push_back(runtime::SequenceChunk{s.first_position(), s.token_ids_size(), seq.blocks, s.id()});
+    runtime::SequenceChunk& chunk = plan.batch.sequences.emplace_back();
+    chunk.first_position = s.first_position();
+    chunk.num_tokens = s.token_ids_size();
+    chunk.block_table = seq.blocks;
+    chunk.seq_id = s.id();
+    for (const pb::BlockTable& table : s.more_block_tables()) {
+      chunk.more_block_tables.emplace_back(table.blocks().begin(), table.blocks().end());
+    }
     row_sequence.insert(row_sequence.end(), s.token_ids_size(), &seq);
   }
   plan.batch.logit_rows.assign(req.logit_rows().begin(), req.logit_rows().end());

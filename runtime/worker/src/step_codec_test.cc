@@ -78,6 +78,17 @@ TEST(StepCodecTest, PlansRoundTripAndOnlyChangesTravel) {
   auto d3 = decoder.Decode(*r3);
   ASSERT_TRUE(d3.ok());
   EXPECT_EQ(d3->batch.sequences[0].block_table, (std::vector<int32_t>{2, 8}));
+
+  // The tables of further cache groups travel whole.
+  runtime::StepPlan p4;
+  p4.batch.token_ids = {15};
+  p4.batch.sequences = {Chunk(5, 1, {2, 8}, 5)};
+  p4.batch.sequences[0].more_block_tables = {{6, 7}, {1}};
+  auto r4 = encoder.Encode(p4);
+  ASSERT_TRUE(r4.ok());
+  auto d4 = decoder.Decode(*r4);
+  ASSERT_TRUE(d4.ok()) << d4.status();
+  EXPECT_EQ(d4->batch.sequences[0].more_block_tables, p4.batch.sequences[0].more_block_tables);
 }
 
 // A request that does not fit the decoder's mirror is refused and changes nothing.

@@ -22,6 +22,7 @@
 #include "absl/status/statusor.h"
 #include "moe/experts/expert_pool.h"
 #include "moe/runtime/backend.h"
+#include "moe/runtime/cache.h"
 #include "moe/runtime/model_spec.h"
 #include "moe/runtime/parallel.h"
 #include "moe/runtime/weight_source.h"
@@ -32,10 +33,15 @@ namespace moe::runtime {
 struct SequenceChunk {
   int64_t first_position = 0;  // position of the chunk's first token in its sequence
   int32_t num_tokens = 0;
-  std::vector<int32_t> block_table;  // KV blocks holding positions [0, first_position+num_tokens)
-  // The sequence's id across steps, for executors that mirror sequences in other processes (0:
-  // none given). The model itself does not read it.
+  // The blocks of the cache's first paged group (cache.h: CachePlan::groups) holding positions
+  // [0, first_position+num_tokens). Every model today has that one group.
+  std::vector<int32_t> block_table;
+  // The sequence's id across steps, from the scheduler to the kernels, for executors that mirror
+  // sequences in other processes (0: none given). The model itself does not read it.
   uint64_t seq_id = 0;
+  // The block tables of the cache's further paged groups, in CachePlan::groups order (recurrent
+  // groups have none); empty while the cache has one paged group, as every model's has today.
+  std::vector<std::vector<int32_t>> more_block_tables;
 };
 
 // One step's input. Rows of token_ids are grouped by sequence, in the order of `sequences`.
@@ -177,9 +183,11 @@ class Model {
   bool holds_logits() const;
   // The dtype of this model's KV caches.
   core::DType kv_dtype() const { return options_.kv_cache_dtype.value_or(backend_->activation_dtype()); }
-  // Bytes one KV block of `block_size` positions takes in this rank's caches (its layers and KV
-  // heads, in kv_dtype()).
-  int64_t KvBlockBytes(int block_size) const;
+  // This rank's cache (its layers and KV heads, in kv_dtype()) in blocks of `block_size`
+  // positions: PlanCache's groups for this model.
+  CachePlan CachePlanFor(int block_size) const;
+  // Bytes one block of `block_size` positions takes in this rank's caches.
+  int64_t KvBlockBytes(int block_size) const { return CachePlanFor(block_size).BlockBytes(); }
   // A KV cache for this model with `num_blocks` blocks of `block_size` positions.
   absl::StatusOr<std::unique_ptr<KvCache>> NewKvCache(int num_blocks, int block_size = 16);
 
@@ -233,8 +241,6 @@ class Model {
   // The LM head's shards gathered into each row of logits (a tensor split of a vocabulary that
   // divides evenly), or 1.
   int VocabParts() const;
-  // This rank's KV cache shape: its layers and KV heads.
-  KvCacheShape KvShape(int num_blocks, int block_size) const;
   absl::Status CheckBatch(const ForwardBatch& batch, const KvCache& cache) const;
   absl::Status ReserveStep();
   StepInputs BuildInputs(const ForwardBatch& batch, const KvCache& cache, int pad_to, int kv_bucket) const;

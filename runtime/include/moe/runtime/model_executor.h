@@ -12,7 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "moe/runtime/executor.h"
-#include "moe/runtime/kv_cache.h"
+#include "moe/runtime/cache.h"
 #include "moe/runtime/model.h"
 
 namespace moe::runtime {

@@ -3,7 +3,7 @@
 // Each Step() builds one StepPlan under a token budget (max_batch_tokens) and a cap on running
 // sequences (max_seqs): first one decode token for every running sequence, then prefill chunks
 // (a long prompt is split over steps while the others keep decoding), then new requests, first
-// come first served. KV blocks come from a block allocator and go back the moment a sequence
+// come first served. KV blocks come from a block pool (block_pool.h) and go back the moment a sequence
 // finishes, is aborted, fails or passes its deadline. When blocks run out, the newest running
 // sequence is preempted (its blocks freed) and recomputed later, rather than failing older ones.
 // Every request gets a sampling seed when it is added (a random one when it has none), so its
@@ -22,7 +22,7 @@
 
 #include "absl/status/statusor.h"
 #include "moe/runtime/executor.h"
-#include "moe/scheduler/kv_block_allocator.h"
+#include "moe/scheduler/block_pool.h"
 #include "moe/scheduler/request.h"
 
 namespace moe::scheduler {
@@ -46,7 +46,8 @@ struct SchedulerStats {
   int running = 0;
   int waiting = 0;
   int blocks_used = 0;
-  int blocks_free = 0;
+  int blocks_free = 0;  // blocks_cached of them keep a committed prefix (block_pool.h)
+  int blocks_cached = 0;
   int64_t preemptions = 0;
 };
 
@@ -82,7 +83,7 @@ class Scheduler {
   runtime::SampleRow SampleRowFor(const Sequence& seq) const;
 
   SchedulerConfig config_;
-  KvBlockAllocator blocks_;
+  BlockPool blocks_;
   std::mt19937_64 seeds_;                                       // for requests that bring no seed
   std::map<std::string, std::unique_ptr<Sequence>> sequences_;  // every live request by id
   std::deque<Sequence*> waiting_;                               // FCFS; preempted ones go first
