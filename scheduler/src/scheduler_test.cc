@@ -157,7 +157,7 @@ TEST_F(SchedulerTest, AbortDeadlineAndErrorsFreeBlocksWhileOthersFinish) {
 class FailingOnce : public runtime::Executor {
  public:
   FailingOnce(runtime::Executor& inner, int fail_at) : inner_(inner), fail_at_(fail_at) {}
-  absl::StatusOr<std::vector<runtime::SampledToken>> Execute(const runtime::StepPlan& plan) override {
+  absl::StatusOr<runtime::StepResult> Execute(const runtime::StepPlan& plan) override {
     if (step_++ == fail_at_) return absl::UnavailableError("worker 1 lost");
     return inner_.Execute(plan);
   }
@@ -223,7 +223,7 @@ TEST_F(SchedulerTest, StopTokensMinTokensAndSeeds) {
 class Recording : public runtime::Executor {
  public:
   explicit Recording(runtime::Executor& inner) : inner_(inner) {}
-  absl::StatusOr<std::vector<runtime::SampledToken>> Execute(const runtime::StepPlan& plan) override {
+  absl::StatusOr<runtime::StepResult> Execute(const runtime::StepPlan& plan) override {
     plans.push_back(plan);
     return inner_.Execute(plan);
   }
@@ -309,6 +309,82 @@ TEST_F(SchedulerTest, TheSameSeedsGiveTheSameTokensOnAnotherExecutor) {
   ASSERT_TRUE(a.idle() && b.idle());
   EXPECT_EQ(got_a, got_b);
   for (const auto& [id, tokens] : got_a) EXPECT_EQ(tokens.size(), 8u) << id;
+}
+
+// Drafts from a script: what each request produces alone (so every draft is kept), or tokens
+// that differ from it after the first (so most are rejected and the sequence rolls back).
+class ScriptedProposer : public DraftProposer {
+ public:
+  ScriptedProposer(std::map<std::string, std::vector<int32_t>> full, int vocab, bool wrong_after_first)
+      : full_(std::move(full)), vocab_(vocab), wrong_after_first_(wrong_after_first) {}
+  void Propose(const std::string& id, std::span<const int32_t> tokens, int max_draft,
+               std::vector<int32_t>* draft) override {
+    const std::vector<int32_t>& full = full_.at(id);
+    ++calls;
+    for (size_t i = tokens.size(); i < full.size() && static_cast<int>(draft->size()) < max_draft; ++i) {
+      const bool wrong = wrong_after_first_ && !draft->empty();
+      draft->push_back(wrong ? (full[i] + 1) % vocab_ : full[i]);
+    }
+  }
+  int calls = 0;
+
+ private:
+  std::map<std::string, std::vector<int32_t>> full_;  // prompt, then what the request produces
+  int vocab_;
+  bool wrong_after_first_;
+};
+
+TEST_F(SchedulerTest, SpeculationChangesNothing) {
+  for (const bool wrong : {false, true}) {
+    std::map<std::string, std::vector<int32_t>> want, full;
+    for (size_t i = 0; i < 3; ++i) {
+      const std::string id = "r" + std::to_string(i);
+      want[id] = Alone(prompts_[i], 10);
+      full[id] = prompts_[i];
+      full[id].insert(full[id].end(), want[id].begin(), want[id].end());
+    }
+    // A penalized, seeded request: its draft rows read the drafts before them.
+    Request penalized = Make("p", prompts_[1], 10);
+    penalized.sampling.temperature = 0.9f;
+    penalized.sampling.repetition_penalty = 1.4f;
+    penalized.sampling.seed = 8;
+    {
+      auto executor = NewExecutor(128);
+      Scheduler plain(Config(128));
+      ASSERT_TRUE(plain.Add(penalized).ok());
+      std::map<std::string, std::vector<int32_t>> got;
+      std::map<std::string, FinishReason> reasons;
+      RunToEnd(plain, *executor, &got, &reasons);
+      want["p"] = got["p"];
+      full["p"] = prompts_[1];
+      full["p"].insert(full["p"].end(), got["p"].begin(), got["p"].end());
+    }
+    ScriptedProposer proposer(full, model_->spec().vocab_size, wrong);
+    SchedulerConfig config = Config(128);
+    config.max_draft = 3;
+    Scheduler scheduler(config);
+    scheduler.set_proposer(&proposer);
+    auto executor = NewExecutor(128);
+    Recording recording(*executor);
+    for (size_t i = 0; i < 3; ++i) ASSERT_TRUE(scheduler.Add(Make("r" + std::to_string(i), prompts_[i], 10)).ok());
+    ASSERT_TRUE(scheduler.Add(penalized).ok());
+    std::map<std::string, std::vector<int32_t>> got;
+    std::map<std::string, FinishReason> reasons;
+    RunToEnd(scheduler, recording, &got, &reasons);
+    EXPECT_EQ(got, want) << (wrong ? "wrong drafts" : "right drafts");
+    for (const auto& [id, reason] : reasons) EXPECT_EQ(reason, FinishReason::kLength) << id;
+    EXPECT_EQ(scheduler.stats().blocks_used, 0);
+    int drafts = 0;
+    for (const runtime::StepPlan& plan : recording.plans) {
+      for (const runtime::SequenceChunk& c : plan.batch.sequences) drafts += c.num_draft;
+    }
+    EXPECT_GT(proposer.calls, 0);
+    EXPECT_GT(drafts, 0);
+    // Right drafts are all kept: fewer steps than one token a step would take.
+    if (!wrong) {
+      EXPECT_LT(recording.plans.size(), 10u);
+    }
+  }
 }
 
 TEST_F(SchedulerTest, BadRequestsAreRefusedNamingTheField) {

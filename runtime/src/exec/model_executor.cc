@@ -78,15 +78,22 @@ int32_t ModelExecutor::Sample(const SampleRow& row, const float* logits, int voc
   return DrawToken(penalized_.data(), vocab, row.sampling, row.seed, row.sequence, row.position);
 }
 
-absl::StatusOr<std::vector<SampledToken>> ModelExecutor::Execute(const StepPlan& plan) {
+absl::StatusOr<StepResult> ModelExecutor::Execute(const StepPlan& plan) {
   MOE_RETURN_IF_ERROR(CheckSampleRows(plan));
-  MOE_ASSIGN_OR_RETURN(Tensor device_logits, model_.ForwardOnDevice(plan.batch, *cache_));
+  MOE_RETURN_IF_ERROR(CheckDrafts(plan));
+  MOE_ASSIGN_OR_RETURN(StepOutputs out, model_.ForwardOnDevice(plan.batch, *cache_));
   if (!model_.parallel().answers()) {
     // A layer split's stage before the last, or a tensor split's rank above 0: its share of the
     // step is done once it is queued; the answering rank samples.
     MOE_RETURN_IF_ERROR(model_.backend().Synchronize());
-    return std::vector<SampledToken>{};
+    return StepResult{};
   }
+  MOE_ASSIGN_OR_RETURN(std::vector<SampledToken> sampled, SampleLogitRows(plan, out.logits));
+  return AcceptDrafts(plan, std::move(sampled));
+}
+
+absl::StatusOr<std::vector<SampledToken>> ModelExecutor::SampleLogitRows(const StepPlan& plan,
+                                                                          const Tensor& device_logits) {
   const int vocab = info_.vocab_size;
   std::vector<SampledToken> tokens(plan.samples.size());
   // On a backend that samples (a GPU), the logits never leave it: only the tokens come back.

@@ -1,6 +1,7 @@
 #include "moe/worker/step_codec.h"
 
 #include <algorithm>
+#include <optional>
 #include <set>
 #include <utility>
 
@@ -65,6 +66,9 @@ absl::StatusOr<pb::StepRequest> PlanEncoder::Encode(const runtime::StepPlan& pla
     for (const std::vector<int32_t>& table : c.more_block_tables) {
       s->add_more_block_tables()->mutable_blocks()->Add(table.begin(), table.end());
     }
+    s->set_num_draft(c.num_draft);
+    s->mutable_prefix()->Add(c.prefix.begin(), c.prefix.end());
+    if (c.state_slot >= 0) s->set_state_slot(c.state_slot);
   }
   req.mutable_logit_rows()->Add(plan.batch.logit_rows.begin(), plan.batch.logit_rows.end());
   for (const runtime::SampleRow& r : plan.samples) {
@@ -95,14 +99,27 @@ absl::StatusOr<runtime::StepPlan> PlanDecoder::Decode(const pb::StepRequest& req
       return absl::InvalidArgumentError(absl::StrCat("step ", req.step(), ": sequence ", s.id(), " twice"));
     }
     rows += s.token_ids_size();
+    if (s.first_position() < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("step ", req.step(), ": sequence ", s.id(), " starts at position ", s.first_position()));
+    }
     if (s.first_position() == 0) continue;  // a new sequence (or one started again)
+    if (s.prefix_size() > 0) {  // a sequence that starts on a cached prefix
+      if (s.prefix_size() != s.first_position()) {
+        return absl::InvalidArgumentError(absl::StrCat("step ", req.step(), ": sequence ", s.id(), " starts at position ",
+                                                       s.first_position(), " with a prefix of ", s.prefix_size(),
+                                                       " tokens"));
+      }
+      continue;
+    }
     auto it = sequences_.find(s.id());
     if (it == sequences_.end()) {
       return absl::InvalidArgumentError(absl::StrCat("step ", req.step(), ": sequence ", s.id(),
                                                      " continues at position ", s.first_position(),
-                                                     " but this worker has not seen it"));
+                                                     " but this worker has not seen it (and no prefix came)"));
     }
-    if (static_cast<int64_t>(it->second.tokens.size()) != s.first_position()) {
+    // Below the mirror's length is a rollback (rejected drafts); beyond it, tokens went missing.
+    if (static_cast<int64_t>(it->second.tokens.size()) < s.first_position()) {
       return absl::InvalidArgumentError(absl::StrCat("step ", req.step(), ": sequence ", s.id(),
                                                      " continues at position ", s.first_position(), " but has ",
                                                      it->second.tokens.size(), " tokens"));
@@ -138,7 +155,11 @@ absl::StatusOr<runtime::StepPlan> PlanDecoder::Decode(const pb::StepRequest& req
   row_sequence.reserve(static_cast<size_t>(rows));
   for (const pb::SequenceStep& s : req.sequences()) {
     Sequence& seq = sequences_[s.id()];
-    if (s.first_position() == 0) seq.tokens.clear();
+    if (s.prefix_size() > 0) {
+      seq.tokens.assign(s.prefix().begin(), s.prefix().end());
+    } else {
+      seq.tokens.resize(static_cast<size_t>(s.first_position()));  // from 0, anew; below, a rollback
+    }
     if (s.replace_blocks() || s.first_position() == 0) seq.blocks.clear();
     seq.blocks.insert(seq.blocks.end(), s.blocks().begin(), s.blocks().end());
     seq.tokens.insert(seq.tokens.end(), s.token_ids().begin(), s.token_ids().end());
@@ -151,6 +172,9 @@ absl::StatusOr<runtime::StepPlan> PlanDecoder::Decode(const pb::StepRequest& req
     for (const pb::BlockTable& table : s.more_block_tables()) {
       chunk.more_block_tables.emplace_back(table.blocks().begin(), table.blocks().end());
     }
+    chunk.num_draft = s.num_draft();
+    chunk.prefix.assign(s.prefix().begin(), s.prefix().end());
+    chunk.state_slot = s.has_state_slot() ? s.state_slot() : -1;
     row_sequence.insert(row_sequence.end(), s.token_ids_size(), &seq);
   }
   plan.batch.logit_rows.assign(req.logit_rows().begin(), req.logit_rows().end());
@@ -171,36 +195,46 @@ absl::StatusOr<runtime::StepPlan> PlanDecoder::Decode(const pb::StepRequest& req
   return plan;
 }
 
-pb::SampledTokenResult ToProto(const runtime::SampledToken& token) {
-  pb::SampledTokenResult r;
-  r.set_token(token.token);
-  if (token.logprobs) {
-    r.set_has_logprobs(true);
-    r.set_logprob(token.logprobs->logprob);
-    for (const auto& [id, lp] : token.logprobs->top) {
-      pb::AlternativeLogprob* t = r.add_top();
-      t->set_token(id);
-      t->set_logprob(lp);
+pb::SequenceResult ToProto(const runtime::SequenceResult& result) {
+  pb::SequenceResult r;
+  for (size_t i = 0; i < result.tokens.size(); ++i) {
+    pb::SampledTokenResult* t = r.add_tokens();
+    t->set_token(result.tokens[i]);
+    if (i < result.logprobs.size() && result.logprobs[i]) {
+      const runtime::TokenLogprobs& lp = *result.logprobs[i];
+      t->set_has_logprobs(true);
+      t->set_logprob(lp.logprob);
+      for (const auto& [id, logprob] : lp.top) {
+        pb::AlternativeLogprob* alt = t->add_top();
+        alt->set_token(id);
+        alt->set_logprob(logprob);
+      }
     }
   }
-  if (!token.error.ok()) {
-    r.set_error_code(static_cast<int32_t>(token.error.code()));
-    r.set_error(std::string(token.error.message()));
+  r.set_drafted(result.drafted);
+  r.set_accepted(result.accepted);
+  if (!result.error.ok()) {
+    r.set_error_code(static_cast<int32_t>(result.error.code()));
+    r.set_error(std::string(result.error.message()));
   }
   return r;
 }
 
-runtime::SampledToken FromProto(const pb::SampledTokenResult& r) {
-  runtime::SampledToken token;
-  token.token = r.token();
-  if (r.has_logprobs()) {
-    runtime::TokenLogprobs lp;
-    lp.logprob = r.logprob();
-    for (const pb::AlternativeLogprob& t : r.top()) lp.top.emplace_back(t.token(), t.logprob());
-    token.logprobs = std::move(lp);
+runtime::SequenceResult FromProto(const pb::SequenceResult& r) {
+  runtime::SequenceResult result;
+  for (const pb::SampledTokenResult& t : r.tokens()) {
+    result.tokens.push_back(t.token());
+    std::optional<runtime::TokenLogprobs>& lp = result.logprobs.emplace_back();
+    if (t.has_logprobs()) {
+      lp.emplace();
+      lp->logprob = t.logprob();
+      for (const pb::AlternativeLogprob& alt : t.top()) lp->top.emplace_back(alt.token(), alt.logprob());
+    }
   }
-  if (r.error_code() != 0) token.error = absl::Status(static_cast<absl::StatusCode>(r.error_code()), r.error());
-  return token;
+  result.drafted = r.drafted();
+  result.accepted = r.accepted();
+  if (r.error_code() != 0) result.error = absl::Status(static_cast<absl::StatusCode>(r.error_code()), r.error());
+  return result;
 }
 
 }  // namespace moe::worker

@@ -41,14 +41,39 @@ struct SequenceChunk {
   uint64_t seq_id = 0;
   // The block tables of the cache's further paged groups, in CachePlan::groups order (recurrent
   // groups have none); empty while the cache has one paged group, as every model's has today.
-  std::vector<std::vector<int32_t>> more_block_tables;
+  std::vector<std::vector<int32_t>> more_block_tables = {};
+  // Speculative decoding: the chunk's last num_draft tokens are drafts, and its logit rows are its
+  // last num_draft + 1 rows, in order (executor.h: SequenceResult says what is kept). The model
+  // computes them as any other rows.
+  int32_t num_draft = 0;
+  // For an executor that keeps each sequence's tokens across steps (a worker's mirror, whose
+  // tokens are the penalties' history): a sequence it has not seen that starts at
+  // first_position > 0 (a prefix-cache hit) comes with its first first_position tokens here.
+  // Empty otherwise; the model does not read it.
+  std::vector<int32_t> prefix = {};
+  // The sequence's slot in the cache's recurrent groups, or -1 (no model has such groups yet).
+  int32_t state_slot = -1;
 };
+// A chunk may start below positions an earlier step wrote (a rollback after rejected drafts):
+// attention reads only positions below each row's own, so the positions from first_position on
+// are simply written again.
 
 // One step's input. Rows of token_ids are grouped by sequence, in the order of `sequences`.
 struct ForwardBatch {
   std::vector<int32_t> token_ids;
   std::vector<SequenceChunk> sequences;
   std::vector<int32_t> logit_rows;  // rows of token_ids whose logits are returned, in this order
+  // Also return the logit rows' hidden states (StepOutputs::hidden), for an MTP head or a drafter
+  // that reads the target's. Needs no more logit rows than tokens. Off: nothing is gathered.
+  bool want_hidden = false;
+};
+
+// What a step leaves in the backend's step arena, valid until the next step.
+struct StepOutputs {
+  Tensor logits;  // [logit_rows x vocab] fp32; no rows on a rank that holds no logits
+  // [logit_rows x hidden_size] fp32 when ForwardBatch::want_hidden: the residual stream of each
+  // logit row after the last layer, before the final norm (what an MTP layer takes in). Else empty.
+  Tensor hidden;
 };
 
 // What the routed experts computed on the host beside a GPU (hybrid execution) took: the pool's
@@ -197,9 +222,10 @@ class Model {
   // was loaded for); the cache is then left unchanged. kInternal for a failure of the backend
   // (a CUDA error), naming the operation.
   absl::Status Forward(const ForwardBatch& batch, KvCache& cache, std::vector<float>* logits);
-  // The same step, leaving the logits [logit_rows x vocab] fp32 in the backend's step arena
-  // (valid until the next step) for sampling there. Nothing is synchronized.
-  absl::StatusOr<Tensor> ForwardOnDevice(const ForwardBatch& batch, KvCache& cache);
+  // The same step, leaving the logits [logit_rows x vocab] fp32 (and the hidden states when
+  // asked) in the backend's step arena (valid until the next step) for sampling there. Nothing is
+  // synchronized.
+  absl::StatusOr<StepOutputs> ForwardOnDevice(const ForwardBatch& batch, KvCache& cache);
 
   // The CPU expert pool, or null when the backend runs the routed experts.
   experts::ExpertPool* expert_pool() { return pool_.get(); }

@@ -24,13 +24,16 @@ class ModelExecutor final : public Executor {
   // size, kResourceExhausted when the backend cannot hold the cache.
   static absl::StatusOr<std::unique_ptr<ModelExecutor>> Create(Model& model, int num_blocks, int block_size = 16);
 
-  absl::StatusOr<std::vector<SampledToken>> Execute(const StepPlan& plan) override;
+  absl::StatusOr<StepResult> Execute(const StepPlan& plan) override;
   KvCapacity kv_capacity() const override;
   const ModelInfo& model_info() const override { return info_; }
   std::string Describe() const override { return description_; }
 
  private:
   ModelExecutor(Model& model, std::unique_ptr<KvCache> cache);
+  // One sample per logit row of the step, from `device_logits` [rows x vocab] on the backend
+  // (sampled there when the backend samples, else on the host).
+  absl::StatusOr<std::vector<SampledToken>> SampleLogitRows(const StepPlan& plan, const Tensor& device_logits);
   // Samples row `row` of the step from its logits[vocab], penalties applied.
   int32_t Sample(const SampleRow& row, const float* logits, int vocab);
 
