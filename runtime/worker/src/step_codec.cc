@@ -36,9 +36,9 @@ runtime::SampleRow RowFromSpec(const pb::SamplingSpec& s) {
 absl::StatusOr<pb::StepRequest> PlanEncoder::Encode(const runtime::StepPlan& plan) {
   pb::StepRequest req;
   req.set_step(++step_);
-  for (uint64_t id : plan.released) {
-    sequences_.erase(id);
-    req.add_released(id);
+  for (uint64_t seq_id : plan.released) {
+    sequences_.erase(seq_id);
+    req.add_released(seq_id);
   }
   size_t row = 0;
   for (size_t i = 0; i < plan.batch.sequences.size(); ++i) {
@@ -47,7 +47,7 @@ absl::StatusOr<pb::StepRequest> PlanEncoder::Encode(const runtime::StepPlan& pla
       return absl::InvalidArgumentError(absl::StrCat("step plan: sequence ", i, " has no id (seq_id)"));
     }
     pb::SequenceStep* s = req.add_sequences();
-    s->set_id(c.seq_id);
+    s->set_id(c.seq_id);  // the wire's name for seq_id
     s->set_first_position(c.first_position);
     s->mutable_token_ids()->Add(plan.batch.token_ids.begin() + row, plan.batch.token_ids.begin() + row + c.num_tokens);
     row += c.num_tokens;
@@ -95,32 +95,33 @@ absl::StatusOr<runtime::StepPlan> PlanDecoder::Decode(const pb::StepRequest& req
   std::set<uint64_t> seen;
   int64_t rows = 0;
   for (const pb::SequenceStep& s : req.sequences()) {
-    if (!seen.insert(s.id()).second) {
-      return absl::InvalidArgumentError(absl::StrCat("step ", req.step(), ": sequence ", s.id(), " twice"));
+    const uint64_t seq_id = s.id();  // the wire's `id` is the plan's seq_id
+    if (!seen.insert(seq_id).second) {
+      return absl::InvalidArgumentError(absl::StrCat("step ", req.step(), ": sequence ", seq_id, " twice"));
     }
     rows += s.token_ids_size();
     if (s.first_position() < 0) {
       return absl::InvalidArgumentError(
-          absl::StrCat("step ", req.step(), ": sequence ", s.id(), " starts at position ", s.first_position()));
+          absl::StrCat("step ", req.step(), ": sequence ", seq_id, " starts at position ", s.first_position()));
     }
     if (s.first_position() == 0) continue;  // a new sequence (or one started again)
     if (s.prefix_size() > 0) {  // a sequence that starts on a cached prefix
       if (s.prefix_size() != s.first_position()) {
-        return absl::InvalidArgumentError(absl::StrCat("step ", req.step(), ": sequence ", s.id(), " starts at position ",
+        return absl::InvalidArgumentError(absl::StrCat("step ", req.step(), ": sequence ", seq_id, " starts at position ",
                                                        s.first_position(), " with a prefix of ", s.prefix_size(),
                                                        " tokens"));
       }
       continue;
     }
-    auto it = sequences_.find(s.id());
+    auto it = sequences_.find(seq_id);
     if (it == sequences_.end()) {
-      return absl::InvalidArgumentError(absl::StrCat("step ", req.step(), ": sequence ", s.id(),
+      return absl::InvalidArgumentError(absl::StrCat("step ", req.step(), ": sequence ", seq_id,
                                                      " continues at position ", s.first_position(),
                                                      " but this worker has not seen it (and no prefix came)"));
     }
     // Below the mirror's length is a rollback (rejected drafts); beyond it, tokens went missing.
     if (static_cast<int64_t>(it->second.tokens.size()) < s.first_position()) {
-      return absl::InvalidArgumentError(absl::StrCat("step ", req.step(), ": sequence ", s.id(),
+      return absl::InvalidArgumentError(absl::StrCat("step ", req.step(), ": sequence ", seq_id,
                                                      " continues at position ", s.first_position(), " but has ",
                                                      it->second.tokens.size(), " tokens"));
     }
@@ -154,7 +155,8 @@ absl::StatusOr<runtime::StepPlan> PlanDecoder::Decode(const pb::StepRequest& req
   std::vector<const Sequence*> row_sequence;  // the sequence of each row of the batch
   row_sequence.reserve(static_cast<size_t>(rows));
   for (const pb::SequenceStep& s : req.sequences()) {
-    Sequence& seq = sequences_[s.id()];
+    const uint64_t seq_id = s.id();
+    Sequence& seq = sequences_[seq_id];
     if (s.prefix_size() > 0) {
       seq.tokens.assign(s.prefix().begin(), s.prefix().end());
     } else {
@@ -168,7 +170,7 @@ absl::StatusOr<runtime::StepPlan> PlanDecoder::Decode(const pb::StepRequest& req
     chunk.first_position = s.first_position();
     chunk.num_tokens = s.token_ids_size();
     chunk.block_table = seq.blocks;
-    chunk.seq_id = s.id();
+    chunk.seq_id = seq_id;
     for (const pb::BlockTable& table : s.more_block_tables()) {
       chunk.more_block_tables.emplace_back(table.blocks().begin(), table.blocks().end());
     }
@@ -188,9 +190,9 @@ absl::StatusOr<runtime::StepPlan> PlanDecoder::Decode(const pb::StepRequest& req
     }
     plan.samples.push_back(std::move(r));
   }
-  for (uint64_t id : req.released()) {
-    sequences_.erase(id);
-    plan.released.push_back(id);
+  for (uint64_t seq_id : req.released()) {
+    sequences_.erase(seq_id);
+    plan.released.push_back(seq_id);
   }
   return plan;
 }

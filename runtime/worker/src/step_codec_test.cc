@@ -16,8 +16,8 @@ namespace {
 
 using ::testing::HasSubstr;
 
-runtime::SequenceChunk Chunk(int64_t first, int32_t n, std::vector<int32_t> blocks, uint64_t id) {
-  return runtime::SequenceChunk{first, n, std::move(blocks), id};
+runtime::SequenceChunk Chunk(int64_t first, int32_t n, std::vector<int32_t> blocks, uint64_t seq_id) {
+  return runtime::SequenceChunk{first, n, std::move(blocks), seq_id};
 }
 
 runtime::SampleRow Row(uint32_t position, bool penalized) {
