@@ -33,6 +33,8 @@ struct Scheduler::Sequence {
   int64_t computed = 0;         // committed tokens whose keys and values are in the cache
   // Speculative: drafts fed after `tokens` in the step being planned, until its result is applied.
   std::vector<int32_t> draft;
+  // Drafts the executor's drafter proposed in the last step (SequenceResult::drafts), for the next.
+  std::vector<int32_t> proposed;
   std::vector<int32_t> blocks;
   int generated = 0;
   bool running = false;
@@ -172,6 +174,7 @@ void Scheduler::Preempt(Sequence* seq) {
   Release(seq);
   seq->computed = 0;
   seq->draft.clear();
+  seq->proposed.clear();
   seq->running = false;
   running_.erase(std::remove(running_.begin(), running_.end(), seq), running_.end());
   waiting_.push_front(seq);
@@ -244,13 +247,20 @@ void Scheduler::EndAbortedAndLate(Clock::time_point now, std::vector<Output>* ou
 
 int Scheduler::ProposeDrafts(Sequence* seq, int budget) {
   seq->draft.clear();
+  std::vector<int32_t> proposed = std::move(seq->proposed);
+  seq->proposed.clear();
   const int64_t pending = static_cast<int64_t>(seq->tokens.size()) - seq->computed;
-  if (proposer_ == nullptr || config_.max_draft <= 0 || pending != 1) return 0;
+  if (config_.max_draft <= 0 || pending != 1) return 0;
   // Never past max_new_tokens: the bonus token of a step whose drafts are all kept is the last.
   const int room = seq->request.stopping.max_new_tokens - seq->generated - 1;
   const int most = std::min({config_.max_draft, room, budget - 1});
   if (most <= 0) return 0;
-  proposer_->Propose(seq->request.id, seq->tokens, most, &seq->draft);
+  // The executor's drafter's proposal first; the scheduler's proposer when it made none.
+  if (!proposed.empty()) {
+    seq->draft = std::move(proposed);
+  } else if (proposer_ != nullptr) {
+    proposer_->Propose(seq->request.id, seq->tokens, most, &seq->draft);
+  }
   if (static_cast<int>(seq->draft.size()) > most) seq->draft.resize(most);
   for (int32_t& t : seq->draft) {
     if (t < 0 || t >= config_.vocab_size) {  // a proposer's mistake must not fail the step
@@ -316,8 +326,10 @@ runtime::StepPlan Scheduler::BuildPlan(const std::vector<Scheduled>& scheduled) 
     chunk.block_table = seq.blocks;
     chunk.seq_id = seq.seq_id;
     chunk.num_draft = s.num_draft;
-    // The chunk that reaches the last token samples the next one, and one more per draft.
+    // The chunk that reaches the last token samples the next one, and one more per draft; an
+    // executor with a drafter proposes the next step's drafts.
     if (s.first + fed == static_cast<int64_t>(seq.tokens.size())) {
+      chunk.want_drafts = config_.max_draft;
       const int32_t end = static_cast<int32_t>(plan.batch.token_ids.size());
       for (int i = 0; i <= s.num_draft; ++i) {
         plan.batch.logit_rows.push_back(end - s.num_draft - 1 + i);
@@ -369,7 +381,8 @@ void Scheduler::Apply(const std::vector<Scheduled>& scheduled, runtime::StepResu
     runtime::SequenceResult& r = result.sequences[next++];
     // The cache holds the sequence's own tokens and the drafts kept; the bonus token is fed next.
     seq->computed = end + std::clamp(r.accepted, 0, s.num_draft);
-    Accept(seq, r, outputs);
+    std::vector<int32_t> proposed = std::move(r.drafts);
+    if (Accept(seq, r, outputs)) seq->proposed = std::move(proposed);
   }
 }
 

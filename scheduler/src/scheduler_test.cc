@@ -2,6 +2,7 @@
 // must not change what greedy decoding produces, and every way a request ends frees its blocks.
 #include "moe/scheduler/scheduler.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <fstream>
 #include <map>
@@ -333,6 +334,86 @@ class ScriptedProposer : public DraftProposer {
   int vocab_;
   bool wrong_after_first_;
 };
+
+// An executor with a drafter of its own, as an MTP head would be: after each step it proposes, for
+// every sequence that asked (want_drafts), what that sequence's request produces alone. It knows a
+// sequence by its prompt, which its first chunk starts with.
+class DraftingExecutor : public runtime::Executor {
+ public:
+  DraftingExecutor(runtime::Executor& inner, std::vector<std::vector<int32_t>> full)
+      : inner_(inner), full_(std::move(full)) {}
+  absl::StatusOr<runtime::StepResult> Execute(const runtime::StepPlan& plan) override {
+    auto result = inner_.Execute(plan);
+    if (!result.ok()) return result;
+    const std::vector<std::vector<int>> rows = runtime::LogitRowsBySequence(plan.batch);
+    size_t next = 0;
+    int64_t row = 0;
+    for (size_t s = 0; s < plan.batch.sequences.size(); ++s) {
+      const runtime::SequenceChunk& c = plan.batch.sequences[s];
+      if (c.first_position == 0) {
+        for (size_t f = 0; f < full_.size(); ++f) {
+          if (std::equal(plan.batch.token_ids.begin() + row, plan.batch.token_ids.begin() + row + c.num_tokens,
+                         full_[f].begin())) {
+            which_[c.seq_id] = f;
+          }
+        }
+      }
+      row += c.num_tokens;
+      if (rows[s].empty()) continue;
+      runtime::SequenceResult& r = result->sequences[next++];
+      const std::vector<int32_t>& full = full_[which_.at(c.seq_id)];
+      const size_t length = c.first_position + c.num_tokens - c.num_draft + r.tokens.size();
+      for (size_t i = length; i < full.size() && static_cast<int>(r.drafts.size()) < c.want_drafts; ++i) {
+        r.drafts.push_back(full[i]);
+      }
+      proposed += static_cast<int>(r.drafts.size());
+    }
+    return result;
+  }
+  runtime::KvCapacity kv_capacity() const override { return inner_.kv_capacity(); }
+  const runtime::ModelInfo& model_info() const override { return inner_.model_info(); }
+  std::string Describe() const override { return "drafting " + inner_.Describe(); }
+  int proposed = 0;
+
+ private:
+  runtime::Executor& inner_;
+  std::vector<std::vector<int32_t>> full_;  // prompt, then what the request produces alone
+  std::map<uint64_t, size_t> which_;         // seq_id -> its request's entry in full_
+};
+
+TEST_F(SchedulerTest, DraftsFromTheExecutorsDrafterChangeNothing) {
+  std::map<std::string, std::vector<int32_t>> want;
+  std::vector<std::vector<int32_t>> full;
+  for (size_t i = 0; i < 3; ++i) {
+    const std::string id = "r" + std::to_string(i);
+    want[id] = Alone(prompts_[i], 10);
+    full.push_back(prompts_[i]);
+    full.back().insert(full.back().end(), want[id].begin(), want[id].end());
+  }
+  auto executor = NewExecutor(128);
+  DraftingExecutor drafting(*executor, full);
+  Recording recording(drafting);
+  SchedulerConfig config = Config(128);
+  config.max_draft = 2;
+  Scheduler scheduler(config);
+  for (size_t i = 0; i < 3; ++i) ASSERT_TRUE(scheduler.Add(Make("r" + std::to_string(i), prompts_[i], 10)).ok());
+  std::map<std::string, std::vector<int32_t>> got;
+  std::map<std::string, FinishReason> reasons;
+  RunToEnd(scheduler, recording, &got, &reasons);
+  EXPECT_EQ(got, want);
+  EXPECT_GT(drafting.proposed, 0);
+  int drafts = 0, asked = 0;
+  for (const runtime::StepPlan& plan : recording.plans) {
+    for (const runtime::SequenceChunk& c : plan.batch.sequences) {
+      drafts += c.num_draft;
+      asked += c.want_drafts > 0 ? 1 : 0;
+      EXPECT_LE(c.num_draft, 2);
+    }
+  }
+  EXPECT_GT(asked, 0);
+  EXPECT_GT(drafts, 0);
+  EXPECT_EQ(scheduler.stats().blocks_used, 0);
+}
 
 TEST_F(SchedulerTest, SpeculationChangesNothing) {
   for (const bool wrong : {false, true}) {

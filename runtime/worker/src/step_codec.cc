@@ -69,6 +69,7 @@ absl::StatusOr<pb::StepRequest> PlanEncoder::Encode(const runtime::StepPlan& pla
     s->set_num_draft(c.num_draft);
     s->mutable_prefix()->Add(c.prefix.begin(), c.prefix.end());
     if (c.state_slot >= 0) s->set_state_slot(c.state_slot);
+    s->set_want_drafts(c.want_drafts);
   }
   req.mutable_logit_rows()->Add(plan.batch.logit_rows.begin(), plan.batch.logit_rows.end());
   for (const runtime::SampleRow& r : plan.samples) {
@@ -177,6 +178,7 @@ absl::StatusOr<runtime::StepPlan> PlanDecoder::Decode(const pb::StepRequest& req
     chunk.num_draft = s.num_draft();
     chunk.prefix.assign(s.prefix().begin(), s.prefix().end());
     chunk.state_slot = s.has_state_slot() ? s.state_slot() : -1;
+    chunk.want_drafts = s.want_drafts();
     row_sequence.insert(row_sequence.end(), s.token_ids_size(), &seq);
   }
   plan.batch.logit_rows.assign(req.logit_rows().begin(), req.logit_rows().end());
@@ -215,6 +217,7 @@ pb::SequenceResult ToProto(const runtime::SequenceResult& result) {
   }
   r.set_drafted(result.drafted);
   r.set_accepted(result.accepted);
+  r.mutable_drafts()->Add(result.drafts.begin(), result.drafts.end());
   if (!result.error.ok()) {
     r.set_error_code(static_cast<int32_t>(result.error.code()));
     r.set_error(std::string(result.error.message()));
@@ -235,6 +238,7 @@ runtime::SequenceResult FromProto(const pb::SequenceResult& r) {
   }
   result.drafted = r.drafted();
   result.accepted = r.accepted();
+  result.drafts.assign(r.drafts().begin(), r.drafts().end());
   if (r.error_code() != 0) result.error = absl::Status(static_cast<absl::StatusCode>(r.error_code()), r.error());
   return result;
 }

@@ -327,12 +327,14 @@ TEST(StepCodecTest, TheMirrorRollsBackAndTakesACachedPrefix) {
   p3.batch.sequences = {Chunk(3, 1, {6}, 8)};
   p3.batch.sequences[0].prefix = {30, 31, 32};
   p3.batch.sequences[0].state_slot = 2;
+  p3.batch.sequences[0].want_drafts = 4;
   p3.batch.logit_rows = {0};
   p3.samples = {Row(4, true)};
   auto d3 = decoder.Decode(*encoder.Encode(p3));
   ASSERT_TRUE(d3.ok()) << d3.status();
   EXPECT_EQ(d3->samples[0].history, (std::vector<int32_t>{30, 31, 32, 33}));
   EXPECT_EQ(d3->batch.sequences[0].state_slot, 2);
+  EXPECT_EQ(d3->batch.sequences[0].want_drafts, 4);
   EXPECT_EQ(d2->batch.sequences[0].state_slot, -1);
   moeserve::v1::StepRequest short_prefix = *encoder.Encode(p3);
   short_prefix.mutable_sequences(0)->set_id(9);
@@ -347,7 +349,9 @@ TEST(StepCodecTest, SequenceResultsWithLogprobsAndErrorsRoundTrip) {
   r.logprobs = {runtime::TokenLogprobs{-0.5f, {{42, -0.5f}, {7, -1.25f}}}, std::nullopt};
   r.drafted = 3;
   r.accepted = 1;
+  r.drafts = {5, 6};
   const runtime::SequenceResult back = FromProto(ToProto(r));
+  EXPECT_EQ(back.drafts, r.drafts);
   EXPECT_EQ(back.tokens, r.tokens);
   ASSERT_EQ(back.logprobs.size(), 2u);
   ASSERT_TRUE(back.logprobs[0].has_value());

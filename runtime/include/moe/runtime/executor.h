@@ -61,6 +61,9 @@ struct SequenceResult {
   std::vector<std::optional<TokenLogprobs>> logprobs;  // one per token: set when its row asked
   int drafted = 0;   // the sequence's num_draft in the plan
   int accepted = 0;  // of them, kept
+  // Up to SequenceChunk::want_drafts tokens proposed by the executor's drafter to follow `tokens`,
+  // for the next step to verify (none from an executor without a drafter).
+  std::vector<int32_t> drafts;
   // Set when a row's logits could not be sampled (not finite, kInternal): the sequence fails with
   // it, the others in the step go on. tokens then holds what came before that row.
   absl::Status error;

@@ -53,6 +53,10 @@ struct SequenceChunk {
   std::vector<int32_t> prefix = {};
   // The sequence's slot in the cache's recurrent groups, or -1 (no model has such groups yet).
   int32_t state_slot = -1;
+  // Drafts wanted from the executor's own drafter (an MTP head, a draft model beside the target)
+  // for the step after this one: up to this many, returned in SequenceResult::drafts. Executors
+  // without a drafter return none. The model does not read it.
+  int32_t want_drafts = 0;
 };
 // A chunk may start below positions an earlier step wrote (a rollback after rejected drafts):
 // attention reads only positions below each row's own, so the positions from first_position on

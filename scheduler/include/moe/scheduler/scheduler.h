@@ -57,7 +57,8 @@ struct SchedulerConfig {
   int num_blocks = 0;  // KV blocks in the cache
   int vocab_size = 0;
   std::vector<int> eos_token_ids;
-  // Drafts a decoding sequence may carry in one step, with a DraftProposer (0: none).
+  // Drafts a decoding sequence may carry in one step (0: none): those the executor's own drafter
+  // proposed in the step before (SequenceChunk::want_drafts asks for them), else a DraftProposer's.
   int max_draft = 0;
 };
 
