@@ -461,8 +461,8 @@ TEST(StepContextTest, TwoModelsOnOneBackendKeepTheirOwnSteps) {
   one.logit_rows = {0};
   std::vector<float> draft_logits;
   ASSERT_TRUE((*draft)->Forward(one, **draft_cache, &draft_logits).ok());
-  const float* row = logits->as<float>();
-  EXPECT_EQ(MaxAbsDiff(std::vector<float>(row, row + logits->cols), alone[n - 1]), 0.0f);
+  const float* row = logits->logits.as<float>();
+  EXPECT_EQ(MaxAbsDiff(std::vector<float>(row, row + logits->logits.cols), alone[n - 1]), 0.0f);
   // The target's next step still has its own arena (a shared one would be the draft's 4 tokens).
   runtime::ForwardBatch next;
   next.token_ids = ids;

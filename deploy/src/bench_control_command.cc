@@ -55,13 +55,13 @@ absl::StatusOr<std::vector<double>> TimeDecode(runtime::Executor& executor, int 
     return plan;
   };
   MOE_ASSIGN_OR_RETURN(auto first, executor.Execute(plan_for(prompt, 0)));
-  int32_t token = first.at(0).token;
+  int32_t token = first.sequences.at(0).tokens.at(0);
   std::vector<double> seconds;
   for (int i = 0; i < steps; ++i) {
     const auto start = Clock::now();
     MOE_ASSIGN_OR_RETURN(auto out, executor.Execute(plan_for({token}, static_cast<int64_t>(prompt.size()) + i)));
     seconds.push_back(std::chrono::duration<double>(Clock::now() - start).count());
-    token = out.at(0).token;
+    token = out.sequences.at(0).tokens.at(0);
   }
   return seconds;
 }

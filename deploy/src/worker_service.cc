@@ -248,23 +248,23 @@ bool WorkerService::RunStep(const pb::StepRequest& request, pb::StepResult* resu
     return true;
   }
   live_sequences_.store(static_cast<int32_t>(decoder_.live_sequences()));
-  auto tokens = executor_->Execute(*plan);
+  auto answer = executor_->Execute(*plan);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   steps_.fetch_add(1);
   step_seconds_.store(step_seconds_.load() + seconds);
   result->set_seconds(seconds);
-  if (!tokens.ok()) {
+  if (!answer.ok()) {
     failed_steps_.fetch_add(1);
-    result->set_error_code(static_cast<int32_t>(tokens.status().code()));
-    result->set_error(std::string(tokens.status().message()));
+    result->set_error_code(static_cast<int32_t>(answer.status().code()));
+    result->set_error(std::string(answer.status().message()));
     if (comm_ != nullptr && !comm_->AsyncError().ok()) {
       SetState(pb::WorkerHealthResponse::BROKEN, std::string(comm_->AsyncError().message()));
       return false;
     }
     return true;
   }
-  // Only the answering rank samples (ParallelConfig::answers); the others return no tokens.
-  for (const runtime::SampledToken& t : *tokens) *result->add_tokens() = worker::ToProto(t);
+  // Only the answering rank samples (ParallelConfig::answers); the others return no sequences.
+  for (const runtime::SequenceResult& r : answer->sequences) *result->add_sequences() = worker::ToProto(r);
   return true;
 }
 

@@ -15,17 +15,23 @@ int64_t AlignUp(int64_t n) { return (n + kArenaAlignment - 1) / kArenaAlignment 
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<KvCache>> Backend::CreateKvCache(const KvCacheShape& shape,
-                                                                std::optional<core::DType> kv_dtype) {
-  if (shape.num_blocks <= 0 || shape.block_size <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat("KV cache needs positive num_blocks and block_size, got ",
-                                                   shape.num_blocks, " and ", shape.block_size));
+absl::StatusOr<std::unique_ptr<KvCache>> Backend::CreateKvCache(const CachePlan& plan, int num_blocks) {
+  if (plan.groups.size() != 1 || plan.groups[0].kind != CacheKind::kPagedKv) {
+    return absl::UnimplementedError(absl::StrCat(name(), " keeps one paged K/V cache group; this plan has ",
+                                                 plan.groups.size(), " groups, the first ",
+                                                 plan.groups.empty() ? "none" : CacheKindName(plan.groups[0].kind)));
   }
-  const core::DType dtype = kv_dtype.value_or(activation_dtype());
+  const CacheGroup& group = plan.groups[0];
+  if (num_blocks <= 0 || group.block_size <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("KV cache needs positive num_blocks and block_size, got ",
+                                                   num_blocks, " and ", group.block_size));
+  }
+  const core::DType dtype = group.dtype;
   if (!SupportsKvDtype(dtype)) {
     return absl::InvalidArgumentError(absl::StrCat(
         name(), " keeps its KV cache in ", core::DTypeName(activation_dtype()), ", not ", core::DTypeName(dtype)));
   }
+  const KvCacheShape shape = KvShapeOf(group, num_blocks);
   const int64_t rows = static_cast<int64_t>(shape.num_layers) * (shape.num_blocks + 1);
   const int64_t scales = dtype == core::DType::kF8E4M3 ? static_cast<int64_t>(shape.block_size) * shape.num_kv_heads : 0;
   auto allocate = [&]() -> absl::StatusOr<std::unique_ptr<KvCache>> {
@@ -40,9 +46,11 @@ absl::StatusOr<std::unique_ptr<KvCache>> Backend::CreateKvCache(const KvCacheSha
   };
   auto cache = allocate();
   if (!cache.ok()) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "cannot allocate a KV cache of ", shape.bytes(dtype) >> 20, " MiB (", shape.num_blocks, " blocks of ",
-        shape.block_size, " positions, ", core::DTypeName(dtype), ") on ", name(), ": ", cache.status().message()));
+    return absl::ResourceExhaustedError(absl::StrCat("cannot allocate a KV cache of ",
+                                                     (plan.BlockBytes() * (num_blocks + 1)) >> 20, " MiB (", num_blocks,
+                                                     " blocks of ", group.block_size, " positions, ",
+                                                     core::DTypeName(dtype), ") on ", name(), ": ",
+                                                     cache.status().message()));
   }
   return cache;
 }

@@ -527,8 +527,10 @@ TEST_P(BackendTest, AttentionMatchesFullAttentionOverMixedSteps) {
     // Sequences: (cached positions before the step, new tokens in the step).
     const std::vector<std::pair<int, int>> seqs = {{0, 9}, {0, 1}, {21, 1}, {13, 6}, {40, 1}};
     const int num_blocks = 64;
-    KvCacheShape shape{1, num_blocks, c.block, c.kv_heads, d};
-    auto cache = b_->CreateKvCache(shape);
+    ModelSpec spec;
+    spec.num_kv_heads = c.kv_heads;
+    spec.head_dim = d;
+    auto cache = b_->CreateKvCache(PlanCache(spec, Range{0, 1}, CacheOptions{c.block, act}), num_blocks);
     ASSERT_TRUE(cache.ok()) << cache.status();
     std::vector<int32_t> free_blocks(num_blocks);
     std::iota(free_blocks.begin(), free_blocks.end(), 0);

@@ -3,7 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
-#include "moe/runtime/kv_cache.h"
+#include "moe/runtime/cache.h"
 
 namespace moe::scheduler {
 
@@ -29,17 +29,34 @@ const char* FinishReasonName(FinishReason reason) {
 
 struct Scheduler::Sequence {
   Request request;              // its sampling seed is always set
-  std::vector<int32_t> tokens;  // prompt, then generated tokens
-  int64_t computed = 0;         // tokens whose keys and values are in the cache
+  std::vector<int32_t> tokens;  // committed: prompt, then generated tokens (accepted drafts among them)
+  int64_t computed = 0;         // committed tokens whose keys and values are in the cache
+  // Speculative: drafts fed after `tokens` in the step being planned, until its result is applied.
+  std::vector<int32_t> draft;
+  // Drafts the executor's drafter proposed in the last step (SequenceResult::drafts), for the next.
+  std::vector<int32_t> proposed;
   std::vector<int32_t> blocks;
   int generated = 0;
   bool running = false;
   bool started = false;  // admitted at least once (a preempted sequence is re-admitted)
   bool aborted = false;
-  // This admission's id in step plans (0 while not running): a sequence re-admitted after a
-  // preemption recomputes its cache from the start under a new id.
-  uint64_t uid = 0;
+  // This admission's id in step plans (SequenceChunk::seq_id; 0 while not running): a sequence
+  // re-admitted after a preemption recomputes its cache from the start under a new id.
+  uint64_t seq_id = 0;
 };
+
+namespace {
+
+// The output of request `id` in this step's outputs, added when it has none yet.
+Output& OutputOf(const std::string& id, std::vector<Output>* outputs) {
+  for (Output& o : *outputs) {
+    if (o.id == id) return o;
+  }
+  outputs->push_back(OutputFor(id));
+  return outputs->back();
+}
+
+}  // namespace
 
 Scheduler::Scheduler(const SchedulerConfig& config)
     : config_(config), blocks_(config.num_blocks), seeds_(std::random_device{}()) {}
@@ -132,25 +149,19 @@ SchedulerStats Scheduler::stats() const {
   s.running = static_cast<int>(running_.size());
   s.waiting = static_cast<int>(waiting_.size());
   s.blocks_free = blocks_.num_free();
+  s.blocks_cached = blocks_.num_cached_free();
   s.blocks_used = blocks_.num_blocks() - blocks_.num_free();
   s.preemptions = preemptions_;
   return s;
 }
 
 void Scheduler::Finish(Sequence* seq, FinishReason reason, absl::Status error, std::vector<Output>* outputs) {
-  Output* out = nullptr;
-  for (Output& o : *outputs) {
-    if (o.id == seq->request.id) out = &o;
-  }
-  if (out == nullptr) {
-    outputs->push_back(OutputFor(seq->request.id));
-    out = &outputs->back();
-  }
+  Output* out = &OutputOf(seq->request.id, outputs);
   out->finished = reason;
   out->error = std::move(error);
   out->prompt_tokens = static_cast<int>(seq->request.prompt.size());
   out->completion_tokens = seq->generated;
-  blocks_.Free(&seq->blocks);
+  blocks_.Release(&seq->blocks);
   Release(seq);
   running_.erase(std::remove(running_.begin(), running_.end(), seq), running_.end());
   waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), seq), waiting_.end());
@@ -159,9 +170,11 @@ void Scheduler::Finish(Sequence* seq, FinishReason reason, absl::Status error, s
 
 void Scheduler::Preempt(Sequence* seq) {
   // Recompute later: drop the cache, keep every token, go first in line.
-  blocks_.Free(&seq->blocks);
+  blocks_.Release(&seq->blocks);
   Release(seq);
   seq->computed = 0;
+  seq->draft.clear();
+  seq->proposed.clear();
   seq->running = false;
   running_.erase(std::remove(running_.begin(), running_.end(), seq), running_.end());
   waiting_.push_front(seq);
@@ -169,8 +182,8 @@ void Scheduler::Preempt(Sequence* seq) {
 }
 
 void Scheduler::Release(Sequence* seq) {
-  if (seq->uid != 0) released_.push_back(seq->uid);
-  seq->uid = 0;
+  if (seq->seq_id != 0) released_.push_back(seq->seq_id);
+  seq->seq_id = 0;
 }
 
 bool Scheduler::EnsureBlocks(Sequence* seq, int64_t positions, bool may_preempt) {
@@ -185,34 +198,42 @@ bool Scheduler::EnsureBlocks(Sequence* seq, int64_t positions, bool may_preempt)
   return blocks_.Allocate(need, &seq->blocks).ok();
 }
 
-void Scheduler::CheckStop(Sequence* seq, int32_t token, std::vector<Output>* outputs) {
+bool Scheduler::CheckStop(Sequence* seq, int32_t token, std::vector<Output>* outputs) {
   const StoppingParams& s = seq->request.stopping;
   const bool may_stop = seq->generated >= s.min_new_tokens;
   if (may_stop && std::find(s.stop_token_ids.begin(), s.stop_token_ids.end(), token) != s.stop_token_ids.end()) {
-    return Finish(seq, FinishReason::kStopToken, absl::OkStatus(), outputs);
+    Finish(seq, FinishReason::kStopToken, absl::OkStatus(), outputs);
+    return true;
   }
   if (may_stop && !s.ignore_eos &&
       std::find(config_.eos_token_ids.begin(), config_.eos_token_ids.end(), token) != config_.eos_token_ids.end()) {
-    return Finish(seq, FinishReason::kEos, absl::OkStatus(), outputs);
+    Finish(seq, FinishReason::kEos, absl::OkStatus(), outputs);
+    return true;
   }
-  if (seq->generated >= s.max_new_tokens) Finish(seq, FinishReason::kLength, absl::OkStatus(), outputs);
+  if (seq->generated >= s.max_new_tokens) {
+    Finish(seq, FinishReason::kLength, absl::OkStatus(), outputs);
+    return true;
+  }
+  return false;
 }
 
-runtime::SampleRow Scheduler::SampleRowFor(const Sequence& seq) const {
+runtime::SampleRow Scheduler::SampleRowFor(const Sequence& seq, int draft) const {
   runtime::SampleRow row;
   row.sampling = seq.request.sampling;
   row.seed = *seq.request.sampling.seed;
-  row.position = static_cast<uint32_t>(seq.tokens.size());
+  row.position = static_cast<uint32_t>(seq.tokens.size() + draft);
   row.prompt_len = static_cast<int32_t>(seq.request.prompt.size());
-  // Only the penalties read the history: other rows keep the plan small.
-  if (seq.request.sampling.penalized()) row.history = seq.tokens;
+  // Only the penalties read the history: other rows keep the plan small. A draft's row reads the
+  // drafts before it, which are committed by the time its token counts.
+  if (seq.request.sampling.penalized()) {
+    row.history = seq.tokens;
+    row.history.insert(row.history.end(), seq.draft.begin(), seq.draft.begin() + draft);
+  }
   row.logprobs = seq.request.logprobs;
   return row;
 }
 
-std::vector<Output> Scheduler::Step(runtime::Executor& executor, Clock::time_point now) {
-  std::vector<Output> outputs;
-  // Aborted and late requests end before any work is planned for them.
+void Scheduler::EndAbortedAndLate(Clock::time_point now, std::vector<Output>* outputs) {
   std::vector<Sequence*> ending;
   for (auto& [id, seq] : sequences_) {
     if (seq->aborted || (seq->request.deadline.has_value() && now >= *seq->request.deadline))
@@ -220,22 +241,50 @@ std::vector<Output> Scheduler::Step(runtime::Executor& executor, Clock::time_poi
   }
   for (Sequence* seq : ending) {
     Finish(seq, seq->aborted ? FinishReason::kAborted : FinishReason::kDeadline,
-           seq->aborted ? absl::OkStatus() : absl::DeadlineExceededError("deadline exceeded"), &outputs);
+           seq->aborted ? absl::OkStatus() : absl::DeadlineExceededError("deadline exceeded"), outputs);
   }
+}
 
-  struct Scheduled {
-    Sequence* seq;
-    int64_t first;
-    int32_t count;
-  };
+int Scheduler::ProposeDrafts(Sequence* seq, int budget) {
+  seq->draft.clear();
+  std::vector<int32_t> proposed = std::move(seq->proposed);
+  seq->proposed.clear();
+  const int64_t pending = static_cast<int64_t>(seq->tokens.size()) - seq->computed;
+  if (config_.max_draft <= 0 || pending != 1) return 0;
+  // Never past max_new_tokens: the bonus token of a step whose drafts are all kept is the last.
+  const int room = seq->request.stopping.max_new_tokens - seq->generated - 1;
+  const int most = std::min({config_.max_draft, room, budget - 1});
+  if (most <= 0) return 0;
+  // The executor's drafter's proposal first; the scheduler's proposer when it made none.
+  if (!proposed.empty()) {
+    seq->draft = std::move(proposed);
+  } else if (proposer_ != nullptr) {
+    proposer_->Propose(seq->request.id, seq->tokens, most, &seq->draft);
+  }
+  if (static_cast<int>(seq->draft.size()) > most) seq->draft.resize(most);
+  for (int32_t& t : seq->draft) {
+    if (t < 0 || t >= config_.vocab_size) {  // a proposer's mistake must not fail the step
+      seq->draft.clear();
+      break;
+    }
+  }
+  return static_cast<int>(seq->draft.size());
+}
+
+std::vector<Scheduler::Scheduled> Scheduler::Schedule(std::vector<Output>* outputs) {
   std::vector<Scheduled> scheduled;
   int budget = config_.max_batch_tokens;
   auto schedule = [&](Sequence* seq, bool may_preempt) {
     const int64_t pending = static_cast<int64_t>(seq->tokens.size()) - seq->computed;
     const int32_t count = static_cast<int32_t>(std::min<int64_t>(pending, budget));
-    if (count <= 0 || !EnsureBlocks(seq, seq->computed + count, may_preempt)) return false;
-    scheduled.push_back({seq, seq->computed, count});
-    budget -= count;
+    if (count <= 0) return false;
+    const int num_draft = count == pending ? ProposeDrafts(seq, budget) : 0;
+    if (!EnsureBlocks(seq, seq->computed + count + num_draft, may_preempt)) {
+      seq->draft.clear();
+      return false;
+    }
+    scheduled.push_back({seq, seq->computed, count + num_draft, num_draft});
+    budget -= count + num_draft;
     return true;
   };
   // Running sequences first (decode tokens, then unfinished prefills), oldest first; a sequence
@@ -247,66 +296,109 @@ std::vector<Output> Scheduler::Step(runtime::Executor& executor, Clock::time_poi
     if (!schedule(seq, /*may_preempt=*/false)) break;
     waiting_.pop_front();
     seq->running = true;
-    seq->uid = ++last_uid_;
+    seq->seq_id = ++last_seq_id_;
     running_.push_back(seq);
     if (!seq->started) {
       seq->started = true;
       Output admitted = OutputFor(seq->request.id);
       admitted.admitted = true;
-      outputs.push_back(std::move(admitted));
+      outputs->push_back(std::move(admitted));
     }
   }
   // Drop entries of sequences preempted after they were scheduled.
   scheduled.erase(
       std::remove_if(scheduled.begin(), scheduled.end(), [&](const Scheduled& s) { return !s.seq->running; }),
       scheduled.end());
-  if (scheduled.empty()) return outputs;
+  return scheduled;
+}
 
+runtime::StepPlan Scheduler::BuildPlan(const std::vector<Scheduled>& scheduled) {
   runtime::StepPlan plan;
   for (const Scheduled& s : scheduled) {
-    const int32_t row0 = static_cast<int32_t>(plan.batch.token_ids.size());
-    plan.batch.token_ids.insert(plan.batch.token_ids.end(), s.seq->tokens.begin() + s.first,
-                                s.seq->tokens.begin() + s.first + s.count);
-    plan.batch.sequences.push_back(runtime::SequenceChunk{s.first, s.count, s.seq->blocks, s.seq->uid});
-    // The chunk that reaches the last token samples the next one.
-    if (s.first + s.count == static_cast<int64_t>(s.seq->tokens.size())) {
-      plan.batch.logit_rows.push_back(row0 + s.count - 1);
-      plan.samples.push_back(SampleRowFor(*s.seq));
+    const Sequence& seq = *s.seq;
+    const int32_t fed = s.count - s.num_draft;  // of the sequence's own tokens
+    plan.batch.token_ids.insert(plan.batch.token_ids.end(), seq.tokens.begin() + s.first,
+                                seq.tokens.begin() + s.first + fed);
+    plan.batch.token_ids.insert(plan.batch.token_ids.end(), seq.draft.begin(), seq.draft.end());
+    runtime::SequenceChunk& chunk = plan.batch.sequences.emplace_back();
+    chunk.first_position = s.first;
+    chunk.num_tokens = s.count;
+    chunk.block_table = seq.blocks;
+    chunk.seq_id = seq.seq_id;
+    chunk.num_draft = s.num_draft;
+    // The chunk that reaches the last token samples the next one, and one more per draft; an
+    // executor with a drafter proposes the next step's drafts.
+    if (s.first + fed == static_cast<int64_t>(seq.tokens.size())) {
+      chunk.want_drafts = config_.max_draft;
+      const int32_t end = static_cast<int32_t>(plan.batch.token_ids.size());
+      for (int i = 0; i <= s.num_draft; ++i) {
+        plan.batch.logit_rows.push_back(end - s.num_draft - 1 + i);
+        plan.samples.push_back(SampleRowFor(seq, i));
+      }
     }
   }
-
   plan.released = std::move(released_);
   released_.clear();
-  absl::StatusOr<std::vector<runtime::SampledToken>> sampled = executor.Execute(plan);
-  if (!sampled.ok()) {
-    for (const Scheduled& s : scheduled) Finish(s.seq, FinishReason::kError, sampled.status(), &outputs);
-    return outputs;
-  }
-  size_t row = 0;
-  for (const Scheduled& s : scheduled) {
-    Sequence* seq = s.seq;
-    seq->computed = s.first + s.count;
-    if (seq->computed != static_cast<int64_t>(seq->tokens.size())) continue;  // a prefill chunk
-    runtime::SampledToken& sample = (*sampled)[row++];
-    if (!sample.error.ok()) {
-      Finish(seq, FinishReason::kError, std::move(sample.error), &outputs);
-      continue;
-    }
-    const int32_t token = sample.token;
+  return plan;
+}
+
+bool Scheduler::Accept(Sequence* seq, runtime::SequenceResult& result, std::vector<Output>* outputs) {
+  Output* out = nullptr;
+  for (size_t i = 0; i < result.tokens.size(); ++i) {
+    const int32_t token = result.tokens[i];
     seq->tokens.push_back(token);
     ++seq->generated;
-    Output* out = nullptr;
-    for (Output& o : outputs) {
-      if (o.id == seq->request.id) out = &o;
-    }
-    if (out == nullptr) {
-      outputs.push_back(OutputFor(seq->request.id));
-      out = &outputs.back();
-    }
+    if (out == nullptr) out = &OutputOf(seq->request.id, outputs);
     out->new_tokens.push_back(token);
-    if (sample.logprobs) out->logprobs.push_back(std::move(*sample.logprobs));
-    CheckStop(seq, token, &outputs);
+    if (i < result.logprobs.size() && result.logprobs[i]) out->logprobs.push_back(std::move(*result.logprobs[i]));
+    if (CheckStop(seq, token, outputs)) return false;
   }
+  if (!result.error.ok()) {
+    Finish(seq, FinishReason::kError, std::move(result.error), outputs);
+    return false;
+  }
+  return true;
+}
+
+void Scheduler::Apply(const std::vector<Scheduled>& scheduled, runtime::StepResult& result,
+                      std::vector<Output>* outputs) {
+  size_t next = 0;
+  for (const Scheduled& s : scheduled) {
+    Sequence* seq = s.seq;
+    const int64_t end = s.first + s.count - s.num_draft;
+    seq->draft.clear();
+    if (end != static_cast<int64_t>(seq->tokens.size())) {  // a prefill chunk
+      seq->computed = end;
+      continue;
+    }
+    if (next >= result.sequences.size()) {
+      Finish(seq, FinishReason::kError,
+             absl::InternalError(absl::StrCat("the executor returned ", result.sequences.size(),
+                                              " sequences' results for a larger step")),
+             outputs);
+      continue;
+    }
+    runtime::SequenceResult& r = result.sequences[next++];
+    // The cache holds the sequence's own tokens and the drafts kept; the bonus token is fed next.
+    seq->computed = end + std::clamp(r.accepted, 0, s.num_draft);
+    std::vector<int32_t> proposed = std::move(r.drafts);
+    if (Accept(seq, r, outputs)) seq->proposed = std::move(proposed);
+  }
+}
+
+std::vector<Output> Scheduler::Step(runtime::Executor& executor, Clock::time_point now) {
+  std::vector<Output> outputs;
+  // Aborted and late requests end before any work is planned for them.
+  EndAbortedAndLate(now, &outputs);
+  const std::vector<Scheduled> scheduled = Schedule(&outputs);
+  if (scheduled.empty()) return outputs;
+  const runtime::StepPlan plan = BuildPlan(scheduled);
+  absl::StatusOr<runtime::StepResult> result = executor.Execute(plan);
+  if (!result.ok()) {
+    for (const Scheduled& s : scheduled) Finish(s.seq, FinishReason::kError, result.status(), &outputs);
+    return outputs;
+  }
+  Apply(scheduled, *result, &outputs);
   return outputs;
 }
 

@@ -2,6 +2,7 @@
 // must not change what greedy decoding produces, and every way a request ends frees its blocks.
 #include "moe/scheduler/scheduler.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <fstream>
 #include <map>
@@ -157,7 +158,7 @@ TEST_F(SchedulerTest, AbortDeadlineAndErrorsFreeBlocksWhileOthersFinish) {
 class FailingOnce : public runtime::Executor {
  public:
   FailingOnce(runtime::Executor& inner, int fail_at) : inner_(inner), fail_at_(fail_at) {}
-  absl::StatusOr<std::vector<runtime::SampledToken>> Execute(const runtime::StepPlan& plan) override {
+  absl::StatusOr<runtime::StepResult> Execute(const runtime::StepPlan& plan) override {
     if (step_++ == fail_at_) return absl::UnavailableError("worker 1 lost");
     return inner_.Execute(plan);
   }
@@ -223,7 +224,7 @@ TEST_F(SchedulerTest, StopTokensMinTokensAndSeeds) {
 class Recording : public runtime::Executor {
  public:
   explicit Recording(runtime::Executor& inner) : inner_(inner) {}
-  absl::StatusOr<std::vector<runtime::SampledToken>> Execute(const runtime::StepPlan& plan) override {
+  absl::StatusOr<runtime::StepResult> Execute(const runtime::StepPlan& plan) override {
     plans.push_back(plan);
     return inner_.Execute(plan);
   }
@@ -309,6 +310,162 @@ TEST_F(SchedulerTest, TheSameSeedsGiveTheSameTokensOnAnotherExecutor) {
   ASSERT_TRUE(a.idle() && b.idle());
   EXPECT_EQ(got_a, got_b);
   for (const auto& [id, tokens] : got_a) EXPECT_EQ(tokens.size(), 8u) << id;
+}
+
+// Drafts from a script: what each request produces alone (so every draft is kept), or tokens
+// that differ from it after the first (so most are rejected and the sequence rolls back).
+class ScriptedProposer : public DraftProposer {
+ public:
+  ScriptedProposer(std::map<std::string, std::vector<int32_t>> full, int vocab, bool wrong_after_first)
+      : full_(std::move(full)), vocab_(vocab), wrong_after_first_(wrong_after_first) {}
+  void Propose(const std::string& id, std::span<const int32_t> tokens, int max_draft,
+               std::vector<int32_t>* draft) override {
+    const std::vector<int32_t>& full = full_.at(id);
+    ++calls;
+    for (size_t i = tokens.size(); i < full.size() && static_cast<int>(draft->size()) < max_draft; ++i) {
+      const bool wrong = wrong_after_first_ && !draft->empty();
+      draft->push_back(wrong ? (full[i] + 1) % vocab_ : full[i]);
+    }
+  }
+  int calls = 0;
+
+ private:
+  std::map<std::string, std::vector<int32_t>> full_;  // prompt, then what the request produces
+  int vocab_;
+  bool wrong_after_first_;
+};
+
+// An executor with a drafter of its own, as an MTP head would be: after each step it proposes, for
+// every sequence that asked (want_drafts), what that sequence's request produces alone. It knows a
+// sequence by its prompt, which its first chunk starts with.
+class DraftingExecutor : public runtime::Executor {
+ public:
+  DraftingExecutor(runtime::Executor& inner, std::vector<std::vector<int32_t>> full)
+      : inner_(inner), full_(std::move(full)) {}
+  absl::StatusOr<runtime::StepResult> Execute(const runtime::StepPlan& plan) override {
+    auto result = inner_.Execute(plan);
+    if (!result.ok()) return result;
+    const std::vector<std::vector<int>> rows = runtime::LogitRowsBySequence(plan.batch);
+    size_t next = 0;
+    int64_t row = 0;
+    for (size_t s = 0; s < plan.batch.sequences.size(); ++s) {
+      const runtime::SequenceChunk& c = plan.batch.sequences[s];
+      if (c.first_position == 0) {
+        for (size_t f = 0; f < full_.size(); ++f) {
+          if (std::equal(plan.batch.token_ids.begin() + row, plan.batch.token_ids.begin() + row + c.num_tokens,
+                         full_[f].begin())) {
+            which_[c.seq_id] = f;
+          }
+        }
+      }
+      row += c.num_tokens;
+      if (rows[s].empty()) continue;
+      runtime::SequenceResult& r = result->sequences[next++];
+      const std::vector<int32_t>& full = full_[which_.at(c.seq_id)];
+      const size_t length = c.first_position + c.num_tokens - c.num_draft + r.tokens.size();
+      for (size_t i = length; i < full.size() && static_cast<int>(r.drafts.size()) < c.want_drafts; ++i) {
+        r.drafts.push_back(full[i]);
+      }
+      proposed += static_cast<int>(r.drafts.size());
+    }
+    return result;
+  }
+  runtime::KvCapacity kv_capacity() const override { return inner_.kv_capacity(); }
+  const runtime::ModelInfo& model_info() const override { return inner_.model_info(); }
+  std::string Describe() const override { return "drafting " + inner_.Describe(); }
+  int proposed = 0;
+
+ private:
+  runtime::Executor& inner_;
+  std::vector<std::vector<int32_t>> full_;  // prompt, then what the request produces alone
+  std::map<uint64_t, size_t> which_;         // seq_id -> its request's entry in full_
+};
+
+TEST_F(SchedulerTest, DraftsFromTheExecutorsDrafterChangeNothing) {
+  std::map<std::string, std::vector<int32_t>> want;
+  std::vector<std::vector<int32_t>> full;
+  for (size_t i = 0; i < 3; ++i) {
+    const std::string id = "r" + std::to_string(i);
+    want[id] = Alone(prompts_[i], 10);
+    full.push_back(prompts_[i]);
+    full.back().insert(full.back().end(), want[id].begin(), want[id].end());
+  }
+  auto executor = NewExecutor(128);
+  DraftingExecutor drafting(*executor, full);
+  Recording recording(drafting);
+  SchedulerConfig config = Config(128);
+  config.max_draft = 2;
+  Scheduler scheduler(config);
+  for (size_t i = 0; i < 3; ++i) ASSERT_TRUE(scheduler.Add(Make("r" + std::to_string(i), prompts_[i], 10)).ok());
+  std::map<std::string, std::vector<int32_t>> got;
+  std::map<std::string, FinishReason> reasons;
+  RunToEnd(scheduler, recording, &got, &reasons);
+  EXPECT_EQ(got, want);
+  EXPECT_GT(drafting.proposed, 0);
+  int drafts = 0, asked = 0;
+  for (const runtime::StepPlan& plan : recording.plans) {
+    for (const runtime::SequenceChunk& c : plan.batch.sequences) {
+      drafts += c.num_draft;
+      asked += c.want_drafts > 0 ? 1 : 0;
+      EXPECT_LE(c.num_draft, 2);
+    }
+  }
+  EXPECT_GT(asked, 0);
+  EXPECT_GT(drafts, 0);
+  EXPECT_EQ(scheduler.stats().blocks_used, 0);
+}
+
+TEST_F(SchedulerTest, SpeculationChangesNothing) {
+  for (const bool wrong : {false, true}) {
+    std::map<std::string, std::vector<int32_t>> want, full;
+    for (size_t i = 0; i < 3; ++i) {
+      const std::string id = "r" + std::to_string(i);
+      want[id] = Alone(prompts_[i], 10);
+      full[id] = prompts_[i];
+      full[id].insert(full[id].end(), want[id].begin(), want[id].end());
+    }
+    // A penalized, seeded request: its draft rows read the drafts before them.
+    Request penalized = Make("p", prompts_[1], 10);
+    penalized.sampling.temperature = 0.9f;
+    penalized.sampling.repetition_penalty = 1.4f;
+    penalized.sampling.seed = 8;
+    {
+      auto executor = NewExecutor(128);
+      Scheduler plain(Config(128));
+      ASSERT_TRUE(plain.Add(penalized).ok());
+      std::map<std::string, std::vector<int32_t>> got;
+      std::map<std::string, FinishReason> reasons;
+      RunToEnd(plain, *executor, &got, &reasons);
+      want["p"] = got["p"];
+      full["p"] = prompts_[1];
+      full["p"].insert(full["p"].end(), got["p"].begin(), got["p"].end());
+    }
+    ScriptedProposer proposer(full, model_->spec().vocab_size, wrong);
+    SchedulerConfig config = Config(128);
+    config.max_draft = 3;
+    Scheduler scheduler(config);
+    scheduler.set_proposer(&proposer);
+    auto executor = NewExecutor(128);
+    Recording recording(*executor);
+    for (size_t i = 0; i < 3; ++i) ASSERT_TRUE(scheduler.Add(Make("r" + std::to_string(i), prompts_[i], 10)).ok());
+    ASSERT_TRUE(scheduler.Add(penalized).ok());
+    std::map<std::string, std::vector<int32_t>> got;
+    std::map<std::string, FinishReason> reasons;
+    RunToEnd(scheduler, recording, &got, &reasons);
+    EXPECT_EQ(got, want) << (wrong ? "wrong drafts" : "right drafts");
+    for (const auto& [id, reason] : reasons) EXPECT_EQ(reason, FinishReason::kLength) << id;
+    EXPECT_EQ(scheduler.stats().blocks_used, 0);
+    int drafts = 0;
+    for (const runtime::StepPlan& plan : recording.plans) {
+      for (const runtime::SequenceChunk& c : plan.batch.sequences) drafts += c.num_draft;
+    }
+    EXPECT_GT(proposer.calls, 0);
+    EXPECT_GT(drafts, 0);
+    // Right drafts are all kept: fewer steps than one token a step would take.
+    if (!wrong) {
+      EXPECT_LT(recording.plans.size(), 10u);
+    }
+  }
 }
 
 TEST_F(SchedulerTest, BadRequestsAreRefusedNamingTheField) {

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "moe/core/status.h"
+#include "moe/runtime/model_executor.h"
 
 namespace moe::runtime {
 namespace {
@@ -18,6 +19,19 @@ double SecondsSince(std::chrono::steady_clock::time_point start) {
 uint64_t RandomSeed() {
   std::random_device device;
   return (static_cast<uint64_t>(device()) << 32) | device();
+}
+
+// The sampling row that draws position `position` of a sequence whose tokens so far are
+// `tokens` (the first `prompt_len` of them its prompt).
+SampleRow RowAt(const SamplingParams& sampling, uint64_t seed, const std::vector<int32_t>& tokens, int64_t position,
+                int prompt_len) {
+  SampleRow row;
+  row.sampling = sampling;
+  row.seed = seed;
+  row.position = static_cast<uint32_t>(position);
+  row.prompt_len = static_cast<int32_t>(std::min<int64_t>(prompt_len, position));
+  if (sampling.penalized()) row.history.assign(tokens.begin(), tokens.begin() + position);
+  return row;
 }
 
 }  // namespace
@@ -43,8 +57,10 @@ absl::StatusOr<GenerateResult> Generate(Model& model, const std::vector<int32_t>
     }
   }
 
+  // The steps run on an executor of this one sequence, as the scheduler's would: one decode loop
+  // and one way of sampling for both.
   const int blocks = std::max(1, BlocksFor(total, options.block_size));
-  MOE_ASSIGN_OR_RETURN(auto cache, model.NewKvCache(blocks, options.block_size));
+  MOE_ASSIGN_OR_RETURN(auto executor, ModelExecutor::Create(model, blocks, options.block_size));
   std::vector<int32_t> table(blocks);
   std::iota(table.begin(), table.end(), 0);
 
@@ -53,63 +69,61 @@ absl::StatusOr<GenerateResult> Generate(Model& model, const std::vector<int32_t>
   // seed gives the same tokens in any process.
   const uint64_t seed = options.sampling.seed.has_value() ? *options.sampling.seed : RandomSeed();
   const int vocab = spec.vocab_size;
-  std::vector<float> logits, penalized;
+  const int prompt_len = static_cast<int>(prompt.size());
+  std::vector<int32_t> tokens = prompt;  // the sequence so far
+  std::vector<float> logits;
+  // Runs `plan` (sampled on the host, the logits kept) and returns the last token it drew.
+  auto run = [&](const StepPlan& plan) -> absl::StatusOr<int32_t> {
+    MOE_ASSIGN_OR_RETURN(StepResult step, executor->ExecuteOnHost(plan, &logits));
+    if (step.sequences.empty()) return -1;
+    SequenceResult& r = step.sequences.back();
+    if (!r.error.ok()) return r.error;
+    return r.tokens.back();
+  };
 
   // Prefill in chunks of the largest step the model was loaded for (and of the logit rows it
   // returns, when every position's logits are wanted).
-  const int prompt_len = static_cast<int>(prompt.size());
   int chunk = model.options().max_step_tokens;
   if (options.prompt_logits) chunk = std::min(chunk, model.options().max_logit_rows);
   auto start = std::chrono::steady_clock::now();
-  ForwardBatch batch;
+  int32_t next = -1;
   for (int first = 0; first < prompt_len; first += chunk) {
     const int n = std::min(chunk, prompt_len - first);
-    batch.token_ids.assign(prompt.begin() + first, prompt.begin() + first + n);
-    batch.sequences = {SequenceChunk{first, n, table}};
-    batch.logit_rows.clear();
-    if (options.prompt_logits) {
-      batch.logit_rows.resize(n);
-      std::iota(batch.logit_rows.begin(), batch.logit_rows.end(), 0);
-    } else if (first + n == prompt_len) {
-      batch.logit_rows = {n - 1};
+    StepPlan plan;
+    plan.batch.token_ids.assign(prompt.begin() + first, prompt.begin() + first + n);
+    plan.batch.sequences = {SequenceChunk{first, n, table}};
+    for (int i = options.prompt_logits ? 0 : n - 1; i < n; ++i) {
+      if (!options.prompt_logits && first + n != prompt_len) break;
+      plan.batch.logit_rows.push_back(i);
+      plan.samples.push_back(RowAt(options.sampling, seed, tokens, first + i + 1, prompt_len));
     }
-    MOE_RETURN_IF_ERROR(model.Forward(batch, *cache, &logits));
-    MOE_RETURN_IF_ERROR(CheckLogitsFinite(logits.data(), static_cast<int64_t>(logits.size()) / vocab, vocab));
+    MOE_ASSIGN_OR_RETURN(next, run(plan));
     if (options.prompt_logits) {
-      for (int i = 0; i < n; ++i) result.prompt_logits.emplace_back(logits.begin() + i * vocab, logits.begin() + (i + 1) * vocab);
+      for (int i = 0; i < n; ++i) {
+        result.prompt_logits.emplace_back(logits.begin() + int64_t{i} * vocab, logits.begin() + int64_t{i + 1} * vocab);
+      }
     }
   }
   result.prefill_seconds = SecondsSince(start);
-  const float* last = logits.data() + (logits.size() - vocab);
 
   // Decode: one token per step, reading the cache.
   start = std::chrono::steady_clock::now();
-  int64_t position = static_cast<int64_t>(prompt.size());
   for (int step = 0; step < options.max_new_tokens; ++step) {
-    if (options.step_logits) result.step_logits.emplace_back(last, last + vocab);
-    const SampleKey key{seed, 0, static_cast<uint32_t>(position)};
-    int32_t token;
-    if (options.sampling.penalized()) {
-      penalized.assign(last, last + vocab);
-      ApplyPenalties(options.sampling, prompt.data(), static_cast<int>(prompt.size()), result.generated_ids.data(),
-                     static_cast<int>(result.generated_ids.size()), penalized.data(), vocab);
-      token = SampleToken(penalized.data(), vocab, options.sampling, key);
-    } else {
-      token = SampleToken(last, vocab, options.sampling, key);
-    }
-    result.generated_ids.push_back(token);
+    if (options.step_logits) result.step_logits.emplace_back(logits.end() - vocab, logits.end());
+    result.generated_ids.push_back(next);
+    tokens.push_back(next);
     if (options.stop_at_eos &&
-        std::find(spec.eos_token_ids.begin(), spec.eos_token_ids.end(), token) != spec.eos_token_ids.end()) {
+        std::find(spec.eos_token_ids.begin(), spec.eos_token_ids.end(), next) != spec.eos_token_ids.end()) {
       break;
     }
     if (step + 1 == options.max_new_tokens) break;
-    batch.token_ids = {token};
-    batch.sequences = {SequenceChunk{position, 1, table}};
-    batch.logit_rows = {0};
-    MOE_RETURN_IF_ERROR(model.Forward(batch, *cache, &logits));
-    MOE_RETURN_IF_ERROR(CheckLogitsFinite(logits.data(), 1, vocab));
-    last = logits.data();
-    ++position;
+    const int64_t position = static_cast<int64_t>(tokens.size()) - 1;
+    StepPlan plan;
+    plan.batch.token_ids = {next};
+    plan.batch.sequences = {SequenceChunk{position, 1, table}};
+    plan.batch.logit_rows = {0};
+    plan.samples = {RowAt(options.sampling, seed, tokens, position + 1, prompt_len)};
+    MOE_ASSIGN_OR_RETURN(next, run(plan));
   }
   result.decode_seconds = SecondsSince(start);
   return result;

@@ -9,12 +9,6 @@
 namespace moe::runtime {
 namespace {
 
-// The one place a token is drawn: counter-based, so it depends on the key alone.
-int32_t DrawToken(const float* logits, int vocab, const SamplingParams& params, uint64_t seed, uint32_t sequence,
-                  uint32_t position) {
-  return SampleToken(logits, vocab, params, SampleKey{seed, sequence, position});
-}
-
 // What Forward does not check: the sampling half of the plan, which a worker receives from
 // another process.
 absl::Status CheckSampleRows(const StepPlan& plan) {
@@ -70,23 +64,40 @@ KvCapacity ModelExecutor::kv_capacity() const {
 }
 
 int32_t ModelExecutor::Sample(const SampleRow& row, const float* logits, int vocab) {
-  if (!row.sampling.penalized()) return DrawToken(logits, vocab, row.sampling, row.seed, row.sequence, row.position);
+  // Counter-based: the token depends on the row's key, not on what was drawn before.
+  const SampleKey key{row.seed, row.sequence, row.position};
+  if (!row.sampling.penalized()) return SampleToken(logits, vocab, row.sampling, key);
   penalized_.assign(logits, logits + vocab);
   const int32_t* history = row.history.data();
   ApplyPenalties(row.sampling, history, row.prompt_len, history + row.prompt_len,
                  static_cast<int>(row.history.size()) - row.prompt_len, penalized_.data(), vocab);
-  return DrawToken(penalized_.data(), vocab, row.sampling, row.seed, row.sequence, row.position);
+  return SampleToken(penalized_.data(), vocab, row.sampling, key);
 }
 
-absl::StatusOr<std::vector<SampledToken>> ModelExecutor::Execute(const StepPlan& plan) {
+absl::StatusOr<StepResult> ModelExecutor::Execute(const StepPlan& plan) { return Run(plan, nullptr); }
+
+absl::StatusOr<StepResult> ModelExecutor::ExecuteOnHost(const StepPlan& plan, std::vector<float>* logits) {
+  return Run(plan, logits);
+}
+
+absl::StatusOr<StepResult> ModelExecutor::Run(const StepPlan& plan, std::vector<float>* host_logits) {
   MOE_RETURN_IF_ERROR(CheckSampleRows(plan));
-  MOE_ASSIGN_OR_RETURN(Tensor device_logits, model_.ForwardOnDevice(plan.batch, *cache_));
+  MOE_RETURN_IF_ERROR(CheckDrafts(plan));
+  MOE_ASSIGN_OR_RETURN(StepOutputs out, model_.ForwardOnDevice(plan.batch, *cache_));
   if (!model_.parallel().answers()) {
     // A layer split's stage before the last, or a tensor split's rank above 0: its share of the
     // step is done once it is queued; the answering rank samples.
     MOE_RETURN_IF_ERROR(model_.backend().Synchronize());
-    return std::vector<SampledToken>{};
+    if (host_logits != nullptr) host_logits->clear();
+    return StepResult{};
   }
+  MOE_ASSIGN_OR_RETURN(std::vector<SampledToken> sampled, SampleLogitRows(plan, out.logits, host_logits != nullptr));
+  if (host_logits != nullptr) host_logits->swap(logits_);
+  return AcceptDrafts(plan, std::move(sampled));
+}
+
+absl::StatusOr<std::vector<SampledToken>> ModelExecutor::SampleLogitRows(const StepPlan& plan,
+                                                                          const Tensor& device_logits, bool on_host) {
   const int vocab = info_.vocab_size;
   std::vector<SampledToken> tokens(plan.samples.size());
   // On a backend that samples (a GPU), the logits never leave it: only the tokens come back.
@@ -97,7 +108,8 @@ absl::StatusOr<std::vector<SampledToken>> ModelExecutor::Execute(const StepPlan&
                             row.prompt_len, row.logprobs};
   }
   std::vector<SampleOutput> outputs;
-  const absl::Status on_device = model_.backend().SampleRows(device_logits, inputs, &outputs);
+  const absl::Status on_device = on_host ? absl::UnimplementedError("sampled on the host")
+                                         : model_.backend().SampleRows(device_logits, inputs, &outputs);
   if (on_device.ok()) {
     for (size_t i = 0; i < outputs.size(); ++i) {
       if (outputs[i].non_finite_at >= 0) {

@@ -61,6 +61,9 @@ struct Model::StepBuffers {
   // A tensor split's LM-head shard: this rank's [L x vocab / parts], and every rank's stacked
   // [parts * L x vocab / parts] (no rows without a split LM head).
   Tensor logits_shard, logits_shards;
+  // [L x hidden] fp32 when the step wants hidden states: the first rows of `delta`, which the
+  // final norm has consumed by then (so asking costs no arena). Else empty.
+  Tensor hidden;
 };
 
 namespace {
@@ -318,20 +321,12 @@ absl::Status Model::ReserveStep() {
   return b.Synchronize();
 }
 
-KvCacheShape Model::KvShape(int num_blocks, int block_size) const {
-  KvCacheShape shape;
-  shape.num_layers = static_cast<int>(layers_.size());
-  shape.num_blocks = num_blocks;
-  shape.block_size = block_size;
-  shape.num_kv_heads = local_.num_kv_heads;
-  shape.head_dim = spec_.head_dim;
-  return shape;
+CachePlan Model::CachePlanFor(int block_size) const {
+  return PlanCache(local_, layers_, CacheOptions{block_size, kv_dtype()});
 }
 
-int64_t Model::KvBlockBytes(int block_size) const { return KvShape(0, block_size).block_bytes(kv_dtype()); }
-
 absl::StatusOr<std::unique_ptr<KvCache>> Model::NewKvCache(int num_blocks, int block_size) {
-  return backend_->CreateKvCache(KvShape(num_blocks, block_size), kv_dtype());
+  return backend_->CreateKvCache(CachePlanFor(block_size), num_blocks);
 }
 
 absl::Status Model::CheckBatch(const ForwardBatch& batch, const KvCache& cache) const {
@@ -366,6 +361,14 @@ absl::Status Model::CheckBatch(const ForwardBatch& batch, const KvCache& cache) 
                                                      c.first_position + c.num_tokens, " exceed the context of ",
                                                      options_.max_context));
     }
+    if (c.state_slot != -1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sequence ", s, ": state slot ", c.state_slot, " for a cache without recurrent groups"));
+    }
+    if (!c.more_block_tables.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("sequence ", s, ": ", c.more_block_tables.size() + 1,
+                                                     " block tables for a cache of one paged group"));
+    }
     const int need = BlocksFor(c.first_position + c.num_tokens, bs);
     if (static_cast<int>(c.block_table.size()) < need) {
       return absl::InvalidArgumentError(absl::StrCat("sequence ", s, ": positions up to ",
@@ -387,6 +390,10 @@ absl::Status Model::CheckBatch(const ForwardBatch& batch, const KvCache& cache) 
   for (int32_t r : batch.logit_rows) {
     if (r < 0 || r >= rows)
       return absl::InvalidArgumentError(absl::StrCat("logit row ", r, " outside [0, ", rows, ")"));
+  }
+  if (batch.want_hidden && static_cast<int64_t>(batch.logit_rows.size()) > rows) {
+    return absl::InvalidArgumentError(absl::StrCat("hidden states of ", batch.logit_rows.size(),
+                                                   " logit rows asked of a step of ", rows, " tokens"));
   }
   return absl::OkStatus();
 }
@@ -523,6 +530,7 @@ absl::Status Model::RunLayers(const StepTensors& step, const StepBuffers& buf, K
   if (buf.logits.rows == 0) return absl::OkStatus();
   b.AddRmsNorm(buf.x, pending, *w.final_norm, s.rms_norm_eps, buf.h);
   tap("final_norm", -1, buf.h);
+  if (buf.hidden) b.GatherRows(buf.x, step.logit_rows, buf.hidden);
   b.GatherRows(buf.h, step.logit_rows, buf.last_h);
   if (const int parts = VocabParts(); parts > 1) {
     // Each rank's rows of the LM head, gathered into whole rows of logits on every rank.
@@ -539,7 +547,7 @@ absl::Status Model::RunLayers(const StepTensors& step, const StepBuffers& buf, K
   return absl::OkStatus();
 }
 
-absl::StatusOr<Tensor> Model::ForwardOnDevice(const ForwardBatch& batch, KvCache& cache) {
+absl::StatusOr<StepOutputs> Model::ForwardOnDevice(const ForwardBatch& batch, KvCache& cache) {
   MOE_RETURN_IF_ERROR(CheckBatch(batch, cache));
   Backend& b = *backend_;
   b.UseContext(context_.get());
@@ -562,23 +570,35 @@ absl::StatusOr<Tensor> Model::ForwardOnDevice(const ForwardBatch& batch, KvCache
   inputs_ = BuildInputs(batch, cache, bucket, kv_bucket);
   MOE_ASSIGN_OR_RETURN(StepTensors step, b.BeginStep(inputs_));
   MOE_ASSIGN_OR_RETURN(StepBuffers buf, TakeBuffers(step.num_tokens, static_cast<int64_t>(inputs_.logit_rows.size())));
+  const bool want_hidden = batch.want_hidden && holds_logits();
+  if (want_hidden) buf.hidden = buf.delta.Rows(0, buf.logits.rows);
   if (bucket > 0) {
     const GraphCache target{cache.k(0), cache.v(0), cache.shape().num_blocks, cache.shape().block_size};
     if (!(target == graph_cache_)) {
       b.ClearGraphs();
       graph_cache_ = target;
     }
-    const uint64_t key = (static_cast<uint64_t>(bucket) << 32) | static_cast<uint64_t>(kv_bucket);
+    // A step that gathers the hidden states queues one more operation: a graph of its own.
+    const uint64_t key = (static_cast<uint64_t>(bucket) << 32) | static_cast<uint64_t>(kv_bucket) |
+                         (want_hidden ? uint64_t{1} << 63 : 0);
     MOE_RETURN_IF_ERROR(b.RunGraph(key, [&] { return RunLayers(step, buf, cache); }));
   } else {
     MOE_RETURN_IF_ERROR(RunLayers(step, buf, cache));
   }
-  if (!holds_logits()) return buf.logits.Rows(0, 0);
-  return buf.logits.Rows(0, static_cast<int64_t>(batch.logit_rows.size()));
+  StepOutputs out;
+  if (!holds_logits()) {
+    out.logits = buf.logits.Rows(0, 0);
+    return out;
+  }
+  const int64_t rows_out = static_cast<int64_t>(batch.logit_rows.size());
+  out.logits = buf.logits.Rows(0, rows_out);
+  if (want_hidden) out.hidden = buf.hidden.Rows(0, rows_out);
+  return out;
 }
 
 absl::Status Model::Forward(const ForwardBatch& batch, KvCache& cache, std::vector<float>* logits) {
-  MOE_ASSIGN_OR_RETURN(Tensor out, ForwardOnDevice(batch, cache));
+  MOE_ASSIGN_OR_RETURN(StepOutputs outputs, ForwardOnDevice(batch, cache));
+  const Tensor& out = outputs.logits;
   if (out.rows > 0) backend_->CopyToHost(out, host_logits_->data());
   MOE_RETURN_IF_ERROR(backend_->Synchronize());
   logits->assign(host_logits_->as<float>(), host_logits_->as<float>() + out.numel());

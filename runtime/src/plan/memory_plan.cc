@@ -9,7 +9,7 @@
 #include "absl/strings/str_format.h"
 #include "moe/core/dtype.h"
 #include "moe/experts/expert_pool.h"
-#include "moe/runtime/kv_cache.h"
+#include "moe/runtime/cache.h"
 #include "moe/runtime/model.h"
 #include "moe/runtime/weight_policy.h"
 
@@ -130,7 +130,7 @@ absl::StatusOr<MemoryPlan> PlanMemory(const ModelSpec& spec, const Placement& pl
         absl::StrCat("a GPU's KV cache is bf16 or fp8, not ", core::DTypeName(o.kv_dtype)));
   }
   auto kv_per_token = [&](core::DType dtype) {
-    return int64_t{spec.num_layers} * KvBytesPerPositionLayer(spec.num_kv_heads, spec.head_dim, dtype);
+    return PlanCache(spec, Range{0, spec.num_layers}, CacheOptions{o.kv_block_size, dtype}).BytesPerToken();
   };
   plan.kv_bytes_per_token = kv_per_token(o.kv_dtype);
   const int64_t logit_rows = std::min(o.max_logit_rows, o.max_batch_tokens);

@@ -108,7 +108,7 @@ bool RemoteExecutor::healthy() const {
   return broken_.empty();
 }
 
-absl::StatusOr<std::vector<runtime::SampledToken>> RemoteExecutor::Execute(const runtime::StepPlan& plan) {
+absl::StatusOr<runtime::StepResult> RemoteExecutor::Execute(const runtime::StepPlan& plan) {
   std::shared_ptr<Group> group;
   {
     absl::MutexLock lock(&mu_);
@@ -132,7 +132,7 @@ absl::StatusOr<std::vector<runtime::SampledToken>> RemoteExecutor::Execute(const
   for (size_t rank = 0; rank < group->streams.size(); ++rank) {
     if (!group->streams[rank].stream->Write(request)) return lost(rank, "sending the step");
   }
-  std::vector<runtime::SampledToken> tokens;
+  runtime::StepResult answer;
   absl::Status failed;
   for (size_t rank = 0; rank < group->streams.size(); ++rank) {
     pb::StepResult result;
@@ -142,7 +142,7 @@ absl::StatusOr<std::vector<runtime::SampledToken>> RemoteExecutor::Execute(const
                             absl::StrCat("worker ", rank, ": ", result.error()));
     }
     if (static_cast<int>(rank) == options_.logits_rank) {
-      for (const pb::SampledTokenResult& t : result.tokens()) tokens.push_back(FromProto(t));
+      for (const pb::SequenceResult& r : result.sequences()) answer.sequences.push_back(FromProto(r));
     }
   }
   if (!failed.ok()) {
@@ -150,11 +150,13 @@ absl::StatusOr<std::vector<runtime::SampledToken>> RemoteExecutor::Execute(const
     encoder_.Reset();
     return failed;
   }
-  if (tokens.size() != plan.samples.size()) {
-    return absl::InternalError(absl::StrCat("worker ", options_.logits_rank, " returned ", tokens.size(),
-                                            " tokens for ", plan.samples.size(), " sampling rows"));
+  size_t sampling = 0;  // sequences with logit rows: each has a result
+  for (const std::vector<int>& rows : runtime::LogitRowsBySequence(plan.batch)) sampling += rows.empty() ? 0 : 1;
+  if (answer.sequences.size() != sampling) {
+    return absl::InternalError(absl::StrCat("worker ", options_.logits_rank, " returned ", answer.sequences.size(),
+                                            " sequences' results for ", sampling, " sequences with logit rows"));
   }
-  return tokens;
+  return answer;
 }
 
 }  // namespace moe::worker

@@ -35,6 +35,7 @@
 #include "moe/core/tensor.h"
 #include "moe/experts/host_threads.h"
 #include "moe/experts/packed.h"
+#include "moe/runtime/cache.h"
 #include "moe/runtime/model_spec.h"
 #include "moe/runtime/sampler.h"
 #include "moe/runtime/weight_policy.h"
@@ -115,83 +116,6 @@ class DeviceExperts {
   virtual ~DeviceExperts() = default;
   virtual int64_t bytes() const = 0;
 };
-
-// Bytes one position takes in one layer's KV cache, K and V, in `dtype`: fp8 adds one fp32 scale
-// per KV head to each of K and V.
-inline int64_t KvBytesPerPositionLayer(int kv_heads, int head_dim, core::DType dtype) {
-  return 2 * static_cast<int64_t>(kv_heads) *
-         (head_dim * core::DTypeSize(dtype) + (dtype == core::DType::kF8E4M3 ? int64_t{4} : int64_t{0}));
-}
-
-struct KvCacheShape {
-  int num_layers = 0;
-  int num_blocks = 0;  // blocks the scheduler may hand out; the cache holds one more (scratch)
-  int block_size = 16;
-  int num_kv_heads = 0;
-  int head_dim = 0;
-
-  int64_t elements_per_block_layer() const { return static_cast<int64_t>(block_size) * num_kv_heads * head_dim; }
-  // Bytes of K and V (and fp8's scales) of one block in every layer, in `dtype`.
-  int64_t block_bytes(core::DType dtype) const {
-    return KvBytesPerPositionLayer(num_kv_heads, head_dim, dtype) * block_size * num_layers;
-  }
-  // The same for every block, scratch included.
-  int64_t bytes(core::DType dtype) const { return block_bytes(dtype) * (num_blocks + 1); }
-};
-
-// The paged KV cache: fixed-size blocks of positions, each holding the keys and values of every
-// layer for `block_size` consecutive positions of one sequence. A sequence's block table lists
-// its blocks in position order; position p lives in block table[p / block_size], slot
-// p % block_size. Layout, for K and V separately: [layer][block][kv_head][slot][head_dim], in the
-// cache's dtype, so that one head's keys in one block are contiguous. Block `num_blocks`
-// (one past the last the scheduler hands out) is scratch: padded rows of a step write there.
-// An fp8 cache (e4m3) also holds one fp32 scale per position and KV head for each of K and V,
-// [layer][block][kv_head][slot]: a head's stored vector times its scale is the key or value.
-class KvCache {
- public:
-  KvCache(const KvCacheShape& shape, core::DType dtype, std::unique_ptr<DeviceBuffer> k,
-          std::unique_ptr<DeviceBuffer> v, std::unique_ptr<DeviceBuffer> k_scale = nullptr,
-          std::unique_ptr<DeviceBuffer> v_scale = nullptr)
-      : shape_(shape),
-        dtype_(dtype),
-        k_(std::move(k)),
-        v_(std::move(v)),
-        k_scale_(std::move(k_scale)),
-        v_scale_(std::move(v_scale)) {}
-
-  const KvCacheShape& shape() const { return shape_; }
-  core::DType dtype() const { return dtype_; }
-  int scratch_block() const { return shape_.num_blocks; }
-  // Layer `layer`'s K (or V) storage: [num_blocks + 1][kv_heads][block_size][head_dim].
-  void* k(int layer) const { return At(k_->tensor(), layer, shape_.elements_per_block_layer(), dtype_); }
-  void* v(int layer) const { return At(v_->tensor(), layer, shape_.elements_per_block_layer(), dtype_); }
-  // An fp8 cache's scales of layer `layer`: [num_blocks + 1][kv_heads][block_size] fp32; null for
-  // other dtypes.
-  float* k_scale(int layer) const { return Scales(k_scale_.get(), layer); }
-  float* v_scale(int layer) const { return Scales(v_scale_.get(), layer); }
-
- private:
-  void* At(const Tensor& t, int layer, int64_t per_block, core::DType dtype) const {
-    return static_cast<char*>(t.data) +
-           static_cast<int64_t>(layer) * (shape_.num_blocks + 1) * per_block * core::DTypeSize(dtype);
-  }
-  float* Scales(const DeviceBuffer* b, int layer) const {
-    if (b == nullptr) return nullptr;
-    return static_cast<float*>(
-        At(b->tensor(), layer, static_cast<int64_t>(shape_.block_size) * shape_.num_kv_heads, core::DType::kF32));
-  }
-  KvCacheShape shape_;
-  core::DType dtype_;
-  std::unique_ptr<DeviceBuffer> k_;
-  std::unique_ptr<DeviceBuffer> v_;
-  std::unique_ptr<DeviceBuffer> k_scale_;
-  std::unique_ptr<DeviceBuffer> v_scale_;
-};
-
-// Blocks needed to hold `positions` positions.
-inline int BlocksFor(int64_t positions, int block_size) {
-  return static_cast<int>((positions + block_size - 1) / block_size);
-}
 
 // One step's inputs as the host builds them (model.cc), uploaded once by BeginStep.
 struct StepInputs {
@@ -349,10 +273,11 @@ class Backend {
   // Whether the backend's attention reads a KV cache of `dtype`: its activation dtype, and on a GPU
   // fp8 e4m3 too (--kv-cache-dtype fp8).
   virtual bool SupportsKvDtype(core::DType dtype) const { return dtype == activation_dtype(); }
-  // K and V in `dtype` (the activation dtype when unset), scratch block included. kInvalidArgument
-  // for a dtype SupportsKvDtype refuses; kResourceExhausted when it does not fit.
-  absl::StatusOr<std::unique_ptr<KvCache>> CreateKvCache(const KvCacheShape& shape,
-                                                         std::optional<core::DType> dtype = std::nullopt);
+  // The cache `plan` describes (PlanCache: its one kPagedKv group's K and V, fp8's scales too), with
+  // `num_blocks` blocks and a scratch block. kInvalidArgument for a non-positive size or a dtype
+  // SupportsKvDtype refuses; kUnimplemented for a plan of other kinds or of several groups;
+  // kResourceExhausted when it does not fit.
+  absl::StatusOr<std::unique_ptr<KvCache>> CreateKvCache(const CachePlan& plan, int num_blocks);
   // ---- Step contexts: one per model on this backend ----
   // A new context (its arena unreserved). The backend starts in a default context of its own.
   std::unique_ptr<StepContext> CreateContext();

@@ -1,5 +1,7 @@
 // The boundary between the scheduler and whatever runs the model. Once per step the scheduler
-// builds a StepPlan and an Executor runs it, returning one sampled token per logit row.
+// builds a StepPlan and an Executor runs it, returning what each sequence gained: one sampled token
+// per logit row, or with drafts (SequenceChunk::num_draft) the drafts the target agrees with and
+// one token more.
 // ModelExecutor (model_executor.h) runs plans on a model in this process; a worker process runs
 // the same plans behind another Executor, so nothing here depends on the scheduler.
 //
@@ -28,7 +30,9 @@ struct SampleRow {
   // gave none), so a request's tokens are the same whichever process samples them.
   uint64_t seed = 0;
   uint32_t sequence = 0;  // which of the request's sequences draws (0 while a request has one)
-  uint32_t position = 0;  // position of the drawn token: the sequence's length so far
+  // Position of the drawn token: the sequence's length so far (a sequence with drafts has one row
+  // per draft more, each one position further).
+  uint32_t position = 0;
   // What the penalties read: the prompt, then the tokens generated so far. Sent only when
   // sampling.penalized(), so that steps of unpenalized rows carry no token history; then
   // history.size() == position.
@@ -37,12 +41,37 @@ struct SampleRow {
   int logprobs = 0;        // top alternatives to return with the token's log-probability (0: none)
 };
 
+// The sample of one logit row, before drafts are accepted.
 struct SampledToken {
   int32_t token = 0;
   std::optional<TokenLogprobs> logprobs;  // when the row asked for them
-  // Set when this row's logits could not be sampled (not finite): the sequence fails with it,
-  // the others in the step go on.
+  // Set when this row's logits could not be sampled (not finite).
   absl::Status error;
+};
+
+// What one sequence of a step gained. Without drafts: one token per logit row of the sequence, in
+// order. With num_draft = k (SequenceChunk::num_draft): the target is sampled at each of the k + 1
+// rows with the row's whole sampler (row i draws at its own position), the drafts are kept while
+// each equals the token sampled at the row before it, and the first disagreement's sample (or the
+// last row's, when every draft is kept) is the bonus token: tokens holds the accepted drafts then
+// the bonus, accepted + 1 tokens. Since a draw depends only on (seed, sequence, position) and the
+// logits, the tokens are those decoding without drafts would give.
+struct SequenceResult {
+  std::vector<int32_t> tokens;
+  std::vector<std::optional<TokenLogprobs>> logprobs;  // one per token: set when its row asked
+  int drafted = 0;   // the sequence's num_draft in the plan
+  int accepted = 0;  // of them, kept
+  // Up to SequenceChunk::want_drafts tokens proposed by the executor's drafter to follow `tokens`,
+  // for the next step to verify (none from an executor without a drafter).
+  std::vector<int32_t> drafts;
+  // Set when a row's logits could not be sampled (not finite, kInternal): the sequence fails with
+  // it, the others in the step go on. tokens then holds what came before that row.
+  absl::Status error;
+};
+
+struct StepResult {
+  // One per plan sequence that has logit rows, in plan order; none on a rank that holds no logits.
+  std::vector<SequenceResult> sequences;
 };
 
 struct StepPlan {
@@ -52,6 +81,16 @@ struct StepPlan {
   // and the ids are not used again. An executor that mirrors sequences drops them.
   std::vector<uint64_t> released;
 };
+
+// For each sequence of `batch`, the indices into batch.logit_rows of its logit rows, in order.
+std::vector<std::vector<int>> LogitRowsBySequence(const ForwardBatch& batch);
+// kInvalidArgument unless every sequence with drafts has 0 <= num_draft < num_tokens and its logit
+// rows are exactly its last num_draft + 1 rows, in order.
+absl::Status CheckDrafts(const StepPlan& plan);
+// The step's result from the samples of its logit rows (`sampled`: one per logit row, in order),
+// as SequenceResult describes: what every executor that samples returns. The plan must pass
+// CheckDrafts.
+StepResult AcceptDrafts(const StepPlan& plan, std::vector<SampledToken> sampled);
 
 // The KV cache an executor holds: the scheduler hands out block ids below num_blocks, each
 // holding block_size positions. For several workers, the minimum over them.
@@ -80,14 +119,15 @@ class Executor {
  public:
   virtual ~Executor() = default;
 
-  // Runs one step: one sampled token per logit row of the plan, in order (none on a rank that
-  // holds no logits: a layer split's stage before the last). A row whose logits
+  // Runs one step: a SequenceResult per plan sequence with logit rows, in plan order (none on a
+  // rank that holds no logits: a layer split's stage before the last). A sequence whose logits
   // are not finite gets its own error (kInternal) and the others are served. The whole step
   // fails with kInvalidArgument for a malformed plan (a token id outside the vocabulary, a block
   // outside the cache or a block table too short for its positions, sample rows that do not
-  // match the logit rows), in which case the cache is unchanged, and with kUnavailable when a
-  // worker is lost. Either error fails the plan's sequences only.
-  virtual absl::StatusOr<std::vector<SampledToken>> Execute(const StepPlan& plan) = 0;
+  // match the logit rows, drafts whose rows are not the chunk's last logit rows), in which case
+  // the cache is unchanged, and with kUnavailable when a worker is lost. Either error fails the
+  // plan's sequences only.
+  virtual absl::StatusOr<StepResult> Execute(const StepPlan& plan) = 0;
 
   virtual KvCapacity kv_capacity() const = 0;
   virtual const ModelInfo& model_info() const = 0;

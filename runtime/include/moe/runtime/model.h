@@ -22,6 +22,7 @@
 #include "absl/status/statusor.h"
 #include "moe/experts/expert_pool.h"
 #include "moe/runtime/backend.h"
+#include "moe/runtime/cache.h"
 #include "moe/runtime/model_spec.h"
 #include "moe/runtime/parallel.h"
 #include "moe/runtime/checkpoint.h"
@@ -36,17 +37,51 @@ class HeldExpertsPolicy;
 struct SequenceChunk {
   int64_t first_position = 0;  // position of the chunk's first token in its sequence
   int32_t num_tokens = 0;
-  std::vector<int32_t> block_table;  // KV blocks holding positions [0, first_position+num_tokens)
-  // The sequence's id across steps, for executors that mirror sequences in other processes (0:
-  // none given). The model itself does not read it.
+  // The blocks of the cache's first paged group (cache.h: CachePlan::groups) holding positions
+  // [0, first_position+num_tokens). Every model today has that one group.
+  std::vector<int32_t> block_table;
+  // The sequence's id across steps, from the scheduler to the kernels, for executors that mirror
+  // sequences in other processes (0: none given). The model itself does not read it.
   uint64_t seq_id = 0;
+  // The block tables of the cache's further paged groups, in CachePlan::groups order (recurrent
+  // groups have none); empty while the cache has one paged group, as every model's has today.
+  std::vector<std::vector<int32_t>> more_block_tables = {};
+  // Speculative decoding: the chunk's last num_draft tokens are drafts, and its logit rows are its
+  // last num_draft + 1 rows, in order (executor.h: SequenceResult says what is kept). The model
+  // computes them as any other rows.
+  int32_t num_draft = 0;
+  // For an executor that keeps each sequence's tokens across steps (a worker's mirror, whose
+  // tokens are the penalties' history): a sequence it has not seen that starts at
+  // first_position > 0 (a prefix-cache hit) comes with its first first_position tokens here.
+  // Empty otherwise; the model does not read it.
+  std::vector<int32_t> prefix = {};
+  // The sequence's slot in the cache's recurrent groups, or -1 (no model has such groups yet).
+  int32_t state_slot = -1;
+  // Drafts wanted from the executor's own drafter (an MTP head, a draft model beside the target)
+  // for the step after this one: up to this many, returned in SequenceResult::drafts. Executors
+  // without a drafter return none. The model does not read it.
+  int32_t want_drafts = 0;
 };
+// A chunk may start below positions an earlier step wrote (a rollback after rejected drafts):
+// attention reads only positions below each row's own, so the positions from first_position on
+// are simply written again.
 
 // One step's input. Rows of token_ids are grouped by sequence, in the order of `sequences`.
 struct ForwardBatch {
   std::vector<int32_t> token_ids;
   std::vector<SequenceChunk> sequences;
   std::vector<int32_t> logit_rows;  // rows of token_ids whose logits are returned, in this order
+  // Also return the logit rows' hidden states (StepOutputs::hidden), for an MTP head or a drafter
+  // that reads the target's. Needs no more logit rows than tokens. Off: nothing is gathered.
+  bool want_hidden = false;
+};
+
+// What a step leaves in the backend's step arena, valid until the next step.
+struct StepOutputs {
+  Tensor logits;  // [logit_rows x vocab] fp32; no rows on a rank that holds no logits
+  // [logit_rows x hidden_size] fp32 when ForwardBatch::want_hidden: the residual stream of each
+  // logit row after the last layer, before the final norm (what an MTP layer takes in). Else empty.
+  Tensor hidden;
 };
 
 // What the routed experts computed on the host beside a GPU (hybrid execution) took: the pool's
@@ -183,9 +218,11 @@ class Model {
   bool holds_logits() const;
   // The dtype of this model's KV caches.
   core::DType kv_dtype() const { return options_.kv_cache_dtype.value_or(backend_->activation_dtype()); }
-  // Bytes one KV block of `block_size` positions takes in this rank's caches (its layers and KV
-  // heads, in kv_dtype()).
-  int64_t KvBlockBytes(int block_size) const;
+  // This rank's cache (its layers and KV heads, in kv_dtype()) in blocks of `block_size`
+  // positions: PlanCache's groups for this model.
+  CachePlan CachePlanFor(int block_size) const;
+  // Bytes one block of `block_size` positions takes in this rank's caches.
+  int64_t KvBlockBytes(int block_size) const { return CachePlanFor(block_size).BlockBytes(); }
   // A KV cache for this model with `num_blocks` blocks of `block_size` positions.
   absl::StatusOr<std::unique_ptr<KvCache>> NewKvCache(int num_blocks, int block_size = 16);
 
@@ -195,9 +232,10 @@ class Model {
   // was loaded for); the cache is then left unchanged. kInternal for a failure of the backend
   // (a CUDA error), naming the operation.
   absl::Status Forward(const ForwardBatch& batch, KvCache& cache, std::vector<float>* logits);
-  // The same step, leaving the logits [logit_rows x vocab] fp32 in the backend's step arena
-  // (valid until the next step) for sampling there. Nothing is synchronized.
-  absl::StatusOr<Tensor> ForwardOnDevice(const ForwardBatch& batch, KvCache& cache);
+  // The same step, leaving the logits [logit_rows x vocab] fp32 (and the hidden states when
+  // asked) in the backend's step arena (valid until the next step) for sampling there. Nothing is
+  // synchronized.
+  absl::StatusOr<StepOutputs> ForwardOnDevice(const ForwardBatch& batch, KvCache& cache);
 
   // The CPU expert pool, or null when the backend runs the routed experts.
   experts::ExpertPool* expert_pool() { return pool_.get(); }
@@ -239,8 +277,6 @@ class Model {
   // The LM head's shards gathered into each row of logits (a tensor split of a vocabulary that
   // divides evenly), or 1.
   int VocabParts() const;
-  // This rank's KV cache shape: its layers and KV heads.
-  KvCacheShape KvShape(int num_blocks, int block_size) const;
   absl::Status CheckBatch(const ForwardBatch& batch, const KvCache& cache) const;
   absl::Status ReserveStep();
   StepInputs BuildInputs(const ForwardBatch& batch, const KvCache& cache, int pad_to, int kv_bucket) const;

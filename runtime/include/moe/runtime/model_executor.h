@@ -12,7 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "moe/runtime/executor.h"
-#include "moe/runtime/kv_cache.h"
+#include "moe/runtime/cache.h"
 #include "moe/runtime/model.h"
 
 namespace moe::runtime {
@@ -24,13 +24,24 @@ class ModelExecutor final : public Executor {
   // size, kResourceExhausted when the backend cannot hold the cache.
   static absl::StatusOr<std::unique_ptr<ModelExecutor>> Create(Model& model, int num_blocks, int block_size = 16);
 
-  absl::StatusOr<std::vector<SampledToken>> Execute(const StepPlan& plan) override;
+  absl::StatusOr<StepResult> Execute(const StepPlan& plan) override;
+  // Execute, sampling on the host whatever the backend, and leaving the step's logits
+  // [logit rows x vocab] fp32 in `logits` (Generate: the logits it returns, and the host's sampling
+  // on every backend).
+  absl::StatusOr<StepResult> ExecuteOnHost(const StepPlan& plan, std::vector<float>* logits);
   KvCapacity kv_capacity() const override;
   const ModelInfo& model_info() const override { return info_; }
   std::string Describe() const override { return description_; }
 
  private:
   ModelExecutor(Model& model, std::unique_ptr<KvCache> cache);
+  // Execute; with `host_logits`, ExecuteOnHost.
+  absl::StatusOr<StepResult> Run(const StepPlan& plan, std::vector<float>* host_logits);
+  // One sample per logit row of the step, from `device_logits` [rows x vocab] on the backend
+  // (sampled there when the backend samples and `on_host` is false, else on the host, leaving the
+  // logits in logits_).
+  absl::StatusOr<std::vector<SampledToken>> SampleLogitRows(const StepPlan& plan, const Tensor& device_logits,
+                                                            bool on_host);
   // Samples row `row` of the step from its logits[vocab], penalties applied.
   int32_t Sample(const SampleRow& row, const float* logits, int vocab);
 

@@ -3,11 +3,14 @@
 // Each Step() builds one StepPlan under a token budget (max_batch_tokens) and a cap on running
 // sequences (max_seqs): first one decode token for every running sequence, then prefill chunks
 // (a long prompt is split over steps while the others keep decoding), then new requests, first
-// come first served. KV blocks come from a block allocator and go back the moment a sequence
+// come first served. KV blocks come from a block pool (block_pool.h) and go back the moment a sequence
 // finishes, is aborted, fails or passes its deadline. When blocks run out, the newest running
 // sequence is preempted (its blocks freed) and recomputed later, rather than failing older ones.
 // Every request gets a sampling seed when it is added (a random one when it has none), so its
-// tokens do not depend on which executor or process samples them.
+// tokens do not depend on which executor or process samples them. With a DraftProposer, a decoding
+// sequence carries up to max_draft drafts a step; the executor keeps those its sampler agrees with
+// (executor.h: SequenceResult), the stop conditions are checked after each token kept, and the
+// next step starts after the kept ones (the rejected positions are written again).
 //
 // Thread-safety: none; the caller serializes every call (the engine's loop thread).
 #pragma once
@@ -17,15 +20,29 @@
 #include <map>
 #include <memory>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "moe/runtime/executor.h"
-#include "moe/scheduler/kv_block_allocator.h"
+#include "moe/scheduler/block_pool.h"
 #include "moe/scheduler/request.h"
 
 namespace moe::scheduler {
+
+// Proposes draft tokens for a decoding sequence (speculative decoding decided in the scheduler:
+// n-grams of the prompt and output, or a test's script). The executor verifies them with the
+// target's own sampler, so the tokens served are the same with or without drafts; good drafts only
+// make a step serve more of them.
+class DraftProposer {
+ public:
+  virtual ~DraftProposer() = default;
+  // Appends to `draft` up to `max_draft` tokens likely to follow `tokens` (the prompt and the
+  // tokens generated so far) of request `id`.
+  virtual void Propose(const std::string& id, std::span<const int32_t> tokens, int max_draft,
+                       std::vector<int32_t>* draft) = 0;
+};
 
 struct SchedulerConfig {
   int max_batch_tokens = 2048;
@@ -40,13 +57,17 @@ struct SchedulerConfig {
   int num_blocks = 0;  // KV blocks in the cache
   int vocab_size = 0;
   std::vector<int> eos_token_ids;
+  // Drafts a decoding sequence may carry in one step (0: none): those the executor's own drafter
+  // proposed in the step before (SequenceChunk::want_drafts asks for them), else a DraftProposer's.
+  int max_draft = 0;
 };
 
 struct SchedulerStats {
   int running = 0;
   int waiting = 0;
   int blocks_used = 0;
-  int blocks_free = 0;
+  int blocks_free = 0;  // blocks_cached of them keep a committed prefix (block_pool.h)
+  int blocks_cached = 0;
   int64_t preemptions = 0;
 };
 
@@ -65,30 +86,54 @@ class Scheduler {
 
   // Runs one step on `executor` and returns what happened to each request it touched.
   std::vector<Output> Step(runtime::Executor& executor, Clock::time_point now = Clock::now());
+  // Drafts for decoding sequences from now on (null: none); not owned, must outlive its use.
+  void set_proposer(DraftProposer* proposer) { proposer_ = proposer; }
 
   bool idle() const { return running_.empty() && waiting_.empty(); }
   SchedulerStats stats() const;
 
  private:
   struct Sequence;
+  // One sequence's chunk in the step being planned: `count` tokens from position `first`, the
+  // last `num_draft` of them drafts.
+  struct Scheduled {
+    Sequence* seq;
+    int64_t first;
+    int32_t count;
+    int32_t num_draft;
+  };
   Sequence* Find(const std::string& id);
+  // The pieces of a step: end aborted and late requests; pick the chunks under the token budget
+  // (admitting waiting requests); build their plan; apply the executor's result.
+  void EndAbortedAndLate(Clock::time_point now, std::vector<Output>* outputs);
+  std::vector<Scheduled> Schedule(std::vector<Output>* outputs);
+  runtime::StepPlan BuildPlan(const std::vector<Scheduled>& scheduled);
+  void Apply(const std::vector<Scheduled>& scheduled, runtime::StepResult& result, std::vector<Output>* outputs);
+  // Appends the tokens a sequence gained, checking the stop conditions after each; false when
+  // the sequence ended (it is gone then).
+  bool Accept(Sequence* seq, runtime::SequenceResult& result, std::vector<Output>* outputs);
+  // Fills seq->draft for a sequence that decodes this step, within `budget` tokens; its size.
+  int ProposeDrafts(Sequence* seq, int budget);
   void Finish(Sequence* seq, FinishReason reason, absl::Status error, std::vector<Output>* outputs);
   // Makes sure `seq` has blocks for `positions` positions, preempting newer sequences if needed.
   bool EnsureBlocks(Sequence* seq, int64_t positions, bool may_preempt);
   void Preempt(Sequence* seq);
   // Its blocks are gone: the next plan tells the executor its id is no more.
   void Release(Sequence* seq);
-  void CheckStop(Sequence* seq, int32_t token, std::vector<Output>* outputs);
-  runtime::SampleRow SampleRowFor(const Sequence& seq) const;
+  // Ends `seq` if `token` (just appended) stops it; true when it did (seq is gone then).
+  bool CheckStop(Sequence* seq, int32_t token, std::vector<Output>* outputs);
+  // The sampling row that draws the token after seq's tokens and its first `draft` drafts.
+  runtime::SampleRow SampleRowFor(const Sequence& seq, int draft) const;
 
   SchedulerConfig config_;
-  KvBlockAllocator blocks_;
+  BlockPool blocks_;
   std::mt19937_64 seeds_;                                       // for requests that bring no seed
   std::map<std::string, std::unique_ptr<Sequence>> sequences_;  // every live request by id
   std::deque<Sequence*> waiting_;                               // FCFS; preempted ones go first
   std::vector<Sequence*> running_;                              // in admission order
   int64_t preemptions_ = 0;
-  uint64_t last_uid_ = 0;
+  uint64_t last_seq_id_ = 0;
+  DraftProposer* proposer_ = nullptr;
   std::vector<uint64_t> released_;  // ids of sequences released since the last plan
 };
 

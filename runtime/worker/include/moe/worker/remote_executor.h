@@ -41,7 +41,7 @@ class RemoteExecutor final : public runtime::Executor {
   static absl::StatusOr<std::unique_ptr<RemoteExecutor>> Connect(const Options& options);
   ~RemoteExecutor() override;
 
-  absl::StatusOr<std::vector<runtime::SampledToken>> Execute(const runtime::StepPlan& plan) override;
+  absl::StatusOr<runtime::StepResult> Execute(const runtime::StepPlan& plan) override;
   runtime::KvCapacity kv_capacity() const override { return options_.kv; }
   const runtime::ModelInfo& model_info() const override { return options_.info; }
   std::string Describe() const override { return options_.description; }

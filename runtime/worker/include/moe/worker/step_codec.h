@@ -1,8 +1,9 @@
 // Step plans on the control stream (proto/moeserve/v1/worker.proto), sent as what changed since the
 // last step: the frontend's PlanEncoder and every worker's PlanDecoder keep the same mirror of the
 // live sequences (their block tables, and on the worker the tokens fed so far, which are the
-// penalties' history), so a plan carries new sequences whole, and for the others only their new
-// tokens and appended blocks, and the ids of the sequences that ended.
+// penalties' history: a row that draws position p reads the first p), so a plan carries new
+// sequences whole, and for the others only their new tokens and appended blocks, and the ids of
+// the sequences that ended.
 //
 // Thread-safety: none; each is used by one thread (the engine's, or the worker's stream).
 #pragma once
@@ -27,15 +28,18 @@ class PlanEncoder {
   size_t live_sequences() const { return sequences_.size(); }
 
  private:
-  std::map<uint64_t, std::vector<int32_t>> sequences_;  // id -> block table
+  std::map<uint64_t, std::vector<int32_t>> sequences_;  // seq_id -> block table
   uint64_t step_ = 0;
 };
 
 class PlanDecoder {
  public:
-  // The plan `request` describes. kInvalidArgument naming the field for a request that does not
-  // fit the mirror (an unknown sequence continued, tokens that do not start where the sequence
-  // left off, sampling rows that do not match the logit rows); the mirror is then unchanged.
+  // The plan `request` describes. A sequence may start below the mirror's length (a rollback:
+  // the mirror forgets the tokens from there on, rejected drafts), and one not seen before may
+  // start later when its prefix comes with it. kInvalidArgument naming the field for a request
+  // that does not fit the mirror (an unknown sequence continued without its prefix, tokens that
+  // start beyond where the sequence left off, sampling rows that do not match the logit rows);
+  // the mirror is then unchanged.
   absl::StatusOr<runtime::StepPlan> Decode(const moeserve::v1::StepRequest& request);
   size_t live_sequences() const { return sequences_.size(); }
 
@@ -47,8 +51,8 @@ class PlanDecoder {
   std::map<uint64_t, Sequence> sequences_;
 };
 
-// SampledToken <-> SampledTokenResult, for the rank that samples and the frontend.
-moeserve::v1::SampledTokenResult ToProto(const runtime::SampledToken& token);
-runtime::SampledToken FromProto(const moeserve::v1::SampledTokenResult& result);
+// SequenceResult <-> its message, for the rank that samples and the frontend.
+moeserve::v1::SequenceResult ToProto(const runtime::SequenceResult& result);
+runtime::SequenceResult FromProto(const moeserve::v1::SequenceResult& result);
 
 }  // namespace moe::worker
