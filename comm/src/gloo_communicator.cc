@@ -208,7 +208,7 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(const
   if (o.prefix.empty()) return absl::InvalidArgumentError(absl::StrCat(where, ": the rendezvous prefix is empty"));
   IgnoreSigpipeUnlessHandled();
 
-  auto client = RendezvousClient::Connect(o.store_address, o.timeout);
+  auto client = RendezvousClient::Connect(o.store_address, o.timeout, o.store_secret);
   if (!client.ok()) return core::Annotate(client.status(), where);
 
   // Gloo's own lookup crashes on a host that does not resolve: check first.

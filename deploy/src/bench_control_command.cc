@@ -106,6 +106,7 @@ int BenchControl(const ControlBenchFlags& f) {
   std::vector<double> round_trips;
   for (int i = 0; i < f.steps; ++i) {
     grpc::ClientContext ctx;
+    for (const auto& [key, value] : eo.call_metadata) ctx.AddMetadata(key, value);
     moeserve::v1::WorkerHealthResponse health;
     const auto start = Clock::now();
     (void)stub->Health(&ctx, moeserve::v1::WorkerHealthRequest{}, &health);

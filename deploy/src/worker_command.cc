@@ -6,11 +6,13 @@
 #include <atomic>
 #include <chrono>
 #include <csignal>
+#include <cstdlib>
 #include <iostream>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "commands.h"
+#include "control_secret.h"
 #include "worker_service.h"
 
 namespace moe::deploy {
@@ -27,8 +29,20 @@ struct WorkerFlags {
 int RunWorker(const WorkerFlags& flags) {
   const std::string who = flags.rank >= 0 ? absl::StrCat("worker ", flags.rank) : "worker";
   if (absl::Status s = CheckListenAddress(flags.listen, "listen"); !s.ok()) return FailCommand(who, s, 2);
+  // The control plane's secret, from the launcher; gone from the environment once read.
+  const char* env = std::getenv(kControlSecretEnv);
+  const std::string secret = env != nullptr ? env : "";
+  ::unsetenv(kControlSecretEnv);
+  if (secret.size() < 16) {
+    return FailCommand(who,
+                       absl::InvalidArgumentError(absl::StrCat(
+                           kControlSecretEnv, " is not set (or shorter than 16 characters): a worker serves only the "
+                                              "launcher that holds the control plane's secret; start it with serve "
+                                              "--config")),
+                       2);
+  }
   std::atomic<bool> shutdown{false};
-  WorkerService service([&shutdown] { shutdown.store(true); });
+  WorkerService service([&shutdown] { shutdown.store(true); }, secret);
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(flags.listen, grpc::InsecureServerCredentials(), &port);

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "moe/core/files_fingerprint.h"
 #include "moe/core/status.h"
 #include "cpu/kernels.h"
 #include "moe/runtime/routing.h"
@@ -295,7 +296,9 @@ absl::StatusOr<std::unique_ptr<experts::ExpertPool>> CreatePool(const ModelSpec&
   shape.intermediate = spec.moe_intermediate_size;
   std::error_code ec;
   const auto canonical = std::filesystem::weakly_canonical(model_dir, ec);
-  options.model_id = ec ? model_dir : canonical.string();
+  // The files' sizes and times too: a folder whose weights were replaced is another segment.
+  options.model_id = absl::StrCat(ec ? model_dir : canonical.string(), " files ",
+                                  core::WeightFilesFingerprint(model_dir));
   // A pool of some layers only is another segment than the whole model's.
   if (static_cast<int>(moe_layers.size()) != spec.num_moe_layers()) {
     options.model_id += " layers " + absl::StrJoin(moe_layers, ",");

@@ -157,7 +157,8 @@ void SetJsonError(httplib::Response& response, int status, std::string_view mess
                                  {"param", param.empty() ? nlohmann::json() : nlohmann::json(std::string(param))},
                                  {"code", status}}}};
   response.status = status;
-  response.set_content(body.dump(), "application/json");
+  // A message may quote what a client sent, which need not be UTF-8: never a throw from dump().
+  response.set_content(body.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace), "application/json");
 }
 
 HttpServer::HttpServer() = default;

@@ -22,7 +22,8 @@ class RemoteExecutor::Group {
     std::unique_ptr<grpc::ClientReaderWriter<pb::StepRequest, pb::StepResult>> stream;
   };
 
-  static absl::StatusOr<std::shared_ptr<Group>> Open(const std::vector<std::string>& workers, uint64_t generation) {
+  static absl::StatusOr<std::shared_ptr<Group>> Open(const std::vector<std::string>& workers, uint64_t generation,
+                                                    const std::vector<std::pair<std::string, std::string>>& metadata) {
     auto group = std::make_shared<Group>();
     group->generation = generation;
     for (size_t rank = 0; rank < workers.size(); ++rank) {
@@ -34,6 +35,7 @@ class RemoteExecutor::Group {
       }
       s.stub = pb::Worker::NewStub(channel);
       s.context = std::make_unique<grpc::ClientContext>();
+      for (const auto& [key, value] : metadata) s.context->AddMetadata(key, value);
       s.stream = s.stub->Execute(s.context.get());
       group->streams.push_back(std::move(s));
     }
@@ -63,7 +65,7 @@ absl::StatusOr<std::unique_ptr<RemoteExecutor>> RemoteExecutor::Connect(const Op
         absl::StrCat("remote executor: ", options.workers.size(), " workers, logits on rank ", options.logits_rank));
   }
   std::unique_ptr<RemoteExecutor> executor(new RemoteExecutor(options));
-  MOE_ASSIGN_OR_RETURN(auto group, Group::Open(options.workers, 1));
+  MOE_ASSIGN_OR_RETURN(auto group, Group::Open(options.workers, 1, options.call_metadata));
   absl::MutexLock lock(&executor->mu_);
   executor->group_ = std::move(group);
   return executor;
@@ -90,7 +92,7 @@ absl::Status RemoteExecutor::Reattach(const std::vector<std::string>& workers) {
     absl::MutexLock lock(&mu_);
     generation = (group_ != nullptr ? group_->generation : 0) + 1;
   }
-  auto group = Group::Open(workers, generation);
+  auto group = Group::Open(workers, generation, options_.call_metadata);
   if (!group.ok()) return group.status();
   std::shared_ptr<Group> old;
   {

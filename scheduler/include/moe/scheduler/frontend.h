@@ -66,8 +66,9 @@ class Frontend {
   Engine& engine();  // after Serve
   // A graceful stop: health turns NOT_SERVING, new requests get UNAVAILABLE, the running ones
   // have `grace` to finish; then the rest end with UNAVAILABLE "server shutting down" and the
-  // servers stop. Returns how many requests were cut off.
-  int Drain(std::chrono::milliseconds grace);
+  // servers stop. Returns how many requests were cut off. `cut_short`, when given, is asked
+  // every 50 ms; true ends the grace at once (a second SIGTERM or SIGINT).
+  int Drain(std::chrono::milliseconds grace, const std::function<bool()>& cut_short = nullptr);
   // A deployment's workers, after Serve: while they are restarted (ready false) gRPC health turns
   // NOT_SERVING and /health and /ready answer 503 "restarting"; requests still queue for them.
   void SetWorkersReady(bool ready);

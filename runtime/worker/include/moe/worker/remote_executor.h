@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -35,6 +36,8 @@ class RemoteExecutor final : public runtime::Executor {
     runtime::ModelInfo info;
     std::string description;
     absl::Duration heal_timeout = absl::Seconds(120);
+    // Metadata every call to a worker carries (the control plane's secret).
+    std::vector<std::pair<std::string, std::string>> call_metadata;
   };
   // Opens an Execute stream to every worker (which must be loaded). kUnavailable naming the worker
   // that cannot be reached.
