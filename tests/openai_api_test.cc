@@ -644,6 +644,34 @@ TEST_F(OpenAiApiTest, StopStringsWithoutATokenizerAreRefused) {
   EXPECT_EQ(Post("/v1/completions", json{{"prompt", Prompt()}, {"max_tokens", 2}}).status, 200);
 }
 
+// An HTTP/1.0 client never gets chunked transfer: a stream (which needs it) is refused with 400;
+// a whole response comes with its Content-Length.
+TEST_F(OpenAiApiTest, AnHttp10ClientNeverGetsChunkedEncoding) {
+  StartServer();
+  auto exchange = [&](const json& body) {
+    const std::string text = body.dump();
+    const int fd = Connect(frontend_->http_port());
+    const std::string request = absl::StrCat("POST /v1/completions HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Type: "
+                                             "application/json\r\nContent-Length: ",
+                                             text.size(), "\r\n\r\n", text);
+    ::send(fd, request.data(), request.size(), MSG_NOSIGNAL);
+    std::string got;
+    char buf[4096];
+    for (ssize_t n; (n = ::recv(fd, buf, sizeof(buf), 0)) > 0;) got.append(buf, static_cast<size_t>(n));
+    ::close(fd);
+    return got;
+  };
+  const std::string streamed = exchange(json{{"prompt", Prompt()}, {"max_tokens", 3}, {"stream", true}});
+  EXPECT_THAT(streamed, HasSubstr(" 400 "));
+  EXPECT_THAT(streamed, HasSubstr("stream: an HTTP/1.0 client cannot take a stream"));
+  EXPECT_THAT(streamed, ::testing::Not(HasSubstr("Transfer-Encoding")));
+  const std::string whole = exchange(json{{"prompt", Prompt()}, {"max_tokens", 3}});
+  EXPECT_THAT(whole, HasSubstr(" 200 "));
+  EXPECT_THAT(whole, HasSubstr("Content-Length: "));
+  EXPECT_THAT(whole, ::testing::Not(HasSubstr("Transfer-Encoding")));
+  EXPECT_THAT(whole, HasSubstr("Connection: close"));  // HTTP/1.0's default
+}
+
 // The gRPC API takes text and chat prompts through the same pipeline: its text deltas add up to
 // what the HTTP API answers for the same request, and a stop string ends it.
 TEST_F(OpenAiApiTest, GrpcTakesTextAndMessages) {

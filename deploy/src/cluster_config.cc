@@ -99,6 +99,7 @@ class Reader {
     if constexpr (std::is_integral_v<T>) return "an integer";
     if constexpr (std::is_same_v<T, std::string>) return "a string";
     if constexpr (std::is_same_v<T, std::vector<int>>) return "a list of integers";
+    if constexpr (std::is_same_v<T, std::vector<std::string>>) return "a list of strings";
     return "a value";
   }
   static std::string Text(const YAML::Node& n) {
@@ -238,7 +239,8 @@ absl::Status ReadServer(const Reader& r, const YAML::Node& s, ClusterConfig* c) 
   MOE_RETURN_IF_ERROR(r.Keys(s, "server",
                              {"listen", "http", "api_key_file", "api_key_protect_metrics", "served_model_name",
                               "tls_cert", "tls_key", "tls_client_ca", "max_request_bytes", "chat_template_file",
-                              "tool_call_parser", "reasoning_parser"}));
+                              "tool_call_parser", "reasoning_parser", "allowed_origins"}));
+  MOE_RETURN_IF_ERROR(r.Get(s, "server", "allowed_origins", &c->allowed_origins));
   MOE_RETURN_IF_ERROR(r.Get(s, "server", "listen", &c->listen));
   MOE_RETURN_IF_ERROR(r.Get(s, "server", "http", &c->http));
   MOE_RETURN_IF_ERROR(r.Get(s, "server", "api_key_file", &c->api_key_file));

@@ -72,6 +72,7 @@ struct ClusterConfig {
   std::string tls_cert, tls_key, tls_client_ca;
   int64_t max_request_bytes = 4 << 20;
   std::string chat_template_file, tool_call_parser, reasoning_parser;
+  std::vector<std::string> allowed_origins;
   std::optional<int> max_prompt_tokens;
   // the control plane
   int comm_timeout_ms = 30000;

@@ -511,6 +511,7 @@ int Launcher::Run() {
   fo.chat_template_file = c_.chat_template_file;
   fo.tool_call_parser = c_.tool_call_parser;
   fo.reasoning_parser = c_.reasoning_parser;
+  fo.allowed_origins = c_.allowed_origins;
   auto frontend = scheduler::Frontend::Create(fo);
   if (!frontend.ok()) {
     return FailCommand("serve", frontend.status(),

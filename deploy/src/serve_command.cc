@@ -43,6 +43,7 @@ struct ServeFlags {
   int drain_seconds = 10;
   bool no_request_log = false;
   std::string tls_cert, tls_key, tls_client_ca, api_key_file;
+  std::vector<std::string> allowed_origins;
   std::string served_model_name, chat_template_file, tool_call_parser, reasoning_parser;
   bool api_key_protect_metrics = false;
   ExpertFlags experts;
@@ -72,6 +73,7 @@ const std::map<std::string, std::string>& ClusterKeyOfFlag() {
       {"--tls-key", "server.tls_key"},
       {"--tls-client-ca", "server.tls_client_ca"},
       {"--api-key-file", "server.api_key_file"},
+      {"--allowed-origins", "server.allowed_origins"},
       {"--api-key-protect-metrics", "server.api_key_protect_metrics"},
       {"--served-model-name", "server.served_model_name"},
       {"--chat-template-file", "server.chat_template_file"},
@@ -259,6 +261,7 @@ int RunServe(const ServeFlags& flags) {
     return Fail(absl::InvalidArgumentError("--api-key-protect-metrics needs --api-key-file"), 2);
   }
   options.protect_metrics = flags.api_key_protect_metrics;
+  options.allowed_origins = flags.allowed_origins;
   options.model_dir = flags.model;
   options.served_model_name = flags.served_model_name;
   options.chat_template_file = flags.chat_template_file;
@@ -387,6 +390,10 @@ void AddServeCommand(CLI::App& root, CommandRun* selected) {
   app->add_option("--api-key-file", f->api_key_file,
                   "file of API keys, one per line: gRPC calls need 'authorization: Bearer KEY' metadata and HTTP an "
                   "'Authorization: Bearer KEY' header; keys are never logged");
+  app->add_option("--allowed-origins", f->allowed_origins,
+                  "web pages (Origin, e.g. https://app.example; * for any) that may call the HTTP API from a "
+                  "browser; none by default: a request with another Origin gets 403")
+      ->delimiter(',');
   app->add_flag("--api-key-protect-metrics", f->api_key_protect_metrics,
                 "ask for an API key on /metrics, /health and /ready too (they are open by default)");
   app->add_option("--served-model-name", f->served_model_name,

@@ -509,6 +509,7 @@ absl::StatusOr<std::unique_ptr<Frontend>> Frontend::Create(const FrontendOptions
     http.tls = options.tls;
     http.api_keys = options.api_keys.get();
     http.protect_metrics = options.protect_metrics;
+    http.allowed_origins = options.allowed_origins;
     http.max_request_bytes = static_cast<size_t>(options.max_request_bytes);
     Impl* raw = impl.get();
     http.render_metrics = [raw] { return raw->RenderMetrics(); };  // /health: 503 "loading" until Serve

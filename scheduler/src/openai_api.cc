@@ -871,45 +871,6 @@ class EventStream {
   std::string finish_reason_, error_;
 };
 
-// The descriptor of this process's TCP connection from `request`'s peer to its local port, or -1.
-int ConnectionSocket(const httplib::Request& request) {
-  DIR* dir = ::opendir("/proc/self/fd");
-  if (dir == nullptr) return -1;
-  int found = -1;
-  while (const dirent* e = ::readdir(dir)) {
-    int fd = -1;
-    if (!absl::SimpleAtoi(e->d_name, &fd) || fd < 0) continue;
-    sockaddr_storage peer{}, local{};
-    socklen_t peer_len = sizeof(peer), local_len = sizeof(local);
-    if (::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &peer_len) != 0 ||
-        ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &local_len) != 0) {
-      continue;
-    }
-    char host[INET6_ADDRSTRLEN] = {};
-    int peer_port = 0, local_port = 0;
-    if (peer.ss_family == AF_INET) {
-      const auto* p = reinterpret_cast<const sockaddr_in*>(&peer);
-      ::inet_ntop(AF_INET, &p->sin_addr, host, sizeof(host));
-      peer_port = ntohs(p->sin_port);
-      local_port = ntohs(reinterpret_cast<const sockaddr_in*>(&local)->sin_port);
-    } else if (peer.ss_family == AF_INET6) {
-      const auto* p = reinterpret_cast<const sockaddr_in6*>(&peer);
-      ::inet_ntop(AF_INET6, &p->sin6_addr, host, sizeof(host));
-      peer_port = ntohs(p->sin6_port);
-      local_port = ntohs(reinterpret_cast<const sockaddr_in6*>(&local)->sin6_port);
-    } else {
-      continue;
-    }
-    if (peer_port == request.remote_port && host == request.remote_addr &&
-        (request.local_port <= 0 || local_port == request.local_port)) {
-      found = fd;
-      break;
-    }
-  }
-  ::closedir(dir);
-  return found;
-}
-
 // Whether the peer of connection `fd` has closed it (or reset it).
 bool PeerClosed(int fd) {
   pollfd p{fd, POLLRDHUP, 0};
@@ -983,6 +944,11 @@ void OpenAiApi::Generate(Kind kind, const httplib::Request& request, httplib::Re
   if (!body.ok()) return refuse(BadParam("", std::string(body.status().message())));
   Parsed parsed;
   if (auto e = ParseCommon(*body, model_id_, &parsed)) return refuse(*e);
+  if (parsed.stream && request.version == "HTTP/1.0") {
+    // A stream is sent in chunks, which HTTP/1.0 does not have.
+    return refuse(BadParam("stream", "stream: an HTTP/1.0 client cannot take a stream (chunked transfer is "
+                                     "HTTP/1.1); send HTTP/1.1, or stream: false"));
+  }
   if (auto e = chat ? ParseChat(*body, text_, engine_.config().context, &parsed) : ParseCompletion(*body, text_, &parsed)) {
     return refuse(*e);
   }
@@ -1016,7 +982,7 @@ void OpenAiApi::Generate(Kind kind, const httplib::Request& request, httplib::Re
   // cpp-httplib 0.11 tells a handler nothing of its connection: the request's socket is found
   // by its addresses and watched, so that a client gone while it waits for a whole response
   // cancels the request within a step, as a stream's does.
-  const int connection = ConnectionSocket(request);
+  const int connection = ConnectionSocketOf(request);
   Piece piece;
   while (!piece.finished) {
     if (connection >= 0 && PeerClosed(connection)) {

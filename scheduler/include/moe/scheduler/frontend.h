@@ -12,6 +12,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "moe/runtime/executor.h"
@@ -32,6 +33,9 @@ struct FrontendOptions {
   // header (UNAUTHENTICATED / 401 otherwise); health and metrics stay open unless protect_metrics.
   std::shared_ptr<const ApiKeys> api_keys;
   bool protect_metrics = false;
+  // Web pages that may call the HTTP API from a browser (HttpServerOptions::allowed_origins);
+  // none by default.
+  std::vector<std::string> allowed_origins;
   // The text side (tokenizer, chat template, parsers) is read from the model folder at Serve;
   // empty model_dir: token ids only.
   std::string model_dir;
