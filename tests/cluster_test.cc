@@ -4,6 +4,8 @@
 // that names the line and the key.
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -20,6 +22,7 @@
 #include "moeserve/v1/worker.grpc.pb.h"
 #include "moeserve/v1/generation.grpc.pb.h"
 #include "test_util.h"
+#include "../scheduler/src/test_socket.h"
 
 namespace moe {
 namespace {
@@ -297,6 +300,60 @@ TEST(ClusterTest, TheControlPlaneAnswersOnlyItsLauncher) {
   const testing::CommandResult bare = testing::RunMoeserve({"worker", "--listen", "127.0.0.1:0"});
   EXPECT_EQ(bare.exit_code, 2);
   EXPECT_THAT(bare.err, HasSubstr("MOESERVE_CONTROL_SECRET is not set"));
+}
+
+// A worker stopped (SIGSTOP) mid-deployment: its connection stays open, so only the step deadline
+// notices. The step fails with UNAVAILABLE naming the deadline and the stopped rank, with the
+// other rank's Gloo timeout reported as such; /health turns 503 while the group restarts; the next
+// request is served by the new group.
+TEST(ClusterTest, AStoppedWorkerFailsTheStepAtItsDeadlineAndTheGroupRestarts) {
+  testing::ScratchDir dir;
+  const std::string shm = "moeserve-test-stuck-" + std::to_string(::getpid());
+  const std::string body = "model: " + testing::FixtureDir("qwen3_moe") +
+                           "\nnodes: [{host: 127.0.0.1, workers: 2}]\n"
+                           "parallel: {mode: tensor, size: 2}\n"
+                           "experts: {cpu_pool: {dtype: bf16, shm: " + shm + "}}\n"
+                           "scheduler: {max_seqs: 4, kv_cache_mb: 16, drain_seconds: 1}\n"
+                           "server: {listen: 127.0.0.1:0, http: 127.0.0.1:0}\n"
+                           "comm: {timeout_ms: 500}\n"
+                           "supervisor: {restart_backoff_ms: 1000, step_timeout_ms: 2000}\n";
+  testing::ServeProcess serve({"--config", WriteConfig(dir, "cluster.yaml", body)});
+  ASSERT_GT(serve.port(), 0) << serve.err();
+  auto stub = Connect(serve.port());
+  ASSERT_TRUE(Generate(*stub, {1, 2, 3}, 2).status.ok()) << serve.err();
+  const std::string log = serve.err();
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(log, m, std::regex("worker 1 started \\(pid ([0-9]+)\\)"))) << log;
+  const pid_t victim = std::stoi(m[1]);
+  ASSERT_TRUE(std::regex_search(log, m, std::regex("HTTP on port ([0-9]+)"))) << log;
+  const int http_port = std::stoi(m[1]);
+  ASSERT_EQ(::kill(victim, SIGSTOP), 0);
+
+  const Stream stuck = Generate(*stub, {1, 2, 3}, 4);
+  EXPECT_EQ(stuck.status.error_code(), grpc::StatusCode::UNAVAILABLE) << stuck.status.error_message();
+  EXPECT_THAT(stuck.status.error_message(), HasSubstr("step deadline: worker 1"));
+  EXPECT_THAT(stuck.status.error_message(), HasSubstr("no progress within"));  // rank 0's Gloo timeout
+  // While the group restarts, /health says so.
+  bool saw_restarting = false;
+  for (int i = 0; i < 2000 && !saw_restarting && serve.err().find("group restarted") == std::string::npos; ++i) {
+    const int fd = moe::test_socket::ConnectLoopback(http_port);
+    const std::string request = "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
+    ::send(fd, request.data(), request.size(), MSG_NOSIGNAL);
+    std::string got;
+    char buf[1024];
+    for (ssize_t n; (n = ::recv(fd, buf, sizeof(buf), 0)) > 0;) got.append(buf, static_cast<size_t>(n));
+    ::close(fd);
+    saw_restarting = got.find(" 503 ") != std::string::npos && got.find("restarting") != std::string::npos;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_TRUE(saw_restarting);
+  const Stream after = Generate(*stub, {1, 2, 3}, 4, std::chrono::seconds(120));
+  EXPECT_TRUE(after.status.ok()) << after.status.error_message() << "\n" << serve.err();
+  EXPECT_EQ(after.tokens.size(), 4u);
+  EXPECT_THAT(serve.err(), HasSubstr("step deadline: worker 1"));
+  EXPECT_EQ(serve.Stop(SIGTERM), 0) << serve.err();
+  (void)experts::HostArena::Unlink(shm);
+  ::kill(victim, SIGKILL);  // already gone with its group; never left stopped
 }
 
 // Bad cluster files: each exits 2 before any worker starts, naming the file's line and the key.

@@ -289,7 +289,8 @@ absl::Status ReadControl(const Reader& r, const YAML::Node& comm, const YAML::No
     }
   }
   if (sup.IsDefined() && !sup.IsNull()) {
-    MOE_RETURN_IF_ERROR(r.Keys(sup, "supervisor", {"max_restarts", "restart_backoff_ms"}));
+    MOE_RETURN_IF_ERROR(r.Keys(sup, "supervisor", {"max_restarts", "restart_backoff_ms", "step_timeout_ms"}));
+    MOE_RETURN_IF_ERROR(r.GetIn(sup, "supervisor", "step_timeout_ms", &c->step_timeout_ms, 100, 3600000));
     MOE_RETURN_IF_ERROR(r.GetIn(sup, "supervisor", "max_restarts", &c->max_restarts, 0, 1000000));
     MOE_RETURN_IF_ERROR(r.GetIn(sup, "supervisor", "restart_backoff_ms", &c->restart_backoff_ms, 0, 600000));
   }

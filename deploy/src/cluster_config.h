@@ -83,6 +83,9 @@ struct ClusterConfig {
   // supervision
   int max_restarts = 100;        // in a row without a healthy minute between; then the launcher exits
   int restart_backoff_ms = 500;  // doubled after each restart in a row, up to 30 s
+  // A step whose results are not all back by then fails, and the group is restarted (a worker
+  // stopped or stuck: its connection stays open, so nothing else would notice).
+  int step_timeout_ms = 60000;
 
   bool gpu() const { return !nodes.empty() && !nodes[0].gpus.empty(); }
   // Workers (ranks) on node `n`, and the first rank there.

@@ -228,6 +228,7 @@ class Launcher {
     eo.info = g.info;
     eo.description = g.description;
     eo.call_metadata = {{kControlSecretMetadata, secret_}};
+    eo.step_timeout = absl::Milliseconds(c_.step_timeout_ms);
     return eo;
   }
 
@@ -578,6 +579,7 @@ int Launcher::Run() {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
       continue;
     }
+    if (why.empty()) why = remote->broken_reason();
     if (why.empty()) why = "a worker's control stream broke";
     remote->MarkBroken(why);
     (*frontend)->SetWorkersReady(false);

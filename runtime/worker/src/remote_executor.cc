@@ -4,6 +4,7 @@
 
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "moe/core/status.h"
 #include "moeserve/v1/worker.grpc.pb.h"
@@ -66,14 +67,42 @@ absl::StatusOr<std::unique_ptr<RemoteExecutor>> RemoteExecutor::Connect(const Op
   }
   std::unique_ptr<RemoteExecutor> executor(new RemoteExecutor(options));
   MOE_ASSIGN_OR_RETURN(auto group, Group::Open(options.workers, 1, options.call_metadata));
-  absl::MutexLock lock(&executor->mu_);
-  executor->group_ = std::move(group);
+  {
+    absl::MutexLock lock(&executor->mu_);
+    executor->group_ = std::move(group);
+  }
+  if (options.step_timeout > absl::ZeroDuration()) {
+    RemoteExecutor* raw = executor.get();
+    executor->watchdog_ = std::thread([raw] { raw->WatchSteps(); });
+  }
   return executor;
 }
 
 RemoteExecutor::~RemoteExecutor() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  if (watchdog_.joinable()) watchdog_.join();
   absl::MutexLock lock(&mu_);
   group_.reset();
+}
+
+void RemoteExecutor::WatchSteps() {
+  absl::MutexLock lock(&mu_);
+  while (!stopping_) {
+    mu_.AwaitWithTimeout(absl::Condition(&stopping_), absl::Milliseconds(100));
+    if (stopping_ || awaited_rank_ < 0 || !broken_.empty()) continue;
+    if (absl::Now() - step_started_ < options_.step_timeout) continue;
+    const std::string address =
+        group_ != nullptr && awaited_rank_ < static_cast<int>(group_->streams.size())
+            ? group_->streams[awaited_rank_].address
+            : "?";
+    broken_ = absl::StrCat("step deadline: worker ", awaited_rank_, " at ", address, " sent no result within ",
+                           absl::FormatDuration(options_.step_timeout), " (stopped, or stuck in a collective)");
+    awaited_rank_ = -1;
+    if (group_ != nullptr) group_->Cancel();
+  }
 }
 
 void RemoteExecutor::MarkBroken(const std::string& why) {
@@ -110,6 +139,11 @@ bool RemoteExecutor::healthy() const {
   return broken_.empty();
 }
 
+std::string RemoteExecutor::broken_reason() const {
+  absl::MutexLock lock(&mu_);
+  return broken_;
+}
+
 absl::StatusOr<std::vector<runtime::SampledToken>> RemoteExecutor::Execute(const runtime::StepPlan& plan) {
   std::shared_ptr<Group> group;
   {
@@ -131,14 +165,36 @@ absl::StatusOr<std::vector<runtime::SampledToken>> RemoteExecutor::Execute(const
     MarkBroken(why);
     return absl::UnavailableError(why);
   };
+  const auto awaiting = [&](int rank) {
+    absl::MutexLock lock(&mu_);
+    if (rank == 0) step_started_ = absl::Now();
+    awaited_rank_ = rank;
+  };
+  awaiting(0);
   for (size_t rank = 0; rank < group->streams.size(); ++rank) {
-    if (!group->streams[rank].stream->Write(request)) return lost(rank, "sending the step");
+    if (!group->streams[rank].stream->Write(request)) {
+      awaiting(-1);
+      return lost(rank, "sending the step");
+    }
   }
   std::vector<runtime::SampledToken> tokens;
   absl::Status failed;
   for (size_t rank = 0; rank < group->streams.size(); ++rank) {
     pb::StepResult result;
-    if (!group->streams[rank].stream->Read(&result)) return lost(rank, "reading the step's result");
+    if (rank > 0) awaiting(static_cast<int>(rank));
+    if (!group->streams[rank].stream->Read(&result)) {
+      awaiting(-1);
+      std::string deadline;
+      {
+        absl::MutexLock lock(&mu_);
+        if (absl::StartsWith(broken_, "step deadline")) deadline = broken_;
+      }
+      if (!deadline.empty()) {
+        // Say what the others reported (a Gloo or NCCL timeout, as such) beside the deadline.
+        return absl::UnavailableError(failed.ok() ? deadline : absl::StrCat(deadline, "; ", failed.message()));
+      }
+      return lost(rank, "reading the step's result");
+    }
     if (result.error_code() != 0 && failed.ok()) {
       failed = absl::Status(static_cast<absl::StatusCode>(result.error_code()),
                             absl::StrCat("worker ", rank, ": ", result.error()));
@@ -147,6 +203,7 @@ absl::StatusOr<std::vector<runtime::SampledToken>> RemoteExecutor::Execute(const
       for (const pb::SampledTokenResult& t : result.tokens()) tokens.push_back(FromProto(t));
     }
   }
+  awaiting(-1);
   if (!failed.ok()) {
     // The workers dropped nothing from their mirrors for a failed step; ours starts over.
     encoder_.Reset();
