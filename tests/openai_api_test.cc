@@ -674,6 +674,38 @@ TEST_F(OpenAiApiTest, AnHttp10ClientNeverGetsChunkedEncoding) {
 
 // The gRPC API takes text and chat prompts through the same pipeline: its text deltas add up to
 // what the HTTP API answers for the same request, and a stop string ends it.
+// The two APIs check a request's stop strings alike: their number, emptiness and size, with
+// the same message.
+TEST_F(OpenAiApiTest, BothApisRefuseTheSameStopStrings) {
+  StartServer();
+  if (!ServesText()) GTEST_SKIP() << "this build has no tokenizer library";
+  auto stub = ::moeserve::v1::Generation::NewStub(grpc::CreateChannel(
+      absl::StrCat("127.0.0.1:", frontend_->port()), grpc::InsecureChannelCredentials()));
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {std::vector<std::string>(17, "x"), "stop: at most 16 stop strings, got 17"},
+      {{"ok", ""}, "stop: a stop string may not be empty"},
+      {{std::string(1025, 'z')}, "stop: a stop string has at most 1024 bytes, this one 1025"},
+  };
+  for (const auto& [stops, message] : cases) {
+    ::moeserve::v1::GenerateRequest request;
+    request.set_text("Once upon a time");
+    request.mutable_stopping()->set_max_new_tokens(2);
+    for (const std::string& stop : stops) request.add_stop(stop);
+    grpc::ClientContext context;
+    auto reader = stub->Generate(&context, request);
+    ::moeserve::v1::GenerateResponse response;
+    while (reader->Read(&response)) {
+    }
+    const grpc::Status status = reader->Finish();
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << message;
+    EXPECT_THAT(status.error_message(), HasSubstr(message));
+    const json e = ExpectError(Post("/v1/completions", json{{"prompt", "Once upon a time"}, {"max_tokens", 2},
+                                                            {"stop", stops}}),
+                               400, message);
+    EXPECT_EQ(e["param"], "stop");
+  }
+}
+
 TEST_F(OpenAiApiTest, GrpcTakesTextAndMessages) {
   StartServer();
   if (!ServesText()) GTEST_SKIP() << "this build has no tokenizer library";

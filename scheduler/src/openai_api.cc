@@ -28,7 +28,6 @@ namespace {
 using nlohmann::json;
 
 constexpr int kMaxLogprobs = 20;
-constexpr int kMaxStopStrings = 16;
 constexpr auto kPollInterval = std::chrono::milliseconds(20);
 // A stream that has sent nothing for this long gets an SSE comment, so that a client gone while
 // its request waits in the queue is noticed (the write fails) and the request cancelled.
@@ -323,17 +322,15 @@ std::optional<ApiError> ParseCommon(const json& body, const std::string& model_i
   if (const json* stop = Field(body, "stop")) {
     if (stop->is_string()) {
       p->text.stop.push_back(stop->get<std::string>());
-    } else if (stop->is_array() && stop->size() <= kMaxStopStrings) {
+    } else if (stop->is_array()) {
       for (const json& s : *stop) {
         if (!s.is_string()) return BadParam("stop", "stop: expected a string or a list of strings");
         p->text.stop.push_back(s.get<std::string>());
       }
     } else {
-      return BadParam("stop", absl::StrCat("stop: expected a string or a list of at most ", kMaxStopStrings, " strings"));
+      return BadParam("stop", "stop: expected a string or a list of strings");
     }
-    for (const std::string& s : p->text.stop) {
-      if (s.empty()) return BadParam("stop", "stop: a stop string may not be empty");
-    }
+    // Their count and sizes: TextModel::NewOutput, for both APIs alike.
   }
   int64_t max_tokens = 0;
   if (Field(body, "max_completion_tokens") != nullptr) {

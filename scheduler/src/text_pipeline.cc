@@ -264,6 +264,18 @@ absl::StatusOr<std::unique_ptr<OutputText>> TextModel::NewOutput(OutputTextOptio
         [tokenizer, skip](const std::vector<int32_t>& ids) { return tokenizer->Decode(ids, skip); },
         std::move(options.prompt));
   }
+  // One set of checks for both APIs' stop strings.
+  if (options.stop.size() > kMaxStopStrings) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("stop: at most ", kMaxStopStrings, " stop strings, got ", options.stop.size()));
+  }
+  for (const std::string& s : options.stop) {
+    if (s.empty()) return absl::InvalidArgumentError("stop: a stop string may not be empty");
+    if (s.size() > kMaxStopStringBytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("stop: a stop string has at most ", kMaxStopStringBytes, " bytes, this one ", s.size()));
+    }
+  }
   if (!options.stop.empty() && !has_tokenizer()) {
     return absl::InvalidArgumentError(
         "stop: stop strings need the model's tokenizer, which this server does not have; use stop_token_ids");
