@@ -674,6 +674,42 @@ TEST_F(OpenAiApiTest, AnHttp10ClientNeverGetsChunkedEncoding) {
 
 // The gRPC API takes text and chat prompts through the same pipeline: its text deltas add up to
 // what the HTTP API answers for the same request, and a stop string ends it.
+// Chat logprobs' `bytes` are each token's own bytes: a byte-level token that is part of a
+// character (its text U+FFFD) gives its one byte, not U+FFFD's three.
+TEST_F(OpenAiApiTest, LogprobBytesAreTheTokensOwnBytes) {
+  StartServer();
+  if (!ServesText()) GTEST_SKIP() << "this build has no tokenizer library";
+  const HttpResult r = Post("/v1/chat/completions", json{{"messages", {{{"role", "user"}, {"content", "hello"}}}},
+                                                         {"max_tokens", 16},
+                                                         {"temperature", 0},
+                                                         {"ignore_eos", true},
+                                                         {"logprobs", true},
+                                                         {"top_logprobs", 20}});
+  if (r.status == 400 && r.body.find("jinja2") != std::string::npos) GTEST_SKIP() << "no jinja2";
+  ASSERT_EQ(r.status, 200) << r.body;
+  int partial = 0, whole = 0;
+  const auto check = [&](const json& entry) {
+    const std::string token = entry["token"];
+    std::string bytes;
+    for (const json& b : entry["bytes"]) bytes.push_back(static_cast<char>(b.get<int>()));
+    if (token == "\xEF\xBF\xBD") {
+      ++partial;
+      EXPECT_EQ(bytes.size(), 1u) << entry.dump();
+      EXPECT_GE(static_cast<unsigned char>(bytes[0]), 0x80) << entry.dump();
+    } else {
+      ++whole;
+      EXPECT_EQ(bytes, token) << entry.dump();  // a whole token: its bytes are its text
+    }
+  };
+  const json body = json::parse(r.body);
+  for (const json& entry : body["choices"][0]["logprobs"]["content"]) {
+    check(entry);
+    for (const json& alt : entry["top_logprobs"]) check(alt);
+  }
+  EXPECT_GT(whole, 0) << r.body;
+  EXPECT_GT(partial, 0) << "no alternative was part of a character: the case is not shown";
+}
+
 // The two APIs check a request's stop strings alike: their number, emptiness and size, with
 // the same message.
 TEST_F(OpenAiApiTest, BothApisRefuseTheSameStopStrings) {

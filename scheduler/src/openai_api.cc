@@ -735,12 +735,12 @@ class ResponseWriter {
         json top = json::array();
         for (size_t k = 0; k < piece.logprobs[i].top.size() && static_cast<int>(k) < logprobs_; ++k) {
           const auto& [alt, alt_lp] = piece.logprobs[i].top[k];
-          const std::string alt_text = text_.TokenText(alt);
-          top.push_back({{"token", alt_text}, {"logprob", Logprob(alt_lp)}, {"bytes", Bytes(alt_text)}});
+          top.push_back(
+              {{"token", text_.TokenText(alt)}, {"logprob", Logprob(alt_lp)}, {"bytes", Bytes(text_.TokenBytes(alt))}});
         }
         content.push_back({{"token", token},
                            {"logprob", Logprob(piece.logprobs[i].logprob)},
-                           {"bytes", Bytes(token)},
+                           {"bytes", Bytes(text_.TokenBytes(piece.tokens[i]))},
                            {"top_logprobs", top}});
       }
       return {{"content", content}};

@@ -210,6 +210,11 @@ std::string TextModel::TokenText(int32_t id) const {
   return impl_->tokenizer->Decode({id}, /*skip_special_tokens=*/false);
 }
 
+std::string TextModel::TokenBytes(int32_t id) const {
+  if (!has_tokenizer()) return TokenText(id);
+  return impl_->tokenizer->TokenBytes(id);
+}
+
 // ids -> detokenizer -> stop strings -> reasoning -> tool calls.
 struct OutputText::Impl {
   std::unique_ptr<text::IncrementalDetokenizer> detokenizer;  // null without a tokenizer

@@ -99,6 +99,8 @@ class TextModel {
   absl::StatusOr<std::vector<int32_t>> EncodeChat(const ChatPrompt& prompt) const;
   // The text of one token for logprobs ("token_id:N" without a tokenizer).
   std::string TokenText(int32_t id) const;
+  // The token's own bytes (logprobs' `bytes`): part of a character stays its bytes, not U+FFFD.
+  std::string TokenBytes(int32_t id) const;
   // kInvalidArgument for a tool-call parser that cannot take these tools.
   absl::StatusOr<std::unique_ptr<OutputText>> NewOutput(OutputTextOptions options) const;
 
