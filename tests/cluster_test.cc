@@ -22,6 +22,7 @@
 #include "moeserve/v1/worker.grpc.pb.h"
 #include "moeserve/v1/generation.grpc.pb.h"
 #include "test_util.h"
+#include "../scheduler/src/test_pki.h"
 #include "../scheduler/src/test_socket.h"
 
 namespace moe {
@@ -354,6 +355,64 @@ TEST(ClusterTest, AStoppedWorkerFailsTheStepAtItsDeadlineAndTheGroupRestarts) {
   EXPECT_EQ(serve.Stop(SIGTERM), 0) << serve.err();
   (void)experts::HostArena::Unlink(shm);
   ::kill(victim, SIGKILL);  // already gone with its group; never left stopped
+}
+
+// With comm.tls, the workers' control service takes only callers that present a certificate of
+// the deployment's CA (and then still asks for the secret); the launcher's own calls present the
+// node's certificate, and the deployment serves.
+TEST(ClusterTest, MutualTlsBetweenTheLauncherAndItsWorkers) {
+  scheduler::internal::TestPki pki;
+  ASSERT_TRUE(pki.ok()) << "openssl could not make the test certificates in " << pki.dir();
+  testing::ScratchDir dir;
+  const std::string shm = "moeserve-test-tls-" + std::to_string(::getpid());
+  const std::string tls = "comm: {tls: {cert: " + pki.Path("server.pem") + ", key: " + pki.Path("server.key") +
+                          ", ca: " + pki.Path("ca.pem") + "}}\n";
+  testing::ServeProcess serve(
+      {"--config", WriteConfig(dir, "cluster.yaml", Deployment("{mode: tensor, size: 2}", shm) + tls)});
+  ASSERT_GT(serve.port(), 0) << serve.err();
+  const Stream s = Generate(*Connect(serve.port()), {1, 2, 3}, 4);
+  EXPECT_TRUE(s.status.ok()) << s.status.error_message() << "\n" << serve.err();
+  EXPECT_EQ(s.tokens.size(), 4u);
+
+  std::smatch m;
+  const std::string log = serve.err();
+  ASSERT_TRUE(std::regex_search(log, m, std::regex("worker 0 started \\(pid [0-9]+\\) on ([^,\\s]+)"))) << log;
+  const std::string address = m[1];
+  const auto read = [&](const std::string& name) {
+    std::ifstream in(pki.Path(name));
+    std::stringstream text;
+    text << in.rdbuf();
+    return text.str();
+  };
+  const auto health = [&](std::shared_ptr<grpc::ChannelCredentials> credentials) {
+    auto stub = pb::Worker::NewStub(grpc::CreateChannel(address, credentials));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    pb::WorkerHealthResponse response;
+    return stub->Health(&ctx, pb::WorkerHealthRequest{}, &response);
+  };
+  EXPECT_EQ(health(grpc::InsecureChannelCredentials()).error_code(), grpc::StatusCode::UNAVAILABLE);
+  grpc::SslCredentialsOptions no_certificate;
+  no_certificate.pem_root_certs = read("ca.pem");
+  EXPECT_EQ(health(grpc::SslCredentials(no_certificate)).error_code(), grpc::StatusCode::UNAVAILABLE);
+  grpc::SslCredentialsOptions stranger = no_certificate;
+  stranger.pem_private_key = read("stranger.key");
+  stranger.pem_cert_chain = read("stranger.pem");
+  EXPECT_EQ(health(grpc::SslCredentials(stranger)).error_code(), grpc::StatusCode::UNAVAILABLE);
+  grpc::SslCredentialsOptions client = no_certificate;
+  client.pem_private_key = read("client.key");
+  client.pem_cert_chain = read("client.pem");
+  EXPECT_EQ(health(grpc::SslCredentials(client)).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(serve.Stop(SIGTERM), 0) << serve.err();
+  (void)experts::HostArena::Unlink(shm);
+
+  const testing::CommandResult half = testing::RunMoeserve(
+      {"serve", "--config",
+       WriteConfig(dir, "half.yaml",
+                   "model: " + testing::FixtureDir("qwen3_moe") + "\ncomm: {tls: {cert: " + pki.Path("server.pem") +
+                       "}}\n")});
+  EXPECT_EQ(half.exit_code, 2);
+  EXPECT_THAT(half.err, HasSubstr("comm.tls: needs cert, key and ca"));
 }
 
 // Bad cluster files: each exits 2 before any worker starts, naming the file's line and the key.

@@ -102,7 +102,8 @@ int BenchControl(const ControlBenchFlags& f) {
   auto over_stream = TimeDecode(**remote, f.steps);
   if (!over_stream.ok()) return fail(over_stream.status());
   // The floor: an empty call's round trip to the same worker.
-  auto stub = moeserve::v1::Worker::NewStub(grpc::CreateChannel(eo.workers[0], grpc::InsecureChannelCredentials()));
+  auto stub = moeserve::v1::Worker::NewStub(grpc::CreateChannel(
+      eo.workers[0], eo.credentials != nullptr ? eo.credentials : grpc::InsecureChannelCredentials()));
   std::vector<double> round_trips;
   for (int i = 0; i < f.steps; ++i) {
     grpc::ClientContext ctx;

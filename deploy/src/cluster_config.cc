@@ -18,6 +18,7 @@
 #include "moe/core/status.h"
 #include "moe/runtime/model_spec.h"
 #include "moe/runtime/placement.h"
+#include "moe/scheduler/security.h"
 
 namespace moe::deploy {
 
@@ -277,8 +278,21 @@ absl::Status ReadServer(const Reader& r, const YAML::Node& s, ClusterConfig* c) 
 
 absl::Status ReadControl(const Reader& r, const YAML::Node& comm, const YAML::Node& sup, ClusterConfig* c) {
   if (comm.IsDefined() && !comm.IsNull()) {
-    MOE_RETURN_IF_ERROR(r.Keys(comm, "comm", {"timeout_ms", "rendezvous", "secret_file"}));
+    MOE_RETURN_IF_ERROR(r.Keys(comm, "comm", {"timeout_ms", "rendezvous", "secret_file", "tls"}));
     MOE_RETURN_IF_ERROR(r.Get(comm, "comm", "secret_file", &c->secret_file));
+    if (const YAML::Node tls = comm["tls"]; tls.IsDefined() && !tls.IsNull()) {
+      MOE_RETURN_IF_ERROR(r.Keys(tls, "comm.tls", {"cert", "key", "ca"}));
+      MOE_RETURN_IF_ERROR(r.Get(tls, "comm.tls", "cert", &c->control_tls_cert));
+      MOE_RETURN_IF_ERROR(r.Get(tls, "comm.tls", "key", &c->control_tls_key));
+      MOE_RETURN_IF_ERROR(r.Get(tls, "comm.tls", "ca", &c->control_tls_ca));
+      if (c->control_tls_cert.empty() || c->control_tls_key.empty() || c->control_tls_ca.empty()) {
+        return r.Error(tls, "comm.tls", "needs cert, key and ca: mutual TLS between the nodes");
+      }
+      if (absl::Status s = scheduler::CheckTlsFiles({c->control_tls_cert, c->control_tls_key, c->control_tls_ca});
+          !s.ok()) {
+        return r.Error(tls, "comm.tls", std::string(s.message()));
+      }
+    }
     MOE_RETURN_IF_ERROR(r.GetIn(comm, "comm", "timeout_ms", &c->comm_timeout_ms, 100, 3600000));
     MOE_RETURN_IF_ERROR(r.Get(comm, "comm", "rendezvous", &c->rendezvous));
     if (!c->rendezvous.empty()) {

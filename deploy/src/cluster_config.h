@@ -80,6 +80,9 @@ struct ClusterConfig {
   // A file holding the control plane's secret, the same on every node (or MOESERVE_CONTROL_SECRET);
   // one node alone makes a new secret each launch.
   std::string secret_file;
+  // Mutual TLS on the workers' control service (comm.tls {cert, key, ca}): each node's certificate
+  // and key serve its workers and identify its launcher; ca signs every node's.
+  std::string control_tls_cert, control_tls_key, control_tls_ca;
   // supervision
   int max_restarts = 100;        // in a row without a healthy minute between; then the launcher exits
   int restart_backoff_ms = 500;  // doubled after each restart in a row, up to 30 s

@@ -60,7 +60,8 @@ class WorkerProcess {
   // it exits or says nothing within 60 s.
   static absl::StatusOr<std::unique_ptr<WorkerProcess>> Start(const std::string& program, const std::string& listen,
                                                               const std::vector<int>& cpus, int rank,
-                                                              const std::string& secret) {
+                                                              const std::string& secret,
+                                                              const scheduler::TlsFiles& tls) {
     int out[2];
     if (pipe(out) != 0) return absl::InternalError("pipe failed");
     const std::string rank_text = std::to_string(rank);
@@ -79,8 +80,17 @@ class WorkerProcess {
       }
       // In the environment, not on the command line, where any user's ps would read it.
       setenv(kControlSecretEnv, secret.c_str(), 1);
-      execl(program.c_str(), program.c_str(), "worker", "--listen", listen.c_str(), "--rank", rank_text.c_str(),
-            static_cast<char*>(nullptr));
+      std::vector<std::string> args = {program, "worker", "--listen", listen, "--rank", rank_text};
+      if (tls.enabled()) {
+        for (const std::string& a : {std::string("--tls-cert"), tls.cert_file, std::string("--tls-key"), tls.key_file,
+                                     std::string("--tls-ca"), tls.client_ca_file}) {
+          args.push_back(a);
+        }
+      }
+      std::vector<char*> argv;
+      for (std::string& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      execv(program.c_str(), argv.data());
       _exit(127);
     }
     close(out[1]);
@@ -214,7 +224,11 @@ struct WorkerGroup {
 class Launcher {
  public:
   Launcher(const ClusterConfig& c, const LaunchOptions& o)
-      : c_(c), o_(o), secret_(o.control_secret.empty() ? NewControlSecret() : o.control_secret) {}
+      : c_(c),
+        o_(o),
+        secret_(o.control_secret.empty() ? NewControlSecret() : o.control_secret),
+        tls_{c.control_tls_cert, c.control_tls_key, c.control_tls_ca},
+        credentials_(scheduler::GrpcClientCredentials(tls_).value_or(grpc::InsecureChannelCredentials())) {}
 
   int Run();
   // The rendezvous store (CPU workers of several ranks), then the workers of `generation`.
@@ -229,6 +243,7 @@ class Launcher {
     eo.description = g.description;
     eo.call_metadata = {{kControlSecretMetadata, secret_}};
     eo.step_timeout = absl::Milliseconds(c_.step_timeout_ms);
+    eo.credentials = credentials_;
     return eo;
   }
 
@@ -247,6 +262,8 @@ class Launcher {
   const ClusterConfig& c_;
   const LaunchOptions& o_;
   const std::string secret_;  // the control plane's
+  const scheduler::TlsFiles tls_;  // mutual TLS on the workers' control service (comm.tls)
+  const std::shared_ptr<grpc::ChannelCredentials> credentials_;
   std::unique_ptr<comm::RendezvousServer> store_;
   std::atomic<int64_t> restarts_{0};
 };
@@ -305,7 +322,7 @@ absl::Status Launcher::InitAll(WorkerGroup& g, const std::string& nccl_id, const
   std::vector<std::thread> threads;
   for (size_t rank = 0; rank < g.addresses.size(); ++rank) {
     threads.emplace_back([&, rank] {
-      auto channel = grpc::CreateChannel(g.addresses[rank], grpc::InsecureChannelCredentials());
+      auto channel = grpc::CreateChannel(g.addresses[rank], credentials_);
       if (!channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(60))) {
         results[rank] =
             absl::UnavailableError(absl::StrCat("worker ", rank, " at ", g.addresses[rank], " cannot be reached"));
@@ -331,7 +348,7 @@ absl::Status Launcher::LoadAll(WorkerGroup& g) {
   std::vector<absl::Status> results(ranks);
   std::vector<pb::LoadProgress> done(ranks);
   auto load = [&](int rank) {
-    auto stub = pb::Worker::NewStub(grpc::CreateChannel(g.addresses[rank], grpc::InsecureChannelCredentials()));
+    auto stub = pb::Worker::NewStub(grpc::CreateChannel(g.addresses[rank], credentials_));
     grpc::ClientContext ctx;
     ctx.AddMetadata(kControlSecretMetadata, secret_);
     auto reader = stub->Load(&ctx, pb::LoadRequest{});
@@ -384,7 +401,7 @@ absl::StatusOr<std::unique_ptr<WorkerGroup>> Launcher::StartGroup(int generation
     const ClusterNode& node = c_.nodes[0];
     const std::string listen =
         c_.nodes.size() > 1 ? comm::FormatHostPort(node.host, node.port > 0 ? node.port + i : 0) : "127.0.0.1:0";
-    MOE_ASSIGN_OR_RETURN(auto w, WorkerProcess::Start(o_.program, listen, cpus[i], i, secret_));
+    MOE_ASSIGN_OR_RETURN(auto w, WorkerProcess::Start(o_.program, listen, cpus[i], i, secret_, tls_));
     g->addresses.push_back(comm::FormatHostPort(c_.nodes.size() > 1 ? node.host : "127.0.0.1", w->port()));
     Log(absl::StrCat("worker ", i, " started (pid ", w->pid(), ") on ", g->addresses.back(),
                      cpus[i].empty() ? "" : absl::StrCat(", ", cpus[i].size(), " cores")));
@@ -436,7 +453,7 @@ void Launcher::StopGroup(WorkerGroup* g) {
   if (g == nullptr) return;
   // Workers on other nodes end themselves on Shutdown; their launchers start new ones.
   for (size_t rank = g->local.size(); rank < g->addresses.size(); ++rank) {
-    auto stub = pb::Worker::NewStub(grpc::CreateChannel(g->addresses[rank], grpc::InsecureChannelCredentials()));
+    auto stub = pb::Worker::NewStub(grpc::CreateChannel(g->addresses[rank], credentials_));
     grpc::ClientContext ctx;
     ctx.AddMetadata(kControlSecretMetadata, secret_);
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
@@ -474,7 +491,7 @@ int Launcher::RunOtherNode() {
       if (workers[i] != nullptr && !workers[i]->Exited(&why)) continue;
       if (workers[i] != nullptr) Log(absl::StrCat("worker ", c_.FirstRankOn(n) + i, " ", why, "; starting it again"));
       auto w = WorkerProcess::Start(o_.program, comm::FormatHostPort(c_.nodes[n].host, c_.nodes[n].port + i), cores[i],
-                                    c_.FirstRankOn(n) + i, secret_);
+                                    c_.FirstRankOn(n) + i, secret_, tls_);
       if (!w.ok()) {
         Log(std::string(w.status().message()));
         std::this_thread::sleep_for(std::chrono::milliseconds(backoff_ms));

@@ -24,19 +24,20 @@ class RemoteExecutor::Group {
   };
 
   static absl::StatusOr<std::shared_ptr<Group>> Open(const std::vector<std::string>& workers, uint64_t generation,
-                                                    const std::vector<std::pair<std::string, std::string>>& metadata) {
+                                                    const Options& options) {
     auto group = std::make_shared<Group>();
     group->generation = generation;
     for (size_t rank = 0; rank < workers.size(); ++rank) {
       Stream s;
       s.address = workers[rank];
-      auto channel = grpc::CreateChannel(s.address, grpc::InsecureChannelCredentials());
+      auto channel = grpc::CreateChannel(
+          s.address, options.credentials != nullptr ? options.credentials : grpc::InsecureChannelCredentials());
       if (!channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(10))) {
         return absl::UnavailableError(absl::StrCat("worker ", rank, " at ", s.address, " cannot be reached"));
       }
       s.stub = pb::Worker::NewStub(channel);
       s.context = std::make_unique<grpc::ClientContext>();
-      for (const auto& [key, value] : metadata) s.context->AddMetadata(key, value);
+      for (const auto& [key, value] : options.call_metadata) s.context->AddMetadata(key, value);
       s.stream = s.stub->Execute(s.context.get());
       group->streams.push_back(std::move(s));
     }
@@ -66,7 +67,7 @@ absl::StatusOr<std::unique_ptr<RemoteExecutor>> RemoteExecutor::Connect(const Op
         absl::StrCat("remote executor: ", options.workers.size(), " workers, logits on rank ", options.logits_rank));
   }
   std::unique_ptr<RemoteExecutor> executor(new RemoteExecutor(options));
-  MOE_ASSIGN_OR_RETURN(auto group, Group::Open(options.workers, 1, options.call_metadata));
+  MOE_ASSIGN_OR_RETURN(auto group, Group::Open(options.workers, 1, options));
   {
     absl::MutexLock lock(&executor->mu_);
     executor->group_ = std::move(group);
@@ -121,7 +122,7 @@ absl::Status RemoteExecutor::Reattach(const std::vector<std::string>& workers) {
     absl::MutexLock lock(&mu_);
     generation = (group_ != nullptr ? group_->generation : 0) + 1;
   }
-  auto group = Group::Open(workers, generation, options_.call_metadata);
+  auto group = Group::Open(workers, generation, options_);
   if (!group.ok()) return group.status();
   std::shared_ptr<Group> old;
   {

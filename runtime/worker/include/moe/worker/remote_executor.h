@@ -12,6 +12,8 @@
 // kv_capacity, model_info and Describe from any thread.
 #pragma once
 
+#include <grpcpp/security/credentials.h>
+
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -42,6 +44,8 @@ class RemoteExecutor final : public runtime::Executor {
     // A step whose results have not all come back by then fails, and the group is marked broken
     // (a worker stopped or stuck: its stream stays open, so nothing else would notice). Zero: none.
     absl::Duration step_timeout = absl::ZeroDuration();
+    // The channels' credentials (mutual TLS between nodes); null: plain TCP.
+    std::shared_ptr<grpc::ChannelCredentials> credentials;
   };
   // Opens an Execute stream to every worker (which must be loaded). kUnavailable naming the worker
   // that cannot be reached.
