@@ -25,6 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "moe/core/status.h"
+#include "http_connection.h"
 #include "moe/scheduler/listen_address.h"
 #include "nlohmann/json.hpp"
 
@@ -273,7 +274,11 @@ bool HttpServer::Screen(const httplib::Request& request, httplib::Response& resp
     // keeps a connection by the request's headers alone, so its socket is shut for reading; the
     // answer still goes out).
     response.set_header("Connection", "close");
-    CloseAfterTheAnswer(ConnectionSocketOf(request));
+    if (auto* plain = dynamic_cast<internal::PipelinedServer*>(server_.get())) {
+      plain->MarkForClose(request);
+    } else {
+      CloseAfterTheAnswer(ConnectionSocketOf(request));
+    }
     return true;
   };
   // HTTP/1.0 closes after each response unless the client asked to keep the connection.
@@ -406,7 +411,7 @@ absl::Status HttpServer::Start(const HttpServerOptions& options) {
                                                    ": max_connections and max_requests_per_connection must be > 0"));
   }
   if (options.read_timeout.count() <= 0 || options.write_timeout.count() <= 0 ||
-      options.keep_alive_timeout.count() <= 0) {
+      options.keep_alive_timeout.count() <= 0 || options.head_timeout.count() <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("HTTP server on ", options.listen, ": read, write and keep-alive timeouts must be > 0"));
   }
@@ -424,7 +429,7 @@ absl::Status HttpServer::Start(const HttpServerOptions& options) {
     }
     server_ = std::move(tls_server);
   } else {
-    server_ = std::make_unique<httplib::Server>();
+    server_ = std::make_unique<internal::PipelinedServer>(options_.head_timeout);
   }
   httplib::Server& server = *server_;
   // httplib creates the listening socket inside bind_to_port; the socket-options hook is the one

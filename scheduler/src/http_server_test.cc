@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <poll.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -524,6 +525,66 @@ TEST(HttpServerTest, HostOriginAndPreflight) {
                           "close\r\n\r\n",
                           &closed),
               StartsWith("HTTP/1.1 403"));
+}
+
+}  // namespace
+}  // namespace moe::scheduler
+
+namespace moe::scheduler {
+namespace {
+
+// Requests a client pipelines on one connection are all answered, in order.
+TEST(HttpServerTest, PipelinedRequestsAreAllAnsweredInOrder) {
+  HttpServer server;
+  ASSERT_TRUE(server.Handle("POST", "/echo", [](const httplib::Request& request, httplib::Response& response) {
+                      response.set_content("echo:" + request.body, "text/plain");
+                    }).ok());
+  ASSERT_TRUE(server.Start(EchoOptions()).ok());
+  bool closed = false;
+  const std::string got = RawExchange(server.port(),
+                                      "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+                                      "POST /echo HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 5\r\n\r\nfirst"
+                                      "POST /echo HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 6\r\n\r\nsecond"
+                                      "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
+                                      &closed);
+  EXPECT_TRUE(closed);
+  const size_t metrics = got.find(kMetricsText), first = got.find("echo:first"), second = got.find("echo:second"),
+               health = got.find("ok\n");
+  ASSERT_NE(metrics, std::string::npos) << got;
+  ASSERT_NE(first, std::string::npos) << got;
+  ASSERT_NE(second, std::string::npos) << got;
+  ASSERT_NE(health, std::string::npos) << got;
+  EXPECT_LT(metrics, first);
+  EXPECT_LT(first, second);
+  EXPECT_LT(second, health);
+}
+
+// A client that trickles its request head a byte at a time (each byte well within the read
+// timeout) is cut off at the head's deadline, and the server goes on serving.
+TEST(HttpServerTest, AClientThatTricklesItsHeadIsCutOffAtTheHeadDeadline) {
+  HttpServer server;
+  HttpServerOptions options = EchoOptions();
+  options.read_timeout = std::chrono::milliseconds(5000);
+  options.head_timeout = std::chrono::milliseconds(500);
+  ASSERT_TRUE(server.Start(options).ok());
+  const int fd = Connect(server.port());
+  ASSERT_GE(fd, 0);
+  const std::string head = "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + std::string(40, 'a');
+  bool cut_off = false;
+  for (size_t i = 0; i < head.size() && !cut_off; ++i) {  // 100 ms a byte: 6 s for the whole head
+    if (::send(fd, head.data() + i, 1, MSG_NOSIGNAL) != 1) cut_off = true;
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 100) > 0) {
+      char buf[256];
+      if (::recv(fd, buf, sizeof(buf), MSG_DONTWAIT) <= 0) cut_off = true;
+    }
+  }
+  ::close(fd);
+  EXPECT_TRUE(cut_off) << "the whole head trickled in without the connection being cut";
+  httplib::Client client("127.0.0.1", server.port());
+  auto response = client.Get("/metrics");
+  ASSERT_TRUE(response);
+  EXPECT_EQ(response->status, 200);
 }
 
 }  // namespace

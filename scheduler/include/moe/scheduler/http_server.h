@@ -50,6 +50,9 @@ struct HttpServerOptions {
   std::vector<std::string> allowed_origins;
   // A client that sends or reads nothing for this long is cut off (per read or write).
   std::chrono::milliseconds read_timeout{5000};
+  // A request's head (request line and headers) must arrive within this, from its first byte:
+  // a client that trickles its headers is cut off (plain TCP; over TLS only the read timeout).
+  std::chrono::milliseconds head_timeout{10000};
   std::chrono::milliseconds write_timeout{5000};
   // An idle keep-alive connection is closed after this; Stop() waits for it at most this long.
   std::chrono::seconds keep_alive_timeout{2};
