@@ -62,9 +62,27 @@ class WorkerProcess {
                                                               const std::vector<int>& cpus, int rank,
                                                               const std::string& secret,
                                                               const scheduler::TlsFiles& tls) {
+    // Everything the child needs is made before fork: between fork and exec a child of this
+    // threaded process may only make async-signal-safe calls (no allocation).
+    std::vector<std::string> args = {program, "worker", "--listen", listen, "--rank", std::to_string(rank)};
+    if (tls.enabled()) {
+      for (const std::string& a : {std::string("--tls-cert"), tls.cert_file, std::string("--tls-key"), tls.key_file,
+                                   std::string("--tls-ca"), tls.client_ca_file}) {
+        args.push_back(a);
+      }
+    }
+    // The secret goes in the environment, not on the command line, where any user's ps reads it.
+    std::vector<std::string> env = {absl::StrCat(kControlSecretEnv, "=", secret)};
+    for (char** e = environ; *e != nullptr; ++e) {
+      if (!absl::StartsWith(*e, absl::StrCat(kControlSecretEnv, "="))) env.emplace_back(*e);
+    }
+    std::vector<char*> argv, envp;
+    for (std::string& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    for (std::string& e : env) envp.push_back(e.data());
+    envp.push_back(nullptr);
     int out[2];
     if (pipe(out) != 0) return absl::InternalError("pipe failed");
-    const std::string rank_text = std::to_string(rank);
     const pid_t pid = fork();
     if (pid < 0) return absl::InternalError("fork failed");
     if (pid == 0) {
@@ -78,19 +96,7 @@ class WorkerProcess {
         for (int c : cpus) CPU_SET(c, &set);
         sched_setaffinity(0, sizeof(set), &set);
       }
-      // In the environment, not on the command line, where any user's ps would read it.
-      setenv(kControlSecretEnv, secret.c_str(), 1);
-      std::vector<std::string> args = {program, "worker", "--listen", listen, "--rank", rank_text};
-      if (tls.enabled()) {
-        for (const std::string& a : {std::string("--tls-cert"), tls.cert_file, std::string("--tls-key"), tls.key_file,
-                                     std::string("--tls-ca"), tls.client_ca_file}) {
-          args.push_back(a);
-        }
-      }
-      std::vector<char*> argv;
-      for (std::string& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(program.c_str(), argv.data());
+      execve(program.c_str(), argv.data(), envp.data());
       _exit(127);
     }
     close(out[1]);
