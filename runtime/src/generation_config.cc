@@ -102,10 +102,13 @@ absl::StatusOr<std::vector<int>> StopTokenIds(const std::string& model_dir, int6
       MOE_RETURN_IF_ERROR(AddId(eos, where, vocab_size, ids));
     }
   }
-  MOE_ASSIGN_OR_RETURN(auto tokenizer_config, ReadOptionalJson(model_dir, "tokenizer_config.json", kMaxSmallJsonBytes));
-  if (tokenizer_config && tokenizer_config->contains("eos_token")) {
-    if (const std::optional<std::string> content = TokenContent((*tokenizer_config)["eos_token"])) {
-      MOE_ASSIGN_OR_RETURN(const std::optional<int64_t> id, SpecialTokenId(model_dir, *tokenizer_config, *content));
+  // The tokenizer's files are the text side's: one that does not read adds no id here (a model
+  // served by token ids alone still loads), and the text pipeline says what is wrong with it.
+  auto tokenizer_config = ReadOptionalJson(model_dir, "tokenizer_config.json", kMaxSmallJsonBytes);
+  if (tokenizer_config.ok() && *tokenizer_config && (**tokenizer_config).contains("eos_token")) {
+    if (const std::optional<std::string> content = TokenContent((**tokenizer_config)["eos_token"])) {
+      const auto id_or = SpecialTokenId(model_dir, **tokenizer_config, *content);
+      const std::optional<int64_t> id = id_or.ok() ? *id_or : std::nullopt;
       if (id) {
         MOE_RETURN_IF_ERROR(AddId(nlohmann::json(*id),
                                   absl::StrCat(model_dir, "/tokenizer_config.json: eos_token '", *content, "'"),

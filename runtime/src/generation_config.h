@@ -13,8 +13,9 @@ namespace moe::runtime::internal {
 
 // `config_ids` (config.json's) followed by the ids the other two files add, each once.
 // kInvalidArgument naming the file and key for an id outside [0, vocab_size), a value that is
-// neither an id nor a list of ids, or a file that is not JSON (or over 4 MiB; tokenizer.json over
-// 64 MiB). Missing files add nothing; an eos_token no file gives an id for adds nothing.
+// neither an id nor a list of ids, or a generation_config.json that is not JSON (or over 4 MiB).
+// Missing files add nothing; tokenizer files that do not read (tokenizer.json over 64 MiB, bad
+// JSON), or an eos_token no file gives an id for, add nothing either.
 absl::StatusOr<std::vector<int>> StopTokenIds(const std::string& model_dir, int64_t vocab_size,
                                               const std::vector<int>& config_ids);
 
