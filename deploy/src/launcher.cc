@@ -179,6 +179,18 @@ std::string ArenaName(const ClusterConfig& c, int rank) {
   return c.mode == runtime::ParallelMode::kLayer ? absl::StrCat(base, "-s", rank) : base;
 }
 
+// kUnavailable when `listen` (HOST:PORT, a fixed port) cannot be bound now: another process has it.
+absl::Status CheckListenPortFree(const std::string& listen) {
+  auto address = comm::ParseHostPort(listen, "server.listen");
+  if (!address.ok() || address->port == 0) return absl::OkStatus();  // the server reports its own errors
+  int bound = 0;
+  auto probe = comm::ListenTcp(address->host, address->port, &bound);
+  if (probe.ok() || probe.status().code() != absl::StatusCode::kUnavailable) return absl::OkStatus();
+  return absl::UnavailableError(absl::StrCat("server.listen: cannot listen on ", listen,
+                                             ": the address is in use; nothing was started (free the port, or "
+                                             "choose another)"));
+}
+
 // Whether the workers keep routed experts in the CPU pool (and so in a shared arena).
 bool UsesExpertPool(const ClusterConfig& c) {
   return !c.gpu() || c.cpu_moe || c.n_cpu_moe > 0 || !c.override_tensor.empty();
@@ -544,6 +556,8 @@ int Launcher::Run() {
   if ((*frontend)->http_port() != 0) {
     Log(absl::StrCat("HTTP on port ", (*frontend)->http_port(), fo.tls.enabled() ? " over TLS" : ""));
   }
+  // The gRPC port binds once the workers have loaded: a port taken now fails before any starts.
+  if (absl::Status st = CheckListenPortFree(c_.listen); !st.ok()) return FailCommand("serve", st);
   if (absl::Status st = StartStore(); !st.ok()) return FailCommand("serve", st);
   DerivedArenas arenas(c_);
   arenas.CleanUpAndClaim();
