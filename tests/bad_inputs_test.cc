@@ -299,6 +299,30 @@ TEST(ServeProcessTest, SigtermDrainsThenCutsOffWithUnavailableAndLogsEachRequest
   EXPECT_EQ(lines, 2) << err;
 }
 
+// A second SIGTERM during a drain ends it at once: the stream still running (it would have had an
+// hour) is cut off with UNAVAILABLE and the process exits 0.
+TEST(ServeProcessTest, ASecondSigtermEndsTheDrainAtOnce) {
+  testing::ServeProcess serve({"--model", testing::FixtureDir("qwen3_moe"), "--listen", "127.0.0.1:0", "--http", "off",
+                               "--drain-seconds", "3600", "--threads", "1", "--expert-threads", "1"});
+  ASSERT_GT(serve.port(), 0) << serve.err();
+  auto stub = Connect(serve.port());
+  std::atomic<int> seen{0};
+  Streamed cut;
+  const int n = 2040;  // the context (2048) less the prompt
+  std::thread long_stream([&] { cut = StreamOne(stub.get(), n, &seen); });
+  for (int i = 0; i < 6000 && seen < 2; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  serve.Signal(SIGTERM);
+  for (int i = 0; i < 1000 && serve.err().find("draining") == std::string::npos; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  serve.Signal(SIGTERM);
+  long_stream.join();
+  EXPECT_EQ(cut.status.error_code(), grpc::StatusCode::UNAVAILABLE) << cut.status.error_message();
+  EXPECT_LT(cut.tokens, n);
+  EXPECT_EQ(serve.Wait(), 0);
+  EXPECT_THAT(serve.err(), HasSubstr("a second signal: the drain ended at once"));
+}
+
 // A copy of the fixture with bf16 NaN in the final norm's weight: it loads, and every logit of
 // every position is NaN.
 void CopyWithNanFinalNorm(const std::string& dir) {

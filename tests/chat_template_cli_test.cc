@@ -1,5 +1,6 @@
 // `moeserve chat-template` as a user runs it: the goldens' prompts byte for byte, the model
 // folder's special tokens, --now, and the exit codes of its errors.
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -126,6 +127,46 @@ TEST(ChatTemplateCliTest, TemplateErrorsExitOneAndUsageErrorsTwo) {
     EXPECT_THAT(r.err, HasSubstr(usage.message));
     EXPECT_EQ(r.out, "");
   }
+}
+
+// Commands' inputs are bounded, as config.json is: a text file over 16 MiB for tokenize, and a chat
+// template that would build a value or a prompt over 8 Mi characters, are refused with the limit
+// (before the memory is taken), and an ordinary template still renders.
+TEST(ChatTemplateCliTest, InputsAndWhatTemplatesBuildAreBounded) {
+  testing::ScratchDir dir;
+  {
+    std::ofstream(dir / "big.txt") << "x";
+  }
+  std::filesystem::resize_file(dir / "big.txt", size_t{17} << 20);
+  const testing::CommandResult tokenize = testing::RunMoeserve(
+      {"tokenize", "--model", testing::FixtureDir("qwen3_moe"), "--text-file", dir / "big.txt"});
+  EXPECT_EQ(tokenize.exit_code, 2);
+  EXPECT_THAT(tokenize.err, HasSubstr("more than the 16 MiB allowed for --text-file"));
+
+  WriteFile(dir / "request.json", R"({"messages": [{"role": "user", "content": "hi"}]})");
+  const struct {
+    std::string source, message;
+  } templates[] = {
+      {"{{ 'x' * 2000000000 }}",
+       "SecurityError: the template would build a value of 2000000000 characters or items, more than the 8388608 a "
+       "chat template may"},
+      {"{% for i in range(100000) %}{{ 'y' * 1000 }}{% endfor %}", "the template would build a prompt of"},
+      {"{{ 'x'|center(2000000000) }}", "the template would build 'center' output of 2000000000"},
+  };
+  for (const auto& t : templates) {
+    WriteFile(dir / "template.jinja", t.source);
+    const testing::CommandResult r = testing::RunMoeserve(
+        {"chat-template", "--chat-template-file", dir / "template.jinja", "--request", dir / "request.json"});
+    if (r.err.find("cannot import jinja2") != std::string::npos) GTEST_SKIP() << "no jinja2 on this machine";
+    EXPECT_EQ(r.exit_code, 1) << t.source << ": " << r.err;
+    EXPECT_THAT(r.err, HasSubstr(t.message)) << t.source;
+    EXPECT_EQ(r.out, "") << t.source;
+  }
+  WriteFile(dir / "template.jinja", "{% for m in messages %}{{ m.role + ': ' + m.content|center(6) }}{% endfor %}");
+  const testing::CommandResult ok = testing::RunMoeserve(
+      {"chat-template", "--chat-template-file", dir / "template.jinja", "--request", dir / "request.json"});
+  EXPECT_EQ(ok.exit_code, 0) << ok.err;
+  EXPECT_EQ(ok.out, "user:   hi  ");
 }
 
 }  // namespace

@@ -4,6 +4,8 @@
 // that names the line and the key.
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -15,9 +17,14 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "moe/comm/rendezvous.h"
+#include "moe/comm/tcp_socket.h"
 #include "moe/experts/arena.h"
+#include "moeserve/v1/worker.grpc.pb.h"
 #include "moeserve/v1/generation.grpc.pb.h"
 #include "test_util.h"
+#include "../scheduler/src/test_pki.h"
+#include "../scheduler/src/test_socket.h"
 
 namespace moe {
 namespace {
@@ -163,6 +170,271 @@ TEST(ClusterTest, AKilledWorkerFailsTheStreamsAtOnceAndTheGroupHeals) {
   (void)experts::HostArena::Unlink(shm);
 }
 
+// Waits (at most 10 s) until process `pid` maps nothing: it has exited.
+void WaitUntilGone(pid_t pid) {
+  const auto until = Clock::now() + std::chrono::seconds(10);
+  while (Clock::now() < until) {
+    std::ifstream maps("/proc/" + std::to_string(pid) + "/maps");
+    std::string line;
+    if (!maps || !std::getline(maps, line)) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+std::vector<int32_t> GeneratedIds(const testing::CommandResult& r) {
+  const size_t brace = r.out.find('{');
+  if (r.exit_code != 0 || brace == std::string::npos) return {};
+  return nlohmann::json::parse(r.out.substr(brace))["generated_ids"].get<std::vector<int32_t>>();
+}
+
+// A launcher killed with SIGKILL leaves its derived arena behind; the model's files are then
+// replaced. The next launcher on the same path must not attach the old experts: it serves what one
+// process computes from the new files, removes the arena whose owner is gone, reports /dev/shm's
+// use, and removes its own arena when it stops.
+TEST(ClusterTest, AStaleExpertArenaIsNeverServed) {
+  testing::ScratchDir dir;
+  const std::string model = dir / "model";
+  auto make_model = [&](const std::string& seed) {
+    const testing::CommandResult r = testing::RunMoeserve({"make-model", "--arch", "qwen3_moe", "--preset", "tiny",
+                                                           "--seed", seed, "--out", model, "--overwrite", "--quiet"});
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+  };
+  make_model("1");
+  const std::string config = WriteConfig(dir, "cluster.yaml",
+                                         "model: " + model +
+                                             "\nnodes: [{host: 127.0.0.1, workers: 2}]\n"
+                                             "parallel: {mode: tensor, size: 2}\n"
+                                             "experts: {cpu_pool: {dtype: bf16}}\n"
+                                             "scheduler: {max_seqs: 4, kv_cache_mb: 16}\n"
+                                             "server: {listen: 127.0.0.1:0, http: 'off'}\n");
+  const std::vector<int32_t> prompt = {1, 2, 3, 4, 5};
+  const std::regex arena_line("expert arena: /dev/shm/(moeserve-[0-9a-f]{16})");
+  std::string old_arena;
+  {
+    testing::ServeProcess first({"--config", config});
+    ASSERT_GT(first.port(), 0) << first.err();
+    const Stream s = Generate(*Connect(first.port()), prompt, 8);
+    ASSERT_TRUE(s.status.ok()) << s.status.error_message() << "\n" << first.err();
+    const std::string log = first.err();
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(log, m, arena_line)) << log;
+    old_arena = m[1];
+    std::vector<pid_t> workers;
+    const std::regex started("worker [0-9]+ started \\(pid ([0-9]+)\\)");
+    for (std::sregex_iterator it(log.begin(), log.end(), started), end; it != end; ++it) {
+      workers.push_back(std::stoi((*it)[1]));
+    }
+    ASSERT_EQ(workers.size(), 2u) << log;
+    EXPECT_EQ(first.Stop(SIGKILL), 128 + SIGKILL);
+    for (pid_t w : workers) WaitUntilGone(w);  // they die with the launcher (PR_SET_PDEATHSIG)
+  }
+  ASSERT_TRUE(std::filesystem::exists("/dev/shm/" + old_arena)) << "the killed launcher left no arena";
+
+  make_model("2");  // new weights under the same path
+  const std::vector<int32_t> want = GeneratedIds(testing::RunMoeserve(
+      {"generate", "--model", model, "--prompt-ids", "1,2,3,4,5", "--max-new-tokens", "8", "--ignore-eos", "--json"}));
+  ASSERT_EQ(want.size(), 8u);
+
+  testing::ServeProcess second({"--config", config});
+  ASSERT_GT(second.port(), 0) << second.err();
+  const Stream s = Generate(*Connect(second.port()), prompt, 8);
+  ASSERT_TRUE(s.status.ok()) << s.status.error_message() << "\n" << second.err();
+  EXPECT_EQ(s.tokens, want) << "the experts of the old files were served\n" << second.err();
+  const std::string log = second.err();
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(log, m, arena_line)) << log;
+  const std::string new_arena = m[1];
+  EXPECT_NE(new_arena, old_arena);
+  // Gone: removed at this launcher's start (its log says so), or at another's running beside
+  // this test (every launcher removes the arenas whose owner is gone).
+  EXPECT_FALSE(std::filesystem::exists("/dev/shm/" + old_arena));
+  EXPECT_FALSE(std::filesystem::exists("/dev/shm/" + old_arena + ".owner"));
+  EXPECT_THAT(log, HasSubstr("/dev/shm: "));
+  EXPECT_THAT(log, HasSubstr("moeserve arenas: "));
+  EXPECT_EQ(second.Stop(SIGTERM), 0) << log;
+  EXPECT_FALSE(std::filesystem::exists("/dev/shm/" + new_arena));
+  EXPECT_FALSE(std::filesystem::exists("/dev/shm/" + new_arena + ".owner"));
+}
+
+// The workers' control service and the rendezvous store answer only the launcher that holds the
+// launch's secret: a local user without it can neither shut a worker down nor read the store, and
+// the deployment goes on serving; a worker started by hand without a secret refuses to run.
+TEST(ClusterTest, TheControlPlaneAnswersOnlyItsLauncher) {
+  testing::ScratchDir dir;
+  const std::string shm = "moeserve-test-secret-" + std::to_string(::getpid());
+  testing::ServeProcess serve(
+      {"--config", WriteConfig(dir, "cluster.yaml", Deployment("{mode: tensor, size: 2}", shm))});
+  ASSERT_GT(serve.port(), 0) << serve.err();
+  const std::string log = serve.err();
+  std::vector<std::string> workers;
+  const std::regex started("worker [0-9]+ started \\(pid [0-9]+\\) on ([^,\\s]+)");
+  for (std::sregex_iterator it(log.begin(), log.end(), started), end; it != end; ++it) {
+    workers.push_back((*it)[1]);
+  }
+  ASSERT_EQ(workers.size(), 2u) << log;
+  for (const std::string& address : workers) {
+    auto stub = pb::Worker::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+    for (const char* secret : {"", "0123456789abcdef0123456789abcdef"}) {
+      grpc::ClientContext shutdown_ctx;
+      if (*secret != '\0') shutdown_ctx.AddMetadata("x-moeserve-control-secret", secret);
+      pb::ShutdownResponse shutdown;
+      const grpc::Status s = stub->Shutdown(&shutdown_ctx, pb::ShutdownRequest{}, &shutdown);
+      EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << address << ": " << s.error_message();
+      EXPECT_THAT(s.error_message(), HasSubstr("control-plane secret"));
+      grpc::ClientContext health_ctx;
+      pb::WorkerHealthResponse health;
+      EXPECT_EQ(stub->Health(&health_ctx, pb::WorkerHealthRequest{}, &health).error_code(),
+                grpc::StatusCode::UNAUTHENTICATED);
+    }
+  }
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(log, m, std::regex("rendezvous store on ([^ ]+)"))) << log;
+  auto store = comm::RendezvousClient::Connect(m[1].str(), absl::Seconds(10));
+  ASSERT_TRUE(store.ok()) << store.status();
+  EXPECT_EQ((*store)->Get("moe/gen1/0", absl::Milliseconds(100)).status().code(),
+            absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ((*store)->Set("moe/gen1/0", "forged").code(), absl::StatusCode::kUnauthenticated);
+
+  const Stream s = Generate(*Connect(serve.port()), {1, 2, 3}, 4);
+  EXPECT_TRUE(s.status.ok()) << s.status.error_message() << "\n" << serve.err();
+  EXPECT_EQ(s.tokens.size(), 4u);
+  EXPECT_EQ(serve.Stop(SIGTERM), 0) << serve.err();
+  (void)experts::HostArena::Unlink(shm);
+
+  const testing::CommandResult bare = testing::RunMoeserve({"worker", "--listen", "127.0.0.1:0"});
+  EXPECT_EQ(bare.exit_code, 2);
+  EXPECT_THAT(bare.err, HasSubstr("MOESERVE_CONTROL_SECRET is not set"));
+}
+
+// A worker stopped (SIGSTOP) mid-deployment: its connection stays open, so only the step deadline
+// notices. The step fails with UNAVAILABLE naming the deadline and the stopped rank, with the
+// other rank's Gloo timeout reported as such; /health turns 503 while the group restarts; the next
+// request is served by the new group.
+TEST(ClusterTest, AStoppedWorkerFailsTheStepAtItsDeadlineAndTheGroupRestarts) {
+  testing::ScratchDir dir;
+  const std::string shm = "moeserve-test-stuck-" + std::to_string(::getpid());
+  const std::string body = "model: " + testing::FixtureDir("qwen3_moe") +
+                           "\nnodes: [{host: 127.0.0.1, workers: 2}]\n"
+                           "parallel: {mode: tensor, size: 2}\n"
+                           "experts: {cpu_pool: {dtype: bf16, shm: " + shm + "}}\n"
+                           "scheduler: {max_seqs: 4, kv_cache_mb: 16, drain_seconds: 1}\n"
+                           "server: {listen: 127.0.0.1:0, http: 127.0.0.1:0}\n"
+                           "comm: {timeout_ms: 500}\n"
+                           "supervisor: {restart_backoff_ms: 1000, step_timeout_ms: 2000}\n";
+  testing::ServeProcess serve({"--config", WriteConfig(dir, "cluster.yaml", body)});
+  ASSERT_GT(serve.port(), 0) << serve.err();
+  auto stub = Connect(serve.port());
+  ASSERT_TRUE(Generate(*stub, {1, 2, 3}, 2).status.ok()) << serve.err();
+  const std::string log = serve.err();
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(log, m, std::regex("worker 1 started \\(pid ([0-9]+)\\)"))) << log;
+  const pid_t victim = std::stoi(m[1]);
+  ASSERT_TRUE(std::regex_search(log, m, std::regex("HTTP on port ([0-9]+)"))) << log;
+  const int http_port = std::stoi(m[1]);
+  ASSERT_EQ(::kill(victim, SIGSTOP), 0);
+
+  const Stream stuck = Generate(*stub, {1, 2, 3}, 4);
+  EXPECT_EQ(stuck.status.error_code(), grpc::StatusCode::UNAVAILABLE) << stuck.status.error_message();
+  EXPECT_THAT(stuck.status.error_message(), HasSubstr("step deadline: worker 1"));
+  EXPECT_THAT(stuck.status.error_message(), HasSubstr("no progress within"));  // rank 0's Gloo timeout
+  // While the group restarts, /health says so.
+  bool saw_restarting = false;
+  for (int i = 0; i < 2000 && !saw_restarting && serve.err().find("group restarted") == std::string::npos; ++i) {
+    const int fd = moe::test_socket::ConnectLoopback(http_port);
+    const std::string request = "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
+    ::send(fd, request.data(), request.size(), MSG_NOSIGNAL);
+    std::string got;
+    char buf[1024];
+    for (ssize_t n; (n = ::recv(fd, buf, sizeof(buf), 0)) > 0;) got.append(buf, static_cast<size_t>(n));
+    ::close(fd);
+    saw_restarting = got.find(" 503 ") != std::string::npos && got.find("restarting") != std::string::npos;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_TRUE(saw_restarting);
+  const Stream after = Generate(*stub, {1, 2, 3}, 4, std::chrono::seconds(120));
+  EXPECT_TRUE(after.status.ok()) << after.status.error_message() << "\n" << serve.err();
+  EXPECT_EQ(after.tokens.size(), 4u);
+  EXPECT_THAT(serve.err(), HasSubstr("step deadline: worker 1"));
+  EXPECT_EQ(serve.Stop(SIGTERM), 0) << serve.err();
+  (void)experts::HostArena::Unlink(shm);
+  ::kill(victim, SIGKILL);  // already gone with its group; never left stopped
+}
+
+// With comm.tls, the workers' control service takes only callers that present a certificate of
+// the deployment's CA (and then still asks for the secret); the launcher's own calls present the
+// node's certificate, and the deployment serves.
+TEST(ClusterTest, MutualTlsBetweenTheLauncherAndItsWorkers) {
+  scheduler::internal::TestPki pki;
+  ASSERT_TRUE(pki.ok()) << "openssl could not make the test certificates in " << pki.dir();
+  testing::ScratchDir dir;
+  const std::string shm = "moeserve-test-tls-" + std::to_string(::getpid());
+  const std::string tls = "comm: {tls: {cert: " + pki.Path("server.pem") + ", key: " + pki.Path("server.key") +
+                          ", ca: " + pki.Path("ca.pem") + "}}\n";
+  testing::ServeProcess serve(
+      {"--config", WriteConfig(dir, "cluster.yaml", Deployment("{mode: tensor, size: 2}", shm) + tls)});
+  ASSERT_GT(serve.port(), 0) << serve.err();
+  const Stream s = Generate(*Connect(serve.port()), {1, 2, 3}, 4);
+  EXPECT_TRUE(s.status.ok()) << s.status.error_message() << "\n" << serve.err();
+  EXPECT_EQ(s.tokens.size(), 4u);
+
+  std::smatch m;
+  const std::string log = serve.err();
+  ASSERT_TRUE(std::regex_search(log, m, std::regex("worker 0 started \\(pid [0-9]+\\) on ([^,\\s]+)"))) << log;
+  const std::string address = m[1];
+  const auto read = [&](const std::string& name) {
+    std::ifstream in(pki.Path(name));
+    std::stringstream text;
+    text << in.rdbuf();
+    return text.str();
+  };
+  const auto health = [&](std::shared_ptr<grpc::ChannelCredentials> credentials) {
+    auto stub = pb::Worker::NewStub(grpc::CreateChannel(address, credentials));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    pb::WorkerHealthResponse response;
+    return stub->Health(&ctx, pb::WorkerHealthRequest{}, &response);
+  };
+  EXPECT_EQ(health(grpc::InsecureChannelCredentials()).error_code(), grpc::StatusCode::UNAVAILABLE);
+  grpc::SslCredentialsOptions no_certificate;
+  no_certificate.pem_root_certs = read("ca.pem");
+  EXPECT_EQ(health(grpc::SslCredentials(no_certificate)).error_code(), grpc::StatusCode::UNAVAILABLE);
+  grpc::SslCredentialsOptions stranger = no_certificate;
+  stranger.pem_private_key = read("stranger.key");
+  stranger.pem_cert_chain = read("stranger.pem");
+  EXPECT_EQ(health(grpc::SslCredentials(stranger)).error_code(), grpc::StatusCode::UNAVAILABLE);
+  grpc::SslCredentialsOptions client = no_certificate;
+  client.pem_private_key = read("client.key");
+  client.pem_cert_chain = read("client.pem");
+  EXPECT_EQ(health(grpc::SslCredentials(client)).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(serve.Stop(SIGTERM), 0) << serve.err();
+  (void)experts::HostArena::Unlink(shm);
+
+  const testing::CommandResult half = testing::RunMoeserve(
+      {"serve", "--config",
+       WriteConfig(dir, "half.yaml",
+                   "model: " + testing::FixtureDir("qwen3_moe") + "\ncomm: {tls: {cert: " + pki.Path("server.pem") +
+                       "}}\n")});
+  EXPECT_EQ(half.exit_code, 2);
+  EXPECT_THAT(half.err, HasSubstr("comm.tls: needs cert, key and ca"));
+}
+
+// A gRPC port another process holds fails the launch before any worker starts (it used to be
+// found only when the loaded workers' frontend bound it, leaving their arena behind).
+TEST(ClusterTest, AListenPortInUseStopsTheLaunchBeforeAnyWorker) {
+  testing::ScratchDir dir;
+  int port = 0;
+  auto holder = comm::ListenTcp("127.0.0.1", 0, &port);
+  ASSERT_TRUE(holder.ok()) << holder.status();
+  const std::string body = "model: " + testing::FixtureDir("qwen3_moe") +
+                           "\nnodes: [{host: 127.0.0.1, workers: 2}]\nparallel: {mode: tensor, size: 2}\n"
+                           "server: {listen: '127.0.0.1:" + std::to_string(port) + "', http: 'off'}\n";
+  const testing::CommandResult r = testing::RunMoeserve({"serve", "--config", WriteConfig(dir, "cluster.yaml", body)});
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("server.listen: cannot listen on 127.0.0.1:" + std::to_string(port) +
+                               ": the address is in use; nothing was started"));
+  EXPECT_THAT(r.err, ::testing::Not(HasSubstr("started (pid")));
+}
+
 // Bad cluster files: each exits 2 before any worker starts, naming the file's line and the key.
 TEST(ClusterTest, BadClusterFilesExitWithWhatAndWhere) {
   testing::ScratchDir dir;
@@ -195,6 +467,52 @@ TEST(ClusterTest, BadClusterFilesExitWithWhatAndWhere) {
   const testing::CommandResult missing = testing::RunMoeserve({"serve", "--config", dir / "none.yaml"});
   EXPECT_EQ(missing.exit_code, 2);
   EXPECT_THAT(missing.err, HasSubstr("none.yaml: no such file"));
+}
+
+// Files that parse but cannot work, and flags --config does not honour: each exits 2 before any
+// worker starts, naming the key (and where the file has a line for it, the line).
+TEST(ClusterTest, FilesAndFlagsThatCannotWorkStopBeforeAnyWorkerStarts) {
+  testing::ScratchDir dir;
+  const std::string model = testing::FixtureDir("qwen3_moe");
+  const struct {
+    std::string body;
+    std::vector<std::string> flags;
+    std::string message;
+  } cases[] = {
+      {"just a string\n", {"--node", "5"},
+       "cluster.yaml:1:1: the file: expected a map of keys (model, nodes, parallel, ...) at the top level, found "
+       "'just a string'"},
+      {"[1, 2]\n", {"--node", "5"}, "at the top level, found a list"},
+      {"model: " + model + "\nmodel: " + model + "\n", {"--node", "5"},
+       "cluster.yaml:2:1: model: duplicate key: it is given twice in one map; keep one"},
+      {"model: " + model + "\nscheduler: {max_seqs: 2, max_seqs: 4}\n", {"--node", "5"},
+       "cluster.yaml:2:26: scheduler.max_seqs: duplicate key"},
+      {"model: " + model + "\nnodes: [{host: 127.0.0.1, workers: 0}]\n", {"--node", "5"},
+       "cluster.yaml:2:36: nodes[0].workers: 0 would run no worker on this node"},
+      {"model: " + model + "\nserver: {listen: '127.0.0.1:50999', http: '127.0.0.1:50999'}\n", {"--node", "5"},
+       "server.http: '127.0.0.1:50999' is server.listen's address too: gRPC and HTTP need a port each"},
+      {"model: " + model + "\nnodes: [{host: 192.0.2.1, workers: 1}]\nparallel: {mode: tensor, size: 1}\n", {},
+       "nodes[0].host: '192.0.2.1' is 192.0.2.1, not an address of this machine"},
+      {"model: " + model + "\nscheduler: {kv_cache_mb: 1073741824}\n", {},
+       "scheduler.kv_cache_mb: 1073741824 MiB for each of node 0's 1 CPU workers is more than this machine's"},
+      {"model: " + model + "\n", {"--api-key-file", "keys.txt", "--tls-cert", "c.pem", "--kv-cache-mb", "8", "--node", "5"},
+       "--config takes its settings from the cluster file, so it does not honour "},
+  };
+  for (const auto& c : cases) {
+    std::vector<std::string> args = {"serve", "--config", WriteConfig(dir, "cluster.yaml", c.body)};
+    args.insert(args.end(), c.flags.begin(), c.flags.end());
+    const testing::CommandResult r = testing::RunMoeserve(args);
+    EXPECT_EQ(r.exit_code, 2) << c.body << r.err;
+    EXPECT_THAT(r.err, HasSubstr(c.message)) << c.body;
+    EXPECT_THAT(r.err, ::testing::Not(HasSubstr("started (pid"))) << c.body;
+  }
+  const testing::CommandResult flags = testing::RunMoeserve(
+      {"serve", "--config", WriteConfig(dir, "cluster.yaml", "model: " + model + "\n"), "--api-key-file", "k.txt",
+       "--tls-cert", "c.pem", "--expert-kernel", "x", "--node", "5"});
+  EXPECT_EQ(flags.exit_code, 2);
+  EXPECT_THAT(flags.err, HasSubstr("--api-key-file (the cluster file's server.api_key_file key)"));
+  EXPECT_THAT(flags.err, HasSubstr("--tls-cert (the cluster file's server.tls_cert key)"));
+  EXPECT_THAT(flags.err, HasSubstr("--expert-kernel (a deployment has no setting for it yet)"));
 }
 
 // Every example cluster file in deploy/examples/ reads and checks (with its model replaced by a

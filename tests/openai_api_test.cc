@@ -356,7 +356,7 @@ TEST_F(OpenAiApiTest, BadRequestsGetOpenAisErrorShape) {
   EXPECT_EQ(e["type"], "invalid_request_error");
   ExpectError(Post("/v1/completions", std::string("[1, 2]")), 400, "expected a JSON object");
   EXPECT_EQ(ExpectError(Post("/v1/completions", json{{"prompt", Prompt()}, {"n", 2}}), 400, "n: only 1")["param"], "n");
-  EXPECT_EQ(ExpectError(Post("/v1/completions", json{{"prompt", Prompt()}, {"model", "gpt-4"}}), 400,
+  EXPECT_EQ(ExpectError(Post("/v1/completions", json{{"prompt", Prompt()}, {"model", "gpt-4"}}), 404,
                         "The model 'gpt-4' does not exist")["param"],
             "model");
   ExpectError(Post("/v1/completions", json{{"prompt", Prompt()}, {"response_format", {{"type", "json_object"}}}}),
@@ -498,8 +498,250 @@ TEST_F(OpenAiApiTest, DisconnectMidStreamFreesTheKvBlocks) {
   EXPECT_THAT(frontend_->engine().RenderMetrics(), HasSubstr("moeserve_kv_blocks_used 0"));
 }
 
+// A client that closes its connection while it waits for a whole (not streamed) response: the
+// request is cancelled, as a stream's is, instead of running to max_tokens.
+TEST_F(OpenAiApiTest, DisconnectWhileWaitingForAWholeResponseCancelsIt) {
+  StartServer();
+  const std::string body = json{{"prompt", Prompt()}, {"max_tokens", 900}, {"ignore_eos", true}}.dump();
+  const int fd = Connect(frontend_->http_port());
+  ASSERT_GE(fd, 0);
+  const std::string request = absl::StrCat("POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                                           "application/json\r\nContent-Length: ",
+                                           body.size(), "\r\n\r\n", body);
+  ASSERT_EQ(::send(fd, request.data(), request.size(), MSG_NOSIGNAL), static_cast<ssize_t>(request.size()));
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (frontend_->engine().stats().blocks_used == 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_GT(frontend_->engine().stats().blocks_used, 0);
+  ::close(fd);
+  deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  scheduler::SchedulerStats stats = frontend_->engine().stats();
+  while ((stats.running > 0 || stats.blocks_used > 0) && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    stats = frontend_->engine().stats();
+  }
+  EXPECT_EQ(stats.blocks_used, 0);
+  const std::string metrics = frontend_->engine().RenderMetrics();
+  EXPECT_THAT(metrics, HasSubstr("moeserve_requests_aborted_total 1"));
+  EXPECT_THAT(metrics, HasSubstr("moeserve_requests_finished_total 0"));
+}
+
+// What the API cannot honour is refused with the field named, never ignored or answered 500:
+// invalid UTF-8, fields other servers take (logit_bias, ...), an unknown model (404).
+TEST_F(OpenAiApiTest, WhatCannotBeHonouredIsRefusedNamingTheField) {
+  StartServer();
+  const json chat_utf8 = ExpectError(
+      Post("/v1/chat/completions",
+           std::string("{\"messages\": [{\"role\": \"user\", \"content\": \"ok\"}, {\"role\": \"user\", \"content\": "
+                       "\"caf\xc3\"}]}")),
+      400, "messages[1].content: not valid UTF-8 (byte 0xc3 at offset ");
+  EXPECT_EQ(chat_utf8["param"], "messages");
+  EXPECT_EQ(ExpectError(Post("/v1/completions", std::string("{\"prompt\": \"\xff\xfe\", \"max_tokens\": 2}")), 400,
+                        "prompt: not valid UTF-8 (byte 0xff")["param"],
+            "prompt");
+  ExpectError(Post("/v1/completions", std::string("{\"prompt\": [1], \"st\xedop\": 1}")), 400,
+              "a key: not valid UTF-8");
+  const json chat = {{"messages", {{{"role", "user"}, {"content", "hi"}}}}, {"max_tokens", 2}};
+  const std::pair<const char*, json> refused[] = {
+      {"logit_bias", {{"5", 10}}},         {"prompt_logprobs", 1},  {"continue_final_message", true},
+      {"functions", {{{"name", "f"}}}},    {"echo", true},          {"guided_json", {{"type", "object"}}},
+  };
+  for (const auto& [field, value] : refused) {
+    json body = chat;
+    body[field] = value;
+    EXPECT_EQ(ExpectError(Post("/v1/chat/completions", body), 400, field)["param"], field) << field;
+    json completion = {{"prompt", Prompt()}, {"max_tokens", 2}, {field, value}};
+    EXPECT_EQ(ExpectError(Post("/v1/completions", completion), 400, field)["param"], field) << field;
+  }
+  ExpectError(Post("/v1/completions", json{{"prompt", Prompt()},
+                                           {"stream", true},
+                                           {"stream_options", {{"include_usage", true}, {"continuous_usage_stats", true}}}}),
+              400, "continuous_usage_stats");
+  // Empty or false values change nothing, and are taken.
+  EXPECT_EQ(Post("/v1/completions", json{{"prompt", Prompt()}, {"max_tokens", 1}, {"logit_bias", json::object()},
+                                         {"echo", false}})
+                .status,
+            200);
+  const json unknown = ExpectError(Post("/v1/completions", json{{"prompt", Prompt()}, {"model", "gpt-4"}}), 404,
+                                   "The model 'gpt-4' does not exist");
+  EXPECT_EQ(unknown["param"], "model");
+  EXPECT_THAT(frontend_->engine().RenderMetrics(), HasSubstr("moeserve_requests_rejected_total{code=\"NOT_FOUND\"} 1"));
+}
+
+// A request ended by a stop string counts as finished, not aborted; queue time ends when the
+// first step working on a request starts, before its first token; chat's return_token_ids.
+TEST_F(OpenAiApiTest, StopStringsFinishQueueTimeEndsAtTheFirstStepAndChatReturnsTokenIds) {
+  ::testing::internal::CaptureStderr();
+  StartServer(8, 16, nullptr, 1 << 20, /*request_log=*/true);
+  if (!ServesText()) {
+    (void)::testing::internal::GetCapturedStderr();
+    GTEST_SKIP() << "this build reads no text";
+  }
+  const json plain = {{"prompt", "hello there"}, {"max_tokens", 12}, {"temperature", 0}, {"ignore_eos", true}};
+  const HttpResult first = Post("/v1/completions", plain);
+  ASSERT_EQ(first.status, 200) << first.body;
+  const std::string text = json::parse(first.body)["choices"][0]["text"];
+  size_t at = text.size() / 2;
+  while (at < text.size() && !std::isalnum(static_cast<unsigned char>(text[at]))) ++at;
+  if (at == text.size()) {
+    (void)::testing::internal::GetCapturedStderr();
+    GTEST_SKIP() << "no letter or digit in the second half of '" << text << "' to stop at";
+  }
+  json stopped = plain;
+  stopped["stop"] = std::string(1, text[at]);
+  const HttpResult second = Post("/v1/completions", stopped);
+  ASSERT_EQ(second.status, 200) << second.body;
+  EXPECT_EQ(json::parse(second.body)["choices"][0]["finish_reason"], "stop") << second.body;
+  std::string metrics = frontend_->engine().RenderMetrics();
+  EXPECT_THAT(metrics, HasSubstr("moeserve_requests_aborted_total 0"));
+
+  const HttpResult chat = Post("/v1/chat/completions", json{{"messages", {{{"role", "user"}, {"content", "hi"}}}},
+                                                           {"max_tokens", 4},
+                                                           {"ignore_eos", true},
+                                                           {"return_token_ids", true}});
+  if (chat.status == 200) {
+    const json body = json::parse(chat.body);
+    ASSERT_TRUE(body["choices"][0].contains("token_ids")) << chat.body;
+    EXPECT_EQ(body["choices"][0]["token_ids"].size(), body["usage"]["completion_tokens"].get<size_t>());
+  }
+  client_.reset();
+  frontend_->Shutdown();
+  frontend_.reset();
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  int lines = 0;
+  for (const std::string& line_text : std::vector<std::string>(absl::StrSplit(err, '\n'))) {
+    if (line_text.find("\"api\":\"openai\"") == std::string::npos) continue;
+    const json line = json::parse(line_text);
+    if (line["http_status"] != 200) continue;
+    ++lines;
+    // Admitted when the step began; its first token came when that step ended.
+    EXPECT_LT(line["queue_ms"].get<double>(), line["ttft_ms"].get<double>()) << line.dump();
+  }
+  EXPECT_GE(lines, 2) << err;
+}
+
+// A stop string is refused over HTTP, as over gRPC, when the model has no tokenizer to match it.
+TEST_F(OpenAiApiTest, StopStringsWithoutATokenizerAreRefused) {
+  runtime::ModelOptions mo;
+  mo.pool.progress = false;
+  mo.threads = 2;
+  mo.pool.threads = 2;
+  auto model = runtime::Model::Load(testing::FixtureDir("qwen3_moe"), mo);
+  ASSERT_TRUE(model.ok()) << model.status();
+  model_ = std::move(*model);
+  scheduler::FrontendOptions options = Options(8, 16);
+  options.model_dir = "";  // token ids only
+  auto executor = runtime::ModelExecutor::Create(*model_, /*num_blocks=*/128);
+  ASSERT_TRUE(executor.ok()) << executor.status();
+  auto frontend = scheduler::Frontend::Start(*std::move(executor), options);
+  ASSERT_TRUE(frontend.ok()) << frontend.status();
+  frontend_ = std::move(*frontend);
+  client_ = std::make_unique<httplib::Client>("127.0.0.1", frontend_->http_port());
+  const json e = ExpectError(Post("/v1/completions", json{{"prompt", Prompt()}, {"max_tokens", 4}, {"stop", "x"}}),
+                             400, "stop: stop strings need the model's tokenizer");
+  EXPECT_EQ(e["param"], "stop");
+  EXPECT_EQ(Post("/v1/completions", json{{"prompt", Prompt()}, {"max_tokens", 2}}).status, 200);
+}
+
+// An HTTP/1.0 client never gets chunked transfer: a stream (which needs it) is refused with 400;
+// a whole response comes with its Content-Length.
+TEST_F(OpenAiApiTest, AnHttp10ClientNeverGetsChunkedEncoding) {
+  StartServer();
+  auto exchange = [&](const json& body) {
+    const std::string text = body.dump();
+    const int fd = Connect(frontend_->http_port());
+    const std::string request = absl::StrCat("POST /v1/completions HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Type: "
+                                             "application/json\r\nContent-Length: ",
+                                             text.size(), "\r\n\r\n", text);
+    ::send(fd, request.data(), request.size(), MSG_NOSIGNAL);
+    std::string got;
+    char buf[4096];
+    for (ssize_t n; (n = ::recv(fd, buf, sizeof(buf), 0)) > 0;) got.append(buf, static_cast<size_t>(n));
+    ::close(fd);
+    return got;
+  };
+  const std::string streamed = exchange(json{{"prompt", Prompt()}, {"max_tokens", 3}, {"stream", true}});
+  EXPECT_THAT(streamed, HasSubstr(" 400 "));
+  EXPECT_THAT(streamed, HasSubstr("stream: an HTTP/1.0 client cannot take a stream"));
+  EXPECT_THAT(streamed, ::testing::Not(HasSubstr("Transfer-Encoding")));
+  const std::string whole = exchange(json{{"prompt", Prompt()}, {"max_tokens", 3}});
+  EXPECT_THAT(whole, HasSubstr(" 200 "));
+  EXPECT_THAT(whole, HasSubstr("Content-Length: "));
+  EXPECT_THAT(whole, ::testing::Not(HasSubstr("Transfer-Encoding")));
+  EXPECT_THAT(whole, HasSubstr("Connection: close"));  // HTTP/1.0's default
+}
+
 // The gRPC API takes text and chat prompts through the same pipeline: its text deltas add up to
 // what the HTTP API answers for the same request, and a stop string ends it.
+// Chat logprobs' `bytes` are each token's own bytes: a byte-level token that is part of a
+// character (its text U+FFFD) gives its one byte, not U+FFFD's three.
+TEST_F(OpenAiApiTest, LogprobBytesAreTheTokensOwnBytes) {
+  StartServer();
+  if (!ServesText()) GTEST_SKIP() << "this build has no tokenizer library";
+  const HttpResult r = Post("/v1/chat/completions", json{{"messages", {{{"role", "user"}, {"content", "hello"}}}},
+                                                         {"max_tokens", 16},
+                                                         {"temperature", 0},
+                                                         {"ignore_eos", true},
+                                                         {"logprobs", true},
+                                                         {"top_logprobs", 20}});
+  if (r.status == 400 && r.body.find("jinja2") != std::string::npos) GTEST_SKIP() << "no jinja2";
+  ASSERT_EQ(r.status, 200) << r.body;
+  int partial = 0, whole = 0;
+  const auto check = [&](const json& entry) {
+    const std::string token = entry["token"];
+    std::string bytes;
+    for (const json& b : entry["bytes"]) bytes.push_back(static_cast<char>(b.get<int>()));
+    if (token == "\xEF\xBF\xBD") {
+      ++partial;
+      EXPECT_EQ(bytes.size(), 1u) << entry.dump();
+      EXPECT_GE(static_cast<unsigned char>(bytes[0]), 0x80) << entry.dump();
+    } else {
+      ++whole;
+      EXPECT_EQ(bytes, token) << entry.dump();  // a whole token: its bytes are its text
+    }
+  };
+  const json body = json::parse(r.body);
+  for (const json& entry : body["choices"][0]["logprobs"]["content"]) {
+    check(entry);
+    for (const json& alt : entry["top_logprobs"]) check(alt);
+  }
+  EXPECT_GT(whole, 0) << r.body;
+  EXPECT_GT(partial, 0) << "no alternative was part of a character: the case is not shown";
+}
+
+// The two APIs check a request's stop strings alike: their number, emptiness and size, with
+// the same message.
+TEST_F(OpenAiApiTest, BothApisRefuseTheSameStopStrings) {
+  StartServer();
+  if (!ServesText()) GTEST_SKIP() << "this build has no tokenizer library";
+  auto stub = ::moeserve::v1::Generation::NewStub(grpc::CreateChannel(
+      absl::StrCat("127.0.0.1:", frontend_->port()), grpc::InsecureChannelCredentials()));
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {std::vector<std::string>(17, "x"), "stop: at most 16 stop strings, got 17"},
+      {{"ok", ""}, "stop: a stop string may not be empty"},
+      {{std::string(1025, 'z')}, "stop: a stop string has at most 1024 bytes, this one 1025"},
+  };
+  for (const auto& [stops, message] : cases) {
+    ::moeserve::v1::GenerateRequest request;
+    request.set_text("Once upon a time");
+    request.mutable_stopping()->set_max_new_tokens(2);
+    for (const std::string& stop : stops) request.add_stop(stop);
+    grpc::ClientContext context;
+    auto reader = stub->Generate(&context, request);
+    ::moeserve::v1::GenerateResponse response;
+    while (reader->Read(&response)) {
+    }
+    const grpc::Status status = reader->Finish();
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << message;
+    EXPECT_THAT(status.error_message(), HasSubstr(message));
+    const json e = ExpectError(Post("/v1/completions", json{{"prompt", "Once upon a time"}, {"max_tokens", 2},
+                                                            {"stop", stops}}),
+                               400, message);
+    EXPECT_EQ(e["param"], "stop");
+  }
+}
+
 TEST_F(OpenAiApiTest, GrpcTakesTextAndMessages) {
   StartServer();
   if (!ServesText()) GTEST_SKIP() << "this build has no tokenizer library";

@@ -1,6 +1,8 @@
 #include "moe/comm/gloo_communicator.h"
 
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 
 #include <cctype>
 #include <chrono>
@@ -56,7 +58,30 @@ class GlooStore final : public gloo::rendezvous::Store {
   GlooStore(RendezvousClient& client, absl::Duration timeout) : client_(client), timeout_(timeout) {}
 
   void set(const std::string& key, const std::vector<char>& data) override {
-    Check(client_.Set(key, std::string_view(data.data(), data.size())));
+    std::string value(data.begin(), data.end());
+    ZeroAddressPadding(&value);
+    Check(client_.Set(key, value));
+  }
+
+  // Gloo's TCP addresses go to the store as their whole sockaddr_storage (and sequence number),
+  // of which getsockname filled only the address family's bytes: the rest is whatever the stack
+  // held. A value that is a list of such addresses has that rest zeroed, so the store never holds
+  // (nor sends any reader) a rank's uninitialised memory.
+  static void ZeroAddressPadding(std::string* value) {
+    constexpr size_t kAddress = sizeof(sockaddr_storage) + sizeof(ssize_t);  // gloo tcp Address::Impl
+    if (value->empty() || value->size() % kAddress != 0) return;
+    for (size_t at = 0; at < value->size(); at += kAddress) {
+      sa_family_t family;
+      std::memcpy(&family, value->data() + at, sizeof(family));
+      const size_t used = family == AF_INET ? sizeof(sockaddr_in) : family == AF_INET6 ? sizeof(sockaddr_in6) : 0;
+      if (used == 0) return;  // not a list of addresses
+    }
+    for (size_t at = 0; at < value->size(); at += kAddress) {
+      sa_family_t family;
+      std::memcpy(&family, value->data() + at, sizeof(family));
+      const size_t used = family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6);
+      std::memset(value->data() + at + used, 0, sizeof(sockaddr_storage) - used);
+    }
   }
   std::vector<char> get(const std::string& key) override {
     auto value = client_.Get(key, timeout_);
@@ -208,7 +233,7 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(const
   if (o.prefix.empty()) return absl::InvalidArgumentError(absl::StrCat(where, ": the rendezvous prefix is empty"));
   IgnoreSigpipeUnlessHandled();
 
-  auto client = RendezvousClient::Connect(o.store_address, o.timeout);
+  auto client = RendezvousClient::Connect(o.store_address, o.timeout, o.store_secret);
   if (!client.ok()) return core::Annotate(client.status(), where);
 
   // Gloo's own lookup crashes on a host that does not resolve: check first.

@@ -3,7 +3,9 @@
 // back as its result (an error names the first mismatch).
 #include "moe/comm/gloo_communicator.h"
 
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 
 #include <cmath>
 #include <cstring>
@@ -311,6 +313,35 @@ TEST(GlooCommunicatorTest, ARestartedGroupRendezvousesUnderANewPrefix) {
       MOE_RETURN_IF_ERROR(comm->AllReduceSum(&x, 1, core::DType::kF32));
       MOE_RETURN_IF_ERROR(Check(x == 2.0f, absl::StrCat(prefix, ": sum ", x)));
       MOE_RETURN_IF_ERROR(Check(comm->Describe().find("gloo tcp: rank ") == 0, comm->Describe()));
+    }
+    return "";
+  });
+}
+
+// What the ranks leave in the store holds no uninitialised memory: each published Gloo address
+// (its whole sockaddr_storage) is zero past the bytes of its address family.
+TEST(GlooCommunicatorTest, TheStoresValuesHoldNoUninitialisedBytes) {
+  ExpectEveryRankOk(2, [](int rank, const std::string& store) -> absl::StatusOr<std::string> {
+    GlooOptions o = Options(rank, 2, store);
+    o.prefix = "padding";
+    MOE_ASSIGN_OR_RETURN(auto comm, GlooCommunicator::Create(o));
+    MOE_RETURN_IF_ERROR(comm->Barrier());
+    if (rank != 0) return "";
+    MOE_ASSIGN_OR_RETURN(auto client, RendezvousClient::Connect(store, absl::Seconds(10)));
+    constexpr size_t kAddress = sizeof(sockaddr_storage) + sizeof(ssize_t);
+    for (int r = 0; r < 2; ++r) {
+      MOE_ASSIGN_OR_RETURN(const std::string value, client->Get(absl::StrCat("padding/", r), absl::Seconds(10)));
+      MOE_RETURN_IF_ERROR(Check(!value.empty() && value.size() % kAddress == 0,
+                                absl::StrCat("rank ", r, " published ", value.size(), " bytes")));
+      for (size_t at = 0; at < value.size(); at += kAddress) {
+        sa_family_t family;
+        std::memcpy(&family, value.data() + at, sizeof(family));
+        const size_t used = family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6);
+        for (size_t i = used; i < sizeof(sockaddr_storage); ++i) {
+          MOE_RETURN_IF_ERROR(Check(value[at + i] == 0, absl::StrCat("rank ", r, "'s address at ", at, ": byte ", i,
+                                                                     " past the address is not zero")));
+        }
+      }
     }
     return "";
   });

@@ -21,8 +21,8 @@
 namespace moe::comm {
 namespace {
 
-enum Op : uint32_t { kSet = 1, kGet = 2, kWait = 3 };
-enum Code : uint32_t { kOk = 0, kTimeout = 1, kBadRequest = 2, kTooLarge = 3, kFull = 4 };
+enum Op : uint32_t { kSet = 1, kGet = 2, kWait = 3, kAuth = 4 };
+enum Code : uint32_t { kOk = 0, kTimeout = 1, kBadRequest = 2, kTooLarge = 3, kFull = 4, kUnauthenticated = 5 };
 
 constexpr size_t kRequestHeaderBytes = 20;  // magic, op, timeout_ms, key_len, value_len
 constexpr size_t kReplyHeaderBytes = 8;     // code, len
@@ -78,6 +78,14 @@ std::string PeerName(int fd) {
   return FormatHostPort(host, port);
 }
 
+// Equality in time that does not depend on where the two differ.
+bool SecretsEqual(std::string_view a, std::string_view b) {
+  if (a.empty() || b.empty()) return false;
+  uint8_t diff = a.size() == b.size() ? 0 : 1;
+  for (size_t i = 0; i < b.size(); ++i) diff |= static_cast<uint8_t>(a[i % a.size()] ^ b[i]);
+  return diff == 0;
+}
+
 }  // namespace
 
 // The server's state, touched only by its thread.
@@ -87,8 +95,13 @@ class RendezvousServer::Loop {
       : listener_(std::move(listener)), wake_read_(wake_read), options_(options) {}
   ~Loop() { ::close(wake_read_); }
 
-  // Serves until a byte arrives on the wake pipe.
-  void Run();
+  // Serves until Stop(): a byte on the wake pipe with `stop` set.
+  void Run(const std::atomic<bool>& stop);
+  // Keys to drop at the next turn (from any thread).
+  void QueueDrop(std::string prefix) {
+    absl::MutexLock lock(&drops_mu_);
+    drops_.push_back(std::move(prefix));
+  }
 
  private:
   struct Connection {
@@ -100,6 +113,7 @@ class RendezvousServer::Loop {
     bool closing = false;  // close once `out` is sent: the stream cannot be trusted
     bool dead = false;
     bool waiting = false;  // a GET or WAIT for a key not set yet
+    bool authenticated = false;  // sent the store's secret (or the store has none)
     uint32_t wait_op = 0;
     std::string wait_key;
     absl::Time wait_deadline;
@@ -127,9 +141,30 @@ class RendezvousServer::Loop {
   std::vector<std::unique_ptr<Connection>> connections_;
   absl::flat_hash_map<std::string, std::string> store_;
   int64_t store_bytes_ = 0;
+  absl::Mutex drops_mu_;
+  std::vector<std::string> drops_ ABSL_GUARDED_BY(drops_mu_);
+  void ApplyDrops();
 };
 
-void RendezvousServer::Loop::Run() {
+void RendezvousServer::Loop::ApplyDrops() {
+  std::vector<std::string> drops;
+  {
+    absl::MutexLock lock(&drops_mu_);
+    drops.swap(drops_);
+  }
+  for (const std::string& prefix : drops) {
+    for (auto it = store_.begin(); it != store_.end();) {
+      if (it->first.rfind(prefix, 0) == 0) {
+        store_bytes_ -= static_cast<int64_t>(it->first.size() + it->second.size());
+        store_.erase(it++);
+      } else {
+        ++it;
+      }
+    }
+  }
+}
+
+void RendezvousServer::Loop::Run(const std::atomic<bool>& stop) {
   std::vector<pollfd> fds;
   for (;;) {
     fds.clear();
@@ -150,7 +185,13 @@ void RendezvousServer::Loop::Run() {
       MOE_LOG(kError) << "rendezvous store: poll failed: " << std::strerror(errno) << "; the store stops";
       return;
     }
-    if (rc > 0 && fds[0].revents != 0) return;  // Stop()
+    if (rc > 0 && fds[0].revents != 0) {
+      char bytes[64];
+      while (::read(wake_read_, bytes, sizeof(bytes)) > 0) {
+      }
+      if (stop.load()) return;  // Stop()
+      ApplyDrops();
+    }
     if (rc > 0 && (fds[1].revents & POLLIN)) Accept();
     for (size_t i = 0; rc > 0 && i + 2 < fds.size() && i < connections_.size(); ++i) {
       Connection& c = *connections_[i];
@@ -256,8 +297,12 @@ void RendezvousServer::Loop::Serve(Connection& c) {
           c, kBadRequest,
           absl::StrFormat("not a rendezvous request (magic 0x%08x, expected 0x%08x)", magic, kRendezvousMagic));
     }
-    if (op != kSet && op != kGet && op != kWait) {
-      return Refuse(c, kBadRequest, absl::StrCat("unknown op ", op, " (1 SET, 2 GET, 3 WAIT)"));
+    if (op != kSet && op != kGet && op != kWait && op != kAuth) {
+      return Refuse(c, kBadRequest, absl::StrCat("unknown op ", op, " (1 SET, 2 GET, 3 WAIT, 4 AUTH)"));
+    }
+    if (op != kAuth && !c.authenticated && !options_.secret.empty()) {
+      return Refuse(c, kUnauthenticated,
+                    "this store needs the deployment's control-plane secret: AUTH with it first");
     }
     if (key_len == 0) return Refuse(c, kBadRequest, "empty key");
     if (key_len > kMaxKeyBytes) {
@@ -266,12 +311,20 @@ void RendezvousServer::Loop::Serve(Connection& c) {
     if (value_len > kMaxValueBytes) {
       return Refuse(c, kTooLarge, absl::StrCat("value of ", value_len, " bytes is over the limit of ", kMaxValueBytes));
     }
-    if (op != kSet && value_len != 0) return Refuse(c, kBadRequest, "GET and WAIT carry no value");
+    if (op != kSet && op != kAuth && value_len != 0) return Refuse(c, kBadRequest, "GET and WAIT carry no value");
     const size_t frame = kRequestHeaderBytes + key_len + value_len;
     if (c.in.size() < frame) return;  // the rest is still on its way
     std::string key = c.in.substr(kRequestHeaderBytes, key_len);
     std::string value = c.in.substr(kRequestHeaderBytes + key_len, value_len);
     c.in.erase(0, frame);
+    if (op == kAuth) {
+      if (!options_.secret.empty() && !SecretsEqual(value, options_.secret)) {
+        return Refuse(c, kUnauthenticated, "wrong control-plane secret");
+      }
+      c.authenticated = true;
+      Answer(c, kOk, "");
+      continue;
+    }
     if (op == kSet) {
       HandleSet(c, std::move(key), std::move(value));
       continue;
@@ -346,7 +399,7 @@ RendezvousServer::RendezvousServer(std::string host, int port, TcpSocket listene
       port_(port),
       wake_write_(wake_write),
       loop_(std::make_unique<Loop>(std::move(listener), wake_read, options)) {
-  thread_ = std::thread([this] { loop_->Run(); });
+  thread_ = std::thread([this] { loop_->Run(stop_requested_); });
 }
 
 absl::StatusOr<std::unique_ptr<RendezvousServer>> RendezvousServer::Start(const RendezvousServerOptions& options) {
@@ -368,10 +421,20 @@ RendezvousServer::~RendezvousServer() { Stop(); }
 
 std::string RendezvousServer::address() const { return FormatHostPort(host_, port_); }
 
+void RendezvousServer::DropKeys(std::string prefix) {
+  absl::MutexLock lock(&stop_mu_);
+  if (stopped_) return;
+  loop_->QueueDrop(std::move(prefix));
+  const char byte = 2;
+  while (::write(wake_write_, &byte, 1) < 0 && errno == EINTR) {
+  }
+}
+
 void RendezvousServer::Stop() {
   absl::MutexLock lock(&stop_mu_);
   if (stopped_) return;
   stopped_ = true;
+  stop_requested_.store(true);
   const char byte = 1;
   while (::write(wake_write_, &byte, 1) < 0 && errno == EINTR) {
   }
@@ -382,26 +445,51 @@ void RendezvousServer::Stop() {
 }
 
 RendezvousClient::RendezvousClient(std::string address, HostPort server, TcpSocket socket,
-                                   absl::Duration connect_timeout)
+                                   absl::Duration connect_timeout, std::string secret)
     : address_(std::move(address)),
       server_(std::move(server)),
       connect_timeout_(connect_timeout),
+      secret_(std::move(secret)),
       socket_(std::move(socket)) {}
 
 absl::StatusOr<std::unique_ptr<RendezvousClient>> RendezvousClient::Connect(std::string_view address,
-                                                                            absl::Duration connect_timeout) {
+                                                                            absl::Duration connect_timeout,
+                                                                            std::string secret) {
   MOE_ASSIGN_OR_RETURN(HostPort server, ParseHostPort(address, "rendezvous store address"));
   auto socket = ConnectTcp(server.host, server.port, absl::Now() + connect_timeout);
   if (!socket.ok()) return core::Annotate(socket.status(), "rendezvous store");
-  return std::unique_ptr<RendezvousClient>(
-      new RendezvousClient(std::string(address), std::move(server), *std::move(socket), connect_timeout));
+  std::unique_ptr<RendezvousClient> client(new RendezvousClient(std::string(address), std::move(server),
+                                                                *std::move(socket), connect_timeout, std::move(secret)));
+  absl::MutexLock lock(&client->mu_);
+  if (absl::Status s = client->EnsureConnected(); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("rendezvous store at ", client->address_, ": ", s.message()));
+  }
+  return client;
+}
+
+absl::Status RendezvousClient::EnsureConnected() {
+  if (!socket_.valid()) {
+    MOE_ASSIGN_OR_RETURN(socket_, ConnectTcp(server_.host, server_.port, absl::Now() + connect_timeout_));
+    authenticated_ = false;
+  }
+  if (secret_.empty() || authenticated_) return absl::OkStatus();
+  MOE_ASSIGN_OR_RETURN(const Reply reply, Exchange(kAuth, "auth", secret_, absl::ZeroDuration()));
+  if (reply.code != kOk) {
+    socket_.Close();
+    return absl::UnauthenticatedError(absl::StrCat("the store refused this client's secret: ", reply.payload));
+  }
+  authenticated_ = true;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<RendezvousClient::Reply> RendezvousClient::Call(uint32_t op, std::string_view key,
                                                                std::string_view value, absl::Duration timeout) {
-  if (!socket_.valid()) {
-    MOE_ASSIGN_OR_RETURN(socket_, ConnectTcp(server_.host, server_.port, absl::Now() + connect_timeout_));
-  }
+  MOE_RETURN_IF_ERROR(EnsureConnected());
+  return Exchange(op, key, value, timeout);
+}
+
+absl::StatusOr<RendezvousClient::Reply> RendezvousClient::Exchange(uint32_t op, std::string_view key,
+                                                                   std::string_view value, absl::Duration timeout) {
   std::string frame;
   frame.reserve(kRequestHeaderBytes + key.size() + value.size());
   PutU32(frame, kRendezvousMagic);
@@ -426,7 +514,9 @@ absl::StatusOr<RendezvousClient::Reply> RendezvousClient::Call(uint32_t op, std:
       status = RecvAll(socket_, reply.payload.data(), len, deadline, "reply");
     }
   }
-  if (!status.ok() || reply.code == kBadRequest || reply.code == kTooLarge) socket_.Close();
+  if (!status.ok() || reply.code == kBadRequest || reply.code == kTooLarge || reply.code == kUnauthenticated) {
+    socket_.Close();
+  }
   if (!status.ok()) return status;
   return reply;
 }
@@ -460,6 +550,8 @@ absl::StatusOr<std::string> RendezvousClient::Request(uint32_t op, std::string_v
       return absl::InvalidArgumentError(absl::StrCat(where, "refused: ", reply->payload));
     case kFull:
       return absl::ResourceExhaustedError(absl::StrCat(where, reply->payload));
+    case kUnauthenticated:
+      return absl::UnauthenticatedError(absl::StrCat(where, "refused: ", reply->payload));
     default:
       return absl::InternalError(absl::StrCat(where, "unknown reply code ", reply->code));
   }

@@ -231,3 +231,56 @@ TEST(RendezvousTest, BadAddressesAreClearErrors) {
 
 }  // namespace
 }  // namespace moe::comm
+
+namespace moe::comm {
+namespace {
+
+// A store with a secret serves only connections that AUTH with it: a client without it (or with
+// another) and a raw frame without AUTH are refused with UNAUTHENTICATED; the right one works.
+TEST(RendezvousTest, AStoreWithASecretServesOnlyClientsThatHoldIt) {
+  RendezvousServerOptions options;
+  options.secret = "0123456789abcdef0123456789abcdef";
+  auto server = StartServer(options);
+  ASSERT_NE(server, nullptr);
+  auto good = RendezvousClient::Connect(server->address(), kTestTimeout, options.secret);
+  ASSERT_TRUE(good.ok()) << good.status();
+  ASSERT_TRUE((*good)->Set("moe/gen1/0", "address").ok());
+
+  auto none = RendezvousClient::Connect(server->address(), kTestTimeout);
+  ASSERT_TRUE(none.ok()) << none.status();  // no secret: nothing to send until a request
+  const auto read = (*none)->Get("moe/gen1/0", absl::Milliseconds(100));
+  EXPECT_EQ(read.status().code(), absl::StatusCode::kUnauthenticated) << read.status();
+  EXPECT_NE(read.status().message().find("control-plane secret"), std::string::npos) << read.status();
+  EXPECT_EQ((*none)->Set("moe/gen1/0", "forged").code(), absl::StatusCode::kUnauthenticated);
+
+  auto wrong = RendezvousClient::Connect(server->address(), kTestTimeout, "not the secret at all");
+  EXPECT_EQ(wrong.status().code(), absl::StatusCode::kUnauthenticated) << wrong.status();
+
+  TcpSocket raw = RawConnect(*server);
+  const std::string get = Frame(kRendezvousMagic, 2, 0, "moe/gen1/0", 0, "");
+  ASSERT_TRUE(SendAll(raw, get.data(), get.size(), absl::Now() + kTestTimeout, "frame").ok());
+  std::string reason;
+  EXPECT_EQ(ReadRefusal(raw, &reason), 5u) << reason;
+
+  // Nothing forged got in.
+  EXPECT_EQ(*(*good)->Get("moe/gen1/0", kTestTimeout), "address");
+}
+
+// An old generation's keys are dropped; the next generation's stay.
+TEST(RendezvousTest, DropKeysRemovesAnOldGenerationsKeys) {
+  auto server = StartServer();
+  ASSERT_NE(server, nullptr);
+  auto client = Connect(*server);
+  ASSERT_NE(client, nullptr);
+  ASSERT_TRUE(client->Set("moe/gen1/0", "old").ok());
+  ASSERT_TRUE(client->Set("moe/gen10/0", "new").ok());
+  server->DropKeys("moe/gen1/");
+  // The drop happens at the loop's next turn: a GET after it finds nothing.
+  absl::StatusOr<std::string> gone = std::string("old");
+  for (int i = 0; i < 100 && gone.ok(); ++i) gone = client->Get("moe/gen1/0", absl::ZeroDuration());
+  EXPECT_EQ(gone.status().code(), absl::StatusCode::kDeadlineExceeded) << gone.status();
+  EXPECT_EQ(*client->Get("moe/gen10/0", kTestTimeout), "new");
+}
+
+}  // namespace
+}  // namespace moe::comm

@@ -102,10 +102,12 @@ int BenchControl(const ControlBenchFlags& f) {
   auto over_stream = TimeDecode(**remote, f.steps);
   if (!over_stream.ok()) return fail(over_stream.status());
   // The floor: an empty call's round trip to the same worker.
-  auto stub = moeserve::v1::Worker::NewStub(grpc::CreateChannel(eo.workers[0], grpc::InsecureChannelCredentials()));
+  auto stub = moeserve::v1::Worker::NewStub(grpc::CreateChannel(
+      eo.workers[0], eo.credentials != nullptr ? eo.credentials : grpc::InsecureChannelCredentials()));
   std::vector<double> round_trips;
   for (int i = 0; i < f.steps; ++i) {
     grpc::ClientContext ctx;
+    for (const auto& [key, value] : eo.call_metadata) ctx.AddMetadata(key, value);
     moeserve::v1::WorkerHealthResponse health;
     const auto start = Clock::now();
     (void)stub->Health(&ctx, moeserve::v1::WorkerHealthRequest{}, &health);

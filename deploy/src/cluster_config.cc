@@ -1,7 +1,13 @@
 #include "cluster_config.h"
 
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <unistd.h>
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <set>
 
@@ -12,6 +18,7 @@
 #include "moe/core/status.h"
 #include "moe/runtime/model_spec.h"
 #include "moe/runtime/placement.h"
+#include "moe/scheduler/security.h"
 
 namespace moe::deploy {
 
@@ -47,8 +54,12 @@ class Reader {
   // `map` (named `where`) is a map whose keys are all in `known`.
   absl::Status Keys(const YAML::Node& map, const std::string& where, const std::set<std::string>& known) const {
     if (!map.IsMap()) return Error(map, where, "expected a map of keys");
+    std::set<std::string> seen;
     for (const auto& kv : map) {
       const std::string key = kv.first.as<std::string>();
+      if (!seen.insert(key).second) {
+        return Error(kv.first, Join(where, key), "duplicate key: it is given twice in one map; keep one");
+      }
       if (known.count(key)) continue;
       return Error(
           kv.first, Join(where, key),
@@ -89,6 +100,7 @@ class Reader {
     if constexpr (std::is_integral_v<T>) return "an integer";
     if constexpr (std::is_same_v<T, std::string>) return "a string";
     if constexpr (std::is_same_v<T, std::vector<int>>) return "a list of integers";
+    if constexpr (std::is_same_v<T, std::vector<std::string>>) return "a list of strings";
     return "a value";
   }
   static std::string Text(const YAML::Node& n) {
@@ -112,6 +124,11 @@ absl::Status ReadNodes(const Reader& r, const YAML::Node& list, ClusterConfig* c
     MOE_RETURN_IF_ERROR(r.Get(n, where, "host", &node.host));
     MOE_RETURN_IF_ERROR(r.Get(n, where, "gpus", &node.gpus));
     MOE_RETURN_IF_ERROR(r.GetIn(n, where, "workers", &node.workers, 0, 4096));
+    if (n["workers"].IsDefined() && !n["workers"].IsNull() && node.workers == 0) {
+      return r.Error(n["workers"], where + ".workers",
+                     "0 would run no worker on this node; give 1 or more, or leave workers out for the node's share "
+                     "of the ranks");
+    }
     MOE_RETURN_IF_ERROR(r.GetIn(n, where, "port", &node.port, 0, 65535));
     for (int g : node.gpus) {
       if (g < 0) return r.Error(n["gpus"], where + ".gpus", absl::StrCat("GPU ", g, ": GPU indexes start at 0"));
@@ -196,7 +213,12 @@ absl::Status ReadScheduler(const Reader& r, const YAML::Node& s, ClusterConfig* 
   if (!s.IsDefined() || s.IsNull()) return absl::OkStatus();
   const std::string w = "scheduler";
   MOE_RETURN_IF_ERROR(r.Keys(
-      s, w, {"max_batch_tokens", "max_seqs", "max_queue", "ctx", "kv_cache_mb", "kv_cache_dtype", "drain_seconds"}));
+      s, w,
+      {"max_batch_tokens", "max_seqs", "max_queue", "ctx", "kv_cache_mb", "kv_cache_dtype", "drain_seconds",
+       "max_prompt_tokens"}));
+  int max_prompt_tokens = 0;
+  MOE_RETURN_IF_ERROR(r.GetIn(s, w, "max_prompt_tokens", &max_prompt_tokens, 0, 1 << 24));
+  if (max_prompt_tokens > 0) c->max_prompt_tokens = max_prompt_tokens;
   MOE_RETURN_IF_ERROR(r.GetIn(s, w, "max_batch_tokens", &c->max_batch_tokens, 1, 1 << 20));
   MOE_RETURN_IF_ERROR(r.GetIn(s, w, "max_seqs", &c->max_seqs, 1, 4096));
   MOE_RETURN_IF_ERROR(r.GetIn(s, w, "max_queue", &c->max_queue, 0, 1 << 20));
@@ -215,11 +237,29 @@ absl::Status ReadScheduler(const Reader& r, const YAML::Node& s, ClusterConfig* 
 
 absl::Status ReadServer(const Reader& r, const YAML::Node& s, ClusterConfig* c) {
   if (!s.IsDefined() || s.IsNull()) return absl::OkStatus();
-  MOE_RETURN_IF_ERROR(r.Keys(s, "server", {"listen", "http", "api_key_file", "served_model_name"}));
+  MOE_RETURN_IF_ERROR(r.Keys(s, "server",
+                             {"listen", "http", "api_key_file", "api_key_protect_metrics", "served_model_name",
+                              "tls_cert", "tls_key", "tls_client_ca", "max_request_bytes", "chat_template_file",
+                              "tool_call_parser", "reasoning_parser", "allowed_origins"}));
+  MOE_RETURN_IF_ERROR(r.Get(s, "server", "allowed_origins", &c->allowed_origins));
   MOE_RETURN_IF_ERROR(r.Get(s, "server", "listen", &c->listen));
   MOE_RETURN_IF_ERROR(r.Get(s, "server", "http", &c->http));
   MOE_RETURN_IF_ERROR(r.Get(s, "server", "api_key_file", &c->api_key_file));
+  MOE_RETURN_IF_ERROR(r.Get(s, "server", "api_key_protect_metrics", &c->api_key_protect_metrics));
   MOE_RETURN_IF_ERROR(r.Get(s, "server", "served_model_name", &c->served_model_name));
+  MOE_RETURN_IF_ERROR(r.Get(s, "server", "tls_cert", &c->tls_cert));
+  MOE_RETURN_IF_ERROR(r.Get(s, "server", "tls_key", &c->tls_key));
+  MOE_RETURN_IF_ERROR(r.Get(s, "server", "tls_client_ca", &c->tls_client_ca));
+  MOE_RETURN_IF_ERROR(r.GetIn<int64_t>(s, "server", "max_request_bytes", &c->max_request_bytes, 1024, int64_t{1} << 30));
+  MOE_RETURN_IF_ERROR(r.Get(s, "server", "chat_template_file", &c->chat_template_file));
+  MOE_RETURN_IF_ERROR(r.Get(s, "server", "tool_call_parser", &c->tool_call_parser));
+  MOE_RETURN_IF_ERROR(r.Get(s, "server", "reasoning_parser", &c->reasoning_parser));
+  if (c->api_key_protect_metrics && c->api_key_file.empty()) {
+    return r.Error(s["api_key_protect_metrics"], "server.api_key_protect_metrics", "needs server.api_key_file");
+  }
+  if (c->tls_cert.empty() != c->tls_key.empty() || (!c->tls_client_ca.empty() && c->tls_cert.empty())) {
+    return r.Error(s, "server.tls_cert", "tls_cert and tls_key go together, and tls_client_ca needs them");
+  }
   if (absl::Status st = CheckListenAddress(c->listen, "listen"); !st.ok()) {
     return r.Error(s["listen"], "server.listen", std::string(st.message()));
   }
@@ -227,13 +267,32 @@ absl::Status ReadServer(const Reader& r, const YAML::Node& s, ClusterConfig* c) 
     if (absl::Status st = CheckListenAddress(c->http, "http"); !st.ok()) {
       return r.Error(s["http"], "server.http", std::string(st.message()));
     }
+    const auto port = [](const std::string& address) { return address.substr(address.rfind(':') + 1); };
+    if (c->http == c->listen && port(c->http) != "0") {
+      return r.Error(s["http"], "server.http",
+                     absl::StrCat("'", c->http, "' is server.listen's address too: gRPC and HTTP need a port each"));
+    }
   }
   return absl::OkStatus();
 }
 
 absl::Status ReadControl(const Reader& r, const YAML::Node& comm, const YAML::Node& sup, ClusterConfig* c) {
   if (comm.IsDefined() && !comm.IsNull()) {
-    MOE_RETURN_IF_ERROR(r.Keys(comm, "comm", {"timeout_ms", "rendezvous"}));
+    MOE_RETURN_IF_ERROR(r.Keys(comm, "comm", {"timeout_ms", "rendezvous", "secret_file", "tls"}));
+    MOE_RETURN_IF_ERROR(r.Get(comm, "comm", "secret_file", &c->secret_file));
+    if (const YAML::Node tls = comm["tls"]; tls.IsDefined() && !tls.IsNull()) {
+      MOE_RETURN_IF_ERROR(r.Keys(tls, "comm.tls", {"cert", "key", "ca"}));
+      MOE_RETURN_IF_ERROR(r.Get(tls, "comm.tls", "cert", &c->control_tls_cert));
+      MOE_RETURN_IF_ERROR(r.Get(tls, "comm.tls", "key", &c->control_tls_key));
+      MOE_RETURN_IF_ERROR(r.Get(tls, "comm.tls", "ca", &c->control_tls_ca));
+      if (c->control_tls_cert.empty() || c->control_tls_key.empty() || c->control_tls_ca.empty()) {
+        return r.Error(tls, "comm.tls", "needs cert, key and ca: mutual TLS between the nodes");
+      }
+      if (absl::Status s = scheduler::CheckTlsFiles({c->control_tls_cert, c->control_tls_key, c->control_tls_ca});
+          !s.ok()) {
+        return r.Error(tls, "comm.tls", std::string(s.message()));
+      }
+    }
     MOE_RETURN_IF_ERROR(r.GetIn(comm, "comm", "timeout_ms", &c->comm_timeout_ms, 100, 3600000));
     MOE_RETURN_IF_ERROR(r.Get(comm, "comm", "rendezvous", &c->rendezvous));
     if (!c->rendezvous.empty()) {
@@ -244,7 +303,8 @@ absl::Status ReadControl(const Reader& r, const YAML::Node& comm, const YAML::No
     }
   }
   if (sup.IsDefined() && !sup.IsNull()) {
-    MOE_RETURN_IF_ERROR(r.Keys(sup, "supervisor", {"max_restarts", "restart_backoff_ms"}));
+    MOE_RETURN_IF_ERROR(r.Keys(sup, "supervisor", {"max_restarts", "restart_backoff_ms", "step_timeout_ms"}));
+    MOE_RETURN_IF_ERROR(r.GetIn(sup, "supervisor", "step_timeout_ms", &c->step_timeout_ms, 100, 3600000));
     MOE_RETURN_IF_ERROR(r.GetIn(sup, "supervisor", "max_restarts", &c->max_restarts, 0, 1000000));
     MOE_RETURN_IF_ERROR(r.GetIn(sup, "supervisor", "restart_backoff_ms", &c->restart_backoff_ms, 0, 600000));
   }
@@ -305,7 +365,71 @@ absl::Status CheckPlan(const Reader& r, const YAML::Node& root, ClusterConfig* c
   return absl::OkStatus();
 }
 
+// The numeric addresses `host` resolves to (itself when numeric).
+std::vector<std::string> Resolve(const std::string& host) {
+  std::vector<std::string> out;
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* list = nullptr;
+  if (::getaddrinfo(host.c_str(), nullptr, &hints, &list) != 0) return out;
+  for (addrinfo* a = list; a != nullptr; a = a->ai_next) {
+    char text[INET6_ADDRSTRLEN] = {};
+    const void* where = a->ai_family == AF_INET ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(a->ai_addr)->sin_addr)
+                                                : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(a->ai_addr)->sin6_addr);
+    if (::inet_ntop(a->ai_family, where, text, sizeof(text)) != nullptr) out.emplace_back(text);
+  }
+  ::freeaddrinfo(list);
+  return out;
+}
+
+// This machine's interface addresses, numeric.
+std::vector<std::string> LocalAddresses() {
+  std::vector<std::string> out;
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) != 0) return out;
+  for (ifaddrs* a = list; a != nullptr; a = a->ifa_next) {
+    if (a->ifa_addr == nullptr || (a->ifa_addr->sa_family != AF_INET && a->ifa_addr->sa_family != AF_INET6)) continue;
+    char text[INET6_ADDRSTRLEN] = {};
+    const int family = a->ifa_addr->sa_family;
+    const void* where = family == AF_INET ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(a->ifa_addr)->sin_addr)
+                                          : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(a->ifa_addr)->sin6_addr);
+    if (::inet_ntop(family, where, text, sizeof(text)) != nullptr) out.emplace_back(text);
+  }
+  ::freeifaddrs(list);
+  return out;
+}
+
+bool IsLoopback(const std::string& address) { return address.rfind("127.", 0) == 0 || address == "::1"; }
+
 }  // namespace
+
+absl::Status CheckThisMachine(const ClusterConfig& c, int node) {
+  const ClusterNode& n = c.nodes[node];
+  const std::vector<std::string> resolved = Resolve(n.host);
+  const std::vector<std::string> local = LocalAddresses();
+  const bool here = std::any_of(resolved.begin(), resolved.end(), [&](const std::string& a) {
+    return IsLoopback(a) || std::find(local.begin(), local.end(), a) != local.end();
+  });
+  if (!here) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        c.path, ": nodes[", node, "].host: '", n.host, "' ",
+        resolved.empty() ? "does not resolve" : absl::StrCat("is ", absl::StrJoin(resolved, ", ")),
+        ", not an address of this machine (", local.empty() ? "none found" : absl::StrJoin(local, ", "),
+        "): run --node ", node, " on that host, or correct the file"));
+  }
+  if (n.gpus.empty()) {
+    const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+    const int64_t memory_mb = pages > 0 && page > 0 ? (static_cast<int64_t>(pages) * page) >> 20 : INT64_MAX;
+    const int64_t workers = c.WorkersOn(node);
+    if (c.kv_cache_mb > memory_mb / std::max<int64_t>(workers, 1)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          c.path, ": scheduler.kv_cache_mb: ", c.kv_cache_mb, " MiB for each of node ", node, "'s ", workers,
+          " CPU workers is more than this machine's ", memory_mb, " MiB of memory; lower it"));
+    }
+  }
+  return absl::OkStatus();
+}
 
 absl::StatusOr<ClusterConfig> LoadClusterConfig(const std::string& path) {
   if (!std::filesystem::exists(path)) return absl::NotFoundError(absl::StrCat(path, ": no such file"));
@@ -321,6 +445,13 @@ absl::StatusOr<ClusterConfig> LoadClusterConfig(const std::string& path) {
   Reader r(path);
   ClusterConfig c;
   c.path = path;
+  if (!root.IsMap()) {
+    return r.Error(root, "the file",
+                   absl::StrCat("expected a map of keys (model, nodes, parallel, ...) at the top level, found ",
+                                root.IsNull()       ? "nothing"
+                                : root.IsSequence() ? "a list"
+                                                    : absl::StrCat("'", root.Scalar(), "'")));
+  }
   if (root["speculative"].IsDefined()) {
     return r.Error(root["speculative"], "speculative", "speculative decoding is not built yet; remove the key");
   }

@@ -15,7 +15,7 @@
 //     defer: 0
 //     gpu_cache: {per_layer: 32, refresh_steps: 256, profile: FILE}   # beside GPUs
 //   scheduler: {max_batch_tokens: 2048, max_seqs: 64, max_queue: 256, ctx: 32768, kv_cache_mb: 1024}
-//   server: {listen: 127.0.0.1:50051, http: 127.0.0.1:8080}
+//   server: {listen: 127.0.0.1:50051, http: 127.0.0.1:8080}   # and api_key_file, tls_cert, tls_key, ...
 #pragma once
 
 #include <cstdint>
@@ -68,12 +68,27 @@ struct ClusterConfig {
   std::string listen = "127.0.0.1:50051";
   std::string http = "127.0.0.1:8080";
   std::string api_key_file;
+  bool api_key_protect_metrics = false;
+  std::string tls_cert, tls_key, tls_client_ca;
+  int64_t max_request_bytes = 4 << 20;
+  std::string chat_template_file, tool_call_parser, reasoning_parser;
+  std::vector<std::string> allowed_origins;
+  std::optional<int> max_prompt_tokens;
   // the control plane
   int comm_timeout_ms = 30000;
   std::string rendezvous;  // HOST:PORT of the Gloo store on node 0 (several nodes); empty: a free port
+  // A file holding the control plane's secret, the same on every node (or MOESERVE_CONTROL_SECRET);
+  // one node alone makes a new secret each launch.
+  std::string secret_file;
+  // Mutual TLS on the workers' control service (comm.tls {cert, key, ca}): each node's certificate
+  // and key serve its workers and identify its launcher; ca signs every node's.
+  std::string control_tls_cert, control_tls_key, control_tls_ca;
   // supervision
   int max_restarts = 100;        // in a row without a healthy minute between; then the launcher exits
   int restart_backoff_ms = 500;  // doubled after each restart in a row, up to 30 s
+  // A step whose results are not all back by then fails, and the group is restarted (a worker
+  // stopped or stuck: its connection stays open, so nothing else would notice).
+  int step_timeout_ms = 60000;
 
   bool gpu() const { return !nodes.empty() && !nodes[0].gpus.empty(); }
   // Workers (ranks) on node `n`, and the first rank there.
@@ -86,5 +101,11 @@ struct ClusterConfig {
 // heads or layers do not allow, more ranks than GPUs, a missing model directory); kNotFound when
 // there is no such file.
 absl::StatusOr<ClusterConfig> LoadClusterConfig(const std::string& path);
+
+// What only the machine that runs node `node` can check, before any worker starts: that
+// nodes[node].host is one of its addresses (a file copied to the wrong host, or --node N on the
+// wrong one), and that the KV caches of its CPU workers fit in its memory. kInvalidArgument naming
+// the file, the key and the fix.
+absl::Status CheckThisMachine(const ClusterConfig& c, int node);
 
 }  // namespace moe::deploy

@@ -31,9 +31,10 @@
 #include "moe/comm/tcp_socket.h"
 #include "moe/comm/topology.h"
 #include "moe/core/status.h"
-#include "moe/experts/arena.h"
 #include "moe/scheduler/frontend.h"
 #include "moe/worker/remote_executor.h"
+#include "control_secret.h"
+#include "shm_arenas.h"
 #include "moeserve/v1/worker.grpc.pb.h"
 #if MOE_COMM_HAS_NCCL
 #include "moe/comm/nccl_communicator.h"
@@ -45,8 +46,10 @@ namespace {
 namespace pb = ::moeserve::v1;
 using Clock = std::chrono::steady_clock;
 
-std::atomic<bool> g_stop{false};
-void OnSignal(int) { g_stop.store(true); }
+// SIGTERM and SIGINT received: the first drains, a second ends the drain at once.
+std::atomic<int> g_signals{0};
+void OnSignal(int) { g_signals.fetch_add(1); }
+bool Stopping() { return g_signals.load() > 0; }
 
 void Log(const std::string& line) { std::cerr << "moeserve serve: " << line << std::endl; }
 
@@ -56,10 +59,30 @@ class WorkerProcess {
   // Starts the worker listening on `listen` and waits for the port it reports. kUnavailable when
   // it exits or says nothing within 60 s.
   static absl::StatusOr<std::unique_ptr<WorkerProcess>> Start(const std::string& program, const std::string& listen,
-                                                              const std::vector<int>& cpus, int rank) {
+                                                              const std::vector<int>& cpus, int rank,
+                                                              const std::string& secret,
+                                                              const scheduler::TlsFiles& tls) {
+    // Everything the child needs is made before fork: between fork and exec a child of this
+    // threaded process may only make async-signal-safe calls (no allocation).
+    std::vector<std::string> args = {program, "worker", "--listen", listen, "--rank", std::to_string(rank)};
+    if (tls.enabled()) {
+      for (const std::string& a : {std::string("--tls-cert"), tls.cert_file, std::string("--tls-key"), tls.key_file,
+                                   std::string("--tls-ca"), tls.client_ca_file}) {
+        args.push_back(a);
+      }
+    }
+    // The secret goes in the environment, not on the command line, where any user's ps reads it.
+    std::vector<std::string> env = {absl::StrCat(kControlSecretEnv, "=", secret)};
+    for (char** e = environ; *e != nullptr; ++e) {
+      if (!absl::StartsWith(*e, absl::StrCat(kControlSecretEnv, "="))) env.emplace_back(*e);
+    }
+    std::vector<char*> argv, envp;
+    for (std::string& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    for (std::string& e : env) envp.push_back(e.data());
+    envp.push_back(nullptr);
     int out[2];
     if (pipe(out) != 0) return absl::InternalError("pipe failed");
-    const std::string rank_text = std::to_string(rank);
     const pid_t pid = fork();
     if (pid < 0) return absl::InternalError("fork failed");
     if (pid == 0) {
@@ -73,8 +96,7 @@ class WorkerProcess {
         for (int c : cpus) CPU_SET(c, &set);
         sched_setaffinity(0, sizeof(set), &set);
       }
-      execl(program.c_str(), program.c_str(), "worker", "--listen", listen.c_str(), "--rank", rank_text.c_str(),
-            static_cast<char*>(nullptr));
+      execve(program.c_str(), argv.data(), envp.data());
       _exit(127);
     }
     close(out[1]);
@@ -149,21 +171,61 @@ absl::Status FromGrpc(const grpc::Status& s, const std::string& what) {
 }
 
 // The shared expert arena's name for a rank: one per host for a tensor split (every rank attaches
-// to all the experts); one per stage for a layer split (each holds its own layers).
+// to all the experts); one per stage for a layer split (each holds its own layers). Without a
+// name in the cluster file it is derived from the model's path and files (DerivedArenaName).
 std::string ArenaName(const ClusterConfig& c, int rank) {
-  std::string base = c.expert_shm;
-  if (base.empty()) {
-    // FNV-1a of the model's path and format: the same name from any process, so that a restarted
-    // launcher finds the arena its predecessor left.
-    uint64_t h = 14695981039346656037ull;
-    for (char ch :
-         absl::StrCat(std::filesystem::weakly_canonical(c.model).string(), "|", c.expert_format, "|", c.expert_group)) {
-      h = (h ^ static_cast<uint8_t>(ch)) * 1099511628211ull;
-    }
-    base = absl::StrFormat("moeserve-%016x", h);
-  }
+  const std::string base =
+      c.expert_shm.empty() ? DerivedArenaName(c.model, c.expert_format, c.expert_group) : c.expert_shm;
   return c.mode == runtime::ParallelMode::kLayer ? absl::StrCat(base, "-s", rank) : base;
 }
+
+// kUnavailable when `listen` (HOST:PORT, a fixed port) cannot be bound now: another process has it.
+absl::Status CheckListenPortFree(const std::string& listen) {
+  auto address = comm::ParseHostPort(listen, "server.listen");
+  if (!address.ok() || address->port == 0) return absl::OkStatus();  // the server reports its own errors
+  int bound = 0;
+  auto probe = comm::ListenTcp(address->host, address->port, &bound);
+  if (probe.ok() || probe.status().code() != absl::StatusCode::kUnavailable) return absl::OkStatus();
+  return absl::UnavailableError(absl::StrCat("server.listen: cannot listen on ", listen,
+                                             ": the address is in use; nothing was started (free the port, or "
+                                             "choose another)"));
+}
+
+// Whether the workers keep routed experts in the CPU pool (and so in a shared arena).
+bool UsesExpertPool(const ClusterConfig& c) {
+  return !c.gpu() || c.cpu_moe || c.n_cpu_moe > 0 || !c.override_tensor.empty();
+}
+
+// The arenas a deployment derives (none when the cluster file names one: a named arena outlives
+// its deployment), named once at start, claimed while the launcher lives and removed when it
+// returns, whichever way.
+class DerivedArenas {
+ public:
+  explicit DerivedArenas(const ClusterConfig& c) {
+    if (!c.expert_shm.empty() || !UsesExpertPool(c)) return;
+    for (int rank = 0; rank < c.ranks; ++rank) {
+      const std::string name = ArenaName(c, rank);
+      if (std::find(names_.begin(), names_.end(), name) == names_.end()) names_.push_back(name);
+    }
+  }
+  ~DerivedArenas() { ReleaseArenas(names_); }
+  DerivedArenas(const DerivedArenas&) = delete;
+  DerivedArenas& operator=(const DerivedArenas&) = delete;
+
+  // Removes the arenas earlier launchers left (their owner gone, no process mapping them), then
+  // claims this deployment's.
+  void CleanUpAndClaim() {
+    for (const RemovedArena& r : RemoveOrphanArenas(names_)) {
+      Log(absl::StrFormat("removed the expert arena /dev/shm/%s (%.1f MiB) that a launcher which is gone left behind",
+                          r.name, static_cast<double>(r.bytes) / (1 << 20)));
+    }
+    ClaimArenas(names_);
+    for (const std::string& name : names_) Log(absl::StrCat("expert arena: /dev/shm/", name));
+  }
+
+ private:
+  std::vector<std::string> names_;
+};
 
 // One generation of the deployment's workers, from node 0: this node's processes, every rank's
 // address, and what their loads reported.
@@ -179,7 +241,12 @@ struct WorkerGroup {
 
 class Launcher {
  public:
-  Launcher(const ClusterConfig& c, const LaunchOptions& o) : c_(c), o_(o) {}
+  Launcher(const ClusterConfig& c, const LaunchOptions& o)
+      : c_(c),
+        o_(o),
+        secret_(o.control_secret.empty() ? NewControlSecret() : o.control_secret),
+        tls_{c.control_tls_cert, c.control_tls_key, c.control_tls_ca},
+        credentials_(scheduler::GrpcClientCredentials(tls_).value_or(grpc::InsecureChannelCredentials())) {}
 
   int Run();
   // The rendezvous store (CPU workers of several ranks), then the workers of `generation`.
@@ -192,6 +259,9 @@ class Launcher {
     eo.kv = g.kv;
     eo.info = g.info;
     eo.description = g.description;
+    eo.call_metadata = {{kControlSecretMetadata, secret_}};
+    eo.step_timeout = absl::Milliseconds(c_.step_timeout_ms);
+    eo.credentials = credentials_;
     return eo;
   }
 
@@ -209,6 +279,9 @@ class Launcher {
 
   const ClusterConfig& c_;
   const LaunchOptions& o_;
+  const std::string secret_;  // the control plane's
+  const scheduler::TlsFiles tls_;  // mutual TLS on the workers' control service (comm.tls)
+  const std::shared_ptr<grpc::ChannelCredentials> credentials_;
   std::unique_ptr<comm::RendezvousServer> store_;
   std::atomic<int64_t> restarts_{0};
 };
@@ -243,8 +316,7 @@ pb::InitRequest Launcher::InitFor(int rank, int generation, const std::string& n
   pl->set_expert_format(c_.expert_format);
   pl->set_expert_group(c_.expert_group);
   pl->set_expert_threads(c_.expert_threads > 0 ? c_.expert_threads : static_cast<int32_t>(cpus.size()));
-  const bool pool = !c_.gpu() || c_.cpu_moe || c_.n_cpu_moe > 0 || !c_.override_tensor.empty();
-  if (pool) pl->set_expert_shm(ArenaName(c_, rank));
+  if (UsesExpertPool(c_)) pl->set_expert_shm(ArenaName(c_, rank));
   pl->set_cpu_moe(c_.cpu_moe);
   pl->set_n_cpu_moe(c_.n_cpu_moe);
   for (const std::string& rule : c_.override_tensor) pl->add_override_tensor(rule);
@@ -268,7 +340,7 @@ absl::Status Launcher::InitAll(WorkerGroup& g, const std::string& nccl_id, const
   std::vector<std::thread> threads;
   for (size_t rank = 0; rank < g.addresses.size(); ++rank) {
     threads.emplace_back([&, rank] {
-      auto channel = grpc::CreateChannel(g.addresses[rank], grpc::InsecureChannelCredentials());
+      auto channel = grpc::CreateChannel(g.addresses[rank], credentials_);
       if (!channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(60))) {
         results[rank] =
             absl::UnavailableError(absl::StrCat("worker ", rank, " at ", g.addresses[rank], " cannot be reached"));
@@ -276,6 +348,7 @@ absl::Status Launcher::InitAll(WorkerGroup& g, const std::string& nccl_id, const
       }
       auto stub = pb::Worker::NewStub(channel);
       grpc::ClientContext ctx;
+      ctx.AddMetadata(kControlSecretMetadata, secret_);
       pb::InitResponse response;
       const std::vector<int> mine = rank < cpus.size() ? cpus[rank] : std::vector<int>{};
       const grpc::Status s = stub->Init(&ctx, InitFor(static_cast<int>(rank), g.generation, nccl_id, mine), &response);
@@ -293,8 +366,9 @@ absl::Status Launcher::LoadAll(WorkerGroup& g) {
   std::vector<absl::Status> results(ranks);
   std::vector<pb::LoadProgress> done(ranks);
   auto load = [&](int rank) {
-    auto stub = pb::Worker::NewStub(grpc::CreateChannel(g.addresses[rank], grpc::InsecureChannelCredentials()));
+    auto stub = pb::Worker::NewStub(grpc::CreateChannel(g.addresses[rank], credentials_));
     grpc::ClientContext ctx;
+    ctx.AddMetadata(kControlSecretMetadata, secret_);
     auto reader = stub->Load(&ctx, pb::LoadRequest{});
     pb::LoadProgress progress;
     while (reader->Read(&progress)) {
@@ -345,7 +419,7 @@ absl::StatusOr<std::unique_ptr<WorkerGroup>> Launcher::StartGroup(int generation
     const ClusterNode& node = c_.nodes[0];
     const std::string listen =
         c_.nodes.size() > 1 ? comm::FormatHostPort(node.host, node.port > 0 ? node.port + i : 0) : "127.0.0.1:0";
-    MOE_ASSIGN_OR_RETURN(auto w, WorkerProcess::Start(o_.program, listen, cpus[i], i));
+    MOE_ASSIGN_OR_RETURN(auto w, WorkerProcess::Start(o_.program, listen, cpus[i], i, secret_, tls_));
     g->addresses.push_back(comm::FormatHostPort(c_.nodes.size() > 1 ? node.host : "127.0.0.1", w->port()));
     Log(absl::StrCat("worker ", i, " started (pid ", w->pid(), ") on ", g->addresses.back(),
                      cpus[i].empty() ? "" : absl::StrCat(", ", cpus[i].size(), " cores")));
@@ -371,12 +445,14 @@ absl::StatusOr<std::unique_ptr<WorkerGroup>> Launcher::StartGroup(int generation
 absl::Status Launcher::StartStore() {
   if (c_.gpu() || c_.ranks == 1) return absl::OkStatus();
   comm::RendezvousServerOptions so;
+  so.secret = secret_;
   if (!c_.rendezvous.empty()) {
     MOE_ASSIGN_OR_RETURN(const comm::HostPort hp, comm::ParseHostPort(c_.rendezvous, "comm.rendezvous"));
     so.host = hp.host;
     so.port = hp.port;
   }
   MOE_ASSIGN_OR_RETURN(store_, comm::RendezvousServer::Start(so));
+  Log(absl::StrCat("rendezvous store on ", store_->address(), " (connections must hold the control-plane secret)"));
   return absl::OkStatus();
 }
 
@@ -395,8 +471,9 @@ void Launcher::StopGroup(WorkerGroup* g) {
   if (g == nullptr) return;
   // Workers on other nodes end themselves on Shutdown; their launchers start new ones.
   for (size_t rank = g->local.size(); rank < g->addresses.size(); ++rank) {
-    auto stub = pb::Worker::NewStub(grpc::CreateChannel(g->addresses[rank], grpc::InsecureChannelCredentials()));
+    auto stub = pb::Worker::NewStub(grpc::CreateChannel(g->addresses[rank], credentials_));
     grpc::ClientContext ctx;
+    ctx.AddMetadata(kControlSecretMetadata, secret_);
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
     pb::ShutdownResponse response;
     (void)stub->Shutdown(&ctx, pb::ShutdownRequest{}, &response);
@@ -426,13 +503,13 @@ int Launcher::RunOtherNode() {
   const std::vector<std::vector<int>> cores = c_.gpu() ? std::vector<std::vector<int>>(here) : SplitCores(here);
   std::vector<std::unique_ptr<WorkerProcess>> workers(here);
   int backoff_ms = c_.restart_backoff_ms;
-  while (!g_stop.load()) {
+  while (!Stopping()) {
     for (int i = 0; i < here; ++i) {
       std::string why;
       if (workers[i] != nullptr && !workers[i]->Exited(&why)) continue;
       if (workers[i] != nullptr) Log(absl::StrCat("worker ", c_.FirstRankOn(n) + i, " ", why, "; starting it again"));
       auto w = WorkerProcess::Start(o_.program, comm::FormatHostPort(c_.nodes[n].host, c_.nodes[n].port + i), cores[i],
-                                    c_.FirstRankOn(n) + i);
+                                    c_.FirstRankOn(n) + i, secret_, tls_);
       if (!w.ok()) {
         Log(std::string(w.status().message()));
         std::this_thread::sleep_for(std::chrono::milliseconds(backoff_ms));
@@ -462,14 +539,33 @@ int Launcher::Run() {
     auto keys = scheduler::ApiKeys::Load(c_.api_key_file);
     if (!keys.ok()) return FailCommand("serve", keys.status(), 2);
     fo.api_keys = std::make_shared<const scheduler::ApiKeys>(std::move(*keys));
+    Log(absl::StrCat(fo.api_keys->size(), " API keys from ", c_.api_key_file));
   }
+  fo.protect_metrics = c_.api_key_protect_metrics;
+  fo.tls = {c_.tls_cert, c_.tls_key, c_.tls_client_ca};
+  fo.max_request_bytes = c_.max_request_bytes;
+  fo.chat_template_file = c_.chat_template_file;
+  fo.tool_call_parser = c_.tool_call_parser;
+  fo.reasoning_parser = c_.reasoning_parser;
+  fo.allowed_origins = c_.allowed_origins;
   auto frontend = scheduler::Frontend::Create(fo);
-  if (!frontend.ok()) return FailCommand("serve", frontend.status());
+  if (!frontend.ok()) {
+    return FailCommand("serve", frontend.status(),
+                       frontend.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1);
+  }
+  if ((*frontend)->http_port() != 0) {
+    Log(absl::StrCat("HTTP on port ", (*frontend)->http_port(), fo.tls.enabled() ? " over TLS" : ""));
+  }
+  // The gRPC port binds once the workers have loaded: a port taken now fails before any starts.
+  if (absl::Status st = CheckListenPortFree(c_.listen); !st.ok()) return FailCommand("serve", st);
   if (absl::Status st = StartStore(); !st.ok()) return FailCommand("serve", st);
+  DerivedArenas arenas(c_);
+  arenas.CleanUpAndClaim();
   Log(absl::StrCat("starting ", c_.ranks, " workers for ", c_.model, " (", runtime::ParallelModeName(c_.mode),
                    " split) from ", c_.path));
   auto group = StartGroup(1);
   if (!group.ok()) return FailCommand("serve", group.status());
+  if (const std::string shm = ShmUsage(); !shm.empty() && UsesExpertPool(c_)) Log(shm);
 
   const worker::RemoteExecutor::Options eo = ExecutorOptions(**group);
   auto executor = worker::RemoteExecutor::Connect(eo);
@@ -483,7 +579,7 @@ int Launcher::Run() {
   const int64_t positions = int64_t{eo.kv.num_blocks} * eo.kv.block_size;
   sc.context = static_cast<int>(std::min<int64_t>(
       {c_.ctx.value_or(eo.info.max_position_embeddings), eo.info.max_position_embeddings, positions}));
-  sc.max_prompt_tokens = sc.context;
+  sc.max_prompt_tokens = std::min(sc.context, c_.max_prompt_tokens.value_or(sc.context));
   (*frontend)->set_scheduler(sc, eo.description);
   if (absl::Status s = (*frontend)->Serve(std::move(*executor)); !s.ok()) return FailCommand("serve", s);
   (*frontend)->set_extra_metrics([this] {
@@ -501,7 +597,7 @@ int Launcher::Run() {
   std::unique_ptr<WorkerGroup> current = std::move(*group);
   int backoff_ms = c_.restart_backoff_ms, in_a_row = 0;
   Clock::time_point healthy_since = Clock::now();
-  while (!g_stop.load()) {
+  while (!Stopping()) {
     std::string why;
     bool lost = AnyExited(*current, &why);
     if (!lost && !remote->healthy()) {
@@ -520,6 +616,7 @@ int Launcher::Run() {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
       continue;
     }
+    if (why.empty()) why = remote->broken_reason();
     if (why.empty()) why = "a worker's control stream broke";
     remote->MarkBroken(why);
     (*frontend)->SetWorkersReady(false);
@@ -548,19 +645,21 @@ int Launcher::Run() {
     }
     current = std::move(*next);
     restarts_.fetch_add(1);
+    // The store keeps only the live generation's keys.
+    if (store_ != nullptr) {
+      for (int g = 1; g < current->generation; ++g) store_->DropKeys(absl::StrCat("moe/gen", g, "/"));
+    }
     healthy_since = Clock::now();
     (*frontend)->SetWorkersReady(true);
     Log(absl::StrCat("group restarted (generation ", current->generation, "); ", current->attached, " of ", c_.ranks,
                      " workers attached the shared expert arena instead of reloading the experts"));
   }
   Log(absl::StrFormat("draining: running requests have up to %d s to finish", c_.drain_seconds));
-  const int cut = (*frontend)->Drain(std::chrono::seconds(c_.drain_seconds));
+  const int cut = (*frontend)->Drain(std::chrono::seconds(c_.drain_seconds), [] { return g_signals.load() > 1; });
+  if (g_signals.load() > 1) Log("a second signal: the drain ended at once");
   StopGroup(current.get());
   if (store_ != nullptr) store_->Stop();
-  // The shared arenas this deployment named go with it.
-  if (c_.expert_shm.empty()) {
-    for (int rank = 0; rank < c_.ranks; ++rank) (void)experts::HostArena::Unlink(ArenaName(c_, rank));
-  }
+  // The arenas this deployment derived go with it (~DerivedArenas), on this path as on the errors'.
   Log(absl::StrFormat("stopped (%d requests cut off by the drain's end)", cut));
   return 0;
 }

@@ -21,6 +21,9 @@ struct LaunchOptions {
   int node = 0;
   std::string program;  // this binary, which the workers run as `PROGRAM worker`
   bool request_log = true;
+  // The control plane's secret (control_secret.h), handed to the workers and checked on every
+  // call to them and every store connection; empty: a new one for this launch.
+  std::string control_secret;
 };
 
 // Node 0's workers of a deployment, started, joined and loaded (one generation, not supervised):

@@ -4,15 +4,20 @@
 
 #include <atomic>
 #include <csignal>
+#include <cstdlib>
 #include <iostream>
+#include <map>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_format.h"
 #include "cluster_config.h"
 #include "commands.h"
+#include "control_secret.h"
 #include "launcher.h"
 #include "model_loading.h"
+#include "moe/core/status.h"
 #include "moe/runtime/model_executor.h"
 #include "moe/scheduler/frontend.h"
 
@@ -26,8 +31,9 @@ int Fail(const absl::Status& s, int code) {
   return code;
 }
 
-std::atomic<bool> g_stop{false};
-void OnSignal(int) { g_stop.store(true); }
+// SIGTERM and SIGINT received: the first drains, a second ends the drain at once.
+std::atomic<int> g_signals{0};
+void OnSignal(int) { g_signals.fetch_add(1); }
 
 struct ServeFlags {
   std::string model, listen = "127.0.0.1:50051", http = "127.0.0.1:8080";
@@ -37,13 +43,78 @@ struct ServeFlags {
   int drain_seconds = 10;
   bool no_request_log = false;
   std::string tls_cert, tls_key, tls_client_ca, api_key_file;
+  std::vector<std::string> allowed_origins;
   std::string served_model_name, chat_template_file, tool_call_parser, reasoning_parser;
   bool api_key_protect_metrics = false;
   ExpertFlags experts;
   DeviceFlags device;
   std::string config;  // a cluster file: the launcher
   int node = 0;
+  const CLI::App* app = nullptr;  // the command, to ask which flags were given
 };
+
+// The cluster file's key for each flag of one-process serve; "" where a deployment has none yet.
+// Every flag given beside --config but --node and --no-request-log is refused, naming it.
+const std::map<std::string, std::string>& ClusterKeyOfFlag() {
+  static const auto* keys = new std::map<std::string, std::string>{
+      {"--model", "model"},
+      {"--listen", "server.listen"},
+      {"--http", "server.http"},
+      {"--max-seqs", "scheduler.max_seqs"},
+      {"--max-queue", "scheduler.max_queue"},
+      {"--max-batch-tokens", "scheduler.max_batch_tokens"},
+      {"--ctx", "scheduler.ctx"},
+      {"--kv-cache-mb", "scheduler.kv_cache_mb"},
+      {"--kv-cache-dtype", "scheduler.kv_cache_dtype"},
+      {"--max-prompt-tokens", "scheduler.max_prompt_tokens"},
+      {"--drain-seconds", "scheduler.drain_seconds"},
+      {"--max-request-bytes", "server.max_request_bytes"},
+      {"--tls-cert", "server.tls_cert"},
+      {"--tls-key", "server.tls_key"},
+      {"--tls-client-ca", "server.tls_client_ca"},
+      {"--api-key-file", "server.api_key_file"},
+      {"--allowed-origins", "server.allowed_origins"},
+      {"--api-key-protect-metrics", "server.api_key_protect_metrics"},
+      {"--served-model-name", "server.served_model_name"},
+      {"--chat-template-file", "server.chat_template_file"},
+      {"--tool-call-parser", "server.tool_call_parser"},
+      {"--reasoning-parser", "server.reasoning_parser"},
+      {"--threads", "experts.cpu_pool.threads"},
+      {"--expert-threads", "experts.cpu_pool.threads"},
+      {"--expert-format", "experts.cpu_pool.dtype"},
+      {"--expert-group", "experts.cpu_pool.group"},
+      {"--expert-shm", "experts.cpu_pool.shm"},
+      {"--cpu-moe", "experts.cpu_moe"},
+      {"--n-cpu-moe", "experts.n_cpu_moe"},
+      {"--override-tensor", "experts.rules"},
+      {"--defer-experts", "experts.defer"},
+      {"--gpu-experts-per-layer", "experts.gpu_cache.per_layer"},
+      {"--gpu-experts-refresh-steps", "experts.gpu_cache.refresh_steps"},
+      {"--expert-profile", "experts.gpu_cache.profile"},
+      {"--device", "nodes[].gpus"},
+  };
+  return *keys;
+}
+
+// kInvalidArgument naming each flag given beside --config that the cluster file replaces.
+absl::Status CheckFlagsBesideConfig(const CLI::App& app) {
+  std::vector<std::string> refused;
+  for (const CLI::Option* option : app.get_options()) {
+    const std::string name = option->get_name();
+    if (option->count() == 0 || name == "--config" || name == "--node" || name == "--no-request-log" ||
+        name == "--help") {
+      continue;
+    }
+    const auto it = ClusterKeyOfFlag().find(name);
+    refused.push_back(it != ClusterKeyOfFlag().end() && !it->second.empty()
+                          ? absl::StrCat(name, " (the cluster file's ", it->second, " key)")
+                          : absl::StrCat(name, " (a deployment has no setting for it yet)"));
+  }
+  if (refused.empty()) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("--config takes its settings from the cluster file, so it does not honour ",
+                   absl::StrJoin(refused, ", "), "; set them in the file and drop the flags"));
+}
 
 int64_t PhysicalMemoryBytes() {
   const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
@@ -105,10 +176,38 @@ absl::Status PlanKvCache(const ServeFlags& flags, const runtime::ModelSpec& spec
   return absl::OkStatus();
 }
 
+// The control plane's secret: MOESERVE_CONTROL_SECRET, else comm.secret_file, else (one node) a
+// new one for this launch. Several nodes must share one, so they need one of the first two.
+absl::StatusOr<std::string> ControlSecretFor(const ClusterConfig& c) {
+  if (const char* env = std::getenv(kControlSecretEnv); env != nullptr && *env != '\0') {
+    if (std::string(env).size() < 16) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(kControlSecretEnv, " is shorter than 16 characters; use e.g. `openssl rand -hex 32`"));
+    }
+    return std::string(env);
+  }
+  if (!c.secret_file.empty()) {
+    auto secret = ReadControlSecret(c.secret_file);
+    if (!secret.ok()) return core::Annotate(secret.status(), absl::StrCat(c.path, ": comm.secret_file"));
+    return secret;
+  }
+  if (c.nodes.size() > 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        c.path, ": comm.secret_file: the ", c.nodes.size(),
+        " nodes share one control plane, so every node needs the same secret: set comm.secret_file to a file that "
+        "holds it on each node (e.g. `openssl rand -hex 32 > FILE`), or ",
+        kControlSecretEnv, " in each launcher's environment"));
+  }
+  return NewControlSecret();
+}
+
 // `serve --config FILE`: the deployment the cluster file describes, this node's share of it.
 int RunServeConfig(const ServeFlags& flags) {
   if (!flags.model.empty()) {
     return Fail(absl::InvalidArgumentError("--config names the model (its model: key); drop --model"), 2);
+  }
+  if (flags.app != nullptr) {
+    if (absl::Status s = CheckFlagsBesideConfig(*flags.app); !s.ok()) return Fail(s, 2);
   }
   auto config = LoadClusterConfig(flags.config);
   if (!config.ok()) return Fail(config.status(), 2);
@@ -118,7 +217,11 @@ int RunServeConfig(const ServeFlags& flags) {
                                                 config->nodes.size(), " nodes (0 to ", config->nodes.size() - 1, ")")),
         2);
   }
+  if (absl::Status s = CheckThisMachine(*config, flags.node); !s.ok()) return Fail(s, 2);
+  auto secret = ControlSecretFor(*config);
+  if (!secret.ok()) return Fail(secret.status(), 2);
   LaunchOptions options;
+  options.control_secret = *std::move(secret);
   options.node = flags.node;
   options.program = "/proc/self/exe";
   options.request_log = !flags.no_request_log;
@@ -158,6 +261,7 @@ int RunServe(const ServeFlags& flags) {
     return Fail(absl::InvalidArgumentError("--api-key-protect-metrics needs --api-key-file"), 2);
   }
   options.protect_metrics = flags.api_key_protect_metrics;
+  options.allowed_origins = flags.allowed_origins;
   options.model_dir = flags.model;
   options.served_model_name = flags.served_model_name;
   options.chat_template_file = flags.chat_template_file;
@@ -209,11 +313,14 @@ int RunServe(const ServeFlags& flags) {
   std::cout << "serving on port " << (*frontend)->port() << std::endl;
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
-  while (!g_stop.load()) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  while (g_signals.load() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
   std::cerr << absl::StrFormat(
-      "moeserve serve: draining: no new requests; running ones have up to %d s to finish (--drain-seconds)\n",
+      "moeserve serve: draining: no new requests; running ones have up to %d s to finish (--drain-seconds; a "
+      "second SIGTERM or SIGINT ends them now)\n",
       flags.drain_seconds);
-  const int aborted = (*frontend)->Drain(std::chrono::seconds(flags.drain_seconds));
+  const int aborted =
+      (*frontend)->Drain(std::chrono::seconds(flags.drain_seconds), [] { return g_signals.load() > 1; });
+  if (g_signals.load() > 1) std::cerr << "moeserve serve: a second signal: the drain ended at once\n";
   std::cerr << absl::StrFormat("moeserve serve: stopped (%d requests cut off by the drain's end)\n", aborted);
   return 0;
 }
@@ -283,6 +390,10 @@ void AddServeCommand(CLI::App& root, CommandRun* selected) {
   app->add_option("--api-key-file", f->api_key_file,
                   "file of API keys, one per line: gRPC calls need 'authorization: Bearer KEY' metadata and HTTP an "
                   "'Authorization: Bearer KEY' header; keys are never logged");
+  app->add_option("--allowed-origins", f->allowed_origins,
+                  "web pages (Origin, e.g. https://app.example; * for any) that may call the HTTP API from a "
+                  "browser; none by default: a request with another Origin gets 403")
+      ->delimiter(',');
   app->add_flag("--api-key-protect-metrics", f->api_key_protect_metrics,
                 "ask for an API key on /metrics, /health and /ready too (they are open by default)");
   app->add_option("--served-model-name", f->served_model_name,
@@ -297,6 +408,7 @@ void AddServeCommand(CLI::App& root, CommandRun* selected) {
                   "type's; 'none' leaves it in the content");
   f->experts.Add(app);
   f->device.Add(app);
+  f->app = app;
 }
 
 }  // namespace moe::deploy

@@ -14,8 +14,9 @@
 namespace moe::deploy {
 namespace {
 
-// A text file for --text-file: far more than any prompt, far less than memory.
-constexpr size_t kMaxTextFileBytes = size_t{256} << 20;
+// A text file for --text-file: 16 MiB is millions of tokens, more than any context, and bounds
+// the tokenizer's time and memory (its ids and pieces take several times the text).
+constexpr size_t kMaxTextFileBytes = size_t{16} << 20;
 
 struct TokenizeFlags {
   std::string model, text, text_file;

@@ -6,11 +6,14 @@
 #include <atomic>
 #include <chrono>
 #include <csignal>
+#include <cstdlib>
 #include <iostream>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "commands.h"
+#include "control_secret.h"
+#include "moe/scheduler/security.h"
 #include "worker_service.h"
 
 namespace moe::deploy {
@@ -22,16 +25,31 @@ void OnWorkerSignal(int) { g_worker_stop.store(true); }
 struct WorkerFlags {
   std::string listen = "127.0.0.1:0";
   int rank = -1;
+  std::string tls_cert, tls_key, tls_ca;  // mutual TLS on the control service
 };
 
 int RunWorker(const WorkerFlags& flags) {
   const std::string who = flags.rank >= 0 ? absl::StrCat("worker ", flags.rank) : "worker";
   if (absl::Status s = CheckListenAddress(flags.listen, "listen"); !s.ok()) return FailCommand(who, s, 2);
+  // The control plane's secret, from the launcher; gone from the environment once read.
+  const char* env = std::getenv(kControlSecretEnv);
+  const std::string secret = env != nullptr ? env : "";
+  ::unsetenv(kControlSecretEnv);
+  if (secret.size() < 16) {
+    return FailCommand(who,
+                       absl::InvalidArgumentError(absl::StrCat(
+                           kControlSecretEnv, " is not set (or shorter than 16 characters): a worker serves only the "
+                                              "launcher that holds the control plane's secret; start it with serve "
+                                              "--config")),
+                       2);
+  }
   std::atomic<bool> shutdown{false};
-  WorkerService service([&shutdown] { shutdown.store(true); });
+  WorkerService service([&shutdown] { shutdown.store(true); }, secret);
+  auto credentials = scheduler::GrpcServerCredentials({flags.tls_cert, flags.tls_key, flags.tls_ca});
+  if (!credentials.ok()) return FailCommand(who, credentials.status(), 2);
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(flags.listen, grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(flags.listen, *credentials, &port);
   builder.SetMaxReceiveMessageSize(256 << 20);
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
@@ -58,6 +76,9 @@ void AddWorkerCommand(CLI::App& root, CommandRun* selected) {
       [f] { return RunWorker(*f); }, selected);
   app->add_option("--listen", f->listen, "HOST:PORT to serve on (port 0 picks a free one)")->capture_default_str();
   app->add_option("--rank", f->rank, "the rank the launcher started it as (names it in its error messages)");
+  app->add_option("--tls-cert", f->tls_cert, "PEM certificate of this node (mutual TLS on the control service)");
+  app->add_option("--tls-key", f->tls_key, "PEM private key of --tls-cert");
+  app->add_option("--tls-ca", f->tls_ca, "PEM CA that signs the launchers' certificates (required of every caller)");
 }
 
 }  // namespace moe::deploy

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "control_secret.h"
 #include "model_loading.h"
 #include "moe/comm/gloo_communicator.h"
 #include "moe/core/progress.h"
@@ -66,7 +67,20 @@ void WorkerService::SetState(State state, std::string detail) {
   detail_ = std::move(detail);
 }
 
-grpc::Status WorkerService::Init(grpc::ServerContext*, const pb::InitRequest* request, pb::InitResponse* response) {
+grpc::Status WorkerService::Authorize(const grpc::ServerContext& context) const {
+  const auto& metadata = context.client_metadata();
+  const auto it = metadata.find(kControlSecretMetadata);
+  if (it != metadata.end() && SecretsMatch(secret_, std::string_view(it->second.data(), it->second.size()))) {
+    return grpc::Status::OK;
+  }
+  return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                      absl::StrCat(it == metadata.end() ? "no" : "a wrong", " control-plane secret from ",
+                                   context.peer(), ": only this deployment's launcher may call its workers"));
+}
+
+grpc::Status WorkerService::Init(grpc::ServerContext* context, const pb::InitRequest* request,
+                                 pb::InitResponse* response) {
+  if (grpc::Status auth = Authorize(*context); !auth.ok()) return auth;
   absl::MutexLock lock(&mu_);
   const pb::ParallelPlan& p = request->parallel();
   if (initialized_) {
@@ -91,6 +105,7 @@ grpc::Status WorkerService::Init(grpc::ServerContext*, const pb::InitRequest* re
         o.rank = p.rank();
         o.size = size;
         o.store_address = c.rendezvous();
+        o.store_secret = secret_;
         if (!c.host().empty()) o.host = c.host();
         o.prefix = c.prefix().empty() ? "moe" : c.prefix();
         if (c.timeout_ms() > 0) o.timeout = absl::Milliseconds(c.timeout_ms());
@@ -118,8 +133,9 @@ grpc::Status WorkerService::Init(grpc::ServerContext*, const pb::InitRequest* re
   return grpc::Status::OK;
 }
 
-grpc::Status WorkerService::Load(grpc::ServerContext*, const pb::LoadRequest*,
+grpc::Status WorkerService::Load(grpc::ServerContext* context, const pb::LoadRequest*,
                                  grpc::ServerWriter<pb::LoadProgress>* writer) {
+  if (grpc::Status auth = Authorize(*context); !auth.ok()) return auth;
   pb::InitRequest init;
   {
     absl::MutexLock lock(&mu_);
@@ -268,8 +284,9 @@ bool WorkerService::RunStep(const pb::StepRequest& request, pb::StepResult* resu
   return true;
 }
 
-grpc::Status WorkerService::Execute(grpc::ServerContext*,
+grpc::Status WorkerService::Execute(grpc::ServerContext* context,
                                     grpc::ServerReaderWriter<pb::StepResult, pb::StepRequest>* stream) {
+  if (grpc::Status auth = Authorize(*context); !auth.ok()) return auth;
   if (executor_ == nullptr) return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "Load first");
   if (executing_.exchange(true)) {
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "another Execute stream is open");
@@ -289,16 +306,18 @@ grpc::Status WorkerService::Execute(grpc::ServerContext*,
   return status;
 }
 
-grpc::Status WorkerService::Health(grpc::ServerContext*, const pb::WorkerHealthRequest*,
+grpc::Status WorkerService::Health(grpc::ServerContext* context, const pb::WorkerHealthRequest*,
                                    pb::WorkerHealthResponse* response) {
+  if (grpc::Status auth = Authorize(*context); !auth.ok()) return auth;
   absl::MutexLock lock(&mu_);
   response->set_state(state_);
   response->set_detail(detail_);
   return grpc::Status::OK;
 }
 
-grpc::Status WorkerService::Stats(grpc::ServerContext*, const pb::WorkerStatsRequest*,
+grpc::Status WorkerService::Stats(grpc::ServerContext* context, const pb::WorkerStatsRequest*,
                                   pb::WorkerStatsResponse* response) {
+  if (grpc::Status auth = Authorize(*context); !auth.ok()) return auth;
   response->set_steps(steps_.load());
   response->set_failed_steps(failed_steps_.load());
   response->set_step_seconds(step_seconds_.load());
@@ -306,7 +325,9 @@ grpc::Status WorkerService::Stats(grpc::ServerContext*, const pb::WorkerStatsReq
   return grpc::Status::OK;
 }
 
-grpc::Status WorkerService::Shutdown(grpc::ServerContext*, const pb::ShutdownRequest*, pb::ShutdownResponse*) {
+grpc::Status WorkerService::Shutdown(grpc::ServerContext* context, const pb::ShutdownRequest*,
+                                     pb::ShutdownResponse*) {
+  if (grpc::Status auth = Authorize(*context); !auth.ok()) return auth;
   // After this reply has gone out.
   std::thread([shutdown = shutdown_] {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));

@@ -23,8 +23,10 @@ namespace moe::deploy {
 
 class WorkerService final : public moeserve::v1::Worker::Service {
  public:
-  // `shutdown` ends the process's server (called once Shutdown has answered).
-  explicit WorkerService(std::function<void()> shutdown) : shutdown_(std::move(shutdown)) {}
+  // `shutdown` ends the process's server (called once Shutdown has answered). Every call must
+  // carry `secret` (the control plane's) as kControlSecretMetadata: UNAUTHENTICATED otherwise.
+  WorkerService(std::function<void()> shutdown, std::string secret)
+      : shutdown_(std::move(shutdown)), secret_(std::move(secret)) {}
   ~WorkerService() override;
 
   grpc::Status Init(grpc::ServerContext* context, const moeserve::v1::InitRequest* request,
@@ -42,12 +44,14 @@ class WorkerService final : public moeserve::v1::Worker::Service {
 
  private:
   using State = moeserve::v1::WorkerHealthResponse::State;
+  grpc::Status Authorize(const grpc::ServerContext& context) const;
   void SetState(State state, std::string detail);
   // One step: decoded, run, answered. A broken communicator ends the stream (the group must be
   // restarted); any other error fails that step only.
   bool RunStep(const moeserve::v1::StepRequest& request, moeserve::v1::StepResult* result);
 
   std::function<void()> shutdown_;
+  const std::string secret_;
   absl::Mutex mu_;  // Init and Load, and the state
   State state_ ABSL_GUARDED_BY(mu_) = moeserve::v1::WorkerHealthResponse::STARTING;
   std::string detail_ ABSL_GUARDED_BY(mu_);

@@ -130,6 +130,7 @@ absl::StatusOr<std::unique_ptr<HostArena>> HostArena::OpenShared(const std::stri
   const int parts = static_cast<int>(std::clamp<size_t>(data / std::max<size_t>(min_part_bytes, 1), 1, kMaxParts));
   const size_t part_bytes = RoundUp((data + parts - 1) / parts, kHugePage);
   std::unique_ptr<HostArena> arena(new HostArena());
+  bool replaced = false;  // a segment of other weights was there
   for (int attempt = 0; attempt < 2; ++attempt) {
     int fd = ::shm_open(path.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
     const bool created = fd >= 0;
@@ -152,17 +153,31 @@ absl::StatusOr<std::unique_ptr<HostArena>> HostArena::OpenShared(const std::stri
                                                    "stays so, remove /dev/shm", path, "*)"));
       }
       const bool ours = std::memcmp(seen.magic, kMagic, 8) == 0 && seen.version == kVersion;
-      if (!ours || seen.key != key || seen.bytes != bytes || seen.parts < 1 || seen.parts > kMaxParts ||
-          seen.parts * seen.part_bytes < bytes ||
+      if (!ours || seen.parts < 1 || seen.parts > kMaxParts ||
           static_cast<size_t>(st.st_size) != kHugePage + seen.part_bytes) {
         ::close(fd);
         return absl::FailedPreconditionError(absl::StrCat(
-            "shared memory ", path, " holds other expert weights (another model, format or layout); remove it ",
+            "shared memory ", path, " is not an expert arena of this moeserve version; remove it ",
             "with `rm /dev/shm", path, "*` or choose another name"));
       }
-      if (seen.ready.load(std::memory_order_acquire) == 0) {
+      const bool creator_alive = ::kill(static_cast<pid_t>(seen.creator_pid), 0) == 0 || errno == EPERM;
+      const bool complete = seen.ready.load(std::memory_order_acquire) != 0;
+      if (seen.key != key || seen.bytes != bytes || seen.parts * seen.part_bytes < bytes) {
+        // Other weights (the model's files changed, another format or split): never served; it is
+        // replaced. Processes that mapped it keep their copy until they unmap it.
         ::close(fd);
-        const bool creator_alive = ::kill(static_cast<pid_t>(seen.creator_pid), 0) == 0 || errno == EPERM;
+        if (!complete && creator_alive) {
+          return absl::UnavailableError(absl::StrCat("shared memory ", path, " is being filled with other expert ",
+                                                     "weights by process ", seen.creator_pid,
+                                                     "; try again when it is done, or choose another name"));
+        }
+        ::shm_unlink(path.c_str());
+        UnlinkOtherParts(path);
+        replaced = true;
+        continue;
+      }
+      if (!complete) {
+        ::close(fd);
         if (creator_alive) {
           return absl::UnavailableError(absl::StrCat("shared memory ", path, " is still being filled by process ",
                                                      seen.creator_pid, "; try again when it is done"));
@@ -224,7 +239,9 @@ absl::StatusOr<std::unique_ptr<HostArena>> HostArena::OpenShared(const std::stri
     arena->data_ = aligned + kHugePage;
     arena->size_ = bytes;
     arena->page_kind_ = absl::StrCat("shared memory ", path, n_parts > 1 ? absl::StrCat(" in ", n_parts, " parts") : "",
-                                     created ? " (created)" : " (attached)");
+                                     !created   ? " (attached)"
+                                     : replaced ? " (created, replacing a segment of other expert weights)"
+                                                : " (created)");
     return arena;
   }
   return absl::UnavailableError(absl::StrCat("shared memory ", path, ": could not replace a stale segment"));

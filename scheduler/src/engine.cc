@@ -7,12 +7,13 @@
 
 namespace moe::scheduler {
 
-void Stream::Push(Output out, Clock::time_point now, Metrics* metrics) {
+void Stream::Push(Output out, Clock::time_point step_start, Clock::time_point now, Metrics* metrics) {
   auto seconds = [](Clock::duration d) { return std::chrono::duration<double>(d).count(); };
   absl::MutexLock lock(&mu_);
   if (out.admitted && !admitted_) {
-    admitted_ = now;
-    if (metrics != nullptr) metrics->queue_seconds.Observe(seconds(now - arrival_));
+    // Queue time ends when the first step that works on the request starts, not when it ends.
+    admitted_ = step_start;
+    if (metrics != nullptr) metrics->queue_seconds.Observe(seconds(step_start - arrival_));
   }
   if (!out.new_tokens.empty()) {
     if (metrics != nullptr) {
@@ -116,7 +117,8 @@ int Engine::Stop() {
     Output out = OutputFor(id);
     out.finished = FinishReason::kAborted;
     out.error = reason;
-    stream->Push(std::move(out), Clock::now(), &metrics_);
+    const Clock::time_point now = Clock::now();
+    stream->Push(std::move(out), now, now, &metrics_);
   }
   streams_.clear();
   absl::MutexLock lock(&mu_);
@@ -149,7 +151,14 @@ absl::StatusOr<std::shared_ptr<Stream>> Engine::Submit(Request request) {
 bool Engine::Abort(const std::string& id) {
   absl::MutexLock lock(&mu_);
   if (live_.count(id) == 0) return false;
-  aborts_.push_back(id);
+  aborts_.push_back({id, FinishReason::kAborted});
+  return true;
+}
+
+bool Engine::FinishByStopString(const std::string& id) {
+  absl::MutexLock lock(&mu_);
+  if (live_.count(id) == 0) return false;
+  aborts_.push_back({id, FinishReason::kStopString});
   return true;
 }
 
@@ -160,7 +169,7 @@ SchedulerStats Engine::stats() const {
 
 void Engine::DrainInbox() {
   std::deque<PendingAdd*> adds;
-  std::vector<std::string> aborts;
+  std::vector<std::pair<std::string, FinishReason>> aborts;
   {
     absl::MutexLock lock(&mu_);
     adds.swap(adds_);
@@ -181,7 +190,7 @@ void Engine::DrainInbox() {
     absl::MutexLock lock(&mu_);
     inbox_in_hand_ = false;
   }
-  for (const std::string& id : aborts) scheduler_.Abort(id);
+  for (const auto& [id, reason] : aborts) scheduler_.Abort(id, reason);
 }
 
 void Engine::Loop() {
@@ -206,7 +215,7 @@ void Engine::Loop() {
         finished.push_back(out.id);
         streams_.erase(it);
       }
-      stream->Push(std::move(out), now, &metrics_);
+      stream->Push(std::move(out), start, now, &metrics_);
     }
     absl::MutexLock lock(&mu_);
     for (const std::string& id : finished) live_.erase(id);

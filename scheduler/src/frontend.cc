@@ -3,12 +3,16 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <sys/random.h>
 
+#include <algorithm>
 #include <atomic>
 #include <iostream>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "moe/core/json.h"
 #include "moe/core/status.h"
@@ -26,6 +30,19 @@ namespace {
 
 namespace pb = ::moeserve::v1;
 
+// `bytes` random bytes from the kernel, in hex: request ids nobody can guess.
+std::string RandomHex(size_t bytes) {
+  std::string raw(bytes, '\0');
+  size_t got = 0;
+  while (got < bytes) {
+    const ssize_t n = ::getrandom(raw.data() + got, bytes - got, 0);
+    if (n > 0) got += static_cast<size_t>(n);
+  }
+  std::string hex;
+  for (unsigned char c : raw) absl::StrAppendFormat(&hex, "%02x", c);
+  return hex;
+}
+
 grpc::Status ToGrpc(const absl::Status& s) {
   if (s.ok()) return grpc::Status::OK;
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
@@ -39,6 +56,8 @@ pb::FinishReason ToProto(FinishReason r) {
       return pb::FINISH_REASON_EOS;
     case FinishReason::kStopToken:
       return pb::FINISH_REASON_STOP_TOKEN;
+    case FinishReason::kStopString:
+      return pb::FINISH_REASON_STOP_STRING;
     case FinishReason::kAborted:
     case FinishReason::kDeadline:
       return pb::FINISH_REASON_ABORTED;
@@ -85,6 +104,19 @@ class GenerationService final : public pb::Generation::Service {
     return status;
   }
 
+  grpc::Status AuthorizeReflection(const grpc::ServerContext& context) {
+    grpc::Status status = Authorize(context);
+    return status.ok() ? status : Rejected(status);
+  }
+
+  // Who made a call, for Abort: the authorization it carried (the API key), "" without keys.
+  std::string Caller(const grpc::ServerContext& context) const {
+    if (keys_ == nullptr || keys_->empty()) return "";
+    const auto& metadata = context.client_metadata();
+    const auto it = metadata.find("authorization");
+    return it == metadata.end() ? "" : std::string(it->second.data(), it->second.size());
+  }
+
   // UNAUTHENTICATED unless the call carries `authorization: Bearer KEY` for a key (when keys are set).
   grpc::Status Authorize(const grpc::ServerContext& context) {
     if (keys_ == nullptr || keys_->empty()) return grpc::Status::OK;
@@ -103,10 +135,22 @@ class GenerationService final : public pb::Generation::Service {
   grpc::Status Generate(grpc::ServerContext* context, const pb::GenerateRequest* in,
                         grpc::ServerWriter<pb::GenerateResponse>* writer) override {
     const Clock::time_point arrival = Clock::now();
-    const std::string id = in->request_id().empty() ? absl::StrCat("req-", next_id_++) : in->request_id();
+    const std::string id = in->request_id().empty() ? absl::StrCat("req-", RandomHex(16)) : in->request_id();
     Served served;
     grpc::Status status = Authorize(*context);
-    if (status.ok()) status = Run(context, *in, id, writer, &served);
+    const std::string owner = Caller(*context);
+    if (status.ok()) {
+      bool mine = false;  // a live id stays its first owner's; the engine refuses the duplicate
+      {
+        absl::MutexLock lock(&owners_mu_);
+        mine = owners_.emplace(id, owner).second;
+      }
+      status = Run(context, *in, id, writer, &served);
+      if (mine) {
+        absl::MutexLock lock(&owners_mu_);
+        owners_.erase(id);
+      }
+    }
     // A request the engine never took (refused, or the call's metadata was wrong) counts as rejected.
     if (!status.ok() && served.stream == nullptr) {
       engine_.CountRejected(static_cast<absl::StatusCode>(status.error_code()));
@@ -117,6 +161,14 @@ class GenerationService final : public pb::Generation::Service {
 
   grpc::Status Abort(grpc::ServerContext* context, const pb::AbortRequest* in, pb::AbortResponse*) override {
     if (grpc::Status auth = Authorize(*context); !auth.ok()) return Rejected(auth);
+    {
+      // Only the key that made a request may abort it; to any other the id is as unknown.
+      absl::MutexLock lock(&owners_mu_);
+      const auto it = owners_.find(in->request_id());
+      if (it == owners_.end() || it->second != Caller(*context)) {
+        return grpc::Status(grpc::StatusCode::NOT_FOUND, "no live request '" + in->request_id() + "'");
+      }
+    }
     if (!engine_.Abort(in->request_id())) {
       return grpc::Status(grpc::StatusCode::NOT_FOUND, "no live request '" + in->request_id() + "'");
     }
@@ -133,6 +185,7 @@ class GenerationService final : public pb::Generation::Service {
     out->set_experts_per_token(model.experts_per_token);
     out->set_placement(placement_);
     out->set_version("0.1.0");
+    out->mutable_eos_token_ids()->Add(engine_.config().eos_token_ids.begin(), engine_.config().eos_token_ids.end());
     return grpc::Status::OK;
   }
 
@@ -234,7 +287,7 @@ class GenerationService final : public pb::Generation::Service {
         if (out.logprobs.size() > taken) out.logprobs.resize(taken);
         if (text->stopped()) {
           stopped_by_string = true;
-          engine_.Abort(id);
+          engine_.FinishByStopString(id);
         }
       } else if (stopped_by_string) {
         out.new_tokens.clear();
@@ -353,7 +406,9 @@ class GenerationService final : public pb::Generation::Service {
   const std::string placement_;
   RequestLog& log_;
   const ApiKeys* keys_;  // not owned; null: no keys asked for
-  std::atomic<int64_t> next_id_{1};
+  absl::Mutex owners_mu_;
+  // Live requests' ids and the authorization that made each.
+  absl::flat_hash_map<std::string, std::string> owners_ ABSL_GUARDED_BY(owners_mu_);
 };
 
 }  // namespace
@@ -454,6 +509,7 @@ absl::StatusOr<std::unique_ptr<Frontend>> Frontend::Create(const FrontendOptions
     http.tls = options.tls;
     http.api_keys = options.api_keys.get();
     http.protect_metrics = options.protect_metrics;
+    http.allowed_origins = options.allowed_origins;
     http.max_request_bytes = static_cast<size_t>(options.max_request_bytes);
     Impl* raw = impl.get();
     http.render_metrics = [raw] { return raw->RenderMetrics(); };  // /health: 503 "loading" until Serve
@@ -497,11 +553,17 @@ absl::Status Frontend::Serve(std::unique_ptr<runtime::Executor> executor) {
   impl.engine = std::move(*engine);
   impl.service = std::make_unique<GenerationService>(*impl.engine, *impl.text, options.placement, *impl.log,
                                                      options.api_keys.get());
+  // Reflection follows the API keys: with keys, v1 asks for one as every other call does, and
+  // gRPC's own v1alpha (which cannot be asked to) is not served.
+  const bool keyed = options.api_keys != nullptr && !options.api_keys->empty();
+  std::vector<std::string> listed = {kGenerationService, "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection"};
+  if (!keyed) listed.push_back("grpc.reflection.v1alpha.ServerReflection");
   impl.reflection_v1 = std::make_unique<internal::ReflectionV1Service>(
-      std::vector<std::string>{kGenerationService, "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
-                               "grpc.reflection.v1alpha.ServerReflection"});
+      std::move(listed), [service = impl.service.get()](const grpc::ServerContext& context) {
+        return service->AuthorizeReflection(context);
+      });
   grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  if (!keyed) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   // No port sharing: a second server on a port in use must fail, not split the clients.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
@@ -556,7 +618,7 @@ void Frontend::set_extra_metrics(std::function<std::string()> render) {
   impl_->extra_metrics = std::move(render);
 }
 
-int Frontend::Drain(std::chrono::milliseconds grace) {
+int Frontend::Drain(std::chrono::milliseconds grace, const std::function<bool()>& cut_short) {
   if (impl_ == nullptr) return 0;
   if (impl_->http != nullptr) impl_->http->set_state(ServingState::kDraining);
   if (impl_->server == nullptr) {
@@ -567,7 +629,11 @@ int Frontend::Drain(std::chrono::milliseconds grace) {
   health->SetServingStatus(false);
   health->SetServingStatus(kGenerationService, false);
   impl_->engine->StopAccepting();
-  impl_->engine->WaitIdle(Clock::now() + grace);
+  // In slices, so that `cut_short` (a second SIGTERM) ends the wait within one.
+  const Clock::time_point deadline = Clock::now() + grace;
+  while (!impl_->engine->WaitIdle(std::min(deadline, Clock::now() + std::chrono::milliseconds(50))) &&
+         Clock::now() < deadline && !(cut_short && cut_short())) {
+  }
   const int cut = impl_->engine->Stop();
   Shutdown();
   return cut;

@@ -1,10 +1,14 @@
 #include "moe/scheduler/http_server.h"
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <netinet/in.h>
 #include <openssl/ssl.h>
+#include <linux/sockios.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <deque>
@@ -16,10 +20,12 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "moe/core/status.h"
+#include "http_connection.h"
 #include "moe/scheduler/listen_address.h"
 #include "nlohmann/json.hpp"
 
@@ -149,6 +155,44 @@ std::string BindErrorText(int err) {
 
 }  // namespace
 
+int ConnectionSocketOf(const httplib::Request& request) {
+  DIR* dir = ::opendir("/proc/self/fd");
+  if (dir == nullptr) return -1;
+  int found = -1;
+  while (const dirent* e = ::readdir(dir)) {
+    int fd = -1;
+    if (!absl::SimpleAtoi(e->d_name, &fd) || fd < 0) continue;
+    sockaddr_storage peer{}, local{};
+    socklen_t peer_len = sizeof(peer), local_len = sizeof(local);
+    if (::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &peer_len) != 0 ||
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &local_len) != 0) {
+      continue;
+    }
+    char host[INET6_ADDRSTRLEN] = {};
+    int peer_port = 0, local_port = 0;
+    if (peer.ss_family == AF_INET) {
+      const auto* p = reinterpret_cast<const sockaddr_in*>(&peer);
+      ::inet_ntop(AF_INET, &p->sin_addr, host, sizeof(host));
+      peer_port = ntohs(p->sin_port);
+      local_port = ntohs(reinterpret_cast<const sockaddr_in*>(&local)->sin_port);
+    } else if (peer.ss_family == AF_INET6) {
+      const auto* p = reinterpret_cast<const sockaddr_in6*>(&peer);
+      ::inet_ntop(AF_INET6, &p->sin6_addr, host, sizeof(host));
+      peer_port = ntohs(p->sin6_port);
+      local_port = ntohs(reinterpret_cast<const sockaddr_in6*>(&local)->sin6_port);
+    } else {
+      continue;
+    }
+    if (peer_port == request.remote_port && host == request.remote_addr &&
+        (request.local_port <= 0 || local_port == request.local_port)) {
+      found = fd;
+      break;
+    }
+  }
+  ::closedir(dir);
+  return found;
+}
+
 void SetJsonError(httplib::Response& response, int status, std::string_view message, std::string_view type,
                   std::string_view param) {
   const nlohmann::json body = {{"error",
@@ -157,7 +201,8 @@ void SetJsonError(httplib::Response& response, int status, std::string_view mess
                                  {"param", param.empty() ? nlohmann::json() : nlohmann::json(std::string(param))},
                                  {"code", status}}}};
   response.status = status;
-  response.set_content(body.dump(), "application/json");
+  // A message may quote what a client sent, which need not be UTF-8: never a throw from dump().
+  response.set_content(body.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace), "application/json");
 }
 
 HttpServer::HttpServer() = default;
@@ -182,6 +227,101 @@ absl::Status HttpServer::Handle(std::string_view method_view, const std::string&
   }
   routes_.push_back(Route{method, pattern, std::move(handler)});
   return absl::OkStatus();
+}
+
+namespace {
+
+// Ends connection `fd` once the answer being written now has reached the client: after it is
+// acknowledged (the send queue empty), what the client sent beyond it is discarded and the socket
+// shut for reading, so the server's loop sees the end and closes it (a close with unread data
+// would reset the connection, and the client could lose the answer). On a duplicate of `fd`, so
+// that a descriptor closed and reused meanwhile is never touched; bounded to 2 s.
+void CloseAfterTheAnswer(int fd) {
+  const int mine = fd >= 0 ? ::dup(fd) : -1;
+  if (mine < 0) return;
+  std::thread([mine] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the answer is written meanwhile
+    for (int i = 0; i < 200; ++i) {
+      int unacked = 0;
+      if (::ioctl(mine, SIOCOUTQ, &unacked) != 0 || unacked == 0) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    char discard[4096];
+    while (::recv(mine, discard, sizeof(discard), MSG_DONTWAIT) > 0) {
+    }
+    ::shutdown(mine, SHUT_RD);
+    ::close(mine);
+  }).detach();
+}
+
+// "host" of "host:port", "[v6]:port", "[v6]" or "host".
+std::string HostOf(const std::string& authority) {
+  if (!authority.empty() && authority[0] == '[') return authority.substr(0, authority.find(']') + 1);
+  return authority.substr(0, authority.find(':'));
+}
+
+bool IsLoopbackName(const std::string& host) {
+  const std::string h = absl::AsciiStrToLower(host);
+  return h == "localhost" || h == "[::1]" || h.rfind("127.", 0) == 0 || absl::EndsWith(h, ".localhost");
+}
+
+}  // namespace
+
+bool HttpServer::Screen(const httplib::Request& request, httplib::Response& response) const {
+  const auto refuse = [&](int status, const std::string& message) {
+    SetJsonError(response, status, message, "invalid_request_error");
+    // What follows on this connection cannot be trusted: no more of it is read (cpp-httplib 0.11
+    // keeps a connection by the request's headers alone, so its socket is shut for reading; the
+    // answer still goes out).
+    response.set_header("Connection", "close");
+    if (auto* plain = dynamic_cast<internal::PipelinedServer*>(server_.get())) {
+      plain->MarkForClose(request);
+    } else {
+      CloseAfterTheAnswer(ConnectionSocketOf(request));
+    }
+    return true;
+  };
+  // HTTP/1.0 closes after each response unless the client asked to keep the connection.
+  if (request.version == "HTTP/1.0" && !absl::EqualsIgnoreCase(request.get_header_value("Connection"), "keep-alive")) {
+    response.set_header("Connection", "close");
+  }
+  // RFC 9112 6.3: one length, and never a length beside a transfer coding (request smuggling).
+  const size_t lengths = request.get_header_value_count("Content-Length");
+  for (size_t i = 1; i < lengths; ++i) {
+    if (request.get_header_value("Content-Length", i) != request.get_header_value("Content-Length", 0)) {
+      return refuse(400, "conflicting Content-Length headers (RFC 9112 6.3): send one");
+    }
+  }
+  if (lengths > 0 && request.has_header("Transfer-Encoding")) {
+    return refuse(400, "Content-Length together with Transfer-Encoding (RFC 9112 6.1): send one of them");
+  }
+  // A loopback listener answers only loopback names: a web page whose name was rebound to
+  // 127.0.0.1 (DNS rebinding) sends its own name as the Host.
+  if (loopback_ && request.has_header("Host") && !IsLoopbackName(HostOf(request.get_header_value("Host")))) {
+    return refuse(403, absl::StrCat("Host '", request.get_header_value("Host"),
+                                    "' is not this server's: a loopback listener answers localhost, 127.0.0.1 and "
+                                    "[::1] only"));
+  }
+  if (!request.has_header("Origin")) return false;  // not a browser's cross-site call
+  const std::string origin = request.get_header_value("Origin");
+  const auto& allowed = options_.allowed_origins;
+  const bool ok = std::find(allowed.begin(), allowed.end(), "*") != allowed.end() ||
+                  std::find(allowed.begin(), allowed.end(), origin) != allowed.end();
+  if (!ok) {
+    return refuse(403, absl::StrCat("Origin '", origin,
+                                    "' may not call this server (start it with --allowed-origins to let a web page "
+                                    "call it)"));
+  }
+  response.set_header("Access-Control-Allow-Origin", origin);
+  response.set_header("Vary", "Origin");
+  if (request.method == "OPTIONS") {  // a CORS preflight
+    response.status = 204;
+    response.set_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS");
+    response.set_header("Access-Control-Allow-Headers", "Authorization, Content-Type");
+    response.set_header("Access-Control-Max-Age", "600");
+    return true;
+  }
+  return false;
 }
 
 bool HttpServer::Authorized(const httplib::Request& request) const {
@@ -271,7 +411,7 @@ absl::Status HttpServer::Start(const HttpServerOptions& options) {
                                                    ": max_connections and max_requests_per_connection must be > 0"));
   }
   if (options.read_timeout.count() <= 0 || options.write_timeout.count() <= 0 ||
-      options.keep_alive_timeout.count() <= 0) {
+      options.keep_alive_timeout.count() <= 0 || options.head_timeout.count() <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("HTTP server on ", options.listen, ": read, write and keep-alive timeouts must be > 0"));
   }
@@ -289,7 +429,7 @@ absl::Status HttpServer::Start(const HttpServerOptions& options) {
     }
     server_ = std::move(tls_server);
   } else {
-    server_ = std::make_unique<httplib::Server>();
+    server_ = std::make_unique<internal::PipelinedServer>(options_.head_timeout);
   }
   httplib::Server& server = *server_;
   // httplib creates the listening socket inside bind_to_port; the socket-options hook is the one
@@ -325,6 +465,13 @@ absl::Status HttpServer::Start(const HttpServerOptions& options) {
         std::cerr << "http: " << request.method << " " << request.path << " failed: " << what << "\n";
         SetJsonError(response, 500, "internal error while serving the request", "server_error");
       });
+  if (auto parsed = ParseListenAddress(options.listen); parsed.ok()) {
+    loopback_ = IsLoopbackName(parsed->host) || parsed->host == "::1";
+  }
+  server.set_pre_routing_handler([this](const httplib::Request& request, httplib::Response& response) {
+    return Screen(request, response) ? httplib::Server::HandlerResponse::Handled
+                                     : httplib::Server::HandlerResponse::Unhandled;
+  });
   AddBuiltinRoutes();
   for (Route& route : routes_) {
     Handler guarded = Guarded(std::move(route.handler));

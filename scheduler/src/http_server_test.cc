@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <poll.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -406,6 +407,184 @@ TEST_F(HttpTlsTest, BadTlsFilesFailFromStart) {
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(status.message(), HasSubstr(pki_.Path("client.key")));
   EXPECT_EQ(server_.port(), 0);
+}
+
+}  // namespace
+}  // namespace moe::scheduler
+
+namespace moe::scheduler {
+namespace {
+
+// Sends `raw` on a new connection and reads until the server closes it (or 10 s of silence);
+// `closed` says which.
+std::string RawExchange(int port, const std::string& raw, bool* closed) {
+  const int fd = moe::test_socket::ConnectLoopback(port);
+  if (fd < 0) return "";
+  ::send(fd, raw.data(), raw.size(), MSG_NOSIGNAL);
+  std::string got;
+  char buf[4096];
+  *closed = false;
+  for (;;) {
+    const ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+    if (n == 0) *closed = true;
+    if (n <= 0) break;
+    got.append(buf, static_cast<size_t>(n));
+  }
+  ::close(fd);
+  return got;
+}
+
+HttpServerOptions EchoOptions() {
+  HttpServerOptions options = MetricsOptions();
+  options.keep_alive_timeout = std::chrono::seconds(5);
+  return options;
+}
+
+// RFC 9112's framing rules: conflicting lengths, or a length beside a transfer coding, are 400
+// and end the connection, so that nothing smuggled after them is read as a request.
+TEST(HttpServerTest, AmbiguousFramingIs400AndClosesTheConnection) {
+  HttpServer server;
+  ASSERT_TRUE(server.Handle("POST", "/echo", [](const httplib::Request& request, httplib::Response& response) {
+                      response.set_content(absl::StrCat(request.body.size()), "text/plain");
+                    }).ok());
+  ASSERT_TRUE(server.Start(EchoOptions()).ok());
+  const std::string smuggled = "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
+  bool closed = false;
+  const std::string two_lengths = RawExchange(
+      server.port(),
+      absl::StrCat("POST /echo HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 5\r\nContent-Length: ",
+                   5 + smuggled.size(), "\r\n\r\nhello", smuggled),
+      &closed);
+  EXPECT_THAT(two_lengths, StartsWith("HTTP/1.1 400"));
+  EXPECT_THAT(two_lengths, HasSubstr("conflicting Content-Length headers"));
+  EXPECT_THAT(two_lengths, ::testing::Not(HasSubstr(kMetricsText))) << "a smuggled request was answered";
+  EXPECT_TRUE(closed);
+  const std::string length_and_chunked = RawExchange(
+      server.port(),
+      "POST /echo HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n"
+      "5\r\nhello\r\n0\r\n\r\n",
+      &closed);
+  EXPECT_THAT(length_and_chunked, StartsWith("HTTP/1.1 400"));
+  EXPECT_THAT(length_and_chunked, HasSubstr("Content-Length together with Transfer-Encoding"));
+  EXPECT_TRUE(closed);
+  // One length given twice alike is one length.
+  const std::string same = RawExchange(
+      server.port(),
+      "POST /echo HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 5\r\nContent-Length: 5\r\nConnection: close\r\n\r\n"
+      "hello",
+      &closed);
+  EXPECT_THAT(same, StartsWith("HTTP/1.1 200"));
+}
+
+// A loopback server answers only loopback Host names (DNS rebinding), and a web page's Origin only
+// when --allowed-origins lists it (none by default); its CORS preflight is answered then.
+TEST(HttpServerTest, HostOriginAndPreflight) {
+  HttpServer closed_server;
+  ASSERT_TRUE(closed_server.Start(EchoOptions()).ok());
+  bool closed = false;
+  const std::string rebound = RawExchange(
+      closed_server.port(), "GET /metrics HTTP/1.1\r\nHost: evil.example:8080\r\nConnection: close\r\n\r\n", &closed);
+  EXPECT_THAT(rebound, StartsWith("HTTP/1.1 403"));
+  EXPECT_THAT(rebound, HasSubstr("is not this server's"));
+  const std::string page = RawExchange(
+      closed_server.port(),
+      "GET /metrics HTTP/1.1\r\nHost: localhost:1\r\nOrigin: https://evil.example\r\nConnection: close\r\n\r\n",
+      &closed);
+  EXPECT_THAT(page, StartsWith("HTTP/1.1 403"));
+  EXPECT_THAT(page, HasSubstr("Origin 'https://evil.example' may not call this server"));
+  const std::string preflight_refused = RawExchange(
+      closed_server.port(),
+      "OPTIONS /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: https://evil.example\r\n"
+      "Access-Control-Request-Method: POST\r\nConnection: close\r\n\r\n",
+      &closed);
+  EXPECT_THAT(preflight_refused, StartsWith("HTTP/1.1 403"));
+  const std::string plain = RawExchange(
+      closed_server.port(), "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n", &closed);
+  EXPECT_THAT(plain, StartsWith("HTTP/1.1 200"));
+  EXPECT_THAT(plain, ::testing::Not(HasSubstr("Access-Control-Allow-Origin")));
+
+  HttpServer open_server;
+  HttpServerOptions options = EchoOptions();
+  options.allowed_origins = {"https://app.example"};
+  ASSERT_TRUE(open_server.Start(options).ok());
+  const std::string preflight = RawExchange(
+      open_server.port(),
+      "OPTIONS /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: https://app.example\r\n"
+      "Access-Control-Request-Method: POST\r\nConnection: close\r\n\r\n",
+      &closed);
+  EXPECT_THAT(preflight, StartsWith("HTTP/1.1 204"));
+  EXPECT_THAT(preflight, HasSubstr("Access-Control-Allow-Origin: https://app.example"));
+  EXPECT_THAT(preflight, HasSubstr("Access-Control-Allow-Methods: GET, POST, OPTIONS"));
+  const std::string allowed = RawExchange(
+      open_server.port(),
+      "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: https://app.example\r\nConnection: close\r\n\r\n", &closed);
+  EXPECT_THAT(allowed, StartsWith("HTTP/1.1 200"));
+  EXPECT_THAT(allowed, HasSubstr("Access-Control-Allow-Origin: https://app.example"));
+  EXPECT_THAT(RawExchange(open_server.port(),
+                          "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: https://other.example\r\nConnection: "
+                          "close\r\n\r\n",
+                          &closed),
+              StartsWith("HTTP/1.1 403"));
+}
+
+}  // namespace
+}  // namespace moe::scheduler
+
+namespace moe::scheduler {
+namespace {
+
+// Requests a client pipelines on one connection are all answered, in order.
+TEST(HttpServerTest, PipelinedRequestsAreAllAnsweredInOrder) {
+  HttpServer server;
+  ASSERT_TRUE(server.Handle("POST", "/echo", [](const httplib::Request& request, httplib::Response& response) {
+                      response.set_content("echo:" + request.body, "text/plain");
+                    }).ok());
+  ASSERT_TRUE(server.Start(EchoOptions()).ok());
+  bool closed = false;
+  const std::string got = RawExchange(server.port(),
+                                      "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+                                      "POST /echo HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 5\r\n\r\nfirst"
+                                      "POST /echo HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 6\r\n\r\nsecond"
+                                      "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
+                                      &closed);
+  EXPECT_TRUE(closed);
+  const size_t metrics = got.find(kMetricsText), first = got.find("echo:first"), second = got.find("echo:second"),
+               health = got.find("ok\n");
+  ASSERT_NE(metrics, std::string::npos) << got;
+  ASSERT_NE(first, std::string::npos) << got;
+  ASSERT_NE(second, std::string::npos) << got;
+  ASSERT_NE(health, std::string::npos) << got;
+  EXPECT_LT(metrics, first);
+  EXPECT_LT(first, second);
+  EXPECT_LT(second, health);
+}
+
+// A client that trickles its request head a byte at a time (each byte well within the read
+// timeout) is cut off at the head's deadline, and the server goes on serving.
+TEST(HttpServerTest, AClientThatTricklesItsHeadIsCutOffAtTheHeadDeadline) {
+  HttpServer server;
+  HttpServerOptions options = EchoOptions();
+  options.read_timeout = std::chrono::milliseconds(5000);
+  options.head_timeout = std::chrono::milliseconds(500);
+  ASSERT_TRUE(server.Start(options).ok());
+  const int fd = Connect(server.port());
+  ASSERT_GE(fd, 0);
+  const std::string head = "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + std::string(40, 'a');
+  bool cut_off = false;
+  for (size_t i = 0; i < head.size() && !cut_off; ++i) {  // 100 ms a byte: 6 s for the whole head
+    if (::send(fd, head.data() + i, 1, MSG_NOSIGNAL) != 1) cut_off = true;
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 100) > 0) {
+      char buf[256];
+      if (::recv(fd, buf, sizeof(buf), MSG_DONTWAIT) <= 0) cut_off = true;
+    }
+  }
+  ::close(fd);
+  EXPECT_TRUE(cut_off) << "the whole head trickled in without the connection being cut";
+  httplib::Client client("127.0.0.1", server.port());
+  auto response = client.Get("/metrics");
+  ASSERT_TRUE(response);
+  EXPECT_EQ(response->status, 200);
 }
 
 }  // namespace

@@ -1,5 +1,11 @@
 #include "openai_api.h"
 
+#include <arpa/inet.h>
+#include <dirent.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+
 #include <chrono>
 #include <cmath>
 #include <ctime>
@@ -10,6 +16,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "moe/core/json.h"
@@ -21,7 +28,6 @@ namespace {
 using nlohmann::json;
 
 constexpr int kMaxLogprobs = 20;
-constexpr int kMaxStopStrings = 16;
 constexpr auto kPollInterval = std::chrono::milliseconds(20);
 // A stream that has sent nothing for this long gets an SSE comment, so that a client gone while
 // its request waits in the queue is noticed (the write fails) and the request cancelled.
@@ -55,7 +61,8 @@ ApiError FromEngineStatus(const absl::Status& status, bool chat) {
           {"sampling.top_k", "top_k"},       {"sampling.min_p", "min_p"},
           {"sampling.repetition_penalty", "repetition_penalty"},
           {"sampling.presence_penalty", "presence_penalty"},
-          {"sampling.frequency_penalty", "frequency_penalty"}};
+          {"sampling.frequency_penalty", "frequency_penalty"},
+          {"stop_token_ids", "stop_token_ids"},    {"stop", "stop"}};
       for (const auto& [prefix, field] : kFields) {
         if (!absl::StartsWith(message, prefix)) continue;
         std::string param = field;
@@ -77,6 +84,129 @@ ApiError FromEngineStatus(const absl::Status& status, bool chat) {
     default:
       return ApiError{500, message, "", "server_error"};
   }
+}
+
+// The offset of the first byte of `text` that is not part of well-formed UTF-8 (RFC 3629: no
+// overlong forms, surrogates or code points past U+10FFFF), or npos.
+size_t FirstInvalidUtf8(std::string_view text) {
+  size_t i = 0;
+  while (i < text.size()) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    if (c < 0x80) {
+      ++i;
+      continue;
+    }
+    size_t n = 0;
+    unsigned char lo = 0x80, hi = 0xbf;  // the range of the second byte
+    if (c >= 0xc2 && c <= 0xdf) {
+      n = 1;
+    } else if (c >= 0xe0 && c <= 0xef) {
+      n = 2;
+      if (c == 0xe0) lo = 0xa0;
+      if (c == 0xed) hi = 0x9f;
+    } else if (c >= 0xf0 && c <= 0xf4) {
+      n = 3;
+      if (c == 0xf0) lo = 0x90;
+      if (c == 0xf4) hi = 0x8f;
+    } else {
+      return i;
+    }
+    if (i + n >= text.size()) return i;
+    for (size_t k = 1; k <= n; ++k) {
+      const auto b = static_cast<unsigned char>(text[i + k]);
+      if (b < (k == 1 ? lo : 0x80) || b > (k == 1 ? hi : 0xbf)) return i;
+    }
+    i += n + 1;
+  }
+  return std::string_view::npos;
+}
+
+// The JSON path ("messages[0].content") of the string that holds byte `offset` of `body`: a SAX
+// parse of what comes before that string, keeping the path of containers and keys.
+class PathTracker : public nlohmann::json_sax<json> {
+ public:
+  bool null() override { return Value(); }
+  bool boolean(bool) override { return Value(); }
+  bool number_integer(number_integer_t) override { return Value(); }
+  bool number_unsigned(number_unsigned_t) override { return Value(); }
+  bool number_float(number_float_t, const string_t&) override { return Value(); }
+  bool string(string_t&) override { return Value(); }
+  bool binary(binary_t&) override { return Value(); }
+  bool start_object(std::size_t) override {
+    stack_.push_back({true, "", -1});
+    return true;
+  }
+  bool key(string_t& k) override {
+    stack_.back().key = k;
+    return true;
+  }
+  bool end_object() override { return End(); }
+  bool start_array(std::size_t) override {
+    stack_.push_back({false, "", -1});
+    return true;
+  }
+  bool end_array() override { return End(); }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) override { return false; }
+
+  // The path of the next value (or key) after what was parsed.
+  std::string Path(bool next_is_key) const {
+    std::string path;
+    for (size_t i = 0; i < stack_.size(); ++i) {
+      const Level& l = stack_[i];
+      const bool last = i + 1 == stack_.size();
+      if (l.object) {
+        if (last && next_is_key) break;
+        absl::StrAppend(&path, path.empty() ? "" : ".", l.key);
+      } else {
+        absl::StrAppend(&path, "[", l.index + 1, "]");  // the element being read
+      }
+    }
+    return path;
+  }
+  bool InObject() const { return !stack_.empty() && stack_.back().object; }
+
+ private:
+  struct Level {
+    bool object;
+    std::string key;
+    int64_t index;  // arrays: the last element read
+  };
+  bool Value() {
+    if (!stack_.empty() && !stack_.back().object) ++stack_.back().index;
+    return true;
+  }
+  bool End() {
+    stack_.pop_back();
+    return Value();
+  }
+  std::vector<Level> stack_;
+};
+
+// "messages[0].content" for the string of `body` holding invalid UTF-8, and the top-level field.
+std::pair<std::string, std::string> FieldAt(std::string_view body, size_t offset) {
+  // Where the string holding `offset` starts: the last opening quote before it.
+  size_t start = std::string_view::npos;
+  bool in_string = false;
+  for (size_t i = 0; i < offset && i < body.size(); ++i) {
+    if (in_string && body[i] == '\\') {
+      ++i;
+    } else if (body[i] == '"') {
+      in_string = !in_string;
+      if (in_string) start = i;
+    }
+  }
+  if (!in_string || start == std::string_view::npos) return {"", ""};
+  PathTracker tracker;
+  const std::string prefix(body.substr(0, start));
+  (void)json::sax_parse(prefix, &tracker, json::input_format_t::json, /*strict=*/false);
+  // In an object the string is a key when the last key's value was read (or none was given yet).
+  const size_t last = prefix.find_last_not_of(" \t\r\n");
+  const bool is_key =
+      last != std::string::npos && (prefix[last] == '{' || prefix[last] == ',') && tracker.InObject();
+  std::string path = tracker.Path(is_key);
+  if (is_key) path = path.empty() ? "a key" : absl::StrCat("a key of ", path);
+  const std::string top = path.substr(0, path.find_first_of(".[ "));
+  return {path, is_key ? "" : top};
 }
 
 // A field that is present and not null, or null.
@@ -129,14 +259,39 @@ struct Parsed {
 #define MOE_API_TRY(expr)                              \
   if (std::optional<ApiError> e_ = (expr); e_) return *e_
 
+// Fields other servers take that would change the output here if they were honoured: refused
+// while they carry a value, never ignored.
+std::optional<ApiError> RefuseUnsupported(const json& body) {
+  static const std::pair<const char*, const char*> kRefused[] = {
+      {"logit_bias", "logit_bias: not supported yet (no biased sampling)"},
+      {"prompt_logprobs", "prompt_logprobs: not supported (log-probabilities come for generated tokens only)"},
+      {"continue_final_message", "continue_final_message: not supported yet"},
+      {"functions", "functions: not supported; use tools"},
+      {"function_call", "function_call: not supported; use tool_choice"},
+      {"guided_json", "guided_json: no constrained decoding yet"},
+      {"guided_regex", "guided_regex: no constrained decoding yet"},
+      {"guided_choice", "guided_choice: no constrained decoding yet"},
+      {"guided_grammar", "guided_grammar: no constrained decoding yet"},
+      {"structured_outputs", "structured_outputs: no constrained decoding yet"},
+  };
+  for (const auto& [name, message] : kRefused) {
+    const json* v = Field(body, name);
+    if (v == nullptr || *v == false || (v->is_object() && v->empty()) || (v->is_array() && v->empty())) continue;
+    return BadParam(name, message);
+  }
+  return std::nullopt;
+}
+
 // The fields completions and chat share.
 std::optional<ApiError> ParseCommon(const json& body, const std::string& model_id, Parsed* p) {
   if (const json* model = Field(body, "model")) {
     if (!model->is_string()) return BadParam("model", "model: expected a string");
     if (model->get<std::string>() != model_id) {
-      ApiError e = BadParam("model", absl::StrCat("The model '", model->get<std::string>(),
-                                                  "' does not exist; this server serves '", model_id, "'"));
-      return e;
+      // 404, as OpenAI and vLLM answer it: the resource named does not exist here.
+      return ApiError{404,
+                      absl::StrCat("The model '", model->get<std::string>(), "' does not exist; this server serves '",
+                                   model_id, "'"),
+                      "model", "NotFoundError"};
     }
   }
   int64_t n = 1;
@@ -151,26 +306,31 @@ std::optional<ApiError> ParseCommon(const json& body, const std::string& model_i
                       "response_format: only {\"type\": \"text\"} is supported (no JSON mode or schemas yet)");
     }
   }
+  MOE_API_TRY(RefuseUnsupported(body));
   MOE_API_TRY(ReadBool(body, "stream", &p->stream));
   if (const json* options = Field(body, "stream_options")) {
     if (!options->is_object()) return BadParam("stream_options", "stream_options: expected an object");
     if (!p->stream) return BadParam("stream_options", "stream_options: only allowed when stream is true");
     MOE_API_TRY(ReadBool(*options, "include_usage", &p->include_usage));
+    bool continuous = false;
+    MOE_API_TRY(ReadBool(*options, "continuous_usage_stats", &continuous));
+    if (continuous) {
+      return BadParam("stream_options", "stream_options.continuous_usage_stats: not supported (usage comes in the "
+                                        "last chunk with include_usage)");
+    }
   }
   if (const json* stop = Field(body, "stop")) {
     if (stop->is_string()) {
       p->text.stop.push_back(stop->get<std::string>());
-    } else if (stop->is_array() && stop->size() <= kMaxStopStrings) {
+    } else if (stop->is_array()) {
       for (const json& s : *stop) {
         if (!s.is_string()) return BadParam("stop", "stop: expected a string or a list of strings");
         p->text.stop.push_back(s.get<std::string>());
       }
     } else {
-      return BadParam("stop", absl::StrCat("stop: expected a string or a list of at most ", kMaxStopStrings, " strings"));
+      return BadParam("stop", "stop: expected a string or a list of strings");
     }
-    for (const std::string& s : p->text.stop) {
-      if (s.empty()) return BadParam("stop", "stop: a stop string may not be empty");
-    }
+    // Their count and sizes: TextModel::NewOutput, for both APIs alike.
   }
   int64_t max_tokens = 0;
   if (Field(body, "max_completion_tokens") != nullptr) {
@@ -301,6 +461,9 @@ std::optional<ApiError> ParseTools(const json& body, Parsed* p, ChatPrompt* chat
 }
 
 std::optional<ApiError> ParseChat(const json& body, const TextModel& text, int context, Parsed* p) {
+  if (const json* echo = Field(body, "echo"); echo != nullptr && *echo != false) {
+    return BadParam("echo", "echo: not supported");
+  }
   bool logprobs = false;
   MOE_API_TRY(ReadBool(body, "logprobs", &logprobs));
   int64_t top = 0;
@@ -359,6 +522,7 @@ const char* FinishReasonText(FinishReason reason, bool tool_calls) {
       return "length";
     case FinishReason::kEos:
     case FinishReason::kStopToken:
+    case FinishReason::kStopString:
       return tool_calls ? "tool_calls" : "stop";
     case FinishReason::kAborted:
     case FinishReason::kDeadline:
@@ -402,7 +566,7 @@ class Generation {
       completion_tokens_ += static_cast<int>(taken);
       if (text_->stopped()) {
         stopped_ = true;
-        engine_.Abort(id_);  // generating on would only be thrown away
+        engine_.FinishByStopString(id_);  // generating on would only be thrown away
       }
     }
     if (out.finished) {
@@ -475,6 +639,10 @@ class ResponseWriter {
         out.back()["choices"][0]["logprobs"] = lp;
         lp = json();
       }
+      if (token_ids_ && !piece.tokens.empty()) {
+        if (out.empty()) out.push_back(Chunk(json::object(), json(), json()));
+        out.back()["choices"][0]["token_ids"] = piece.tokens;
+      }
       if (piece.finished) out.push_back(Chunk(json::object(), json(), piece.finish_reason));
     } else {
       if (!piece.text.content.empty() || !lp.is_null() || piece.finished || (token_ids_ && !piece.tokens.empty())) {
@@ -525,6 +693,7 @@ class ResponseWriter {
         for (auto& [index, call] : calls) message["tool_calls"].push_back(call);
       }
       choice["message"] = message;
+      if (token_ids_) choice["token_ids"] = all_.tokens;
     } else {
       choice["text"] = all_.text.content;
       if (token_ids_) choice["token_ids"] = all_.tokens;
@@ -566,12 +735,12 @@ class ResponseWriter {
         json top = json::array();
         for (size_t k = 0; k < piece.logprobs[i].top.size() && static_cast<int>(k) < logprobs_; ++k) {
           const auto& [alt, alt_lp] = piece.logprobs[i].top[k];
-          const std::string alt_text = text_.TokenText(alt);
-          top.push_back({{"token", alt_text}, {"logprob", Logprob(alt_lp)}, {"bytes", Bytes(alt_text)}});
+          top.push_back(
+              {{"token", text_.TokenText(alt)}, {"logprob", Logprob(alt_lp)}, {"bytes", Bytes(text_.TokenBytes(alt))}});
         }
         content.push_back({{"token", token},
                            {"logprob", Logprob(piece.logprobs[i].logprob)},
-                           {"bytes", Bytes(token)},
+                           {"bytes", Bytes(text_.TokenBytes(piece.tokens[i]))},
                            {"top_logprobs", top}});
       }
       return {{"content", content}};
@@ -699,6 +868,12 @@ class EventStream {
   std::string finish_reason_, error_;
 };
 
+// Whether the peer of connection `fd` has closed it (or reset it).
+bool PeerClosed(int fd) {
+  pollfd p{fd, POLLRDHUP, 0};
+  return ::poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+}
+
 std::string RandomPrefix() {
   std::random_device device;
   return absl::StrFormat("%08x", device());
@@ -717,7 +892,8 @@ json OpenAiApi::ModelCard() const {
           {"max_model_len", engine_.config().context},
           {"has_chat_template", text_.has_chat_template()},
           {"supports_tools", text_.has_chat_template() && !text_.tool_call_parser().empty()},
-          {"tool_call_parser", text_.tool_call_parser()}};
+          {"tool_call_parser", text_.tool_call_parser()},
+          {"eos_token_ids", engine_.config().eos_token_ids}};
 }
 
 void OpenAiApi::ListModels(const httplib::Request&, httplib::Response& response) {
@@ -749,14 +925,27 @@ void OpenAiApi::Generate(Kind kind, const httplib::Request& request, httplib::Re
   const auto refuse = [&](const ApiError& error) {
     engine_.CountRejected(error.status == 429   ? absl::StatusCode::kResourceExhausted
                           : error.status == 503 ? absl::StatusCode::kUnavailable
+                          : error.status == 404 ? absl::StatusCode::kNotFound
                                                 : absl::StatusCode::kInvalidArgument);
     SetError(response, error);
     record.Write(error.status, "", error.message, nullptr);
   };
+  if (const size_t bad = FirstInvalidUtf8(request.body); bad != std::string_view::npos) {
+    const auto [path, field] = FieldAt(request.body, bad);
+    return refuse(BadParam(
+        field, absl::StrFormat("%s: not valid UTF-8 (byte 0x%02x at offset %d of the body); JSON text must be UTF-8",
+                               path.empty() ? "request body" : path, static_cast<unsigned char>(request.body[bad]),
+                               bad)));
+  }
   auto body = core::ParseJsonObject(request.body, "request body");
   if (!body.ok()) return refuse(BadParam("", std::string(body.status().message())));
   Parsed parsed;
   if (auto e = ParseCommon(*body, model_id_, &parsed)) return refuse(*e);
+  if (parsed.stream && request.version == "HTTP/1.0") {
+    // A stream is sent in chunks, which HTTP/1.0 does not have.
+    return refuse(BadParam("stream", "stream: an HTTP/1.0 client cannot take a stream (chunked transfer is "
+                                     "HTTP/1.1); send HTTP/1.1, or stream: false"));
+  }
   if (auto e = chat ? ParseChat(*body, text_, engine_.config().context, &parsed) : ParseCompletion(*body, text_, &parsed)) {
     return refuse(*e);
   }
@@ -787,10 +976,18 @@ void OpenAiApi::Generate(Kind kind, const httplib::Request& request, httplib::Re
         });
     return;
   }
-  // No way to see a client leave while it waits for a whole response (cpp-httplib 0.11 tells a
-  // handler nothing): the request runs to its end, bounded by max_tokens.
+  // cpp-httplib 0.11 tells a handler nothing of its connection: the request's socket is found
+  // by its addresses and watched, so that a client gone while it waits for a whole response
+  // cancels the request within a step, as a stream's does.
+  const int connection = ConnectionSocketOf(request);
   Piece piece;
   while (!piece.finished) {
+    if (connection >= 0 && PeerClosed(connection)) {
+      generation->Cancel();  // counted as aborted; its KV blocks are freed at the next step
+      record.Write(499, "client went away", "the client closed the connection", generation.get());
+      response.status = 499;  // nobody reads it
+      return;
+    }
     if (!generation->Next(kPollInterval, &piece)) continue;
     writer.Accumulate(piece);
   }

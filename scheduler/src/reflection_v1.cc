@@ -36,8 +36,11 @@ void FileResponse(const FileDescriptor* file, const std::string& what, v1::Serve
 }  // namespace
 
 ::grpc::Status ReflectionV1Service::ServerReflectionInfo(
-    ::grpc::ServerContext*,
+    ::grpc::ServerContext* context,
     ::grpc::ServerReaderWriter<v1::ServerReflectionResponse, v1::ServerReflectionRequest>* stream) {
+  if (authorize_) {
+    if (::grpc::Status status = authorize_(*context); !status.ok()) return status;
+  }
   const DescriptorPool* pool = DescriptorPool::generated_pool();
   v1::ServerReflectionRequest request;
   while (stream->Read(&request)) {

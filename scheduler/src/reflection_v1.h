@@ -5,6 +5,7 @@
 // Thread-safety: the service is immutable after construction; gRPC calls it from any thread.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -14,8 +15,11 @@ namespace moe::scheduler::internal {
 
 class ReflectionV1Service final : public ::grpc::reflection::v1::ServerReflection::Service {
  public:
-  // `services`: the full names listed by list_services.
-  explicit ReflectionV1Service(std::vector<std::string> services) : services_(std::move(services)) {}
+  using Authorize = std::function<::grpc::Status(const ::grpc::ServerContext&)>;
+  // `services`: the full names listed by list_services. `authorize`, when set, is asked first
+  // (the API keys): a call it refuses gets its status and nothing else.
+  explicit ReflectionV1Service(std::vector<std::string> services, Authorize authorize = nullptr)
+      : services_(std::move(services)), authorize_(std::move(authorize)) {}
 
   ::grpc::Status ServerReflectionInfo(
       ::grpc::ServerContext* context,
@@ -24,6 +28,7 @@ class ReflectionV1Service final : public ::grpc::reflection::v1::ServerReflectio
 
  private:
   const std::vector<std::string> services_;
+  const Authorize authorize_;
 };
 
 }  // namespace moe::scheduler::internal

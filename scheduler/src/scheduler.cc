@@ -17,6 +17,8 @@ const char* FinishReasonName(FinishReason reason) {
       return "eos";
     case FinishReason::kStopToken:
       return "stop_token";
+    case FinishReason::kStopString:
+      return "stop_string";
     case FinishReason::kAborted:
       return "aborted";
     case FinishReason::kDeadline:
@@ -40,6 +42,7 @@ struct Scheduler::Sequence {
   bool running = false;
   bool started = false;  // admitted at least once (a preempted sequence is re-admitted)
   bool aborted = false;
+  FinishReason abort_reason = FinishReason::kAborted;  // kStopString: a stop string ended it
   // This admission's id in step plans (SequenceChunk::seq_id; 0 while not running): a sequence
   // re-admitted after a preemption recomputes its cache from the start under a new id.
   uint64_t seq_id = 0;
@@ -140,8 +143,11 @@ absl::Status Scheduler::Add(Request r) {
   return absl::OkStatus();
 }
 
-void Scheduler::Abort(const std::string& id) {
-  if (Sequence* seq = Find(id)) seq->aborted = true;
+void Scheduler::Abort(const std::string& id, FinishReason reason) {
+  if (Sequence* seq = Find(id)) {
+    seq->aborted = true;
+    seq->abort_reason = reason;
+  }
 }
 
 SchedulerStats Scheduler::stats() const {
@@ -240,7 +246,7 @@ void Scheduler::EndAbortedAndLate(Clock::time_point now, std::vector<Output>* ou
       ending.push_back(seq.get());
   }
   for (Sequence* seq : ending) {
-    Finish(seq, seq->aborted ? FinishReason::kAborted : FinishReason::kDeadline,
+    Finish(seq, seq->aborted ? seq->abort_reason : FinishReason::kDeadline,
            seq->aborted ? absl::OkStatus() : absl::DeadlineExceededError("deadline exceeded"), outputs);
   }
 }

@@ -138,6 +138,16 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> GrpcServerCredentials(c
   return grpc::SslServerCredentials(options);
 }
 
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> GrpcClientCredentials(const TlsFiles& files) {
+  MOE_ASSIGN_OR_RETURN(TlsPems pems, ReadTlsFiles(files));
+  if (!files.enabled()) return grpc::InsecureChannelCredentials();
+  grpc::SslCredentialsOptions options;
+  options.pem_root_certs = pems.client_ca;
+  options.pem_private_key = pems.key;
+  options.pem_cert_chain = pems.cert;
+  return grpc::SslCredentials(options);
+}
+
 ApiKeys::Digest ApiKeys::Sha256(std::string_view text) {
   Digest digest{};
   unsigned int length = 0;

@@ -80,6 +80,7 @@ void TextChunk::Append(TextChunk more) {
 struct TextModel::Impl {
   std::unique_ptr<text::Tokenizer> tokenizer;
   std::string no_tokenizer_reason;
+  std::string operator_detail;  // what Describe() adds for the operator's log: paths, the engine's error
   text::TokenizerConfig config;
   std::unique_ptr<text::ChatTemplate> chat_template;
   absl::Status chat_status;  // why chat_template is null
@@ -101,7 +102,9 @@ absl::StatusOr<std::unique_ptr<TextModel>> TextModel::Load(const TextModelOption
   if (tokenizer.ok()) {
     impl->tokenizer = std::move(*tokenizer);
   } else if (tokenizer.status().code() == absl::StatusCode::kNotFound) {
-    impl->no_tokenizer_reason = absl::StrCat("the model in ", options.model_dir, " has no tokenizer.json");
+    // Clients read this: the model's folder is the operator's to know (Describe() names it).
+    impl->no_tokenizer_reason = "this model has no tokenizer.json";
+    impl->operator_detail = absl::StrCat(" (in ", options.model_dir, ")");
   } else {
     return tokenizer.status();  // a broken tokenizer is the operator's to fix before serving
   }
@@ -121,8 +124,9 @@ absl::StatusOr<std::unique_ptr<TextModel>> TextModel::Load(const TextModelOption
     impl->chat_template = std::move(*compiled);
   } else if (compiled.status().code() == absl::StatusCode::kUnavailable) {
     impl->chat_status = absl::FailedPreconditionError(
-        absl::StrCat("chat requests need the chat-template engine, which this machine lacks (",
-                     compiled.status().message(), "); install python3-jinja2, or use /v1/completions"));
+        "chat requests need the chat-template engine (jinja2 in an embedded Python), which this server lacks; "
+        "install python3-jinja2, or use /v1/completions");
+    impl->operator_detail = absl::StrCat(" (", compiled.status().message(), ")");
   } else if (!options.chat_template_file.empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat("--chat-template-file ", options.chat_template_file, ": ", compiled.status().message()));
@@ -157,10 +161,10 @@ bool TextModel::has_chat_template() const { return impl_->chat_template != nullp
 const std::string& TextModel::tool_call_parser() const { return impl_->tool_call_parser; }
 
 std::string TextModel::Describe() const {
-  if (!has_tokenizer()) return absl::StrCat("token ids only: ", impl_->no_tokenizer_reason);
+  if (!has_tokenizer()) return absl::StrCat("token ids only: ", impl_->no_tokenizer_reason, impl_->operator_detail);
   std::string out = absl::StrCat("tokenizer with ", impl_->tokenizer->vocab_size(), " tokens");
   if (!has_chat_template()) {
-    absl::StrAppend(&out, "; no chat: ", impl_->chat_status.message());
+    absl::StrAppend(&out, "; no chat: ", impl_->chat_status.message(), impl_->operator_detail);
   } else {
     absl::StrAppend(&out, "; chat template; tool calls: ",
                     impl_->tool_call_parser.empty() ? "not parsed" : impl_->tool_call_parser,
@@ -204,6 +208,11 @@ absl::StatusOr<std::vector<int32_t>> TextModel::EncodeChat(const ChatPrompt& pro
 std::string TextModel::TokenText(int32_t id) const {
   if (!has_tokenizer()) return absl::StrCat("token_id:", id);
   return impl_->tokenizer->Decode({id}, /*skip_special_tokens=*/false);
+}
+
+std::string TextModel::TokenBytes(int32_t id) const {
+  if (!has_tokenizer()) return TokenText(id);
+  return impl_->tokenizer->TokenBytes(id);
 }
 
 // ids -> detokenizer -> stop strings -> reasoning -> tool calls.
@@ -259,6 +268,22 @@ absl::StatusOr<std::unique_ptr<OutputText>> TextModel::NewOutput(OutputTextOptio
     impl->detokenizer = std::make_unique<text::IncrementalDetokenizer>(
         [tokenizer, skip](const std::vector<int32_t>& ids) { return tokenizer->Decode(ids, skip); },
         std::move(options.prompt));
+  }
+  // One set of checks for both APIs' stop strings.
+  if (options.stop.size() > kMaxStopStrings) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("stop: at most ", kMaxStopStrings, " stop strings, got ", options.stop.size()));
+  }
+  for (const std::string& s : options.stop) {
+    if (s.empty()) return absl::InvalidArgumentError("stop: a stop string may not be empty");
+    if (s.size() > kMaxStopStringBytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("stop: a stop string has at most ", kMaxStopStringBytes, " bytes, this one ", s.size()));
+    }
+  }
+  if (!options.stop.empty() && !has_tokenizer()) {
+    return absl::InvalidArgumentError(
+        "stop: stop strings need the model's tokenizer, which this server does not have; use stop_token_ids");
   }
   if (!options.stop.empty()) {
     impl->stop = std::make_unique<text::StopMatcher>(std::move(options.stop), options.include_stop_str_in_output);

@@ -168,10 +168,15 @@ test('chat, whole and streamed, and a tools request', async (t) => {
   assert.equal(tools.choices.length, 1);
 });
 
-test('400: n > 1, unknown model, response_format, malformed JSON', async () => {
+test('400: n > 1, response_format, malformed JSON; 404: unknown model', async () => {
+  await assert.rejects(client.completions.create({ model: 'gpt-4', prompt: PROMPT_IDS }), (e) => {
+    assert.ok(e instanceof OpenAI.NotFoundError, String(e));
+    assert.equal(e.status, 404);
+    assert.match(e.message, /does not exist/);
+    return true;
+  });
   for (const [body, pattern] of [
     [{ model: MODEL, prompt: PROMPT_IDS, n: 2 }, /n: only 1/],
-    [{ model: 'gpt-4', prompt: PROMPT_IDS }, /does not exist/],
     [{ model: MODEL, prompt: PROMPT_IDS, response_format: { type: 'json_object' } }, /response_format/],
   ]) {
     await assert.rejects(client.completions.create(body), (e) => {

@@ -1,7 +1,5 @@
 #include "moe/runtime/checkpoint.h"
 
-#include <sys/stat.h>
-
 #include <algorithm>
 #include <array>
 #include <charconv>
@@ -13,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_replace.h"
+#include "moe/core/files_fingerprint.h"
 #include "moe/core/status.h"
 
 namespace moe::runtime {
@@ -50,34 +49,10 @@ bool MatchTemplate(std::string_view tmpl, std::string_view name, int* layer, int
   return name.empty();
 }
 
-// FNV-1a, 64 bits.
-uint64_t Fnv1a(std::string_view bytes, uint64_t h = 14695981039346656037ull) {
-  for (char c : bytes) h = (h ^ static_cast<uint8_t>(c)) * 1099511628211ull;
-  return h;
-}
-
 class HuggingFaceCheckpoint final : public Checkpoint {
  public:
   static absl::StatusOr<std::unique_ptr<Checkpoint>> Open(const fs::path& dir, const std::string& opened);
 };
-
-// The files that make a Hugging Face checkpoint what it is, and their identity.
-std::string ContentId(const fs::path& dir) {
-  std::vector<std::string> entries;
-  std::error_code ec;
-  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
-    const std::string name = e.path().filename().string();
-    const bool weights = name.ends_with(".safetensors") || name.ends_with(".safetensors.index.json");
-    if (!weights && name != "config.json") continue;
-    struct stat st {};
-    if (::stat(e.path().c_str(), &st) != 0) continue;  // follows the hub cache's links to the blobs
-    entries.push_back(absl::StrCat(name, ":", st.st_size, ":", st.st_mtim.tv_sec, ".", st.st_mtim.tv_nsec));
-  }
-  std::sort(entries.begin(), entries.end());
-  uint64_t h = Fnv1a(fs::weakly_canonical(dir, ec).string());
-  for (const std::string& e : entries) h = Fnv1a(e, Fnv1a("|", h));
-  return absl::StrFormat("%016x", h);
-}
 
 }  // namespace
 
@@ -436,7 +411,7 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> HuggingFaceCheckpoint::Open(const fs
   MOE_ASSIGN_OR_RETURN(c->source_, OpenSafetensors(dir.string()));
   c->path_ = opened;
   c->names_ = &TensorNames::For(c->spec_.arch, Container::kSafetensors);
-  c->id_ = ContentId(dir);
+  c->id_ = core::WeightFilesFingerprint(dir.string());
   c->tokenizer_.dir = dir.string();
   return std::unique_ptr<Checkpoint>(std::move(c));
 }

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "checkpoint/generation_config.h"
 #include "moe/core/file.h"
 #include "moe/core/json.h"
 #include "moe/core/status.h"
@@ -384,7 +385,9 @@ absl::StatusOr<ModelSpec> LoadModelSpec(const std::string& model_dir) {
     return absl::NotFoundError(absl::StrCat(path, ": cannot read (is ", model_dir, " a model directory?)"));
   }
   if (!text.ok()) return text.status();
-  return ParseModelSpec(*text, path);
+  MOE_ASSIGN_OR_RETURN(ModelSpec spec, ParseModelSpec(*text, path));
+  MOE_ASSIGN_OR_RETURN(spec.eos_token_ids, internal::StopTokenIds(model_dir, spec.vocab_size, spec.eos_token_ids));
+  return spec;
 }
 
 }  // namespace moe::runtime

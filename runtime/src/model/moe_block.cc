@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "moe/core/files_fingerprint.h"
 #include "moe/core/status.h"
 #include "cpu/kernels.h"
 #include "moe/runtime/routing.h"
@@ -295,9 +296,9 @@ absl::StatusOr<std::unique_ptr<experts::ExpertPool>> CreatePool(const Checkpoint
   shape.intermediate = spec.moe_intermediate_size;
   std::error_code ec;
   const auto canonical = std::filesystem::weakly_canonical(checkpoint.path(), ec);
-  // The path names the model for people; the content id keeps a changed checkpoint out of the
-  // segment its earlier files filled.
-  options.model_id = absl::StrCat(ec ? checkpoint.path() : canonical.string(), " contents ", checkpoint.id());
+  // The files' sizes and times too (the checkpoint's id): a folder whose weights were replaced is
+  // another segment.
+  options.model_id = absl::StrCat(ec ? checkpoint.path() : canonical.string(), " files ", checkpoint.id());
   // A pool of some layers only is another segment than the whole model's.
   if (static_cast<int>(moe_layers.size()) != spec.num_moe_layers()) {
     options.model_id += " layers " + absl::StrJoin(moe_layers, ",");

@@ -428,6 +428,10 @@ class ByteLevelDecoder final : public Decoder {
   // A token whose characters are all in the byte map becomes those bytes; any other token (an
   // added token such as "<|im_start|>" written in plain text) is kept as its UTF-8.
   void DecodeChain(std::vector<std::string>* tokens) const override {
+    DecodeBytes(tokens);
+    (*tokens)[0] = RepairUtf8((*tokens)[0]);
+  }
+  void DecodeBytes(std::vector<std::string>* tokens) const override {
     std::string bytes;
     for (const std::string& token : *tokens) {
       const size_t mark = bytes.size();
@@ -445,7 +449,7 @@ class ByteLevelDecoder final : public Decoder {
         bytes += token;
       }
     }
-    tokens->assign(1, RepairUtf8(bytes));
+    tokens->assign(1, std::move(bytes));
   }
 };
 
@@ -481,14 +485,18 @@ class MetaspaceDecoder final : public Decoder {
 // "<0xNN>" tokens become bytes; a run of them that is not UTF-8 gives one U+FFFD per byte.
 class ByteFallbackDecoder final : public Decoder {
  public:
-  void DecodeChain(std::vector<std::string>* tokens) const override {
+  void DecodeChain(std::vector<std::string>* tokens) const override { Decode(tokens, /*repair=*/true); }
+  void DecodeBytes(std::vector<std::string>* tokens) const override { Decode(tokens, /*repair=*/false); }
+
+ private:
+  void Decode(std::vector<std::string>* tokens, bool repair) const {
     std::vector<std::string> out;
     out.reserve(tokens->size());
     std::string pending;
     int pending_count = 0;
     auto flush = [&] {
       if (pending_count == 0) return;
-      if (IsValidUtf8(pending)) {
+      if (!repair || IsValidUtf8(pending)) {
         out.push_back(pending);
       } else {
         for (int i = 0; i < pending_count; ++i) out.emplace_back("\xEF\xBF\xBD");
@@ -567,6 +575,9 @@ class DecoderSequence final : public Decoder {
   explicit DecoderSequence(std::vector<std::unique_ptr<Decoder>> steps) : steps_(std::move(steps)) {}
   void DecodeChain(std::vector<std::string>* tokens) const override {
     for (const auto& step : steps_) step->DecodeChain(tokens);
+  }
+  void DecodeBytes(std::vector<std::string>* tokens) const override {
+    for (const auto& step : steps_) step->DecodeBytes(tokens);
   }
 
  private:

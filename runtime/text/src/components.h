@@ -45,6 +45,9 @@ class Decoder {
   virtual ~Decoder() = default;
   // Rewrites the token strings; the decoded text is their concatenation afterwards.
   virtual void DecodeChain(std::vector<std::string>* tokens) const = 0;
+  // As DecodeChain, but bytes that do not form UTF-8 stay as they are (a token's own bytes, for
+  // logprobs' `bytes`): decoders that repair UTF-8 override it.
+  virtual void DecodeBytes(std::vector<std::string>* tokens) const { DecodeChain(tokens); }
 };
 
 // Each builder takes the component's JSON object (never null) and returns kInvalidArgument,

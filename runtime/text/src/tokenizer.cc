@@ -222,6 +222,19 @@ std::string Tokenizer::Decode(const std::vector<int32_t>& ids, bool skip_special
   return out;
 }
 
+std::string Tokenizer::TokenBytes(int32_t id) const {
+  const internal::TokenizerParts& parts = *parts_;
+  if (auto it = parts.added_by_id.find(id); it != parts.added_by_id.end()) return parts.added[it->second].content;
+  const std::string* token = parts.model->IdToToken(id);
+  if (token == nullptr) return "";
+  std::vector<std::string> tokens = {*token};
+  if (parts.decoder == nullptr) return *token;
+  parts.decoder->DecodeBytes(&tokens);
+  std::string out;
+  for (const std::string& t : tokens) out += t;
+  return out;
+}
+
 int Tokenizer::vocab_size() const { return parts_->vocab_size; }
 
 std::optional<int32_t> Tokenizer::TokenToId(std::string_view token) const {

@@ -4,6 +4,7 @@
 
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "moe/core/status.h"
 #include "moeserve/v1/worker.grpc.pb.h"
@@ -22,18 +23,21 @@ class RemoteExecutor::Group {
     std::unique_ptr<grpc::ClientReaderWriter<pb::StepRequest, pb::StepResult>> stream;
   };
 
-  static absl::StatusOr<std::shared_ptr<Group>> Open(const std::vector<std::string>& workers, uint64_t generation) {
+  static absl::StatusOr<std::shared_ptr<Group>> Open(const std::vector<std::string>& workers, uint64_t generation,
+                                                    const Options& options) {
     auto group = std::make_shared<Group>();
     group->generation = generation;
     for (size_t rank = 0; rank < workers.size(); ++rank) {
       Stream s;
       s.address = workers[rank];
-      auto channel = grpc::CreateChannel(s.address, grpc::InsecureChannelCredentials());
+      auto channel = grpc::CreateChannel(
+          s.address, options.credentials != nullptr ? options.credentials : grpc::InsecureChannelCredentials());
       if (!channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(10))) {
         return absl::UnavailableError(absl::StrCat("worker ", rank, " at ", s.address, " cannot be reached"));
       }
       s.stub = pb::Worker::NewStub(channel);
       s.context = std::make_unique<grpc::ClientContext>();
+      for (const auto& [key, value] : options.call_metadata) s.context->AddMetadata(key, value);
       s.stream = s.stub->Execute(s.context.get());
       group->streams.push_back(std::move(s));
     }
@@ -63,15 +67,43 @@ absl::StatusOr<std::unique_ptr<RemoteExecutor>> RemoteExecutor::Connect(const Op
         absl::StrCat("remote executor: ", options.workers.size(), " workers, logits on rank ", options.logits_rank));
   }
   std::unique_ptr<RemoteExecutor> executor(new RemoteExecutor(options));
-  MOE_ASSIGN_OR_RETURN(auto group, Group::Open(options.workers, 1));
-  absl::MutexLock lock(&executor->mu_);
-  executor->group_ = std::move(group);
+  MOE_ASSIGN_OR_RETURN(auto group, Group::Open(options.workers, 1, options));
+  {
+    absl::MutexLock lock(&executor->mu_);
+    executor->group_ = std::move(group);
+  }
+  if (options.step_timeout > absl::ZeroDuration()) {
+    RemoteExecutor* raw = executor.get();
+    executor->watchdog_ = std::thread([raw] { raw->WatchSteps(); });
+  }
   return executor;
 }
 
 RemoteExecutor::~RemoteExecutor() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  if (watchdog_.joinable()) watchdog_.join();
   absl::MutexLock lock(&mu_);
   group_.reset();
+}
+
+void RemoteExecutor::WatchSteps() {
+  absl::MutexLock lock(&mu_);
+  while (!stopping_) {
+    mu_.AwaitWithTimeout(absl::Condition(&stopping_), absl::Milliseconds(100));
+    if (stopping_ || awaited_rank_ < 0 || !broken_.empty()) continue;
+    if (absl::Now() - step_started_ < options_.step_timeout) continue;
+    const std::string address =
+        group_ != nullptr && awaited_rank_ < static_cast<int>(group_->streams.size())
+            ? group_->streams[awaited_rank_].address
+            : "?";
+    broken_ = absl::StrCat("step deadline: worker ", awaited_rank_, " at ", address, " sent no result within ",
+                           absl::FormatDuration(options_.step_timeout), " (stopped, or stuck in a collective)");
+    awaited_rank_ = -1;
+    if (group_ != nullptr) group_->Cancel();
+  }
 }
 
 void RemoteExecutor::MarkBroken(const std::string& why) {
@@ -90,7 +122,7 @@ absl::Status RemoteExecutor::Reattach(const std::vector<std::string>& workers) {
     absl::MutexLock lock(&mu_);
     generation = (group_ != nullptr ? group_->generation : 0) + 1;
   }
-  auto group = Group::Open(workers, generation);
+  auto group = Group::Open(workers, generation, options_);
   if (!group.ok()) return group.status();
   std::shared_ptr<Group> old;
   {
@@ -106,6 +138,11 @@ absl::Status RemoteExecutor::Reattach(const std::vector<std::string>& workers) {
 bool RemoteExecutor::healthy() const {
   absl::MutexLock lock(&mu_);
   return broken_.empty();
+}
+
+std::string RemoteExecutor::broken_reason() const {
+  absl::MutexLock lock(&mu_);
+  return broken_;
 }
 
 absl::StatusOr<runtime::StepResult> RemoteExecutor::Execute(const runtime::StepPlan& plan) {
@@ -129,14 +166,36 @@ absl::StatusOr<runtime::StepResult> RemoteExecutor::Execute(const runtime::StepP
     MarkBroken(why);
     return absl::UnavailableError(why);
   };
+  const auto awaiting = [&](int rank) {
+    absl::MutexLock lock(&mu_);
+    if (rank == 0) step_started_ = absl::Now();
+    awaited_rank_ = rank;
+  };
+  awaiting(0);
   for (size_t rank = 0; rank < group->streams.size(); ++rank) {
-    if (!group->streams[rank].stream->Write(request)) return lost(rank, "sending the step");
+    if (!group->streams[rank].stream->Write(request)) {
+      awaiting(-1);
+      return lost(rank, "sending the step");
+    }
   }
   runtime::StepResult answer;
   absl::Status failed;
   for (size_t rank = 0; rank < group->streams.size(); ++rank) {
     pb::StepResult result;
-    if (!group->streams[rank].stream->Read(&result)) return lost(rank, "reading the step's result");
+    if (rank > 0) awaiting(static_cast<int>(rank));
+    if (!group->streams[rank].stream->Read(&result)) {
+      awaiting(-1);
+      std::string deadline;
+      {
+        absl::MutexLock lock(&mu_);
+        if (absl::StartsWith(broken_, "step deadline")) deadline = broken_;
+      }
+      if (!deadline.empty()) {
+        // Say what the others reported (a Gloo or NCCL timeout, as such) beside the deadline.
+        return absl::UnavailableError(failed.ok() ? deadline : absl::StrCat(deadline, "; ", failed.message()));
+      }
+      return lost(rank, "reading the step's result");
+    }
     if (result.error_code() != 0 && failed.ok()) {
       failed = absl::Status(static_cast<absl::StatusCode>(result.error_code()),
                             absl::StrCat("worker ", rank, ": ", result.error()));
@@ -145,6 +204,7 @@ absl::StatusOr<runtime::StepResult> RemoteExecutor::Execute(const runtime::StepP
       for (const pb::SequenceResult& r : result.sequences()) answer.sequences.push_back(FromProto(r));
     }
   }
+  awaiting(-1);
   if (!failed.ok()) {
     // The workers dropped nothing from their mirrors for a failed step; ours starts over.
     encoder_.Reset();

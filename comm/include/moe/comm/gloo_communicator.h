@@ -37,6 +37,8 @@ struct GlooOptions {
   int size = 1;
   // The RendezvousServer's "HOST:PORT" ("[IPV6]:PORT").
   std::string store_address;
+  // The store's secret (RendezvousServerOptions::secret), when it has one.
+  std::string store_secret;
   // The address this rank listens on for its peers: an IP address or a host name that they can
   // reach. 127.0.0.1 serves the ranks of one host.
   std::string host = "127.0.0.1";

@@ -10,17 +10,21 @@
 //             op 1 SET key=value (overwrites)
 //             op 2 GET key: waits until the key is set or timeout_ms pass, answers its value
 //             op 3 WAIT key: as GET, without the value
+//             op 4 AUTH value=the store's secret: a store started with a secret answers nothing
+//                  else until a connection has sent it (UNAUTHENTICATED, then it closes)
 //   response: code | len | payload
 //             code 0 OK (payload: the value for GET, else empty); 1 TIMEOUT (the key was not set
 //             in time); 2 BAD_REQUEST and 3 TOO_LARGE (payload: the reason; the server closes the
 //             connection after it, since the stream cannot be trusted); 4 FULL (the store holds
-//             its limit of bytes).
+//             its limit of bytes); 5 UNAUTHENTICATED (no AUTH, or a wrong secret).
 // Keys are 1 to 1 KiB (kMaxKeyBytes), values at most 4 MiB (kMaxValueBytes): anything larger is
 // refused from its header, before a byte of it is read. A client that disconnects, even in the
-// middle of a frame, only loses its own connection. The store is for a trusted control network:
-// it has no authentication.
+// middle of a frame, only loses its own connection. With a secret (a deployment's control-plane
+// secret), a connection must AUTH first; the secret is compared in constant time. The secret is
+// not encrypted on the wire: across hosts the store belongs on a private network.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -46,6 +50,7 @@ struct RendezvousServerOptions {
   int port = 0;                         // 0: a free port, reported by port()
   int64_t max_store_bytes = 256 << 20;  // keys and values held in all; a SET beyond answers FULL
   int max_connections = 1024;           // more wait in the kernel's backlog
+  std::string secret;                   // non-empty: every connection must AUTH with it first
 };
 
 // Serves the store on one background thread (poll(2) over every connection; waiting requests
@@ -66,6 +71,10 @@ class RendezvousServer {
   // thread. Idempotent.
   void Stop();
 
+  // Removes every key that starts with `prefix` (an old generation's), at the loop's next turn.
+  // Clients waiting for such a key go on waiting.
+  void DropKeys(std::string prefix);
+
  private:
   RendezvousServer(std::string host, int port, TcpSocket listener, int wake_read, int wake_write,
                    const RendezvousServerOptions& options);
@@ -75,6 +84,7 @@ class RendezvousServer {
   const int port_;
   int wake_write_ = -1;  // a byte here wakes the loop to stop
   std::unique_ptr<Loop> loop_;
+  std::atomic<bool> stop_requested_{false};
   std::thread thread_;
   absl::Mutex stop_mu_;
   bool stopped_ ABSL_GUARDED_BY(stop_mu_) = false;
@@ -85,9 +95,11 @@ class RendezvousServer {
 class RendezvousClient {
  public:
   // Connects to "HOST:PORT", retrying until `connect_timeout` passes (the server may start after
-  // the worker): kDeadlineExceeded then; kInvalidArgument for a malformed address.
+  // the worker): kDeadlineExceeded then; kInvalidArgument for a malformed address. With a
+  // `secret`, each connection AUTHs with it first: kUnauthenticated when the store refuses it.
   static absl::StatusOr<std::unique_ptr<RendezvousClient>> Connect(std::string_view address,
-                                                                   absl::Duration connect_timeout);
+                                                                   absl::Duration connect_timeout,
+                                                                   std::string secret = "");
 
   // kInvalidArgument for an empty or oversize key or an oversize value (nothing is sent);
   // kResourceExhausted when the store is full; kUnavailable when the server is gone.
@@ -100,13 +112,20 @@ class RendezvousClient {
   const std::string& address() const { return address_; }
 
  private:
-  RendezvousClient(std::string address, HostPort server, TcpSocket socket, absl::Duration connect_timeout);
+  RendezvousClient(std::string address, HostPort server, TcpSocket socket, absl::Duration connect_timeout,
+                   std::string secret);
+
   struct Reply {
     uint32_t code = 0;
     std::string payload;
   };
   absl::StatusOr<Reply> Call(uint32_t op, std::string_view key, std::string_view value, absl::Duration timeout)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // One request and its reply on the open connection.
+  absl::StatusOr<Reply> Exchange(uint32_t op, std::string_view key, std::string_view value, absl::Duration timeout)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Opens the connection if it is closed, and AUTHs on a new one.
+  absl::Status EnsureConnected() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::string> Request(uint32_t op, std::string_view key, std::string_view value,
                                       absl::Duration timeout);
   absl::Status NotSet(std::string_view key, absl::Duration timeout) const;
@@ -114,8 +133,10 @@ class RendezvousClient {
   const std::string address_;
   const HostPort server_;
   const absl::Duration connect_timeout_;
+  const std::string secret_;
   absl::Mutex mu_;
   TcpSocket socket_ ABSL_GUARDED_BY(mu_);
+  bool authenticated_ ABSL_GUARDED_BY(mu_) = false;  // this connection sent the secret
 };
 
 }  // namespace moe::comm

@@ -5,7 +5,8 @@
 // Shared arenas are a named POSIX shared-memory segment (/dev/shm/NAME, in parts NAME.1, NAME.2,
 // ... when large): the first process creates and fills it, then Publish()es it; later processes (a restarted worker, the other
 // workers of the host) attach read-only in well under a second, without reloading. A segment
-// records a key (model, format, layout); attaching with another key is an error.
+// records a key (model and its files' sizes and times, format, layout); a complete segment of
+// another key is replaced, never attached.
 //
 // Thread-safety: immutable after Publish(); data() may be read from any thread.
 #pragma once
@@ -24,8 +25,9 @@ class HostArena {
   // kResourceExhausted when the memory cannot be had.
   static absl::StatusOr<std::unique_ptr<HostArena>> CreatePrivate(size_t bytes);
   // Attaches to segment `name` if it holds `key` and is complete; otherwise creates it (a stale
-  // segment whose creator died is replaced). kFailedPrecondition if it holds another key;
-  // kUnavailable if another live process is still filling it. A segment of more than
+  // segment whose creator died is replaced, and so is a segment of another key). kFailedPrecondition
+  // if `name` is not an arena of this format; kUnavailable if another live process is still filling
+  // it. A segment of more than
   // min_part_bytes comes in parts (/dev/shm/NAME, NAME.1, ... up to 64), mapped end to end, so
   // that the threads filling it get pages side by side.
   static absl::StatusOr<std::unique_ptr<HostArena>> OpenShared(const std::string& name, uint64_t key, size_t bytes,

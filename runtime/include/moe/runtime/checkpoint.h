@@ -242,8 +242,9 @@ class Checkpoint {
   const std::string& path() const { return path_; }
   Container container() const { return names_->container(); }
   const TensorNames& names() const { return *names_; }
-  // What identifies the contents (the files' names, sizes and modification times, hashed): two
-  // opens of unchanged files give the same id, a changed file another. Keys shared state built
+  // What identifies the contents (core::WeightFilesFingerprint: the weight and JSON files' names,
+  // sizes and modification times): two opens of unchanged files give the same id, a changed file
+  // another. Keys shared state built
   // from the weights (the expert pool's shared arena).
   const std::string& id() const { return id_; }
   const TokenizerSource& tokenizer() const { return tokenizer_; }

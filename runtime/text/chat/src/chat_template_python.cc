@@ -58,9 +58,60 @@ def set_now(seconds, microseconds):
     else:
         now_for_testing = datetime.datetime.fromtimestamp(seconds).replace(microsecond=microseconds)
 
+# What a template may build: a prompt of 8 Mi characters is far beyond any context, and a string,
+# list or output past it is refused before it is made (a template like {{ 'x' * 2000000000 }}
+# would otherwise take gigabytes).
+MAX_CHARS = 8 * 1024 * 1024
+
+def _too_large(what, size):
+    raise jinja2.exceptions.SecurityError(
+        f"the template would build {what} of {size} characters or items, more than the {MAX_CHARS} a chat "
+        "template may")
+
+def _size(value):
+    return len(value) if isinstance(value, (str, list, tuple)) else 0
+
+class _BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    intercepted_binops = frozenset(["*", "+", "**"])
+
+    def call_binop(self, context, operator, left, right):
+        if operator == "*":
+            for seq, count in ((left, right), (right, left)):
+                if isinstance(count, int) and _size(seq) * max(count, 0) > MAX_CHARS:
+                    _too_large("a value", _size(seq) * count)
+        elif operator == "+" and _size(left) + _size(right) > MAX_CHARS:
+            _too_large("a value", _size(left) + _size(right))
+        elif operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 4096:
+            _too_large("a number", right)
+        return super().call_binop(context, operator, left, right)
+
+def _bounded_filter(name, filter):
+    # A filter that takes the context (or environment) gets it first: the value comes after it.
+    first = 1 if hasattr(filter, "jinja_pass_arg") else 0
+    def checked(*args, **kwargs):
+        for value in list(args[first + 1:]) + list(kwargs.values()):
+            if isinstance(value, int) and not isinstance(value, bool) and value > MAX_CHARS:
+                _too_large(f"'{name}' output", value)
+        if name == "replace" and len(args) >= first + 3 and isinstance(args[first], str):
+            s, old, new = str(args[first]), str(args[first + 1]), str(args[first + 2])
+            grown = len(s) + (s.count(old) if old else len(s) + 1) * max(len(new) - len(old), 0)
+            if grown > MAX_CHARS:
+                _too_large("'replace' output", grown)
+        result = filter(*args, **kwargs)
+        if _size(result) > MAX_CHARS:
+            _too_large(f"'{name}' output", _size(result))
+        return result
+    for attribute in ("jinja_pass_arg", "environmentfilter", "contextfilter", "evalcontextfilter"):
+        if hasattr(filter, attribute):
+            setattr(checked, attribute, getattr(filter, attribute))
+    return checked
+
 def compile(source):
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+    env = _BoundedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    for name in ("center", "indent", "format", "replace", "join", "wordwrap", "truncate", "list", "string"):
+        if name in env.filters:
+            env.filters[name] = _bounded_filter(name, env.filters[name])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
@@ -71,8 +122,15 @@ def render(template, variables_json):
     if not isinstance(variables, dict):
         raise TypeError(f"the template variables must be a JSON object, not {type(variables).__name__}")
     # As one mapping rather than **kwargs, so that a key named like render()'s own parameter
-    # ("self") cannot make the call itself fail.
-    return template.render(variables)
+    # ("self") cannot make the call itself fail. Piece by piece, so that an output past the limit
+    # stops where it passes it.
+    pieces, size = [], 0
+    for piece in template.generate(variables):
+        size += len(piece)
+        if size > MAX_CHARS:
+            _too_large("a prompt", size)
+        pieces.append(piece)
+    return "".join(pieces)
 
 # "Type: message (chat template line N)": Jinja's message, and the template line it came from
 # (Jinja rewrites tracebacks so that template frames carry the template's own line numbers).

@@ -40,7 +40,8 @@ class Stream {
  private:
   friend class Engine;
   // Records the output's times (and the metrics they feed) and queues it for the reader.
-  void Push(Output out, Clock::time_point now, Metrics* metrics = nullptr);
+  // `step_start`: when the step that made `out` began (the end of a request's queue time).
+  void Push(Output out, Clock::time_point step_start, Clock::time_point now, Metrics* metrics = nullptr);
 
   mutable absl::Mutex mu_;
   std::deque<Output> outputs_ ABSL_GUARDED_BY(mu_);
@@ -73,6 +74,9 @@ class Engine {
   absl::StatusOr<std::shared_ptr<Stream>> Submit(Request request);
   // False if no live request has this id.
   bool Abort(const std::string& id);
+  // As Abort, but the request ends as finished (kStopString): the text pipeline matched a stop
+  // string, and what the engine would generate on is thrown away.
+  bool FinishByStopString(const std::string& id);
   SchedulerStats stats() const;
   const SchedulerConfig& config() const { return config_; }
   // The executor's model; fixed for the engine's life.
@@ -101,7 +105,7 @@ class Engine {
   // re-evaluates as it is released, so no one notifies.
   mutable absl::Mutex mu_;
   std::deque<PendingAdd*> adds_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::string> aborts_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::pair<std::string, FinishReason>> aborts_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> live_ ABSL_GUARDED_BY(mu_);  // ids the loop accepted and has not finished
   bool busy_ ABSL_GUARDED_BY(mu_) = false;           // the scheduler has work
   bool stop_ ABSL_GUARDED_BY(mu_) = false;

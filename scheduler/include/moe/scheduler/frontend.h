@@ -12,6 +12,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "moe/runtime/executor.h"
@@ -32,6 +33,9 @@ struct FrontendOptions {
   // header (UNAUTHENTICATED / 401 otherwise); health and metrics stay open unless protect_metrics.
   std::shared_ptr<const ApiKeys> api_keys;
   bool protect_metrics = false;
+  // Web pages that may call the HTTP API from a browser (HttpServerOptions::allowed_origins);
+  // none by default.
+  std::vector<std::string> allowed_origins;
   // The text side (tokenizer, chat template, parsers) is read from the model folder at Serve;
   // empty model_dir: token ids only.
   std::string model_dir;
@@ -66,8 +70,9 @@ class Frontend {
   Engine& engine();  // after Serve
   // A graceful stop: health turns NOT_SERVING, new requests get UNAVAILABLE, the running ones
   // have `grace` to finish; then the rest end with UNAVAILABLE "server shutting down" and the
-  // servers stop. Returns how many requests were cut off.
-  int Drain(std::chrono::milliseconds grace);
+  // servers stop. Returns how many requests were cut off. `cut_short`, when given, is asked
+  // every 50 ms; true ends the grace at once (a second SIGTERM or SIGINT).
+  int Drain(std::chrono::milliseconds grace, const std::function<bool()>& cut_short = nullptr);
   // A deployment's workers, after Serve: while they are restarted (ready false) gRPC health turns
   // NOT_SERVING and /health and /ready answer 503 "restarting"; requests still queue for them.
   void SetWorkersReady(bool ready);

@@ -43,8 +43,16 @@ struct HttpServerOptions {
   // a scraper or a load balancer's probe needs no key).
   bool protect_metrics = false;
   size_t max_request_bytes = size_t{1} << 20;  // a larger body gets 413
+  // Web pages (the Origin header) that may call this server from a browser: "https://app.example"
+  // each, or "*" for any. None by default, as a local server should: a request that carries an
+  // Origin not listed gets 403, and so does a CORS preflight (OPTIONS) for it; a listed one gets
+  // Access-Control-Allow-Origin and its preflight is answered (204).
+  std::vector<std::string> allowed_origins;
   // A client that sends or reads nothing for this long is cut off (per read or write).
   std::chrono::milliseconds read_timeout{5000};
+  // A request's head (request line and headers) must arrive within this, from its first byte:
+  // a client that trickles its headers is cut off (plain TCP; over TLS only the read timeout).
+  std::chrono::milliseconds head_timeout{10000};
   std::chrono::milliseconds write_timeout{5000};
   // An idle keep-alive connection is closed after this; Stop() waits for it at most this long.
   std::chrono::seconds keep_alive_timeout{2};
@@ -88,6 +96,10 @@ class HttpServer {
     Handler handler;
   };
   bool Authorized(const httplib::Request& request) const;
+  // Before any route: RFC 9112's framing rules, the Host of a loopback listener, the Origin and
+  // CORS preflights. True when it answered the request itself.
+  bool Screen(const httplib::Request& request, httplib::Response& response) const;
+  bool loopback_ = false;  // the listener is on a loopback address
   Handler Guarded(Handler handler) const;
   void AddBuiltinRoutes();
   void OnError(const httplib::Request& request, httplib::Response& response) const;
@@ -99,6 +111,11 @@ class HttpServer {
   std::atomic<int> port_{0};
   std::atomic<ServingState> state_{ServingState::kLoading};
 };
+
+// The descriptor of the connection `request` came on (cpp-httplib 0.11 shows a handler none): the
+// socket of this process whose peer and local port are the request's, or -1. For watching
+// whether the client is still there, and for closing a connection that cannot be trusted.
+int ConnectionSocketOf(const httplib::Request& request);
 
 // Sets `response` to an error shaped as OpenAI's API shapes them:
 // {"error": {"message": ..., "type": ..., "param": the field at fault or null, "code": status}}.

@@ -30,7 +30,8 @@ struct Request {
   std::optional<Clock::time_point> deadline;
 };
 
-enum class FinishReason { kLength, kEos, kStopToken, kAborted, kDeadline, kError };
+// kStopString: the text pipeline matched a stop string and ended the request (Engine::Finish).
+enum class FinishReason { kLength, kEos, kStopToken, kStopString, kAborted, kDeadline, kError };
 const char* FinishReasonName(FinishReason reason);
 
 // What one step did for one request: tokens appended, and whether it ended.

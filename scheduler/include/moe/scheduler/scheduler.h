@@ -82,7 +82,8 @@ class Scheduler {
   // the queue is full, or the prompt could never fit the KV cache.
   absl::Status Add(Request request);
   // Ends the request at the next Step (reported as kAborted); unknown ids are ignored.
-  void Abort(const std::string& id);
+  // `reason` kStopString ends it as finished (a stop string matched).
+  void Abort(const std::string& id, FinishReason reason = FinishReason::kAborted);
 
   // Runs one step on `executor` and returns what happened to each request it touched.
   std::vector<Output> Step(runtime::Executor& executor, Clock::time_point now = Clock::now());

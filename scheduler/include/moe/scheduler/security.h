@@ -13,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "grpcpp/security/credentials.h"
 #include "grpcpp/security/server_credentials.h"
 
 namespace moe::scheduler {
@@ -36,6 +37,11 @@ absl::Status CheckTlsFiles(const TlsFiles& files);
 // insecure without a certificate, TLS with one, and TLS that requires and verifies a client
 // certificate when a client CA is given. Errors as CheckTlsFiles.
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> GrpcServerCredentials(const TlsFiles& files);
+
+// The other end, for a client that must present its certificate (mutual TLS between the nodes of
+// a deployment): `files`' certificate and key are the client's, client_ca_file the CA that signed
+// the servers'. Insecure without a certificate. Errors as CheckTlsFiles.
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> GrpcClientCredentials(const TlsFiles& files);
 
 // The API keys a server accepts. Only SHA-256 digests of the keys are kept, so a key never
 // reaches a log or a core dump in the clear, and every comparison takes the same time whatever

@@ -24,6 +24,11 @@
 
 namespace moe::scheduler {
 
+// Stop strings a request may give (both APIs): how many, and how long each.
+inline constexpr size_t kMaxStopStrings = 16;
+inline constexpr size_t kMaxStopStringBytes = 1024;
+
+
 struct TextModelOptions {
   std::string model_dir;    // tokenizer.json and tokenizer_config.json are read from here
   std::string model_type;   // config.json's model_type: picks the default parsers
@@ -94,6 +99,8 @@ class TextModel {
   absl::StatusOr<std::vector<int32_t>> EncodeChat(const ChatPrompt& prompt) const;
   // The text of one token for logprobs ("token_id:N" without a tokenizer).
   std::string TokenText(int32_t id) const;
+  // The token's own bytes (logprobs' `bytes`): part of a character stays its bytes, not U+FFFD.
+  std::string TokenBytes(int32_t id) const;
   // kInvalidArgument for a tool-call parser that cannot take these tools.
   absl::StatusOr<std::unique_ptr<OutputText>> NewOutput(OutputTextOptions options) const;
 

@@ -62,6 +62,9 @@ class Tokenizer {
   int vocab_size() const;  // largest id + 1, added tokens included
   std::optional<int32_t> TokenToId(std::string_view token) const;
   std::string IdToToken(int32_t id) const;  // "" when unknown
+  // The bytes token `id` stands for, as Decode({id}) would give them before bytes that do not form
+  // UTF-8 become U+FFFD (a byte-level token that is part of a character: its own bytes).
+  std::string TokenBytes(int32_t id) const;
   bool IsSpecial(int32_t id) const;
 
  private:

@@ -12,9 +12,13 @@
 // kv_capacity, model_info and Describe from any thread.
 #pragma once
 
+#include <grpcpp/security/credentials.h>
+
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -35,6 +39,13 @@ class RemoteExecutor final : public runtime::Executor {
     runtime::ModelInfo info;
     std::string description;
     absl::Duration heal_timeout = absl::Seconds(120);
+    // Metadata every call to a worker carries (the control plane's secret).
+    std::vector<std::pair<std::string, std::string>> call_metadata;
+    // A step whose results have not all come back by then fails, and the group is marked broken
+    // (a worker stopped or stuck: its stream stays open, so nothing else would notice). Zero: none.
+    absl::Duration step_timeout = absl::ZeroDuration();
+    // The channels' credentials (mutual TLS between nodes); null: plain TCP.
+    std::shared_ptr<grpc::ChannelCredentials> credentials;
   };
   // Opens an Execute stream to every worker (which must be loaded). kUnavailable naming the worker
   // that cannot be reached.
@@ -53,15 +64,24 @@ class RemoteExecutor final : public runtime::Executor {
   // kUnavailable when a worker cannot be reached (the group stays broken).
   absl::Status Reattach(const std::vector<std::string>& workers);
   bool healthy() const;
+  // Why the group is broken ("" while healthy).
+  std::string broken_reason() const;
 
  private:
   class Group;  // the streams of one generation of workers
   explicit RemoteExecutor(const Options& options) : options_(options) {}
+  // The step deadline's watch, on a thread of its own while step_timeout is set.
+  void WatchSteps();
 
   const Options options_;
   mutable absl::Mutex mu_;
   std::shared_ptr<Group> group_ ABSL_GUARDED_BY(mu_);
   std::string broken_ ABSL_GUARDED_BY(mu_);  // why, while broken
+  // The step in flight: when it was sent, and the rank whose result is awaited (-1: none).
+  absl::Time step_started_ ABSL_GUARDED_BY(mu_);
+  int awaited_rank_ ABSL_GUARDED_BY(mu_) = -1;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread watchdog_;
   PlanEncoder encoder_;           // the engine thread's
   uint64_t generation_seen_ = 0;  // the engine thread's: the group its encoder's mirror belongs to
 };
