@@ -577,6 +577,70 @@ TEST_P(CudaGoldensTest, GraphsGiveTheTokensOfEagerMode) {
   }
 }
 
+// A target and a draft model on one GPU, each in its own step context: their decode steps
+// interleave, each replays its own graphs (same batch buckets, so one shared key space would replay
+// the other model's), and the target's logits are those of the target alone on its own GPU backend.
+TEST_P(CudaGoldensTest, TwoModelsOnOneGpuReplayTheirOwnGraphs) {
+  const std::string draft_arch = GetParam() == std::string("qwen3_moe") ? "mixtral" : "qwen3_moe";
+  auto shared = runtime::CreateBackend(runtime::Device{runtime::Device::Kind::kCuda, 0});
+  ASSERT_TRUE(shared.ok()) << shared.status();
+  std::shared_ptr<runtime::Backend> backend = std::move(*shared);
+  runtime::ModelOptions options;
+  options.experts = runtime::RoutedExpertsMode::kBackend;
+  options.pool.progress = false;
+  auto target = Model::Load(testing::FixtureDir(GetParam()), options, backend);
+  ASSERT_TRUE(target.ok()) << target.status();
+  auto draft = Model::Load(testing::FixtureDir(draft_arch), options, backend);
+  ASSERT_TRUE(draft.ok()) << draft.status();
+  auto alone = LoadOn(GetParam(), true, true);
+  ASSERT_NE(alone, nullptr);
+  const std::vector<int32_t> prompt = testing::LoadGolden(GetParam())["cases"][0]["prompt_ids"];
+  const int n = static_cast<int>(prompt.size());
+  // One sequence of `m`: a prefill of the prompt, then a decode step at position n + step.
+  struct Sequence {
+    Model* m;
+    std::unique_ptr<runtime::KvCache> cache;
+  };
+  auto start = [&](Model& m) {
+    Sequence q{&m, nullptr};
+    auto cache = m.NewKvCache(8, 16);
+    EXPECT_TRUE(cache.ok());
+    q.cache = std::move(*cache);
+    ForwardBatch prefill;
+    prefill.token_ids = prompt;
+    prefill.sequences = {SequenceChunk{0, n, {0, 1}}};
+    prefill.logit_rows = {n - 1};
+    std::vector<float> logits;
+    EXPECT_TRUE(m.Forward(prefill, *q.cache, &logits).ok());
+    return q;
+  };
+  auto decode = [&](Sequence& q, int step) {
+    ForwardBatch b;
+    b.token_ids = {prompt[step % n]};
+    b.sequences = {SequenceChunk{n + step, 1, {0, 1}}};
+    b.logit_rows = {0};
+    std::vector<float> logits;
+    const absl::Status st = q.m->Forward(b, *q.cache, &logits);
+    EXPECT_TRUE(st.ok()) << st;
+    return logits;
+  };
+  auto draft_alone = LoadOn(draft_arch, true, true);
+  ASSERT_NE(draft_alone, nullptr);
+  // The draft's steps have the target's shape (one sequence at the same positions): the same graph
+  // keys, step for step. Each model's logits are those of the model alone.
+  Sequence t = start(**target), d = start(**draft), rt = start(*alone), rd = start(*draft_alone);
+  auto expect_near = [](const std::vector<float>& got, const std::vector<float>& want, const std::string& what) {
+    ASSERT_EQ(got.size(), want.size()) << what;
+    float worst = 0;
+    for (size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::abs(got[i] - want[i]));
+    EXPECT_LT(worst, 1e-3f) << what;
+  };
+  for (int step = 0; step < 4; ++step) {
+    expect_near(decode(d, step), decode(rd, step), "draft, decode step " + std::to_string(step));
+    expect_near(decode(t, step), decode(rt, step), "target, decode step " + std::to_string(step));
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Fixtures, CudaGoldensTest, ::testing::Values("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"),
                          [](const auto& info) { return info.param; });
 

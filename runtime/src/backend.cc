@@ -56,7 +56,9 @@ absl::StatusOr<std::unique_ptr<KvCache>> Backend::CreateKvCache(const CachePlan&
 }
 
 StepContext::~StepContext() {
-  if (backend_ != nullptr && backend_->current_ == this) backend_->current_ = &backend_->default_context_;
+  if (backend_ == nullptr) return;
+  backend_->ClearContextGraphs(id_);  // they hold this context's arena
+  if (backend_->current_ == this) backend_->current_ = &backend_->default_context_;
 }
 
 Backend::Backend() : default_context_(nullptr, 0) {}

@@ -518,6 +518,16 @@ class CudaBackend : public Backend {
     graphs_.clear();
   }
 
+  void ClearContextGraphs(uint64_t context_id) override {
+    auto first = graphs_.lower_bound(GraphKey{context_id, 0});
+    if (first == graphs_.end() || first->first.first != context_id) return;
+    cudaStreamSynchronize(stream_);
+    while (first != graphs_.end() && first->first.first == context_id) {
+      cudaGraphExecDestroy(first->second.exec);
+      first = graphs_.erase(first);
+    }
+  }
+
   // ---- Hybrid execution: a layer's routed experts on the host ----
   // On a stream of its own, forked from the main one and joined back by FinishHostExperts: the
   // inputs packed into mapped pinned memory (one kernel), a host function that runs the experts

@@ -575,7 +575,7 @@ absl::StatusOr<StepOutputs> Model::ForwardOnDevice(const ForwardBatch& batch, Kv
   if (bucket > 0) {
     const GraphCache target{cache.k(0), cache.v(0), cache.shape().num_blocks, cache.shape().block_size};
     if (!(target == graph_cache_)) {
-      b.ClearGraphs();
+      b.ClearContextGraphs(context_->id());  // this model's graphs only: another's stay recorded
       graph_cache_ = target;
     }
     // A step that gathers the hidden states queues one more operation: a graph of its own.

@@ -370,6 +370,9 @@ class Backend {
   virtual bool SupportsGraphs() const { return false; }
   // Forgets every recorded graph (their buffers, the KV cache's among them, are about to change).
   virtual void ClearGraphs() {}
+  // Forgets the graphs recorded in one step context (a model whose KV cache changed, or that is
+  // going away); the other models' stay.
+  virtual void ClearContextGraphs(uint64_t context_id) {}
 
   // Samples every row of `logits` [rows x vocab] fp32 (modified: the penalties are applied in
   // place) on the backend, waiting for the result. kUnimplemented where the backend does not
