@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "cuda/cuda_status.h"
+#include "cuda/op_timer.h"
 #include "cuda/gather.h"
 #include "cuda/ops.h"
 #include "cuda/routing.h"
@@ -133,7 +134,6 @@ class CudaBackend : public Backend {
     }
     if (copy_stream_ != nullptr) cudaStreamDestroy(copy_stream_);
     for (auto& [key, graph] : graphs_) cudaGraphExecDestroy(graph.exec);
-    for (cudaEvent_t e : timing_events_) cudaEventDestroy(e);
     for (cudaEvent_t e : {host_fork_, host_join_, host_step_done_}) {
       if (e != nullptr) cudaEventDestroy(e);
     }
@@ -671,7 +671,7 @@ class CudaBackend : public Backend {
   }
 
   absl::Status RunGraphBody(uint64_t key, absl::FunctionRef<absl::Status()> body) {
-    if (timing_) return body();  // timed op by op
+    if (timer_.active()) return body();  // timed op by op
     const GraphKey graph_key{context().id(), key};
     if (auto it = graphs_.find(graph_key); it != graphs_.end()) {
       MOE_CUDA_KEEP(cudaGraphLaunch(it->second.exec, stream_));
@@ -723,7 +723,7 @@ class CudaBackend : public Backend {
   }
 
   void Linear(const Tensor& x, const DeviceWeight& w, const DeviceWeight* bias, const Tensor& out) override {
-    if (timing_) Begin(absl::StrCat("Linear [", w.rows(), " x ", w.cols(), "]"));
+    if (timer_.active()) Begin(absl::StrCat("Linear [", w.rows(), " x ", w.cols(), "]"));
     // A bias with a bf16 output goes through fp32: the bias is added before the one rounding, as
     // the CPU reference does (rounding the product, then the sum, loses up to an ulp of the
     // product where the bias cancels it).
@@ -1120,92 +1120,18 @@ class CudaBackend : public Backend {
     Keep(cudaGetLastError(), op);
   }
 
-  // ---- Operation timing: an event before and after each operation ----
-  static constexpr int kTimedOps = 4096;
-  struct TimedOp {
-    std::string op;
-    int start, end;  // indices into timing_events_
-    bool first_of_step;
-  };
-  // Each timed step starts behind a hold of the stream longer than the host takes to queue a
-  // step, so its operations run back to back: their times are the device's, without the host's
-  // launch latency (which the step's untimed eager run shows).
-  static constexpr int64_t kTimingHoldNs = 8'000'000;
-
-  absl::Status BeginOpTiming() override {
-    if (timing_events_.empty()) {
-      timing_events_.resize(2 * kTimedOps);
-      for (cudaEvent_t& e : timing_events_) MOE_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e));
-    }
-    timed_.clear();
-    timing_ = true;
-    return absl::OkStatus();
-  }
-
-  absl::StatusOr<OpTiming> EndOpTiming() override {
-    timing_ = false;
-    MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-    OpTiming t;
-    if (timed_.empty()) return t;
-    std::map<std::string, OpTime> by_op;
-    for (const TimedOp& op : timed_) {
-      if (op.end < 0) continue;
-      float ms = 0;
-      MOE_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, timing_events_[op.start], timing_events_[op.end]));
-      OpTime& o = by_op[op.op];
-      o.op = op.op;
-      o.seconds += ms / 1e3;
-      ++o.calls;
-      t.busy_seconds += ms / 1e3;
-    }
-    // The span of each step, from its first operation's start to its last one's end.
-    size_t first = 0;
-    for (size_t i = 0; i < timed_.size(); ++i) {
-      const bool last_of_step = i + 1 == timed_.size() || timed_[i + 1].first_of_step;
-      if (!last_of_step || timed_[i].end < 0) continue;
-      float span = 0;
-      MOE_CUDA_RETURN_IF_ERROR(
-          cudaEventElapsedTime(&span, timing_events_[timed_[first].start], timing_events_[timed_[i].end]));
-      t.span_seconds += span / 1e3;
-      first = i + 1;
-    }
-    // Calibration: pairs of events around nothing, behind a hold, as the operations ran.
-    constexpr int kPairs = 32;
-    if (timing_events_.size() >= 2 * kPairs) {
-      cuda::HoldStream(kTimingHoldNs / 4, stream_);
-      for (int i = 0; i < kPairs; ++i) {
-        MOE_CUDA_RETURN_IF_ERROR(cudaEventRecord(timing_events_[2 * i], stream_));
-        MOE_CUDA_RETURN_IF_ERROR(cudaEventRecord(timing_events_[2 * i + 1], stream_));
-      }
-      MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-      double total = 0;
-      for (int i = 0; i < kPairs; ++i) {
-        float ms = 0;
-        MOE_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, timing_events_[2 * i], timing_events_[2 * i + 1]));
-        total += ms / 1e3;
-      }
-      t.overhead_seconds_per_op = total / kPairs;
-    }
-    for (auto& [name, o] : by_op) t.ops.push_back(o);
-    std::sort(t.ops.begin(), t.ops.end(), [](const OpTime& a, const OpTime& b) { return a.seconds > b.seconds; });
-    return t;
-  }
-
+  // ---- Operation timing (cuda/op_timer.h) ----
+  absl::Status BeginOpTiming() override { return timer_.Start(); }
+  absl::StatusOr<OpTiming> EndOpTiming() override { return timer_.Finish(stream_); }
   void Begin(std::string op) {
-    if (!timing_ || capturing_ || timed_.size() >= kTimedOps) return;
+    if (!timer_.has_room() || capturing_) return;
     const bool first_of_step = !step_held_;
-    if (first_of_step) {
-      cuda::HoldStream(kTimingHoldNs, stream_);
-      step_held_ = true;
-    }
-    const int i = static_cast<int>(timed_.size());
-    timed_.push_back(TimedOp{std::move(op), 2 * i, -1, first_of_step});
-    MOE_CUDA_KEEP(cudaEventRecord(timing_events_[2 * i], stream_));
+    step_held_ = true;
+    MOE_CUDA_KEEP(timer_.Before(std::move(op), first_of_step, stream_));
   }
   void Ended() {
-    if (!timing_ || capturing_ || timed_.empty() || timed_.back().end >= 0) return;
-    timed_.back().end = timed_.back().start + 1;
-    MOE_CUDA_KEEP(cudaEventRecord(timing_events_[timed_.back().end], stream_));
+    if (!timer_.active() || capturing_) return;
+    MOE_CUDA_KEEP(timer_.After(stream_));
   }
 
   void KeepStatus(const absl::Status& s, const char* what) {
@@ -1290,10 +1216,8 @@ class CudaBackend : public Backend {
   int64_t streamed_calls_ = 0;
   const uint8_t* registered_ = nullptr;  // the page-locked arena
   bool capturing_ = false;
-  bool timing_ = false;
   bool step_held_ = false;  // this step's operations are queued behind a hold (timing)
-  std::vector<cudaEvent_t> timing_events_;
-  std::vector<TimedOp> timed_;
+  cuda::OpTimer timer_;
   absl::Status pending_;  // the first error since the last Synchronize
   absl::Status lost_;     // set once the context is lost: every later Synchronize fails
 };
