@@ -26,12 +26,41 @@ absl::StatusOr<KernelKind> ParseKernel(const std::string& name) {
       absl::StrCat("expert kernel '", name, "' is not one of portable, avx512, avx512bf16, vnni, amx"));
 }
 
-std::vector<KernelKind> KernelsFor(ExpertFormat format) {
-  if (format == ExpertFormat::kBF16) {
-    return {KernelKind::kPortable, KernelKind::kAvx512, KernelKind::kAvx512Bf16, KernelKind::kAmx};
+const std::vector<KernelEntry>& KernelTable() {
+  using F = ExpertFormat;
+  using K = KernelKind;
+  static const std::vector<KernelEntry> table = {
+      {K::kPortable, F::kBF16, internal::MatmulPortable, nullptr},
+      {K::kAvx512, F::kBF16, internal::MatmulAvx512Bf16F32, nullptr},
+      {K::kAvx512Bf16, F::kBF16, internal::MatmulAvx512Bf16Dp, nullptr},
+      {K::kAmx, F::kBF16, internal::MatmulAmxBf16, nullptr},
+      {K::kPortable, F::kInt8, internal::MatmulPortable, nullptr},
+      {K::kVnni, F::kInt8, internal::MatmulVnniInt8, nullptr},
+      {K::kAmx, F::kInt8, internal::MatmulAmxInt8, internal::SwiGluAmxInt8},
+      {K::kPortable, F::kInt4, internal::MatmulPortable, nullptr},
+      {K::kVnni, F::kInt4, internal::MatmulVnniInt4, nullptr},
+      {K::kAmx, F::kInt4, internal::MatmulAmxInt4, internal::SwiGluAmxInt4},
+  };
+  return table;
+}
+
+namespace {
+
+const KernelEntry* FindKernel(KernelKind kind, ExpertFormat format) {
+  for (const KernelEntry& e : KernelTable()) {
+    if (e.kind == kind && e.format == format) return &e;
   }
-  if (format == ExpertFormat::kInt8) return {KernelKind::kPortable, KernelKind::kVnni, KernelKind::kAmx};
-  return {KernelKind::kPortable, KernelKind::kVnni, KernelKind::kAmx};
+  return nullptr;
+}
+
+}  // namespace
+
+std::vector<KernelKind> KernelsFor(ExpertFormat format) {
+  std::vector<KernelKind> kinds;
+  for (const KernelEntry& e : KernelTable()) {
+    if (e.format == format) kinds.push_back(e.kind);
+  }
+  return kinds;
 }
 
 std::string KernelUnsupportedReason(KernelKind kind, ExpertFormat format, const core::CpuFeatures& cpu) {
@@ -47,36 +76,21 @@ std::string KernelUnsupportedReason(KernelKind kind, ExpertFormat format, const 
     case KernelKind::kVnni: return avx512 && cpu.avx512_vnni ? "" : "needs AVX-512 VNNI";
     case KernelKind::kAmx:
       if (!cpu.amx_tile) return "needs AMX tiles";
-      if (format == ExpertFormat::kBF16 && !cpu.amx_bf16) return "needs AMX-BF16";
-      if (format != ExpertFormat::kBF16 && !cpu.amx_int8) return "needs AMX-INT8";
+      if (Describe(format).bits == 16 && !cpu.amx_bf16) return "needs AMX-BF16";
+      if (Describe(format).bits != 16 && !cpu.amx_int8) return "needs AMX-INT8";
       return internal::EnableAmxForProcess() ? "" : "the OS refused AMX tile data (arch_prctl)";
   }
   return "unknown kernel";
 }
 
 MatmulKernel GetKernel(KernelKind kind, ExpertFormat format) {
-  switch (kind) {
-    case KernelKind::kPortable: return internal::MatmulPortable;
-    case KernelKind::kAvx512: return format == ExpertFormat::kBF16 ? internal::MatmulAvx512Bf16F32 : nullptr;
-    case KernelKind::kAvx512Bf16: return format == ExpertFormat::kBF16 ? internal::MatmulAvx512Bf16Dp : nullptr;
-    case KernelKind::kVnni:
-      if (format == ExpertFormat::kInt8) return internal::MatmulVnniInt8;
-      if (format == ExpertFormat::kInt4) return internal::MatmulVnniInt4;
-      return nullptr;
-    case KernelKind::kAmx:
-      if (format == ExpertFormat::kBF16) return internal::MatmulAmxBf16;
-      if (format == ExpertFormat::kInt8) return internal::MatmulAmxInt8;
-      if (format == ExpertFormat::kInt4) return internal::MatmulAmxInt4;
-      return nullptr;
-  }
-  return nullptr;
+  const KernelEntry* e = FindKernel(kind, format);
+  return e != nullptr ? e->matmul : nullptr;
 }
 
 SwiGluKernel GetSwiGluKernel(KernelKind kind, ExpertFormat format) {
-  if (kind != KernelKind::kAmx) return nullptr;
-  if (format == ExpertFormat::kInt8) return internal::SwiGluAmxInt8;
-  if (format == ExpertFormat::kInt4) return internal::SwiGluAmxInt4;
-  return nullptr;
+  const KernelEntry* e = FindKernel(kind, format);
+  return e != nullptr ? e->swiglu : nullptr;
 }
 
 absl::Status PrepareThreadForKernel(KernelKind kind) {

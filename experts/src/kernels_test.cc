@@ -434,3 +434,46 @@ TEST(PackedTest, RejectsBadShapesAndGroups) {
 
 }  // namespace
 }  // namespace moe::experts
+
+namespace moe::experts {
+namespace {
+
+// Each format's descriptor says what the layout and the kernels assume of it.
+TEST(FormatDescriptorTest, DescribesEveryPackedFormatAsTheLayoutSizesIt) {
+  ASSERT_EQ(PackedFormats().size(), 3u);
+  for (const FormatDescriptor& d : PackedFormats()) {
+    SCOPED_TRACE(d.name);
+    EXPECT_EQ(&Describe(d.format), &d);
+    EXPECT_EQ(d.bits, FormatBits(d.format));
+    EXPECT_EQ(ParseFormat(d.name).value(), d.format);
+    const MatrixLayout l = MakeLayout(d.format, 40, 200, 64).value();
+    EXPECT_EQ(l.block_bytes() * 8, 16 * l.k_pad * d.bits);
+    const int64_t scales = d.scales == FormatDescriptor::Scales::kNone     ? 0
+                           : d.scales == FormatDescriptor::Scales::kPerRow ? l.n_pad
+                                                                           : l.n_pad * l.groups();
+    EXPECT_EQ(l.scale_bytes(), (scales * 4 + 63) / 64 * 64);
+    EXPECT_TRUE(d.symmetric);
+    EXPECT_EQ(d.codebook, nullptr);
+  }
+  EXPECT_EQ(Describe(ExpertFormat::kInt8).offset, 128);
+  EXPECT_EQ(Describe(ExpertFormat::kInt4).offset, 8);
+  EXPECT_EQ(ParseFormat("q4_k").status().message(), "expert format 'q4_k' is not one of bf16, int8, int4");
+}
+
+// Every format has a portable kernel first, and each kernel the table registers is there to call.
+TEST(FormatDescriptorTest, KernelsRegisterAgainstFormats) {
+  for (const FormatDescriptor& d : PackedFormats()) {
+    const std::vector<KernelKind> kinds = KernelsFor(d.format);
+    ASSERT_FALSE(kinds.empty()) << d.name;
+    EXPECT_EQ(kinds.front(), KernelKind::kPortable) << d.name;
+  }
+  for (const KernelEntry& e : KernelTable()) {
+    EXPECT_NE(e.matmul, nullptr);
+    EXPECT_EQ(GetKernel(e.kind, e.format), e.matmul);
+    EXPECT_EQ(GetSwiGluKernel(e.kind, e.format), e.swiglu);
+  }
+  EXPECT_EQ(GetKernel(KernelKind::kVnni, ExpertFormat::kBF16), nullptr);
+}
+
+}  // namespace
+}  // namespace moe::experts

@@ -22,27 +22,34 @@ int64_t QuadIndex(int64_t r, int64_t k) { return (k / 4) * 64 + r * 4 + k % 4; }
 
 }  // namespace
 
-const char* FormatName(ExpertFormat f) {
-  switch (f) {
-    case ExpertFormat::kBF16: return "bf16";
-    case ExpertFormat::kInt8: return "int8";
-    case ExpertFormat::kInt4: return "int4";
-  }
-  return "?";
+const std::vector<FormatDescriptor>& PackedFormats() {
+  using S = FormatDescriptor::Scales;
+  static const std::vector<FormatDescriptor> formats = {
+      {ExpertFormat::kBF16, "bf16", 16, S::kNone, true, 0, nullptr},
+      {ExpertFormat::kInt8, "int8", 8, S::kPerRow, true, 128, nullptr},
+      {ExpertFormat::kInt4, "int4", 4, S::kPerGroup, true, 8, nullptr},
+  };
+  return formats;
 }
 
+const FormatDescriptor& Describe(ExpertFormat f) { return PackedFormats()[static_cast<size_t>(f)]; }
+
+const char* FormatName(ExpertFormat f) { return Describe(f).name; }
+
 absl::StatusOr<ExpertFormat> ParseFormat(const std::string& name) {
-  if (name == "bf16") return ExpertFormat::kBF16;
-  if (name == "int8") return ExpertFormat::kInt8;
-  if (name == "int4") return ExpertFormat::kInt4;
-  return absl::InvalidArgumentError(absl::StrCat("expert format '", name, "' is not one of bf16, int8, int4"));
+  std::string names;
+  for (const FormatDescriptor& d : PackedFormats()) {
+    if (name == d.name) return d.format;
+    absl::StrAppend(&names, names.empty() ? "" : ", ", d.name);
+  }
+  return absl::InvalidArgumentError(absl::StrCat("expert format '", name, "' is not one of ", names));
 }
 
 int64_t MatrixLayout::scale_bytes() const {
-  switch (format) {
-    case ExpertFormat::kBF16: return 0;
-    case ExpertFormat::kInt8: return RoundUp(n_pad * 4, 64);
-    case ExpertFormat::kInt4: return RoundUp(n_pad * groups() * 4, 64);
+  switch (Describe(format).scales) {
+    case FormatDescriptor::Scales::kNone: return 0;
+    case FormatDescriptor::Scales::kPerRow: return RoundUp(n_pad * 4, 64);
+    case FormatDescriptor::Scales::kPerGroup: return RoundUp(n_pad * groups() * 4, 64);
   }
   return 0;
 }
@@ -58,7 +65,7 @@ absl::StatusOr<MatrixLayout> MakeLayout(ExpertFormat format, int64_t n, int64_t 
   l.k = k;
   l.group = group;
   l.n_pad = RoundUp(n, 16);
-  l.k_pad = RoundUp(k, format == ExpertFormat::kInt4 ? std::max<int64_t>(64, group) : 64);
+  l.k_pad = RoundUp(k, Describe(format).scales == FormatDescriptor::Scales::kPerGroup ? std::max<int64_t>(64, group) : 64);
   return l;
 }
 

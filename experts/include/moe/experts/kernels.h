@@ -117,6 +117,17 @@ using SwiGluKernel = void (*)(const PackedMatrix& w, const Activations& a, int64
 // kernel and SiluMul).
 SwiGluKernel GetSwiGluKernel(KernelKind kind, ExpertFormat format);
 
+// What exists: a kernel registers against a format (its descriptor, packed.h) with its fused
+// SwiGLU form where it has one. KernelsFor, GetKernel and GetSwiGluKernel read this table, in its
+// order (the portable kernel first for each format).
+struct KernelEntry {
+  KernelKind kind;
+  ExpertFormat format;
+  MatmulKernel matmul;
+  SwiGluKernel swiglu;  // null: none
+};
+const std::vector<KernelEntry>& KernelTable();
+
 // Per-thread CPU state a kernel needs before its first call on a thread (AMX: permission and tile
 // configuration). kFailedPrecondition if the OS refuses AMX.
 absl::Status PrepareThreadForKernel(KernelKind kind);

@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "moe/core/tensor.h"
@@ -34,8 +35,32 @@ namespace moe::experts {
 
 enum class ExpertFormat { kBF16, kInt8, kInt4 };
 
+// What a packed format is, for the code that sizes, packs and picks kernels for it: the kernels
+// register against formats (kernels.h: KernelTable), and everything else reads the descriptor, so
+// that a new format is a descriptor and its kernels. GGUF's types map onto these fields: Q8_0 is
+// 8 bits with a scale per group of 32, Q4_K and Q5_K carry a min beside each scale, the IQ types a
+// codebook of the values their codes stand for.
+struct FormatDescriptor {
+  ExpertFormat format = ExpertFormat::kBF16;
+  const char* name = "bf16";
+  int bits = 16;  // stored bits per value
+  enum class Scales { kNone, kPerRow, kPerGroup };
+  Scales scales = Scales::kNone;  // int8: one per output row; int4: one per row and `group` columns
+  bool symmetric = true;          // codes are q + offset around zero; false: a min beside each scale
+  int offset = 0;                 // stored as q + offset (unsigned storage: 128 for int8, 8 for int4)
+  const float* codebook = nullptr;  // the value of each code (non-linear types); null: linear codes
+};
+const FormatDescriptor& Describe(ExpertFormat f);
+// Every format the pool packs, in the order of ExpertFormat.
+const std::vector<FormatDescriptor>& PackedFormats();
+
 const char* FormatName(ExpertFormat f);
+// A format by its name ("bf16", "int8", "int4"); kInvalidArgument naming the ones there are.
 absl::StatusOr<ExpertFormat> ParseFormat(const std::string& name);
+// Stored bits per value: the descriptor's `bits`, for the kernels' inline sizes.
+constexpr int FormatBits(ExpertFormat f) {
+  return f == ExpertFormat::kBF16 ? 16 : f == ExpertFormat::kInt8 ? 8 : 4;
+}
 
 struct MatrixLayout {
   ExpertFormat format = ExpertFormat::kBF16;
@@ -45,9 +70,7 @@ struct MatrixLayout {
 
   int64_t blocks() const { return n_pad / 16; }
   // Weight bytes of one 16-row block. Inline: the kernels reach blocks and scales through it.
-  int64_t block_bytes() const {
-    return format == ExpertFormat::kBF16 ? 32 * k_pad : format == ExpertFormat::kInt8 ? 16 * k_pad : 8 * k_pad;
-  }
+  int64_t block_bytes() const { return 2 * k_pad * FormatBits(format); }  // 16 rows x k_pad x bits / 8
   int64_t weight_bytes() const { return blocks() * block_bytes(); }
   int64_t scale_bytes() const;   // after the blocks
   int64_t bytes() const { return weight_bytes() + scale_bytes(); }
