@@ -230,7 +230,7 @@ absl::StatusOr<ModelBenchResult> RunModelBench(runtime::Model& model, const Mode
     for (int i = 0; i < 4; ++i) MOE_RETURN_IF_ERROR(decode_step());  // graphs recorded, pool warm
     model.ResetHostExpertsTiming();
     MOE_ASSIGN_OR_RETURN(const double seconds, timed_steps(o.decode_steps));
-    const runtime::HostExpertsTiming host_timing = model.host_experts_timing();
+    const runtime::HostExpertComputeTiming host_timing = model.host_experts_timing();
     DecodeRow row;
     row.batch = batch;
     row.ms_per_step = seconds / o.decode_steps * 1e3;
@@ -284,7 +284,7 @@ absl::StatusOr<ModelBenchResult> RunModelBench(runtime::Model& model, const Mode
       MOE_RETURN_IF_ERROR(backend.SetHostHandoff(other));
       model.ResetHostExpertsTiming();
       absl::StatusOr<double> other_seconds = timed_steps(o.decode_steps);
-      const runtime::HostExpertsTiming other_timing = model.host_experts_timing();
+      const runtime::HostExpertComputeTiming other_timing = model.host_experts_timing();
       MOE_RETURN_IF_ERROR(backend.SetHostHandoff(handoff));
       MOE_RETURN_IF_ERROR(other_seconds.status());
       log << absl::StrFormat(

@@ -134,12 +134,10 @@ TEST(ChatTemplateCliTest, TemplateErrorsExitOneAndUsageErrorsTwo) {
 // (before the memory is taken), and an ordinary template still renders.
 TEST(ChatTemplateCliTest, InputsAndWhatTemplatesBuildAreBounded) {
   testing::ScratchDir dir;
-  {
-    std::ofstream(dir / "big.txt") << "x";
-  }
+  { std::ofstream(dir / "big.txt") << "x"; }
   std::filesystem::resize_file(dir / "big.txt", size_t{17} << 20);
-  const testing::CommandResult tokenize = testing::RunMoeserve(
-      {"tokenize", "--model", testing::FixtureDir("qwen3_moe"), "--text-file", dir / "big.txt"});
+  const testing::CommandResult tokenize =
+      testing::RunMoeserve({"tokenize", "--model", testing::FixtureDir("qwen3_moe"), "--text-file", dir / "big.txt"});
   EXPECT_EQ(tokenize.exit_code, 2);
   EXPECT_THAT(tokenize.err, HasSubstr("more than the 16 MiB allowed for --text-file"));
 

@@ -15,16 +15,16 @@
 #include <sstream>
 #include <thread>
 
+#include "../scheduler/src/test_pki.h"
+#include "../scheduler/src/test_socket.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "moe/comm/rendezvous.h"
 #include "moe/comm/tcp_socket.h"
 #include "moe/experts/arena.h"
-#include "moeserve/v1/worker.grpc.pb.h"
 #include "moeserve/v1/generation.grpc.pb.h"
+#include "moeserve/v1/worker.grpc.pb.h"
 #include "test_util.h"
-#include "../scheduler/src/test_pki.h"
-#include "../scheduler/src/test_socket.h"
 
 namespace moe {
 namespace {
@@ -291,8 +291,7 @@ TEST(ClusterTest, TheControlPlaneAnswersOnlyItsLauncher) {
   ASSERT_TRUE(std::regex_search(log, m, std::regex("rendezvous store on ([^ ]+)"))) << log;
   auto store = comm::RendezvousClient::Connect(m[1].str(), absl::Seconds(10));
   ASSERT_TRUE(store.ok()) << store.status();
-  EXPECT_EQ((*store)->Get("moe/gen1/0", absl::Milliseconds(100)).status().code(),
-            absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ((*store)->Get("moe/gen1/0", absl::Milliseconds(100)).status().code(), absl::StatusCode::kUnauthenticated);
   EXPECT_EQ((*store)->Set("moe/gen1/0", "forged").code(), absl::StatusCode::kUnauthenticated);
 
   const Stream s = Generate(*Connect(serve.port()), {1, 2, 3}, 4);
@@ -316,7 +315,9 @@ TEST(ClusterTest, AStoppedWorkerFailsTheStepAtItsDeadlineAndTheGroupRestarts) {
   const std::string body = "model: " + testing::FixtureDir("qwen3_moe") +
                            "\nnodes: [{host: 127.0.0.1, workers: 2}]\n"
                            "parallel: {mode: tensor, size: 2}\n"
-                           "experts: {cpu_pool: {dtype: bf16, shm: " + shm + "}}\n"
+                           "experts: {cpu_pool: {dtype: bf16, shm: " +
+                           shm +
+                           "}}\n"
                            "scheduler: {max_seqs: 4, kv_cache_mb: 16, drain_seconds: 1}\n"
                            "server: {listen: 127.0.0.1:0, http: 127.0.0.1:0}\n"
                            "comm: {timeout_ms: 500}\n"
@@ -409,11 +410,11 @@ TEST(ClusterTest, MutualTlsBetweenTheLauncherAndItsWorkers) {
   EXPECT_EQ(serve.Stop(SIGTERM), 0) << serve.err();
   (void)experts::HostArena::Unlink(shm);
 
-  const testing::CommandResult half = testing::RunMoeserve(
-      {"serve", "--config",
-       WriteConfig(dir, "half.yaml",
-                   "model: " + testing::FixtureDir("qwen3_moe") + "\ncomm: {tls: {cert: " + pki.Path("server.pem") +
-                       "}}\n")});
+  const testing::CommandResult half =
+      testing::RunMoeserve({"serve", "--config",
+                            WriteConfig(dir, "half.yaml",
+                                        "model: " + testing::FixtureDir("qwen3_moe") +
+                                            "\ncomm: {tls: {cert: " + pki.Path("server.pem") + "}}\n")});
   EXPECT_EQ(half.exit_code, 2);
   EXPECT_THAT(half.err, HasSubstr("comm.tls: needs cert, key and ca"));
 }
@@ -427,7 +428,8 @@ TEST(ClusterTest, AListenPortInUseStopsTheLaunchBeforeAnyWorker) {
   ASSERT_TRUE(holder.ok()) << holder.status();
   const std::string body = "model: " + testing::FixtureDir("qwen3_moe") +
                            "\nnodes: [{host: 127.0.0.1, workers: 2}]\nparallel: {mode: tensor, size: 2}\n"
-                           "server: {listen: '127.0.0.1:" + std::to_string(port) + "', http: 'off'}\n";
+                           "server: {listen: '127.0.0.1:" +
+                           std::to_string(port) + "', http: 'off'}\n";
   const testing::CommandResult r = testing::RunMoeserve({"serve", "--config", WriteConfig(dir, "cluster.yaml", body)});
   EXPECT_EQ(r.exit_code, 1) << r.err;
   EXPECT_THAT(r.err, HasSubstr("server.listen: cannot listen on 127.0.0.1:" + std::to_string(port) +
@@ -479,23 +481,31 @@ TEST(ClusterTest, FilesAndFlagsThatCannotWorkStopBeforeAnyWorkerStarts) {
     std::vector<std::string> flags;
     std::string message;
   } cases[] = {
-      {"just a string\n", {"--node", "5"},
+      {"just a string\n",
+       {"--node", "5"},
        "cluster.yaml:1:1: the file: expected a map of keys (model, nodes, parallel, ...) at the top level, found "
        "'just a string'"},
       {"[1, 2]\n", {"--node", "5"}, "at the top level, found a list"},
-      {"model: " + model + "\nmodel: " + model + "\n", {"--node", "5"},
+      {"model: " + model + "\nmodel: " + model + "\n",
+       {"--node", "5"},
        "cluster.yaml:2:1: model: duplicate key: it is given twice in one map; keep one"},
-      {"model: " + model + "\nscheduler: {max_seqs: 2, max_seqs: 4}\n", {"--node", "5"},
+      {"model: " + model + "\nscheduler: {max_seqs: 2, max_seqs: 4}\n",
+       {"--node", "5"},
        "cluster.yaml:2:26: scheduler.max_seqs: duplicate key"},
-      {"model: " + model + "\nnodes: [{host: 127.0.0.1, workers: 0}]\n", {"--node", "5"},
+      {"model: " + model + "\nnodes: [{host: 127.0.0.1, workers: 0}]\n",
+       {"--node", "5"},
        "cluster.yaml:2:36: nodes[0].workers: 0 would run no worker on this node"},
-      {"model: " + model + "\nserver: {listen: '127.0.0.1:50999', http: '127.0.0.1:50999'}\n", {"--node", "5"},
+      {"model: " + model + "\nserver: {listen: '127.0.0.1:50999', http: '127.0.0.1:50999'}\n",
+       {"--node", "5"},
        "server.http: '127.0.0.1:50999' is server.listen's address too: gRPC and HTTP need a port each"},
-      {"model: " + model + "\nnodes: [{host: 192.0.2.1, workers: 1}]\nparallel: {mode: tensor, size: 1}\n", {},
+      {"model: " + model + "\nnodes: [{host: 192.0.2.1, workers: 1}]\nparallel: {mode: tensor, size: 1}\n",
+       {},
        "nodes[0].host: '192.0.2.1' is 192.0.2.1, not an address of this machine"},
-      {"model: " + model + "\nscheduler: {kv_cache_mb: 1073741824}\n", {},
+      {"model: " + model + "\nscheduler: {kv_cache_mb: 1073741824}\n",
+       {},
        "scheduler.kv_cache_mb: 1073741824 MiB for each of node 0's 1 CPU workers is more than this machine's"},
-      {"model: " + model + "\n", {"--api-key-file", "keys.txt", "--tls-cert", "c.pem", "--kv-cache-mb", "8", "--node", "5"},
+      {"model: " + model + "\n",
+       {"--api-key-file", "keys.txt", "--tls-cert", "c.pem", "--kv-cache-mb", "8", "--node", "5"},
        "--config takes its settings from the cluster file, so it does not honour "},
   };
   for (const auto& c : cases) {
@@ -506,9 +516,9 @@ TEST(ClusterTest, FilesAndFlagsThatCannotWorkStopBeforeAnyWorkerStarts) {
     EXPECT_THAT(r.err, HasSubstr(c.message)) << c.body;
     EXPECT_THAT(r.err, ::testing::Not(HasSubstr("started (pid"))) << c.body;
   }
-  const testing::CommandResult flags = testing::RunMoeserve(
-      {"serve", "--config", WriteConfig(dir, "cluster.yaml", "model: " + model + "\n"), "--api-key-file", "k.txt",
-       "--tls-cert", "c.pem", "--expert-kernel", "x", "--node", "5"});
+  const testing::CommandResult flags =
+      testing::RunMoeserve({"serve", "--config", WriteConfig(dir, "cluster.yaml", "model: " + model + "\n"),
+                            "--api-key-file", "k.txt", "--tls-cert", "c.pem", "--expert-kernel", "x", "--node", "5"});
   EXPECT_EQ(flags.exit_code, 2);
   EXPECT_THAT(flags.err, HasSubstr("--api-key-file (the cluster file's server.api_key_file key)"));
   EXPECT_THAT(flags.err, HasSubstr("--tls-cert (the cluster file's server.tls_cert key)"));

@@ -327,7 +327,7 @@ TEST_P(CudaGoldensTest, HybridExecutionIsNearTheGoldensWithAndWithoutGraphs) {
       EXPECT_EQ(hybrid->pool_layers(), all ? moe_layers : first_two);
       const std::string label = absl::StrCat(GetParam(), name, graphs ? "" : " --eager");
       ExpectNearTheGoldens(GetParam(), label, *hybrid, *cpu);
-      const runtime::HostExpertsTiming timing = hybrid->host_experts_timing();
+      const runtime::HostExpertComputeTiming timing = hybrid->host_experts_timing();
       EXPECT_GT(timing.calls, 0) << label << ": the pool computed nothing";
       std::cout << "[ hybrid ] " << label << ": " << timing.calls << " host calls, "
                 << 1e6 * timing.compute_seconds / std::max<int64_t>(timing.calls, 1) << " us each\n";

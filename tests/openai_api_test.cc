@@ -505,9 +505,10 @@ TEST_F(OpenAiApiTest, DisconnectWhileWaitingForAWholeResponseCancelsIt) {
   const std::string body = json{{"prompt", Prompt()}, {"max_tokens", 900}, {"ignore_eos", true}}.dump();
   const int fd = Connect(frontend_->http_port());
   ASSERT_GE(fd, 0);
-  const std::string request = absl::StrCat("POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
-                                           "application/json\r\nContent-Length: ",
-                                           body.size(), "\r\n\r\n", body);
+  const std::string request = absl::StrCat(
+      "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+      "application/json\r\nContent-Length: ",
+      body.size(), "\r\n\r\n", body);
   ASSERT_EQ(::send(fd, request.data(), request.size(), MSG_NOSIGNAL), static_cast<ssize_t>(request.size()));
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
   while (frontend_->engine().stats().blocks_used == 0 && std::chrono::steady_clock::now() < deadline) {
@@ -544,8 +545,8 @@ TEST_F(OpenAiApiTest, WhatCannotBeHonouredIsRefusedNamingTheField) {
               "a key: not valid UTF-8");
   const json chat = {{"messages", {{{"role", "user"}, {"content", "hi"}}}}, {"max_tokens", 2}};
   const std::pair<const char*, json> refused[] = {
-      {"logit_bias", {{"5", 10}}},         {"prompt_logprobs", 1},  {"continue_final_message", true},
-      {"functions", {{{"name", "f"}}}},    {"echo", true},          {"guided_json", {{"type", "object"}}},
+      {"logit_bias", {{"5", 10}}},      {"prompt_logprobs", 1}, {"continue_final_message", true},
+      {"functions", {{{"name", "f"}}}}, {"echo", true},         {"guided_json", {{"type", "object"}}},
   };
   for (const auto& [field, value] : refused) {
     json body = chat;
@@ -554,13 +555,14 @@ TEST_F(OpenAiApiTest, WhatCannotBeHonouredIsRefusedNamingTheField) {
     json completion = {{"prompt", Prompt()}, {"max_tokens", 2}, {field, value}};
     EXPECT_EQ(ExpectError(Post("/v1/completions", completion), 400, field)["param"], field) << field;
   }
-  ExpectError(Post("/v1/completions", json{{"prompt", Prompt()},
-                                           {"stream", true},
-                                           {"stream_options", {{"include_usage", true}, {"continuous_usage_stats", true}}}}),
-              400, "continuous_usage_stats");
+  ExpectError(
+      Post("/v1/completions", json{{"prompt", Prompt()},
+                                   {"stream", true},
+                                   {"stream_options", {{"include_usage", true}, {"continuous_usage_stats", true}}}}),
+      400, "continuous_usage_stats");
   // Empty or false values change nothing, and are taken.
-  EXPECT_EQ(Post("/v1/completions", json{{"prompt", Prompt()}, {"max_tokens", 1}, {"logit_bias", json::object()},
-                                         {"echo", false}})
+  EXPECT_EQ(Post("/v1/completions",
+                 json{{"prompt", Prompt()}, {"max_tokens", 1}, {"logit_bias", json::object()}, {"echo", false}})
                 .status,
             200);
   const json unknown = ExpectError(Post("/v1/completions", json{{"prompt", Prompt()}, {"model", "gpt-4"}}), 404,
@@ -597,9 +599,9 @@ TEST_F(OpenAiApiTest, StopStringsFinishQueueTimeEndsAtTheFirstStepAndChatReturns
   EXPECT_THAT(metrics, HasSubstr("moeserve_requests_aborted_total 0"));
 
   const HttpResult chat = Post("/v1/chat/completions", json{{"messages", {{{"role", "user"}, {"content", "hi"}}}},
-                                                           {"max_tokens", 4},
-                                                           {"ignore_eos", true},
-                                                           {"return_token_ids", true}});
+                                                            {"max_tokens", 4},
+                                                            {"ignore_eos", true},
+                                                            {"return_token_ids", true}});
   if (chat.status == 200) {
     const json body = json::parse(chat.body);
     ASSERT_TRUE(body["choices"][0].contains("token_ids")) << chat.body;
@@ -638,8 +640,8 @@ TEST_F(OpenAiApiTest, StopStringsWithoutATokenizerAreRefused) {
   ASSERT_TRUE(frontend.ok()) << frontend.status();
   frontend_ = std::move(*frontend);
   client_ = std::make_unique<httplib::Client>("127.0.0.1", frontend_->http_port());
-  const json e = ExpectError(Post("/v1/completions", json{{"prompt", Prompt()}, {"max_tokens", 4}, {"stop", "x"}}),
-                             400, "stop: stop strings need the model's tokenizer");
+  const json e = ExpectError(Post("/v1/completions", json{{"prompt", Prompt()}, {"max_tokens", 4}, {"stop", "x"}}), 400,
+                             "stop: stop strings need the model's tokenizer");
   EXPECT_EQ(e["param"], "stop");
   EXPECT_EQ(Post("/v1/completions", json{{"prompt", Prompt()}, {"max_tokens", 2}}).status, 200);
 }
@@ -651,9 +653,10 @@ TEST_F(OpenAiApiTest, AnHttp10ClientNeverGetsChunkedEncoding) {
   auto exchange = [&](const json& body) {
     const std::string text = body.dump();
     const int fd = Connect(frontend_->http_port());
-    const std::string request = absl::StrCat("POST /v1/completions HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Type: "
-                                             "application/json\r\nContent-Length: ",
-                                             text.size(), "\r\n\r\n", text);
+    const std::string request = absl::StrCat(
+        "POST /v1/completions HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Type: "
+        "application/json\r\nContent-Length: ",
+        text.size(), "\r\n\r\n", text);
     ::send(fd, request.data(), request.size(), MSG_NOSIGNAL);
     std::string got;
     char buf[4096];
@@ -715,8 +718,8 @@ TEST_F(OpenAiApiTest, LogprobBytesAreTheTokensOwnBytes) {
 TEST_F(OpenAiApiTest, BothApisRefuseTheSameStopStrings) {
   StartServer();
   if (!ServesText()) GTEST_SKIP() << "this build has no tokenizer library";
-  auto stub = ::moeserve::v1::Generation::NewStub(grpc::CreateChannel(
-      absl::StrCat("127.0.0.1:", frontend_->port()), grpc::InsecureChannelCredentials()));
+  auto stub = ::moeserve::v1::Generation::NewStub(
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", frontend_->port()), grpc::InsecureChannelCredentials()));
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
       {std::vector<std::string>(17, "x"), "stop: at most 16 stop strings, got 17"},
       {{"ok", ""}, "stop: a stop string may not be empty"},
@@ -735,9 +738,9 @@ TEST_F(OpenAiApiTest, BothApisRefuseTheSameStopStrings) {
     const grpc::Status status = reader->Finish();
     EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << message;
     EXPECT_THAT(status.error_message(), HasSubstr(message));
-    const json e = ExpectError(Post("/v1/completions", json{{"prompt", "Once upon a time"}, {"max_tokens", 2},
-                                                            {"stop", stops}}),
-                               400, message);
+    const json e =
+        ExpectError(Post("/v1/completions", json{{"prompt", "Once upon a time"}, {"max_tokens", 2}, {"stop", stops}}),
+                    400, message);
     EXPECT_EQ(e["param"], "stop");
   }
 }

@@ -14,8 +14,8 @@
 #include <vector>
 
 #include "gmock/gmock.h"
-#include "gtest/gtest.h"
 #include "grpc/reflection/v1/reflection.grpc.pb.h"
+#include "gtest/gtest.h"
 #include "moeserve/v1/generation.grpc.pb.h"
 #include "nlohmann/json.hpp"
 #include "test_util.h"
@@ -139,8 +139,7 @@ TEST(ServeKeysTest, ReflectionAbortAndMessagesFollowTheKeys) {
   testing::ServeProcess serve({"--model", model, "--listen", "127.0.0.1:0", "--http", "off", "--kv-cache-mb", "16",
                                "--api-key-file", keys, "--threads", "1", "--expert-threads", "1"});
   ASSERT_GT(serve.port(), 0) << serve.err();
-  auto channel =
-      grpc::CreateChannel("127.0.0.1:" + std::to_string(serve.port()), grpc::InsecureChannelCredentials());
+  auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(serve.port()), grpc::InsecureChannelCredentials());
   namespace reflection = ::grpc::reflection::v1;
   auto reflect = [&](const char* key, reflection::ServerReflectionResponse* out) {
     auto stub = reflection::ServerReflection::NewStub(channel);

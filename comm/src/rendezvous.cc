@@ -301,8 +301,7 @@ void RendezvousServer::Loop::Serve(Connection& c) {
       return Refuse(c, kBadRequest, absl::StrCat("unknown op ", op, " (1 SET, 2 GET, 3 WAIT, 4 AUTH)"));
     }
     if (op != kAuth && !c.authenticated && !options_.secret.empty()) {
-      return Refuse(c, kUnauthenticated,
-                    "this store needs the deployment's control-plane secret: AUTH with it first");
+      return Refuse(c, kUnauthenticated, "this store needs the deployment's control-plane secret: AUTH with it first");
     }
     if (key_len == 0) return Refuse(c, kBadRequest, "empty key");
     if (key_len > kMaxKeyBytes) {
@@ -458,8 +457,8 @@ absl::StatusOr<std::unique_ptr<RendezvousClient>> RendezvousClient::Connect(std:
   MOE_ASSIGN_OR_RETURN(HostPort server, ParseHostPort(address, "rendezvous store address"));
   auto socket = ConnectTcp(server.host, server.port, absl::Now() + connect_timeout);
   if (!socket.ok()) return core::Annotate(socket.status(), "rendezvous store");
-  std::unique_ptr<RendezvousClient> client(new RendezvousClient(std::string(address), std::move(server),
-                                                                *std::move(socket), connect_timeout, std::move(secret)));
+  std::unique_ptr<RendezvousClient> client(new RendezvousClient(
+      std::string(address), std::move(server), *std::move(socket), connect_timeout, std::move(secret)));
   absl::MutexLock lock(&client->mu_);
   if (absl::Status s = client->EnsureConnected(); !s.ok()) {
     return absl::Status(s.code(), absl::StrCat("rendezvous store at ", client->address_, ": ", s.message()));

@@ -212,10 +212,9 @@ absl::Status ReadExperts(const Reader& r, const YAML::Node& e, ClusterConfig* c)
 absl::Status ReadScheduler(const Reader& r, const YAML::Node& s, ClusterConfig* c) {
   if (!s.IsDefined() || s.IsNull()) return absl::OkStatus();
   const std::string w = "scheduler";
-  MOE_RETURN_IF_ERROR(r.Keys(
-      s, w,
-      {"max_batch_tokens", "max_seqs", "max_queue", "ctx", "kv_cache_mb", "kv_cache_dtype", "drain_seconds",
-       "max_prompt_tokens"}));
+  MOE_RETURN_IF_ERROR(r.Keys(s, w,
+                             {"max_batch_tokens", "max_seqs", "max_queue", "ctx", "kv_cache_mb", "kv_cache_dtype",
+                              "drain_seconds", "max_prompt_tokens"}));
   int max_prompt_tokens = 0;
   MOE_RETURN_IF_ERROR(r.GetIn(s, w, "max_prompt_tokens", &max_prompt_tokens, 0, 1 << 24));
   if (max_prompt_tokens > 0) c->max_prompt_tokens = max_prompt_tokens;
@@ -250,7 +249,8 @@ absl::Status ReadServer(const Reader& r, const YAML::Node& s, ClusterConfig* c) 
   MOE_RETURN_IF_ERROR(r.Get(s, "server", "tls_cert", &c->tls_cert));
   MOE_RETURN_IF_ERROR(r.Get(s, "server", "tls_key", &c->tls_key));
   MOE_RETURN_IF_ERROR(r.Get(s, "server", "tls_client_ca", &c->tls_client_ca));
-  MOE_RETURN_IF_ERROR(r.GetIn<int64_t>(s, "server", "max_request_bytes", &c->max_request_bytes, 1024, int64_t{1} << 30));
+  MOE_RETURN_IF_ERROR(
+      r.GetIn<int64_t>(s, "server", "max_request_bytes", &c->max_request_bytes, 1024, int64_t{1} << 30));
   MOE_RETURN_IF_ERROR(r.Get(s, "server", "chat_template_file", &c->chat_template_file));
   MOE_RETURN_IF_ERROR(r.Get(s, "server", "tool_call_parser", &c->tool_call_parser));
   MOE_RETURN_IF_ERROR(r.Get(s, "server", "reasoning_parser", &c->reasoning_parser));
@@ -297,8 +297,9 @@ absl::Status ReadControl(const Reader& r, const YAML::Node& comm, const YAML::No
     MOE_RETURN_IF_ERROR(r.Get(comm, "comm", "rendezvous", &c->rendezvous));
     if (!c->rendezvous.empty()) {
       if (!comm::ParseHostPort(c->rendezvous, "comm.rendezvous").ok()) {
-        return r.Error(comm["rendezvous"], "comm.rendezvous",
-                       absl::StrCat("'", c->rendezvous, "' is not HOST:PORT (an IPv6 host in brackets, port 0 to 65535)"));
+        return r.Error(
+            comm["rendezvous"], "comm.rendezvous",
+            absl::StrCat("'", c->rendezvous, "' is not HOST:PORT (an IPv6 host in brackets, port 0 to 65535)"));
       }
     }
   }
@@ -375,8 +376,9 @@ std::vector<std::string> Resolve(const std::string& host) {
   if (::getaddrinfo(host.c_str(), nullptr, &hints, &list) != 0) return out;
   for (addrinfo* a = list; a != nullptr; a = a->ai_next) {
     char text[INET6_ADDRSTRLEN] = {};
-    const void* where = a->ai_family == AF_INET ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(a->ai_addr)->sin_addr)
-                                                : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(a->ai_addr)->sin6_addr);
+    const void* where = a->ai_family == AF_INET
+                            ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(a->ai_addr)->sin_addr)
+                            : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(a->ai_addr)->sin6_addr);
     if (::inet_ntop(a->ai_family, where, text, sizeof(text)) != nullptr) out.emplace_back(text);
   }
   ::freeaddrinfo(list);
@@ -392,8 +394,9 @@ std::vector<std::string> LocalAddresses() {
     if (a->ifa_addr == nullptr || (a->ifa_addr->sa_family != AF_INET && a->ifa_addr->sa_family != AF_INET6)) continue;
     char text[INET6_ADDRSTRLEN] = {};
     const int family = a->ifa_addr->sa_family;
-    const void* where = family == AF_INET ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(a->ifa_addr)->sin_addr)
-                                          : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(a->ifa_addr)->sin6_addr);
+    const void* where = family == AF_INET
+                            ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(a->ifa_addr)->sin_addr)
+                            : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(a->ifa_addr)->sin6_addr);
     if (::inet_ntop(family, where, text, sizeof(text)) != nullptr) out.emplace_back(text);
   }
   ::freeifaddrs(list);
@@ -412,20 +415,20 @@ absl::Status CheckThisMachine(const ClusterConfig& c, int node) {
     return IsLoopback(a) || std::find(local.begin(), local.end(), a) != local.end();
   });
   if (!here) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        c.path, ": nodes[", node, "].host: '", n.host, "' ",
-        resolved.empty() ? "does not resolve" : absl::StrCat("is ", absl::StrJoin(resolved, ", ")),
-        ", not an address of this machine (", local.empty() ? "none found" : absl::StrJoin(local, ", "),
-        "): run --node ", node, " on that host, or correct the file"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(c.path, ": nodes[", node, "].host: '", n.host, "' ",
+                     resolved.empty() ? "does not resolve" : absl::StrCat("is ", absl::StrJoin(resolved, ", ")),
+                     ", not an address of this machine (", local.empty() ? "none found" : absl::StrJoin(local, ", "),
+                     "): run --node ", node, " on that host, or correct the file"));
   }
   if (n.gpus.empty()) {
     const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
     const int64_t memory_mb = pages > 0 && page > 0 ? (static_cast<int64_t>(pages) * page) >> 20 : INT64_MAX;
     const int64_t workers = c.WorkersOn(node);
     if (c.kv_cache_mb > memory_mb / std::max<int64_t>(workers, 1)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          c.path, ": scheduler.kv_cache_mb: ", c.kv_cache_mb, " MiB for each of node ", node, "'s ", workers,
-          " CPU workers is more than this machine's ", memory_mb, " MiB of memory; lower it"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(c.path, ": scheduler.kv_cache_mb: ", c.kv_cache_mb, " MiB for each of node ", node, "'s ",
+                       workers, " CPU workers is more than this machine's ", memory_mb, " MiB of memory; lower it"));
     }
   }
   return absl::OkStatus();

@@ -26,6 +26,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
+#include "control_secret.h"
 #include "flags.h"
 #include "moe/comm/rendezvous.h"
 #include "moe/comm/tcp_socket.h"
@@ -33,9 +34,8 @@
 #include "moe/core/status.h"
 #include "moe/scheduler/frontend.h"
 #include "moe/worker/remote_executor.h"
-#include "control_secret.h"
-#include "shm_arenas.h"
 #include "moeserve/v1/worker.grpc.pb.h"
+#include "shm_arenas.h"
 #if MOE_COMM_HAS_NCCL
 #include "moe/comm/nccl_communicator.h"
 #endif
@@ -279,7 +279,7 @@ class Launcher {
 
   const ClusterConfig& c_;
   const LaunchOptions& o_;
-  const std::string secret_;  // the control plane's
+  const std::string secret_;       // the control plane's
   const scheduler::TlsFiles tls_;  // mutual TLS on the workers' control service (comm.tls)
   const std::shared_ptr<grpc::ChannelCredentials> credentials_;
   std::unique_ptr<comm::RendezvousServer> store_;

@@ -7,10 +7,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "moe/core/status.h"
+#include "moe/runtime/checkpoint.h"
 #include "moe/runtime/memory_plan.h"
 #include "moe/runtime/model_spec.h"
 #include "moe/runtime/routing_profile.h"
-#include "moe/runtime/checkpoint.h"
 #include "moe/runtime/weight_policy.h"
 
 namespace moe::deploy {

@@ -10,8 +10,8 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "cluster_config.h"
 #include "commands.h"
 #include "control_secret.h"
@@ -291,8 +291,7 @@ int RunServe(const ServeFlags& flags) {
   sc.max_seqs = flags.max_seqs;
   sc.max_queue = flags.max_queue;
   sc.max_batch_tokens = flags.max_batch_tokens;
-  if (absl::Status s = PlanKvCache(flags, spec, **model, &sc); !s.ok())
-    return Fail(s, 2);
+  if (absl::Status s = PlanKvCache(flags, spec, **model, &sc); !s.ok()) return Fail(s, 2);
   options.placement = (*model)->expert_pool() != nullptr
                           ? (*model)->expert_pool()->Describe()
                           : absl::StrCat("routed experts on ", (*model)->backend().name());

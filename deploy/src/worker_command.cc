@@ -36,12 +36,13 @@ int RunWorker(const WorkerFlags& flags) {
   const std::string secret = env != nullptr ? env : "";
   ::unsetenv(kControlSecretEnv);
   if (secret.size() < 16) {
-    return FailCommand(who,
-                       absl::InvalidArgumentError(absl::StrCat(
-                           kControlSecretEnv, " is not set (or shorter than 16 characters): a worker serves only the "
-                                              "launcher that holds the control plane's secret; start it with serve "
-                                              "--config")),
-                       2);
+    return FailCommand(
+        who,
+        absl::InvalidArgumentError(absl::StrCat(kControlSecretEnv,
+                                                " is not set (or shorter than 16 characters): a worker serves only the "
+                                                "launcher that holds the control plane's secret; start it with serve "
+                                                "--config")),
+        2);
   }
   std::atomic<bool> shutdown{false};
   WorkerService service([&shutdown] { shutdown.store(true); }, secret);

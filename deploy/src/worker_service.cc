@@ -325,8 +325,7 @@ grpc::Status WorkerService::Stats(grpc::ServerContext* context, const pb::Worker
   return grpc::Status::OK;
 }
 
-grpc::Status WorkerService::Shutdown(grpc::ServerContext* context, const pb::ShutdownRequest*,
-                                     pb::ShutdownResponse*) {
+grpc::Status WorkerService::Shutdown(grpc::ServerContext* context, const pb::ShutdownRequest*, pb::ShutdownResponse*) {
   if (grpc::Status auth = Authorize(*context); !auth.ok()) return auth;
   // After this reply has gone out.
   std::thread([shutdown = shutdown_] {

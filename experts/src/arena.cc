@@ -156,9 +156,9 @@ absl::StatusOr<std::unique_ptr<HostArena>> HostArena::OpenShared(const std::stri
       if (!ours || seen.parts < 1 || seen.parts > kMaxParts ||
           static_cast<size_t>(st.st_size) != kHugePage + seen.part_bytes) {
         ::close(fd);
-        return absl::FailedPreconditionError(absl::StrCat(
-            "shared memory ", path, " is not an expert arena of this moeserve version; remove it ",
-            "with `rm /dev/shm", path, "*` or choose another name"));
+        return absl::FailedPreconditionError(
+            absl::StrCat("shared memory ", path, " is not an expert arena of this moeserve version; remove it ",
+                         "with `rm /dev/shm", path, "*` or choose another name"));
       }
       const bool creator_alive = ::kill(static_cast<pid_t>(seen.creator_pid), 0) == 0 || errno == EPERM;
       const bool complete = seen.ready.load(std::memory_order_acquire) != 0;

@@ -47,9 +47,12 @@ absl::StatusOr<ExpertFormat> ParseFormat(const std::string& name) {
 
 int64_t MatrixLayout::scale_bytes() const {
   switch (Describe(format).scales) {
-    case FormatDescriptor::Scales::kNone: return 0;
-    case FormatDescriptor::Scales::kPerRow: return RoundUp(n_pad * 4, 64);
-    case FormatDescriptor::Scales::kPerGroup: return RoundUp(n_pad * groups() * 4, 64);
+    case FormatDescriptor::Scales::kNone:
+      return 0;
+    case FormatDescriptor::Scales::kPerRow:
+      return RoundUp(n_pad * 4, 64);
+    case FormatDescriptor::Scales::kPerGroup:
+      return RoundUp(n_pad * groups() * 4, 64);
   }
   return 0;
 }
@@ -65,7 +68,8 @@ absl::StatusOr<MatrixLayout> MakeLayout(ExpertFormat format, int64_t n, int64_t 
   l.k = k;
   l.group = group;
   l.n_pad = RoundUp(n, 16);
-  l.k_pad = RoundUp(k, Describe(format).scales == FormatDescriptor::Scales::kPerGroup ? std::max<int64_t>(64, group) : 64);
+  l.k_pad =
+      RoundUp(k, Describe(format).scales == FormatDescriptor::Scales::kPerGroup ? std::max<int64_t>(64, group) : 64);
   return l;
 }
 

@@ -23,8 +23,8 @@ absl::StatusOr<std::unique_ptr<KvCache>> Backend::CreateKvCache(const CachePlan&
   }
   const CacheGroup& group = plan.groups[0];
   if (num_blocks <= 0 || group.block_size <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat("KV cache needs positive num_blocks and block_size, got ",
-                                                   num_blocks, " and ", group.block_size));
+    return absl::InvalidArgumentError(
+        absl::StrCat("KV cache needs positive num_blocks and block_size, got ", num_blocks, " and ", group.block_size));
   }
   const core::DType dtype = group.dtype;
   if (!SupportsKvDtype(dtype)) {
@@ -33,7 +33,8 @@ absl::StatusOr<std::unique_ptr<KvCache>> Backend::CreateKvCache(const CachePlan&
   }
   const KvCacheShape shape = KvShapeOf(group, num_blocks);
   const int64_t rows = static_cast<int64_t>(shape.num_layers) * (shape.num_blocks + 1);
-  const int64_t scales = dtype == core::DType::kF8E4M3 ? static_cast<int64_t>(shape.block_size) * shape.num_kv_heads : 0;
+  const int64_t scales =
+      dtype == core::DType::kF8E4M3 ? static_cast<int64_t>(shape.block_size) * shape.num_kv_heads : 0;
   auto allocate = [&]() -> absl::StatusOr<std::unique_ptr<KvCache>> {
     MOE_ASSIGN_OR_RETURN(auto k, Allocate(dtype, rows, shape.elements_per_block_layer()));
     MOE_ASSIGN_OR_RETURN(auto v, Allocate(dtype, rows, shape.elements_per_block_layer()));
@@ -46,11 +47,10 @@ absl::StatusOr<std::unique_ptr<KvCache>> Backend::CreateKvCache(const CachePlan&
   };
   auto cache = allocate();
   if (!cache.ok()) {
-    return absl::ResourceExhaustedError(absl::StrCat("cannot allocate a KV cache of ",
-                                                     (plan.BlockBytes() * (num_blocks + 1)) >> 20, " MiB (", num_blocks,
-                                                     " blocks of ", group.block_size, " positions, ",
-                                                     core::DTypeName(dtype), ") on ", name(), ": ",
-                                                     cache.status().message()));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot allocate a KV cache of ", (plan.BlockBytes() * (num_blocks + 1)) >> 20, " MiB (",
+                     num_blocks, " blocks of ", group.block_size, " positions, ", core::DTypeName(dtype), ") on ",
+                     name(), ": ", cache.status().message()));
   }
   return cache;
 }

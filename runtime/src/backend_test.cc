@@ -178,7 +178,8 @@ TEST(CpuBackendThreadsTest, LinearsGiveTheSameBitsOnThePoolsThreads) {
   auto pool = testing_util::TinyPool(3);
   ASSERT_NE(pool, nullptr);
   for (const auto format : {experts::ExpertFormat::kBF16, experts::ExpertFormat::kInt8}) {
-    auto own = CreateCpuBackend(2, WeightPolicy::Uniform(format, 32)), lent = CreateCpuBackend(2, WeightPolicy::Uniform(format, 32));
+    auto own = CreateCpuBackend(2, WeightPolicy::Uniform(format, 32)),
+         lent = CreateCpuBackend(2, WeightPolicy::Uniform(format, 32));
     lent->UseHostThreads(&pool->host_threads());
     EXPECT_EQ(lent->host_threads(), &pool->host_threads());
     for (const auto& [rows, n, k] :

@@ -26,8 +26,8 @@ void BlockPool::Forget(int32_t block) {
 
 absl::Status BlockPool::Allocate(int n, std::vector<int32_t>* table) {
   if (n > num_free()) {
-    return absl::ResourceExhaustedError(absl::StrCat("KV cache full: ", n, " blocks wanted, ", num_free(), " of ",
-                                                     num_blocks(), " free"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("KV cache full: ", n, " blocks wanted, ", num_free(), " of ", num_blocks(), " free"));
   }
   for (int i = 0; i < n; ++i) {
     int32_t block;

@@ -556,7 +556,8 @@ absl::Status Frontend::Serve(std::unique_ptr<runtime::Executor> executor) {
   // Reflection follows the API keys: with keys, v1 asks for one as every other call does, and
   // gRPC's own v1alpha (which cannot be asked to) is not served.
   const bool keyed = options.api_keys != nullptr && !options.api_keys->empty();
-  std::vector<std::string> listed = {kGenerationService, "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection"};
+  std::vector<std::string> listed = {kGenerationService, "grpc.health.v1.Health",
+                                     "grpc.reflection.v1.ServerReflection"};
   if (!keyed) listed.push_back("grpc.reflection.v1alpha.ServerReflection");
   impl.reflection_v1 = std::make_unique<internal::ReflectionV1Service>(
       std::move(listed), [service = impl.service.get()](const grpc::ServerContext& context) {

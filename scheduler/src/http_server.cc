@@ -2,9 +2,9 @@
 
 #include <arpa/inet.h>
 #include <dirent.h>
+#include <linux/sockios.h>
 #include <netinet/in.h>
 #include <openssl/ssl.h>
-#include <linux/sockios.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
 
@@ -24,8 +24,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "moe/core/status.h"
 #include "http_connection.h"
+#include "moe/core/status.h"
 #include "moe/scheduler/listen_address.h"
 #include "nlohmann/json.hpp"
 

@@ -4,16 +4,16 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
-#include <sys/socket.h>
 #include <poll.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
 #include <fstream>
-#include <stdexcept>
 #include <iostream>
+#include <stdexcept>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -444,26 +444,29 @@ HttpServerOptions EchoOptions() {
 // and end the connection, so that nothing smuggled after them is read as a request.
 TEST(HttpServerTest, AmbiguousFramingIs400AndClosesTheConnection) {
   HttpServer server;
-  ASSERT_TRUE(server.Handle("POST", "/echo", [](const httplib::Request& request, httplib::Response& response) {
-                      response.set_content(absl::StrCat(request.body.size()), "text/plain");
-                    }).ok());
+  ASSERT_TRUE(server
+                  .Handle("POST", "/echo",
+                          [](const httplib::Request& request, httplib::Response& response) {
+                            response.set_content(absl::StrCat(request.body.size()), "text/plain");
+                          })
+                  .ok());
   ASSERT_TRUE(server.Start(EchoOptions()).ok());
   const std::string smuggled = "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
   bool closed = false;
-  const std::string two_lengths = RawExchange(
-      server.port(),
-      absl::StrCat("POST /echo HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 5\r\nContent-Length: ",
-                   5 + smuggled.size(), "\r\n\r\nhello", smuggled),
-      &closed);
+  const std::string two_lengths =
+      RawExchange(server.port(),
+                  absl::StrCat("POST /echo HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 5\r\nContent-Length: ",
+                               5 + smuggled.size(), "\r\n\r\nhello", smuggled),
+                  &closed);
   EXPECT_THAT(two_lengths, StartsWith("HTTP/1.1 400"));
   EXPECT_THAT(two_lengths, HasSubstr("conflicting Content-Length headers"));
   EXPECT_THAT(two_lengths, ::testing::Not(HasSubstr(kMetricsText))) << "a smuggled request was answered";
   EXPECT_TRUE(closed);
-  const std::string length_and_chunked = RawExchange(
-      server.port(),
-      "POST /echo HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n"
-      "5\r\nhello\r\n0\r\n\r\n",
-      &closed);
+  const std::string length_and_chunked =
+      RawExchange(server.port(),
+                  "POST /echo HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n"
+                  "5\r\nhello\r\n0\r\n\r\n",
+                  &closed);
   EXPECT_THAT(length_and_chunked, StartsWith("HTTP/1.1 400"));
   EXPECT_THAT(length_and_chunked, HasSubstr("Content-Length together with Transfer-Encoding"));
   EXPECT_TRUE(closed);
@@ -492,11 +495,11 @@ TEST(HttpServerTest, HostOriginAndPreflight) {
       &closed);
   EXPECT_THAT(page, StartsWith("HTTP/1.1 403"));
   EXPECT_THAT(page, HasSubstr("Origin 'https://evil.example' may not call this server"));
-  const std::string preflight_refused = RawExchange(
-      closed_server.port(),
-      "OPTIONS /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: https://evil.example\r\n"
-      "Access-Control-Request-Method: POST\r\nConnection: close\r\n\r\n",
-      &closed);
+  const std::string preflight_refused =
+      RawExchange(closed_server.port(),
+                  "OPTIONS /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: https://evil.example\r\n"
+                  "Access-Control-Request-Method: POST\r\nConnection: close\r\n\r\n",
+                  &closed);
   EXPECT_THAT(preflight_refused, StartsWith("HTTP/1.1 403"));
   const std::string plain = RawExchange(
       closed_server.port(), "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n", &closed);
@@ -507,11 +510,11 @@ TEST(HttpServerTest, HostOriginAndPreflight) {
   HttpServerOptions options = EchoOptions();
   options.allowed_origins = {"https://app.example"};
   ASSERT_TRUE(open_server.Start(options).ok());
-  const std::string preflight = RawExchange(
-      open_server.port(),
-      "OPTIONS /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: https://app.example\r\n"
-      "Access-Control-Request-Method: POST\r\nConnection: close\r\n\r\n",
-      &closed);
+  const std::string preflight =
+      RawExchange(open_server.port(),
+                  "OPTIONS /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: https://app.example\r\n"
+                  "Access-Control-Request-Method: POST\r\nConnection: close\r\n\r\n",
+                  &closed);
   EXPECT_THAT(preflight, StartsWith("HTTP/1.1 204"));
   EXPECT_THAT(preflight, HasSubstr("Access-Control-Allow-Origin: https://app.example"));
   EXPECT_THAT(preflight, HasSubstr("Access-Control-Allow-Methods: GET, POST, OPTIONS"));
@@ -536,9 +539,12 @@ namespace {
 // Requests a client pipelines on one connection are all answered, in order.
 TEST(HttpServerTest, PipelinedRequestsAreAllAnsweredInOrder) {
   HttpServer server;
-  ASSERT_TRUE(server.Handle("POST", "/echo", [](const httplib::Request& request, httplib::Response& response) {
-                      response.set_content("echo:" + request.body, "text/plain");
-                    }).ok());
+  ASSERT_TRUE(server
+                  .Handle("POST", "/echo",
+                          [](const httplib::Request& request, httplib::Response& response) {
+                            response.set_content("echo:" + request.body, "text/plain");
+                          })
+                  .ok());
   ASSERT_TRUE(server.Start(EchoOptions()).ok());
   bool closed = false;
   const std::string got = RawExchange(server.port(),

@@ -55,14 +55,19 @@ ApiError FromEngineStatus(const absl::Status& status, bool chat) {
   switch (status.code()) {
     case absl::StatusCode::kInvalidArgument: {
       static const std::pair<const char*, const char*> kFields[] = {
-          {"token_ids", "prompt"},          {"max_new_tokens", "max_tokens"},
-          {"min_new_tokens", "min_tokens"}, {"logprobs", "logprobs"},
-          {"sampling.temperature", "temperature"}, {"sampling.top_p", "top_p"},
-          {"sampling.top_k", "top_k"},       {"sampling.min_p", "min_p"},
+          {"token_ids", "prompt"},
+          {"max_new_tokens", "max_tokens"},
+          {"min_new_tokens", "min_tokens"},
+          {"logprobs", "logprobs"},
+          {"sampling.temperature", "temperature"},
+          {"sampling.top_p", "top_p"},
+          {"sampling.top_k", "top_k"},
+          {"sampling.min_p", "min_p"},
           {"sampling.repetition_penalty", "repetition_penalty"},
           {"sampling.presence_penalty", "presence_penalty"},
           {"sampling.frequency_penalty", "frequency_penalty"},
-          {"stop_token_ids", "stop_token_ids"},    {"stop", "stop"}};
+          {"stop_token_ids", "stop_token_ids"},
+          {"stop", "stop"}};
       for (const auto& [prefix, field] : kFields) {
         if (!absl::StartsWith(message, prefix)) continue;
         std::string param = field;
@@ -201,8 +206,7 @@ std::pair<std::string, std::string> FieldAt(std::string_view body, size_t offset
   (void)json::sax_parse(prefix, &tracker, json::input_format_t::json, /*strict=*/false);
   // In an object the string is a key when the last key's value was read (or none was given yet).
   const size_t last = prefix.find_last_not_of(" \t\r\n");
-  const bool is_key =
-      last != std::string::npos && (prefix[last] == '{' || prefix[last] == ',') && tracker.InObject();
+  const bool is_key = last != std::string::npos && (prefix[last] == '{' || prefix[last] == ',') && tracker.InObject();
   std::string path = tracker.Path(is_key);
   if (is_key) path = path.empty() ? "a key" : absl::StrCat("a key of ", path);
   const std::string top = path.substr(0, path.find_first_of(".[ "));
@@ -315,8 +319,9 @@ std::optional<ApiError> ParseCommon(const json& body, const std::string& model_i
     bool continuous = false;
     MOE_API_TRY(ReadBool(*options, "continuous_usage_stats", &continuous));
     if (continuous) {
-      return BadParam("stream_options", "stream_options.continuous_usage_stats: not supported (usage comes in the "
-                                        "last chunk with include_usage)");
+      return BadParam("stream_options",
+                      "stream_options.continuous_usage_stats: not supported (usage comes in the "
+                      "last chunk with include_usage)");
     }
   }
   if (const json* stop = Field(body, "stop")) {
@@ -933,9 +938,9 @@ void OpenAiApi::Generate(Kind kind, const httplib::Request& request, httplib::Re
   if (const size_t bad = FirstInvalidUtf8(request.body); bad != std::string_view::npos) {
     const auto [path, field] = FieldAt(request.body, bad);
     return refuse(BadParam(
-        field, absl::StrFormat("%s: not valid UTF-8 (byte 0x%02x at offset %d of the body); JSON text must be UTF-8",
-                               path.empty() ? "request body" : path, static_cast<unsigned char>(request.body[bad]),
-                               bad)));
+        field,
+        absl::StrFormat("%s: not valid UTF-8 (byte 0x%02x at offset %d of the body); JSON text must be UTF-8",
+                        path.empty() ? "request body" : path, static_cast<unsigned char>(request.body[bad]), bad)));
   }
   auto body = core::ParseJsonObject(request.body, "request body");
   if (!body.ok()) return refuse(BadParam("", std::string(body.status().message())));
@@ -943,8 +948,9 @@ void OpenAiApi::Generate(Kind kind, const httplib::Request& request, httplib::Re
   if (auto e = ParseCommon(*body, model_id_, &parsed)) return refuse(*e);
   if (parsed.stream && request.version == "HTTP/1.0") {
     // A stream is sent in chunks, which HTTP/1.0 does not have.
-    return refuse(BadParam("stream", "stream: an HTTP/1.0 client cannot take a stream (chunked transfer is "
-                                     "HTTP/1.1); send HTTP/1.1, or stream: false"));
+    return refuse(BadParam("stream",
+                           "stream: an HTTP/1.0 client cannot take a stream (chunked transfer is "
+                           "HTTP/1.1); send HTTP/1.1, or stream: false"));
   }
   if (auto e = chat ? ParseChat(*body, text_, engine_.config().context, &parsed) : ParseCompletion(*body, text_, &parsed)) {
     return refuse(*e);

@@ -378,7 +378,7 @@ class DraftingExecutor : public runtime::Executor {
  private:
   runtime::Executor& inner_;
   std::vector<std::vector<int32_t>> full_;  // prompt, then what the request produces alone
-  std::map<uint64_t, size_t> which_;         // seq_id -> its request's entry in full_
+  std::map<uint64_t, size_t> which_;        // seq_id -> its request's entry in full_
 };
 
 TEST_F(SchedulerTest, DraftsFromTheExecutorsDrafterChangeNothing) {

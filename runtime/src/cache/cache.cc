@@ -104,14 +104,14 @@ void* KvCache::v(int layer) const { return LayerAt(*v_, shape_, layer, shape_.el
 
 float* KvCache::k_scale(int layer) const {
   if (k_scale_ == nullptr) return nullptr;
-  return static_cast<float*>(LayerAt(*k_scale_, shape_, layer, int64_t{shape_.block_size} * shape_.num_kv_heads,
-                                     core::DType::kF32));
+  return static_cast<float*>(
+      LayerAt(*k_scale_, shape_, layer, int64_t{shape_.block_size} * shape_.num_kv_heads, core::DType::kF32));
 }
 
 float* KvCache::v_scale(int layer) const {
   if (v_scale_ == nullptr) return nullptr;
-  return static_cast<float*>(LayerAt(*v_scale_, shape_, layer, int64_t{shape_.block_size} * shape_.num_kv_heads,
-                                     core::DType::kF32));
+  return static_cast<float*>(
+      LayerAt(*v_scale_, shape_, layer, int64_t{shape_.block_size} * shape_.num_kv_heads, core::DType::kF32));
 }
 
 }  // namespace moe::runtime

@@ -136,16 +136,53 @@ WeightView WeightView::Of(const core::TensorView& t) {
 
 std::string_view TensorIdName(TensorId id) {
   static constexpr std::array<std::string_view, kIds> kNames = {
-      "embedding",       "final_norm",     "lm_head",        "attn_norm",       "ffn_norm",
-      "attn_q",          "attn_k",         "attn_v",         "attn_o",          "attn_q_bias",
-      "attn_k_bias",     "attn_v_bias",    "attn_q_norm",    "attn_k_norm",     "router",
-      "router_bias",     "expert_gate",    "expert_up",      "expert_down",     "shared_gate",
-      "shared_up",       "shared_down",    "shared_expert_gate", "dense_gate",  "dense_up",
-      "dense_down",      "mla_q_a",        "mla_q_a_norm",   "mla_q_b",         "mla_kv_a",
-      "mla_kv_a_norm",   "mla_kv_b",       "mla_k_b",        "mla_v_b",         "gdn_in_proj_qkvz",
-      "gdn_in_proj_ba",  "gdn_conv",       "gdn_dt_bias",    "gdn_a_log",       "gdn_norm",
-      "gdn_out",         "nextn_embed_norm", "nextn_hidden_norm", "nextn_proj", "nextn_embedding",
-      "nextn_head_norm", "nextn_head",
+      "embedding",
+      "final_norm",
+      "lm_head",
+      "attn_norm",
+      "ffn_norm",
+      "attn_q",
+      "attn_k",
+      "attn_v",
+      "attn_o",
+      "attn_q_bias",
+      "attn_k_bias",
+      "attn_v_bias",
+      "attn_q_norm",
+      "attn_k_norm",
+      "router",
+      "router_bias",
+      "expert_gate",
+      "expert_up",
+      "expert_down",
+      "shared_gate",
+      "shared_up",
+      "shared_down",
+      "shared_expert_gate",
+      "dense_gate",
+      "dense_up",
+      "dense_down",
+      "mla_q_a",
+      "mla_q_a_norm",
+      "mla_q_b",
+      "mla_kv_a",
+      "mla_kv_a_norm",
+      "mla_kv_b",
+      "mla_k_b",
+      "mla_v_b",
+      "gdn_in_proj_qkvz",
+      "gdn_in_proj_ba",
+      "gdn_conv",
+      "gdn_dt_bias",
+      "gdn_a_log",
+      "gdn_norm",
+      "gdn_out",
+      "nextn_embed_norm",
+      "nextn_hidden_norm",
+      "nextn_proj",
+      "nextn_embedding",
+      "nextn_head_norm",
+      "nextn_head",
   };
   const int i = static_cast<int>(id);
   return i >= 0 && i < kIds ? kNames[i] : "?";
@@ -324,8 +361,8 @@ void TensorNames::Set(TensorId id, std::string name_template, bool stacked) {
 const TensorNames& TensorNames::For(Architecture arch, Container container) {
   static const auto* tables = [] {
     auto* t = new std::vector<TensorNames>();
-    for (Architecture a : {Architecture::kQwen3Moe, Architecture::kQwen2Moe, Architecture::kMixtral,
-                           Architecture::kGlm4Moe}) {
+    for (Architecture a :
+         {Architecture::kQwen3Moe, Architecture::kQwen2Moe, Architecture::kMixtral, Architecture::kGlm4Moe}) {
       for (Container c : {Container::kSafetensors, Container::kGguf}) t->push_back(TensorNames(a, c));
     }
     return t;
@@ -405,7 +442,7 @@ std::string Checkpoint::Describe(const TensorKey& key) const {
 }
 
 absl::StatusOr<std::unique_ptr<Checkpoint>> HuggingFaceCheckpoint::Open(const fs::path& dir,
-                                                                       const std::string& opened) {
+                                                                        const std::string& opened) {
   auto c = std::unique_ptr<HuggingFaceCheckpoint>(new HuggingFaceCheckpoint());
   MOE_ASSIGN_OR_RETURN(c->spec_, LoadModelSpec(dir.string()));
   MOE_ASSIGN_OR_RETURN(c->source_, OpenSafetensors(dir.string()));
@@ -443,7 +480,8 @@ absl::StatusOr<fs::path> HuggingFaceFolder(const std::string& path) {
   }
   if (!fs::exists(fs::path(path) / "config.json")) {
     for (const fs::directory_entry& e : fs::directory_iterator(path, ec)) {
-      if (e.path().extension() == ".gguf") return gguf_refusal(absl::StrCat(path, " holds ", e.path().filename().string()));
+      if (e.path().extension() == ".gguf")
+        return gguf_refusal(absl::StrCat(path, " holds ", e.path().filename().string()));
     }
   }
   return fs::path(path);

@@ -13,8 +13,7 @@
 
 namespace moe::runtime {
 
-absl::StatusOr<SafetensorsWriter> SafetensorsWriter::Create(const std::string& path,
-                                                            std::vector<TensorEntry> tensors) {
+absl::StatusOr<SafetensorsWriter> SafetensorsWriter::Create(const std::string& path, std::vector<TensorEntry> tensors) {
   SafetensorsWriter w;
   w.path_ = path;
   w.tensors_ = std::move(tensors);
@@ -23,9 +22,8 @@ absl::StatusOr<SafetensorsWriter> SafetensorsWriter::Create(const std::string& p
   int64_t offset = 0;
   for (const TensorEntry& t : w.tensors_) {
     w.offsets_.push_back(offset);
-    header[t.name] = {{"dtype", core::DTypeName(t.dtype)},
-                      {"shape", t.shape},
-                      {"data_offsets", {offset, offset + t.bytes()}}};
+    header[t.name] = {
+        {"dtype", core::DTypeName(t.dtype)}, {"shape", t.shape}, {"data_offsets", {offset, offset + t.bytes()}}};
     offset += t.bytes();
   }
   std::string text = header.dump();
@@ -42,11 +40,13 @@ absl::StatusOr<SafetensorsWriter> SafetensorsWriter::Create(const std::string& p
   if (rc != 0) {
     int err = rc;
     ::close(fd);
-    return absl::ResourceExhaustedError(absl::StrCat(path, ": cannot size to ", w.size_, " bytes: ", std::strerror(err)));
+    return absl::ResourceExhaustedError(
+        absl::StrCat(path, ": cannot size to ", w.size_, " bytes: ", std::strerror(err)));
   }
   void* map = ::mmap(nullptr, w.size_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   ::close(fd);
-  if (map == MAP_FAILED) return absl::ResourceExhaustedError(absl::StrCat(path, ": mmap failed: ", std::strerror(errno)));
+  if (map == MAP_FAILED)
+    return absl::ResourceExhaustedError(absl::StrCat(path, ": mmap failed: ", std::strerror(errno)));
   w.map_ = map;
   std::memcpy(map, &header_len, 8);
   std::memcpy(static_cast<char*>(map) + 8, text.data(), text.size());

@@ -103,7 +103,7 @@ class CpuWeight : public DeviceWeight {
 const CpuWeight& AsCpu(const DeviceWeight& w) { return static_cast<const CpuWeight&>(w); }
 
 // One layer's routed experts for the reference path: each expert's gate and up fused.
-class CpuExperts : public DeviceExperts {
+class CpuExpertWeights : public BackendExpertWeights {
  public:
   int64_t bytes() const override {
     int64_t n = 0;
@@ -156,7 +156,8 @@ class CpuBackend : public Backend {
           absl::StrCat("weights must be 1-D or 2-D, got ", core::ShapeString(host.shape)));
     }
     MOE_RETURN_IF_ERROR(CheckWeightDType(host));
-    if (const experts::ExpertFormat f = policy_.MatrixFormat(role); use == WeightUse::kMatrix && f != experts::ExpertFormat::kBF16) {
+    if (const experts::ExpertFormat f = policy_.MatrixFormat(role);
+        use == WeightUse::kMatrix && f != experts::ExpertFormat::kBF16) {
       return Pack({host}, f);
     }
     // Matrices in bf16 or f32 are used where they lie; everything else becomes an f32 copy.
@@ -170,23 +171,24 @@ class CpuBackend : public Backend {
                                                                    WeightUse use,
                                                                    TensorRole role = TensorRole::kOther) override {
     for (const auto& p : parts) MOE_RETURN_IF_ERROR(CheckWeightDType(p));
-    if (const experts::ExpertFormat f = policy_.MatrixFormat(role); use == WeightUse::kMatrix && f != experts::ExpertFormat::kBF16) {
+    if (const experts::ExpertFormat f = policy_.MatrixFormat(role);
+        use == WeightUse::kMatrix && f != experts::ExpertFormat::kBF16) {
       return Pack(parts, f);
     }
     return Fused(parts);
   }
 
-  absl::StatusOr<std::unique_ptr<DeviceExperts>> PrepareExperts(const std::vector<core::TensorView>& gate,
-                                                                const std::vector<core::TensorView>& up,
-                                                                const std::vector<core::TensorView>& down) override {
-    auto experts = std::make_unique<CpuExperts>();
+  absl::StatusOr<std::unique_ptr<BackendExpertWeights>> PrepareExperts(
+      const std::vector<core::TensorView>& gate, const std::vector<core::TensorView>& up,
+      const std::vector<core::TensorView>& down) override {
+    auto experts = std::make_unique<CpuExpertWeights>();
     for (size_t e = 0; e < gate.size(); ++e) {
       MOE_ASSIGN_OR_RETURN(auto gate_up, PrepareFusedWeight({gate[e], up[e]}, WeightUse::kMatrix));
       MOE_ASSIGN_OR_RETURN(auto d, PrepareWeight(down[e], WeightUse::kMatrix));
       experts->gate_up.push_back(std::move(gate_up));
       experts->down.push_back(std::move(d));
     }
-    return std::unique_ptr<DeviceExperts>(std::move(experts));
+    return std::unique_ptr<BackendExpertWeights>(std::move(experts));
   }
 
   absl::StatusOr<std::unique_ptr<DeviceBuffer>> Allocate(DType dtype, int64_t rows, int64_t cols) override {
@@ -411,9 +413,9 @@ class CpuBackend : public Backend {
     }
   }
 
-  absl::Status ReplaceExpert(DeviceExperts& experts, int slot, const core::TensorView& gate, const core::TensorView& up,
-                             const core::TensorView& down) override {
-    auto& ex = static_cast<CpuExperts&>(experts);
+  absl::Status ReplaceExpert(BackendExpertWeights& experts, int slot, const core::TensorView& gate,
+                             const core::TensorView& up, const core::TensorView& down) override {
+    auto& ex = static_cast<CpuExpertWeights&>(experts);
     if (slot < 0 || slot >= static_cast<int>(ex.gate_up.size())) {
       return absl::InvalidArgumentError(absl::StrCat("expert slot ", slot, " outside [0, ", ex.gate_up.size(), ")"));
     }
@@ -436,9 +438,9 @@ class CpuBackend : public Backend {
 
   // The plain routed-expert path: tokens grouped by expert, each expert's FFN run on its rows,
   // outputs added back with their routing weights.
-  void MoeExperts(const Tensor& x, const Tensor& ids, const Tensor& weights, const DeviceExperts& experts,
+  void MoeExperts(const Tensor& x, const Tensor& ids, const Tensor& weights, const BackendExpertWeights& experts,
                   const Tensor& out) override {
-    const auto& ex = static_cast<const CpuExperts&>(experts);
+    const auto& ex = static_cast<const CpuExpertWeights&>(experts);
     const int64_t tokens = x.rows, h = x.cols, k = ids.cols;
     const int num_experts = static_cast<int>(ex.gate_up.size());
     std::vector<std::vector<int32_t>> rows(num_experts);
@@ -530,8 +532,7 @@ class CpuBackend : public Backend {
       rows += p.shape[0];
     }
     const int64_t cols = parts[0].shape[1];
-    MOE_ASSIGN_OR_RETURN(const experts::MatrixLayout layout,
-                         experts::MakeLayout(format, rows, cols, policy_.group));
+    MOE_ASSIGN_OR_RETURN(const experts::MatrixLayout layout, experts::MakeLayout(format, rows, cols, policy_.group));
     MOE_ASSIGN_OR_RETURN(auto data, core::AlignedBuffer::Allocate(layout.bytes()));
     experts::PackRows(
         layout,

@@ -19,8 +19,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "cuda/cuda_status.h"
-#include "cuda/op_timer.h"
 #include "cuda/gather.h"
+#include "cuda/op_timer.h"
 #include "cuda/ops.h"
 #include "cuda/routing.h"
 #include "cuda/streamed_layout.h"
@@ -105,7 +105,7 @@ class CudaWeight : public DeviceWeight {
 
 const CudaWeight& AsCuda(const DeviceWeight& w) { return static_cast<const CudaWeight&>(w); }
 
-class CudaExperts : public DeviceExperts {
+class CudaExpertWeights : public BackendExpertWeights {
  public:
   int64_t bytes() const override { return gate_up->tensor().bytes() + down->tensor().bytes(); }
   std::unique_ptr<DeviceBuffer> gate_up, down;
@@ -243,12 +243,12 @@ class CudaBackend : public Backend {
     return std::unique_ptr<DeviceWeight>(new CudaWeight(std::move(buffer), std::move(shape)));
   }
 
-  absl::StatusOr<std::unique_ptr<DeviceExperts>> PrepareExperts(const std::vector<core::TensorView>& gate,
-                                                                const std::vector<core::TensorView>& up,
-                                                                const std::vector<core::TensorView>& down) override {
+  absl::StatusOr<std::unique_ptr<BackendExpertWeights>> PrepareExperts(
+      const std::vector<core::TensorView>& gate, const std::vector<core::TensorView>& up,
+      const std::vector<core::TensorView>& down) override {
     const int e = static_cast<int>(gate.size());
     const int64_t width = gate[0].shape[0], hidden = gate[0].shape[1];
-    auto experts = std::make_unique<CudaExperts>();
+    auto experts = std::make_unique<CudaExpertWeights>();
     MOE_ASSIGN_OR_RETURN(experts->gate_up, Allocate(DType::kBF16, e * 2 * width, hidden));
     MOE_ASSIGN_OR_RETURN(experts->down, Allocate(DType::kBF16, e * hidden, width));
     char* gu = static_cast<char*>(experts->gate_up->tensor().data);
@@ -264,7 +264,7 @@ class CudaBackend : public Backend {
     experts->weights.num_experts = e;
     experts->weights.hidden = static_cast<int>(hidden);
     experts->weights.intermediate = static_cast<int>(width);
-    return std::unique_ptr<DeviceExperts>(std::move(experts));
+    return std::unique_ptr<BackendExpertWeights>(std::move(experts));
   }
 
   // Grows what an earlier call reserved to the larger of both (a draft model beside its target):
@@ -534,7 +534,7 @@ class CudaBackend : public Backend {
   // there, and the sum copied back; the main stream runs the shared experts meanwhile. Each call's
   // parameters live in a HostCall that the host function reads: eager calls are freed at the next
   // Synchronize, recorded ones with their graph.
-  absl::Status StartHostExperts(HostExperts& host, int layer, int pool_layer, const Tensor& x, const Tensor& ids,
+  absl::Status StartHostExperts(HostExpertCompute& host, int layer, int pool_layer, const Tensor& x, const Tensor& ids,
                                 const Tensor& weights, const Tensor& out) override {
     if (host_stream_ == nullptr) {
       return absl::FailedPreconditionError(absl::StrCat("routed experts on the host on ", name_,
@@ -603,7 +603,7 @@ class CudaBackend : public Backend {
     return absl::OkStatus();
   }
 
-  absl::Status SetStreamedExperts(const StreamedExperts& e) override {
+  absl::Status SetStreamedExperts(const StreamedExpertArena& e) override {
     if (streamed_.data != nullptr) return absl::FailedPreconditionError("streamed experts are already set");
     const int64_t h = e.down.n, inter = e.intermediate;
     if (inter % 16 != 0 || e.gate_up.n != 2 * inter || e.gate_up.k != h || e.down.k != inter ||
@@ -657,7 +657,7 @@ class CudaBackend : public Backend {
     stream_tokens_ = 0;
     if (registered_ != nullptr) cudaHostUnregister(const_cast<uint8_t*>(registered_));
     registered_ = nullptr;
-    streamed_ = StreamedExperts{};
+    streamed_ = StreamedExpertArena{};
     staged_layer_[0] = staged_layer_[1] = -1;
   }
   int64_t streamed_calls() const override { return streamed_calls_; }
@@ -823,9 +823,9 @@ class CudaBackend : public Backend {
     Launched("CountPicks");
   }
 
-  absl::Status ReplaceExpert(DeviceExperts& experts, int slot, const core::TensorView& gate, const core::TensorView& up,
-                             const core::TensorView& down) override {
-    auto& ex = static_cast<CudaExperts&>(experts);
+  absl::Status ReplaceExpert(BackendExpertWeights& experts, int slot, const core::TensorView& gate,
+                             const core::TensorView& up, const core::TensorView& down) override {
+    auto& ex = static_cast<CudaExpertWeights&>(experts);
     if (slot < 0 || slot >= ex.weights.num_experts) {
       return absl::InvalidArgumentError(
           absl::StrCat("expert slot ", slot, " outside [0, ", ex.weights.num_experts, ")"));
@@ -839,12 +839,12 @@ class CudaBackend : public Backend {
     return Upload(down, DType::kBF16, dn + slot * part);
   }
 
-  void MoeExperts(const Tensor& x, const Tensor& ids, const Tensor& weights, const DeviceExperts& experts,
+  void MoeExperts(const Tensor& x, const Tensor& ids, const Tensor& weights, const BackendExpertWeights& experts,
                   const Tensor& out) override {
     if (!HasScratch(moe_ws_, "MoeExperts")) return;
     Begin("MoeExperts");
     cuda::MoeExperts(x.as<uint16_t>(), static_cast<int>(x.rows), ids.as<int32_t>(), weights.as<float>(),
-                     static_cast<int>(ids.cols), static_cast<const CudaExperts&>(experts).weights,
+                     static_cast<int>(ids.cols), static_cast<const CudaExpertWeights&>(experts).weights,
                      moe_ws_->tensor().data, out.as<float>(), stream_);
     Launched("MoeExperts");
   }
@@ -963,7 +963,7 @@ class CudaBackend : public Backend {
   // One host experts call, as its host function sees it.
   struct HostCall {
     CudaBackend* backend;
-    HostExperts* host;
+    HostExpertCompute* host;
     int layer;
     int64_t rows;
   };
@@ -992,7 +992,7 @@ class CudaBackend : public Backend {
       if (request != seen) {
         std::atomic_thread_fence(std::memory_order_acquire);
         seen = request;
-        HostExperts* host = polled_host_.load();
+        HostExpertCompute* host = polled_host_.load();
         absl::Status s = host != nullptr
                              ? host->Compute(m->layer, host_x_, m->rows, host_ids_, host_weights_, host_out_)
                              : absl::InternalError("a host experts request with no experts to run it");
@@ -1197,14 +1197,14 @@ class CudaBackend : public Backend {
   cuda::HostMailbox* mailbox_dev_ = nullptr;
   std::unique_ptr<DeviceBuffer> counter_buffer_;
   uint32_t* host_counter_ = nullptr;
-  std::atomic<HostExperts*> polled_host_{nullptr};
+  std::atomic<HostExpertCompute*> polled_host_{nullptr};
   std::atomic<bool> host_stop_{false};
   std::thread host_thread_;
   std::mutex host_mu_;
   absl::Status host_error_;  // the first failed host call since the last Synchronize
   // Streaming the host's experts for long chunks (SetStreamedExperts): two staging slots for a
   // layer's packed bytes, the layer unpacked to bf16, the copies' stream and events.
-  StreamedExperts streamed_;
+  StreamedExpertArena streamed_;
   int stream_tokens_ = 0;
   bool in_graph_ = false;
   bool streaming_in_flight_ = false;

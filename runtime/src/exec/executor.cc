@@ -51,8 +51,8 @@ absl::Status CheckDrafts(const StepPlan& plan) {
       }
       if (!fits) {
         return absl::InvalidArgumentError(absl::StrCat("step plan: sequence ", s, " carries ", c.num_draft,
-                                                       " drafts but its logit rows are not its last ",
-                                                       c.num_draft + 1, " rows in order"));
+                                                       " drafts but its logit rows are not its last ", c.num_draft + 1,
+                                                       " rows in order"));
       }
     }
     start = end;

@@ -46,14 +46,14 @@ absl::StatusOr<GenerateResult> Generate(Model& model, const std::vector<int32_t>
   MOE_RETURN_IF_ERROR(options.sampling.Validate());
   const int64_t total = static_cast<int64_t>(prompt.size()) + options.max_new_tokens;
   if (total > spec.max_position_embeddings) {
-    return absl::InvalidArgumentError(absl::StrCat("prompt of ", prompt.size(), " tokens plus max_new_tokens=",
-                                                   options.max_new_tokens, " exceeds the context of ",
-                                                   spec.max_position_embeddings, " positions"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("prompt of ", prompt.size(), " tokens plus max_new_tokens=", options.max_new_tokens,
+                     " exceeds the context of ", spec.max_position_embeddings, " positions"));
   }
   for (size_t i = 0; i < prompt.size(); ++i) {
     if (prompt[i] < 0 || prompt[i] >= spec.vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat("prompt token ", i, " is ", prompt[i],
-                                                     ", outside the vocabulary [0, ", spec.vocab_size, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("prompt token ", i, " is ", prompt[i], ", outside the vocabulary [0, ", spec.vocab_size, ")"));
     }
   }
 

@@ -97,7 +97,7 @@ absl::StatusOr<StepResult> ModelExecutor::Run(const StepPlan& plan, std::vector<
 }
 
 absl::StatusOr<std::vector<SampledToken>> ModelExecutor::SampleLogitRows(const StepPlan& plan,
-                                                                          const Tensor& device_logits, bool on_host) {
+                                                                         const Tensor& device_logits, bool on_host) {
   const int vocab = info_.vocab_size;
   std::vector<SampledToken> tokens(plan.samples.size());
   // On a backend that samples (a GPU), the logits never leave it: only the tokens come back.

@@ -227,9 +227,8 @@ StepPlan DraftPlan(const std::vector<int32_t>& tokens, const std::vector<int32_t
 // Decodes `n` tokens after `prompt` with up to `k` drafts a step from `propose` (given the
 // tokens so far and how many to propose); returns the tokens and counts the drafts kept.
 std::vector<int32_t> DecodeWithDrafts(
-    Executor& executor, const std::vector<int32_t>& prompt, int n, int k, const SamplingParams& sampling,
-    uint64_t seed, const std::function<std::vector<int32_t>(const std::vector<int32_t>&, int)>& propose,
-    int* drafted, int* accepted) {
+    Executor& executor, const std::vector<int32_t>& prompt, int n, int k, const SamplingParams& sampling, uint64_t seed,
+    const std::function<std::vector<int32_t>(const std::vector<int32_t>&, int)>& propose, int* drafted, int* accepted) {
   std::vector<int32_t> tokens = prompt;
   auto first = executor.Execute(PrefillPlan({prompt}, sampling, seed));
   EXPECT_TRUE(first.ok()) << first.status();

@@ -26,8 +26,8 @@ class HeldExpertsPolicy {
  public:
   // `weights` and `checkpoint` must outlive the policy; `pool_layers` are the layers it watches.
   static absl::StatusOr<std::unique_ptr<HeldExpertsPolicy>> Start(Backend& backend, const Checkpoint& checkpoint,
-                                                                  Model::Weights& weights,
-                                                                  std::vector<int> pool_layers, int refresh_steps);
+                                                                  Model::Weights& weights, std::vector<int> pool_layers,
+                                                                  int refresh_steps);
 
   // Before each step: applies one queued swap, and every refresh_steps steps ranks the counts and
   // queues the swaps. Errors are the backend's (a failed copy).

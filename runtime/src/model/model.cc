@@ -10,16 +10,16 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "model/held_experts.h"
+#include "model/load_plan.h"
 #include "model/model_weights.h"
+#include "model/moe_block.h"
+#include "model/prefill_probe.h"
 #include "moe/comm/communicator.h"
 #include "moe/core/logging.h"
 #include "moe/core/status.h"
 #include "moe/runtime/backend_cpu.h"
 #include "moe/runtime/routing_profile.h"
-#include "model/held_experts.h"
-#include "model/load_plan.h"
-#include "model/prefill_probe.h"
-#include "model/moe_block.h"
 
 namespace moe::runtime {
 namespace {
@@ -224,8 +224,8 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, cons
     model->options_.max_context = spec.max_position_embeddings;
   }
   MOE_RETURN_IF_ERROR(model->PlanShare());
-  model->backend_ =
-      backend != nullptr ? std::move(backend) : std::shared_ptr<Backend>(CreateCpuBackend(options.threads, options.weights));
+  model->backend_ = backend != nullptr ? std::move(backend)
+                                       : std::shared_ptr<Backend>(CreateCpuBackend(options.threads, options.weights));
   Backend& b = *model->backend_;
   MOE_ASSIGN_OR_RETURN(internal::LoadPlan plan, internal::PlanLoad(spec, options, model->layers_, b));
   model->pool_layers_ = plan.pool_layers;
@@ -262,7 +262,7 @@ absl::Status Model::SetUpStreamedExperts() {
   Backend& b = *backend_;
   const ModelSpec& s = spec_;
   const experts::ExpertPool::ArenaLayout a = pool_->arena_layout();
-  Backend::StreamedExperts e;
+  Backend::StreamedExpertArena e;
   e.data = a.data;
   e.num_layers = static_cast<int>(pool_layers_.size());
   e.num_experts = s.routing.num_experts;
@@ -280,7 +280,7 @@ absl::Status Model::SetUpStreamedExperts() {
   MOE_RETURN_IF_ERROR(set);
   prefill_offload_tokens_ = options_.prefill_offload_tokens;
   if (prefill_offload_tokens_ > 0) return absl::OkStatus();
-  auto* host = dynamic_cast<HostExperts*>(routed_experts_.get());
+  auto* host = dynamic_cast<HostExpertCompute*>(routed_experts_.get());
   if (host == nullptr) return absl::InternalError("the routed experts cannot run on the host");
   MOE_ASSIGN_OR_RETURN(const internal::PrefillOffload measured,
                        internal::MeasurePrefillOffload(b, *pool_, *host, s, pool_layers_, options_.max_step_tokens));
@@ -392,8 +392,8 @@ absl::Status Model::CheckBatch(const ForwardBatch& batch, const KvCache& cache) 
       return absl::InvalidArgumentError(absl::StrCat("logit row ", r, " outside [0, ", rows, ")"));
   }
   if (batch.want_hidden && static_cast<int64_t>(batch.logit_rows.size()) > rows) {
-    return absl::InvalidArgumentError(absl::StrCat("hidden states of ", batch.logit_rows.size(),
-                                                   " logit rows asked of a step of ", rows, " tokens"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("hidden states of ", batch.logit_rows.size(), " logit rows asked of a step of ", rows, " tokens"));
   }
   return absl::OkStatus();
 }

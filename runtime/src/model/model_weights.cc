@@ -92,15 +92,16 @@ class WeightLoader {
       return absl::OkStatus();
     }
     const Slice rows = share ? Slice::Rows(*share) : Slice{}, columns = share ? Slice::Columns(*share) : Slice{};
-    MOE_ASSIGN_OR_RETURN(
-        out->gate_up, LoadFused({keys[0], keys[1]}, {shapes[0], shapes[1]}, why, WeightUse::kMatrix, {rows, rows}));
+    MOE_ASSIGN_OR_RETURN(out->gate_up,
+                         LoadFused({keys[0], keys[1]}, {shapes[0], shapes[1]}, why, WeightUse::kMatrix, {rows, rows}));
     MOE_ASSIGN_OR_RETURN(out->down, Load(keys[2], shapes[2], why, WeightUse::kMatrix, columns));
     return absl::OkStatus();
   }
 
   // Routed experts `experts` of `layer`, handed to the backend together.
-  absl::StatusOr<std::unique_ptr<DeviceExperts>> LoadExperts(int layer, const std::vector<int>& experts,
-                                                             int64_t hidden, int64_t width, const std::string& why) {
+  absl::StatusOr<std::unique_ptr<BackendExpertWeights>> LoadExperts(int layer, const std::vector<int>& experts,
+                                                                    int64_t hidden, int64_t width,
+                                                                    const std::string& why) {
     std::vector<core::TensorView> g, u, d;
     int64_t bytes = 0;
     for (int e : experts) {
@@ -160,11 +161,10 @@ class WeightLoader {
                                                      core::ShapeString(want), " (", why, ")"));
     }
     const WeightFormat& f = view->format;
-    if (!f.plain() || (f.element != core::DType::kBF16 && f.element != core::DType::kF16 &&
-                       f.element != core::DType::kF32)) {
+    if (!f.plain() ||
+        (f.element != core::DType::kBF16 && f.element != core::DType::kF16 && f.element != core::DType::kF32)) {
       return absl::InvalidArgumentError(absl::StrCat(name, ": dtype ", f.Name(), " in ",
-                                                     checkpoint_.source().FileOf(name),
-                                                     ", expected BF16, F16 or F32"));
+                                                     checkpoint_.source().FileOf(name), ", expected BF16, F16 or F32"));
     }
     return view->AsTensor();
   }
@@ -224,8 +224,9 @@ absl::Status LoadAttention(const ModelSpec& s, int layer, WeightLoader& w, Layer
                                           {{qw, h}, {kvw, h}, {kvw, h}}, qkv_why, WeightUse::kMatrix, qkv_slices));
   MOE_ASSIGN_OR_RETURN(l.o, w.Load({I::kAttnO, layer}, {h, qw}, heads, WeightUse::kMatrix, o_slice));
   if (s.qkv_bias) {
-    MOE_ASSIGN_OR_RETURN(l.qkv_bias, w.LoadFused({{I::kAttnQBias, layer}, {I::kAttnKBias, layer}, {I::kAttnVBias, layer}},
-                                                 {{qw}, {kvw}, {kvw}}, qkv_why, WeightUse::kVector, qkv_slices));
+    MOE_ASSIGN_OR_RETURN(l.qkv_bias,
+                         w.LoadFused({{I::kAttnQBias, layer}, {I::kAttnKBias, layer}, {I::kAttnVBias, layer}},
+                                     {{qw}, {kvw}, {kvw}}, qkv_why, WeightUse::kVector, qkv_slices));
   }
   if (s.qk_norm) {
     const std::string d = absl::StrCat("head_dim=", s.head_dim);

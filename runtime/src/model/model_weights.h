@@ -9,10 +9,10 @@
 
 #include "absl/status/statusor.h"
 #include "moe/runtime/backend.h"
+#include "moe/runtime/checkpoint.h"
 #include "moe/runtime/model.h"
 #include "moe/runtime/model_spec.h"
 #include "moe/runtime/parallel.h"
-#include "moe/runtime/checkpoint.h"
 
 namespace moe::runtime {
 
@@ -31,7 +31,7 @@ struct LayerWeights {
   FfnWeights dense;                               // dense layers
   std::unique_ptr<DeviceWeight> router;           // [experts x hidden]
   std::unique_ptr<DeviceWeight> correction_bias;  // [experts], sigmoid routers
-  std::unique_ptr<DeviceExperts> experts;         // when the backend runs the routed experts (or some)
+  std::unique_ptr<BackendExpertWeights> experts;  // when the backend runs the routed experts (or some)
   // [1 x experts] int32: each expert's index in `experts`, or -1; only when the backend holds
   // some of a pool layer's experts.
   std::unique_ptr<DeviceBuffer> backend_index;
@@ -50,11 +50,11 @@ struct WeightShare {
   std::optional<TensorShard> tensor;
 };
 
-// Loads every tensor the checkpoint's spec needs (of `share`: the whole model by default). Errors name the tensor, its file, the
-// expected and the found shape or dtype, and the config key the expectation comes from. Routed experts are always
-// checked, but handed to the backend only as `backend_experts[layer]` lists them: every expert,
-// none (the expert pool holds the layer), or some (the pool holds the layer, the backend these
-// too, with a backend_index to find them). Progress (bytes and GB/s) goes to stderr when `progress`.
+// Loads every tensor the checkpoint's spec needs (of `share`: the whole model by default). Errors name the tensor, its
+// file, the expected and the found shape or dtype, and the config key the expectation comes from. Routed experts are
+// always checked, but handed to the backend only as `backend_experts[layer]` lists them: every expert, none (the expert
+// pool holds the layer), or some (the pool holds the layer, the backend these too, with a backend_index to find them).
+// Progress (bytes and GB/s) goes to stderr when `progress`.
 absl::StatusOr<std::unique_ptr<Model::Weights>> LoadWeights(const Checkpoint& checkpoint, Backend& backend,
                                                             const std::vector<std::vector<int>>& backend_experts,
                                                             bool progress, const WeightShare& share);

@@ -8,9 +8,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "cpu/kernels.h"
 #include "moe/core/files_fingerprint.h"
 #include "moe/core/status.h"
-#include "cpu/kernels.h"
 #include "moe/runtime/routing.h"
 
 namespace moe::runtime::internal {
@@ -20,10 +20,11 @@ namespace {
 // `pool_layers`, which the pool numbers consecutively) or on the backend (MoeExperts). A pool
 // layer runs on the caller's thread and the pool's when the backend's tensors are host memory (the
 // CPU backend), and through the backend's host calls otherwise (a GPU: hybrid execution).
-class LayerExperts : public RoutedExperts, public HostExperts {
+class RoutedExpertsDispatch : public RoutedExperts, public HostExpertCompute {
  public:
-  LayerExperts(Backend& backend, const Model::Weights& weights, const ModelSpec& spec, experts::ExpertPool* pool,
-               const std::vector<int>& pool_layers, int defer, const TensorShard* shard)
+  RoutedExpertsDispatch(Backend& backend, const Model::Weights& weights, const ModelSpec& spec,
+                        experts::ExpertPool* pool, const std::vector<int>& pool_layers, int defer,
+                        const TensorShard* shard)
       : backend_(backend),
         weights_(weights),
         pool_(pool),
@@ -34,7 +35,7 @@ class LayerExperts : public RoutedExperts, public HostExperts {
         shard_(shard) {
     for (size_t i = 0; i < pool_layers.size(); ++i) pool_index_[pool_layers[i]] = static_cast<int>(i);
   }
-  ~LayerExperts() override { DropDeferred(); }
+  ~RoutedExpertsDispatch() override { DropDeferred(); }
 
   absl::Status Start(int layer, const Tensor& hidden, const Tensor& ids, const Tensor& weights,
                      const Tensor& out) override {
@@ -105,13 +106,13 @@ class LayerExperts : public RoutedExperts, public HostExperts {
     return s;
   }
 
-  HostExpertsTiming timing() const override {
+  HostExpertComputeTiming timing() const override {
     std::lock_guard<std::mutex> lock(timing_mu_);
     return timing_;
   }
   void ResetTiming() override {
     std::lock_guard<std::mutex> lock(timing_mu_);
-    timing_ = HostExpertsTiming{};
+    timing_ = HostExpertComputeTiming{};
     last_layer_ = -1;
     last_end_.reset();
   }
@@ -220,7 +221,7 @@ class LayerExperts : public RoutedExperts, public HostExperts {
   std::vector<float> owned_weights_;
   std::vector<float> deferred_hidden_, deferred_out_;
   mutable std::mutex timing_mu_;
-  HostExpertsTiming timing_;
+  HostExpertComputeTiming timing_;
   int last_layer_ = -1;
   std::optional<std::chrono::steady_clock::time_point> last_end_;
 };
@@ -281,7 +282,7 @@ absl::Status RunMoe(Backend& b, const ModelSpec& spec, const LayerWeights& lw, R
 std::unique_ptr<RoutedExperts> MakeRoutedExperts(Backend& backend, const Model::Weights& weights, const ModelSpec& spec,
                                                  experts::ExpertPool* pool, const std::vector<int>& pool_layers,
                                                  int defer_experts, const TensorShard* shard) {
-  return std::make_unique<LayerExperts>(backend, weights, spec, pool, pool_layers, defer_experts, shard);
+  return std::make_unique<RoutedExpertsDispatch>(backend, weights, spec, pool, pool_layers, defer_experts, shard);
 }
 
 absl::StatusOr<std::unique_ptr<experts::ExpertPool>> CreatePool(const Checkpoint& checkpoint,
@@ -303,17 +304,14 @@ absl::StatusOr<std::unique_ptr<experts::ExpertPool>> CreatePool(const Checkpoint
   if (static_cast<int>(moe_layers.size()) != spec.num_moe_layers()) {
     options.model_id += " layers " + absl::StrJoin(moe_layers, ",");
   }
-  return experts::ExpertPool::Create(shape, options,
-                                     [&](int moe_layer, int expert) -> absl::StatusOr<experts::ExpertWeights> {
-                                       const int layer = moe_layers[moe_layer];
-                                       MOE_ASSIGN_OR_RETURN(WeightView gate,
-                                                            checkpoint.Get({TensorId::kExpertGate, layer, expert}));
-                                       MOE_ASSIGN_OR_RETURN(WeightView up,
-                                                            checkpoint.Get({TensorId::kExpertUp, layer, expert}));
-                                       MOE_ASSIGN_OR_RETURN(WeightView down,
-                                                            checkpoint.Get({TensorId::kExpertDown, layer, expert}));
-                                       return experts::ExpertWeights{gate.AsTensor(), up.AsTensor(), down.AsTensor()};
-                                     });
+  return experts::ExpertPool::Create(
+      shape, options, [&](int moe_layer, int expert) -> absl::StatusOr<experts::ExpertWeights> {
+        const int layer = moe_layers[moe_layer];
+        MOE_ASSIGN_OR_RETURN(WeightView gate, checkpoint.Get({TensorId::kExpertGate, layer, expert}));
+        MOE_ASSIGN_OR_RETURN(WeightView up, checkpoint.Get({TensorId::kExpertUp, layer, expert}));
+        MOE_ASSIGN_OR_RETURN(WeightView down, checkpoint.Get({TensorId::kExpertDown, layer, expert}));
+        return experts::ExpertWeights{gate.AsTensor(), up.AsTensor(), down.AsTensor()};
+      });
 }
 
 }  // namespace moe::runtime::internal

@@ -30,7 +30,6 @@ struct FfnBuffers {
   Tensor split_out;                                  // [T x hidden] fp32
 };
 
-
 // Where a MoE block counts its router's picks (the experts a backend holds chosen while serving):
 // the step, the cache's scratch block (padding rows) and the layer's row of counts [1 x E] int32.
 // No step: nothing is counted.

@@ -14,7 +14,7 @@ namespace moe::runtime::internal {
 
 using core::DType;
 
-absl::StatusOr<PrefillOffload> MeasurePrefillOffload(Backend& b, experts::ExpertPool& pool, HostExperts& host,
+absl::StatusOr<PrefillOffload> MeasurePrefillOffload(Backend& b, experts::ExpertPool& pool, HostExpertCompute& host,
                                                      const ModelSpec& spec, const std::vector<int>& pool_layers,
                                                      int max_step_tokens) {
   // Measured: one layer of `t` random tokens on the pool, then streamed to the GPU and computed
@@ -44,8 +44,7 @@ absl::StatusOr<PrefillOffload> MeasurePrefillOffload(Backend& b, experts::Expert
   double cpu = 1e30;
   for (int run = 0; run < 3 && cpu_status.ok(); ++run) {
     cpu = std::min(cpu, seconds([&] {
-                     cpu_status =
-                         pool.Compute(run % num_layers, x.data(), t, ids.data(), weights.data(), out.data());
+                     cpu_status = pool.Compute(run % num_layers, x.data(), t, ids.data(), weights.data(), out.data());
                    }));
   }
   MOE_RETURN_IF_ERROR(cpu_status);
@@ -66,8 +65,8 @@ absl::StatusOr<PrefillOffload> MeasurePrefillOffload(Backend& b, experts::Expert
   double gpu = 0;
   for (int run = 0; run < 2 && gpu_status.ok(); ++run) {
     gpu = seconds([&] {
-      gpu_status = b.StartHostExperts(host, pool_layers[last], last, dx->tensor(), dids->tensor(), dw->tensor(),
-                                      dout->tensor());
+      gpu_status =
+          b.StartHostExperts(host, pool_layers[last], last, dx->tensor(), dids->tensor(), dw->tensor(), dout->tensor());
       if (gpu_status.ok()) gpu_status = b.FinishHostExperts();
       if (gpu_status.ok()) gpu_status = b.Synchronize();
     });

@@ -24,8 +24,8 @@ struct PrefillOffload {
 // they cross (never below 32). The backend must already hold the streamed experts
 // (Backend::SetStreamedExperts) and `host` must be the model's routed experts; its stream
 // threshold is left at 1 (the caller sets the result).
-absl::StatusOr<PrefillOffload> MeasurePrefillOffload(Backend& backend, experts::ExpertPool& pool, HostExperts& host,
-                                                     const ModelSpec& spec, const std::vector<int>& pool_layers,
-                                                     int max_step_tokens);
+absl::StatusOr<PrefillOffload> MeasurePrefillOffload(Backend& backend, experts::ExpertPool& pool,
+                                                     HostExpertCompute& host, const ModelSpec& spec,
+                                                     const std::vector<int>& pool_layers, int max_step_tokens);
 
 }  // namespace moe::runtime::internal

@@ -18,7 +18,8 @@ namespace {
 
 // What a tensor takes on the GPU, by the GPU's weight policy (weight_policy.h).
 int64_t GpuBytes(const TensorPlace& t) {
-  const core::Shape shape = t.rank == 1 || t.rows <= 0 ? core::Shape{t.elements} : core::Shape{t.rows, t.elements / t.rows};
+  const core::Shape shape =
+      t.rank == 1 || t.rows <= 0 ? core::Shape{t.elements} : core::Shape{t.rows, t.elements / t.rows};
   return DeviceWeightBytes(WeightHome::kGpu, WeightPolicy{}, shape, WeightFormat::Plain(core::DType::kBF16),
                            UseOf(t.kind.role, t.rank), t.kind.role);
 }

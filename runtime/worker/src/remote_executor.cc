@@ -24,7 +24,7 @@ class RemoteExecutor::Group {
   };
 
   static absl::StatusOr<std::shared_ptr<Group>> Open(const std::vector<std::string>& workers, uint64_t generation,
-                                                    const Options& options) {
+                                                     const Options& options) {
     auto group = std::make_shared<Group>();
     group->generation = generation;
     for (size_t rank = 0; rank < workers.size(); ++rank) {
@@ -95,10 +95,9 @@ void RemoteExecutor::WatchSteps() {
     mu_.AwaitWithTimeout(absl::Condition(&stopping_), absl::Milliseconds(100));
     if (stopping_ || awaited_rank_ < 0 || !broken_.empty()) continue;
     if (absl::Now() - step_started_ < options_.step_timeout) continue;
-    const std::string address =
-        group_ != nullptr && awaited_rank_ < static_cast<int>(group_->streams.size())
-            ? group_->streams[awaited_rank_].address
-            : "?";
+    const std::string address = group_ != nullptr && awaited_rank_ < static_cast<int>(group_->streams.size())
+                                    ? group_->streams[awaited_rank_].address
+                                    : "?";
     broken_ = absl::StrCat("step deadline: worker ", awaited_rank_, " at ", address, " sent no result within ",
                            absl::FormatDuration(options_.step_timeout), " (stopped, or stuck in a collective)");
     awaited_rank_ = -1;

@@ -106,11 +106,11 @@ absl::StatusOr<runtime::StepPlan> PlanDecoder::Decode(const pb::StepRequest& req
           absl::StrCat("step ", req.step(), ": sequence ", seq_id, " starts at position ", s.first_position()));
     }
     if (s.first_position() == 0) continue;  // a new sequence (or one started again)
-    if (s.prefix_size() > 0) {  // a sequence that starts on a cached prefix
+    if (s.prefix_size() > 0) {              // a sequence that starts on a cached prefix
       if (s.prefix_size() != s.first_position()) {
-        return absl::InvalidArgumentError(absl::StrCat("step ", req.step(), ": sequence ", seq_id, " starts at position ",
-                                                       s.first_position(), " with a prefix of ", s.prefix_size(),
-                                                       " tokens"));
+        return absl::InvalidArgumentError(absl::StrCat("step ", req.step(), ": sequence ", seq_id,
+                                                       " starts at position ", s.first_position(), " with a prefix of ",
+                                                       s.prefix_size(), " tokens"));
       }
       continue;
     }

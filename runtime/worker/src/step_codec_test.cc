@@ -218,7 +218,8 @@ std::vector<int32_t> Decode(runtime::Executor& executor, const std::vector<int32
   const std::vector<int32_t> blocks = {0, 1, 2, 3, 4, 5, 6, 7};
   while (static_cast<int>(tokens.size()) < static_cast<int>(prompt.size()) + n) {
     const int room = static_cast<int>(prompt.size()) + n - static_cast<int>(tokens.size()) - 1;
-    const std::vector<int32_t> drafts = computed == 0 ? std::vector<int32_t>{} : propose(tokens.size(), std::min(k, room));
+    const std::vector<int32_t> drafts =
+        computed == 0 ? std::vector<int32_t>{} : propose(tokens.size(), std::min(k, room));
     runtime::StepPlan plan;
     plan.batch.token_ids.assign(tokens.begin() + computed, tokens.end());
     plan.batch.token_ids.insert(plan.batch.token_ids.end(), drafts.begin(), drafts.end());

@@ -3,10 +3,10 @@
 // Private arenas are anonymous memory, 2 MiB aligned, backed by huge pages where the kernel
 // gives them (explicit hugetlb pages first, then transparent huge pages), 4 KiB pages otherwise.
 // Shared arenas are a named POSIX shared-memory segment (/dev/shm/NAME, in parts NAME.1, NAME.2,
-// ... when large): the first process creates and fills it, then Publish()es it; later processes (a restarted worker, the other
-// workers of the host) attach read-only in well under a second, without reloading. A segment
-// records a key (model and its files' sizes and times, format, layout); a complete segment of
-// another key is replaced, never attached.
+// ... when large): the first process creates and fills it, then Publish()es it; later processes (a restarted worker,
+// the other workers of the host) attach read-only in well under a second, without reloading. A segment records a key
+// (model and its files' sizes and times, format, layout); a complete segment of another key is replaced, never
+// attached.
 //
 // Thread-safety: immutable after Publish(); data() may be read from any thread.
 #pragma once

@@ -45,9 +45,9 @@ struct FormatDescriptor {
   const char* name = "bf16";
   int bits = 16;  // stored bits per value
   enum class Scales { kNone, kPerRow, kPerGroup };
-  Scales scales = Scales::kNone;  // int8: one per output row; int4: one per row and `group` columns
-  bool symmetric = true;          // codes are q + offset around zero; false: a min beside each scale
-  int offset = 0;                 // stored as q + offset (unsigned storage: 128 for int8, 8 for int4)
+  Scales scales = Scales::kNone;    // int8: one per output row; int4: one per row and `group` columns
+  bool symmetric = true;            // codes are q + offset around zero; false: a min beside each scale
+  int offset = 0;                   // stored as q + offset (unsigned storage: 128 for int8, 8 for int4)
   const float* codebook = nullptr;  // the value of each code (non-linear types); null: linear codes
 };
 const FormatDescriptor& Describe(ExpertFormat f);
@@ -58,9 +58,7 @@ const char* FormatName(ExpertFormat f);
 // A format by its name ("bf16", "int8", "int4"); kInvalidArgument naming the ones there are.
 absl::StatusOr<ExpertFormat> ParseFormat(const std::string& name);
 // Stored bits per value: the descriptor's `bits`, for the kernels' inline sizes.
-constexpr int FormatBits(ExpertFormat f) {
-  return f == ExpertFormat::kBF16 ? 16 : f == ExpertFormat::kInt8 ? 8 : 4;
-}
+constexpr int FormatBits(ExpertFormat f) { return f == ExpertFormat::kBF16 ? 16 : f == ExpertFormat::kInt8 ? 8 : 4; }
 
 struct MatrixLayout {
   ExpertFormat format = ExpertFormat::kBF16;

@@ -111,9 +111,9 @@ class DeviceWeight {
 };
 
 // One MoE layer's routed experts in the backend's memory, each expert's gate and up rows fused.
-class DeviceExperts {
+class BackendExpertWeights {
  public:
-  virtual ~DeviceExperts() = default;
+  virtual ~BackendExpertWeights() = default;
   virtual int64_t bytes() const = 0;
 };
 
@@ -180,9 +180,9 @@ struct AttentionArgs {
 
 // Routed experts computed on the host beside a device's stream (hybrid execution): the CPU expert
 // pool behind an interface the backend calls from a host thread, in stream order.
-class HostExperts {
+class HostExpertCompute {
  public:
-  virtual ~HostExperts() = default;
+  virtual ~HostExpertCompute() = default;
   // hidden [rows x H] fp32, ids and weights [rows x top_k]; out [rows x H] fp32, overwritten.
   // Host memory, valid for the call only. An error fails the step (at Synchronize).
   virtual absl::Status Compute(int layer, const float* hidden, int64_t rows, const int32_t* ids, const float* weights,
@@ -262,9 +262,9 @@ class Backend {
                                                                            TensorRole role = TensorRole::kOther) = 0;
   // One MoE layer's routed experts (gate, up, down of each), for MoeExperts. Backends that do not
   // run routed experts themselves return kUnimplemented.
-  virtual absl::StatusOr<std::unique_ptr<DeviceExperts>> PrepareExperts(const std::vector<core::TensorView>& gate,
-                                                                        const std::vector<core::TensorView>& up,
-                                                                        const std::vector<core::TensorView>& down) {
+  virtual absl::StatusOr<std::unique_ptr<BackendExpertWeights>> PrepareExperts(
+      const std::vector<core::TensorView>& gate, const std::vector<core::TensorView>& up,
+      const std::vector<core::TensorView>& down) {
     return absl::UnimplementedError(name() + " keeps no routed experts");
   }
   virtual absl::StatusOr<std::unique_ptr<DeviceBuffer>> Allocate(core::DType dtype, int64_t rows, int64_t cols) = 0;
@@ -402,8 +402,8 @@ class Backend {
   virtual void Route(const Tensor& logits, const RoutingSpec& spec, const DeviceWeight* correction_bias,
                      const Tensor& ids, const Tensor& weights) = 0;
   // out [T x H] fp32 = sum_j weights[t][j] * expert_{ids[t][j]}(x[t]); x activation dtype.
-  virtual void MoeExperts(const Tensor& x, const Tensor& ids, const Tensor& weights, const DeviceExperts& experts,
-                          const Tensor& out) {}
+  virtual void MoeExperts(const Tensor& x, const Tensor& ids, const Tensor& weights,
+                          const BackendExpertWeights& experts, const Tensor& out) {}
   // Routed experts on the host for a backend whose memory the CPU cannot address (hybrid
   // execution): x (activation dtype), ids and weights go to pinned host memory, `host` computes
   // `layer` there, and its sum lands in out [T x H] fp32. Queued beside the stream, so that the
@@ -412,7 +412,7 @@ class Backend {
   // `host` must outlive the backend's graphs. kUnimplemented where the backend computes on the host
   // (the pool reads its tensors directly) or reserved no host buffers (StepLimits::host_experts).
   // `pool_layer` is the layer's index among the host's (for SetStreamedExperts).
-  virtual absl::Status StartHostExperts(HostExperts& host, int layer, int pool_layer, const Tensor& x,
+  virtual absl::Status StartHostExperts(HostExpertCompute& host, int layer, int pool_layer, const Tensor& x,
                                         const Tensor& ids, const Tensor& weights, const Tensor& out) {
     return absl::UnimplementedError(name() + " runs no routed experts on the host");
   }
@@ -429,7 +429,7 @@ class Backend {
   // layer at a time, the next one's copy overlapping this one's compute) and computes there
   // instead of on the host. The memory must stay mapped while the backend lives; it is pinned
   // (page-locked) here. min_tokens 0: never.
-  struct StreamedExperts {
+  struct StreamedExpertArena {
     const uint8_t* data = nullptr;
     int64_t bytes = 0;
     int num_layers = 0;
@@ -439,12 +439,12 @@ class Backend {
     int intermediate = 0;
     int min_tokens = 0;
   };
-  virtual absl::Status SetStreamedExperts(const StreamedExperts& experts) {
+  virtual absl::Status SetStreamedExperts(const StreamedExpertArena& experts) {
     return absl::UnimplementedError(name() + " does not stream experts from the host");
   }
   // Changes SetStreamedExperts' threshold (0: never stream).
   virtual void SetStreamTokens(int min_tokens) {}
-  // Before the host memory and the HostExperts given to this backend go away (the model's pool):
+  // Before the host memory and the HostExpertCompute given to this backend go away (the model's pool):
   // waits for every host call, stops the host thread and unpins the streamed experts. Graphs
   // recorded with host calls must be cleared first (ClearGraphs).
   virtual void ReleaseHostExperts() {}
@@ -467,7 +467,7 @@ class Backend {
   virtual void CountPicks(const Tensor& ids, const StepTensors& step, int scratch_block, const Tensor& counts) = 0;
   // Overwrites expert `slot` of `experts` (PrepareExperts' order) with another expert's weights
   // (gate, up [I x H], down [H x I]). Between steps: nothing queued may be reading them.
-  virtual absl::Status ReplaceExpert(DeviceExperts& experts, int slot, const core::TensorView& gate,
+  virtual absl::Status ReplaceExpert(BackendExpertWeights& experts, int slot, const core::TensorView& gate,
                                      const core::TensorView& up, const core::TensorView& down) {
     return absl::UnimplementedError(name() + " keeps no routed experts");
   }

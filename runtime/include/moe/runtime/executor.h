@@ -59,8 +59,8 @@ struct SampledToken {
 struct SequenceResult {
   std::vector<int32_t> tokens;
   std::vector<std::optional<TokenLogprobs>> logprobs;  // one per token: set when its row asked
-  int drafted = 0;   // the sequence's num_draft in the plan
-  int accepted = 0;  // of them, kept
+  int drafted = 0;                                     // the sequence's num_draft in the plan
+  int accepted = 0;                                    // of them, kept
   // Up to SequenceChunk::want_drafts tokens proposed by the executor's drafter to follow `tokens`,
   // for the next step to verify (none from an executor without a drafter).
   std::vector<int32_t> drafts;

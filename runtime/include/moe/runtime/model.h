@@ -23,9 +23,9 @@
 #include "moe/experts/expert_pool.h"
 #include "moe/runtime/backend.h"
 #include "moe/runtime/cache.h"
+#include "moe/runtime/checkpoint.h"
 #include "moe/runtime/model_spec.h"
 #include "moe/runtime/parallel.h"
-#include "moe/runtime/checkpoint.h"
 
 namespace moe::runtime {
 
@@ -87,7 +87,7 @@ struct StepOutputs {
 // What the routed experts computed on the host beside a GPU (hybrid execution) took: the pool's
 // calls, and the time from one layer's call ending to the next layer's starting within a step
 // (the GPU's work between them, the copies and the host calls' latency).
-struct HostExpertsTiming {
+struct HostExpertComputeTiming {
   int64_t calls = 0;
   double compute_seconds = 0;
   int64_t betweens = 0;
@@ -106,7 +106,7 @@ class RoutedExperts {
   // Waits for the call Start began.
   virtual absl::Status Finish() = 0;
   // Hybrid execution's host calls since the last reset.
-  virtual HostExpertsTiming timing() const { return {}; }
+  virtual HostExpertComputeTiming timing() const { return {}; }
   virtual void ResetTiming() {}
 };
 
@@ -258,7 +258,7 @@ class Model {
   };
   HeldExpertsStats held_experts_stats() const;
   // Hybrid execution: the host calls of the routed experts since the last reset (benchmarks).
-  HostExpertsTiming host_experts_timing() const { return routed_experts_->timing(); }
+  HostExpertComputeTiming host_experts_timing() const { return routed_experts_->timing(); }
   void ResetHostExpertsTiming() { routed_experts_->ResetTiming(); }
 
   // Debugging: `tap` sees each intermediate tensor of a step as it is written (what, the layer or

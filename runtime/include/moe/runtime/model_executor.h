@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "moe/runtime/executor.h"
 #include "moe/runtime/cache.h"
+#include "moe/runtime/executor.h"
 #include "moe/runtime/model.h"
 
 namespace moe::runtime {

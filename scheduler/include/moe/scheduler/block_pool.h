@@ -72,8 +72,8 @@ class BlockPool {
   std::vector<int> refcount_;
   std::vector<BlockHash> hash_;  // per block: its hash while has_hash_
   std::vector<bool> has_hash_;
-  std::vector<int32_t> free_;  // popped from the back
-  std::list<int32_t> lru_;           // cached-free blocks, least recently freed first
+  std::vector<int32_t> free_;                         // popped from the back
+  std::list<int32_t> lru_;                            // cached-free blocks, least recently freed first
   std::vector<std::list<int32_t>::iterator> lru_at_;  // per block: its place in lru_ (when there)
   std::vector<bool> in_lru_;
   std::unordered_map<BlockHash, int32_t> cached_;  // hash -> the block committed with it

@@ -28,7 +28,6 @@ namespace moe::scheduler {
 inline constexpr size_t kMaxStopStrings = 16;
 inline constexpr size_t kMaxStopStringBytes = 1024;
 
-
 struct TextModelOptions {
   std::string model_dir;    // tokenizer.json and tokenizer_config.json are read from here
   std::string model_type;   // config.json's model_type: picks the default parsers
