@@ -40,10 +40,10 @@ absl::StatusOr<int64_t> GpuWeightBytes(const std::string& model_dir) {
   for (const std::string& name : checkpoint->source().Names()) {
     const std::optional<runtime::TensorKey> key = checkpoint->names().Parse(name);
     if (key && key->layer >= spec.num_layers) continue;  // nextn layers: not loaded for the forward
-    MOE_ASSIGN_OR_RETURN(core::TensorView view, checkpoint->source().Get(name));
+    MOE_ASSIGN_OR_RETURN(const runtime::WeightView view, checkpoint->source().GetStored(name));
     const runtime::TensorRole role = key ? runtime::RoleOf(key->id) : runtime::TensorRole::kOther;
-    bytes += runtime::DeviceWeightBytes(runtime::WeightHome::kGpu, runtime::WeightPolicy{}, view.shape,
-                                        runtime::WeightView::Of(view).format, runtime::UseOf(role, view.rank()), role);
+    bytes += runtime::DeviceWeightBytes(runtime::WeightHome::kGpu, runtime::WeightPolicy{}, view.shape, view.format,
+                                        runtime::UseOf(role, view.rank()), role);
   }
   return bytes;
 }

@@ -8,7 +8,12 @@
 #include <utility>
 #include <vector>
 
+#include <cstdio>
+#include <cstring>
+
 #include "absl/strings/str_cat.h"
+#include "checkpoint/gguf_checkpoint.h"
+#include "moe/experts/gguf_types.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_replace.h"
 #include "moe/core/files_fingerprint.h"
@@ -124,12 +129,39 @@ bool WeightFormat::operator==(const WeightFormat& o) const {
   return false;
 }
 
+absl::StatusOr<WeightView> WeightSource::GetStored(const std::string& name) const {
+  MOE_ASSIGN_OR_RETURN(const core::TensorView view, Get(name));
+  return WeightView::Of(view);
+}
+
 WeightView WeightView::Of(const core::TensorView& t) {
   WeightView v;
   v.data = t.data;
   v.shape = t.shape;
   v.format = WeightFormat::Plain(t.dtype);
   return v;
+}
+
+absl::StatusOr<core::TensorView> ExpandToFloats(const WeightView& stored, std::vector<float>* storage) {
+  const WeightFormat& f = stored.format;
+  if (f.plain()) {
+    if (f.element == core::DType::kBF16 || f.element == core::DType::kF16 || f.element == core::DType::kF32) {
+      return stored.AsTensor();
+    }
+    return absl::InvalidArgumentError(absl::StrCat("dtype ", f.Name(), " is not a weight type (BF16, F16 or F32 are)"));
+  }
+  const experts::GgufType* type = f.kind == WeightFormat::Kind::kBlocks ? experts::FindGgufType(f.type_id) : nullptr;
+  if (type == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("stored as ", f.Name(), ", a type moeserve does not read (types read: ",
+                                                   experts::SupportedGgufTypeNames(), ")"));
+  }
+  const int64_t cols = stored.shape.empty() ? 1 : stored.shape.back();
+  const int64_t rows = cols == 0 ? 0 : stored.numel() / cols;
+  storage->resize(static_cast<size_t>(stored.numel()));
+  const auto* src = static_cast<const uint8_t*>(stored.data);
+  const int64_t row_bytes = f.RowBytes(cols);
+  for (int64_t r = 0; r < rows; ++r) experts::DequantizeRow(type->id, src + r * row_bytes, cols, storage->data() + r * cols);
+  return core::TensorView{storage->data(), core::DType::kF32, stored.shape};
 }
 
 // ---- Keys and roles ----
@@ -411,17 +443,16 @@ absl::StatusOr<WeightView> Checkpoint::Get(const TensorKey& key) const {
     return absl::NotFoundError(absl::StrCat(std::string(ArchitectureName(spec_.arch)), " has no ", KeyString(key),
                                             " tensor in ", std::string(ContainerName(container()))));
   }
-  MOE_ASSIGN_OR_RETURN(const core::TensorView view, source_->Get(name));
-  WeightView w = WeightView::Of(view);
+  MOE_ASSIGN_OR_RETURN(WeightView w, source_->GetStored(name));
   if (!names_->Stacked(key.id) || key.expert < 0) return w;
   // One expert's slice of [experts x rows x cols].
-  if (view.rank() != 3 || key.expert >= view.shape[0]) {
-    return absl::InvalidArgumentError(absl::StrCat(name, ": shape ", core::ShapeString(view.shape), " in ",
+  if (w.rank() != 3 || key.expert >= w.shape[0]) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": shape ", core::ShapeString(w.shape), " in ",
                                                    source_->FileOf(name), " holds no expert ", key.expert,
                                                    " (a stacked expert tensor is [experts x rows x cols])"));
   }
-  const core::Shape one = {view.shape[1], view.shape[2]};
-  w.data = static_cast<const char*>(view.data) + key.expert * w.format.Bytes(one);
+  const core::Shape one = {w.shape[1], w.shape[2]};
+  w.data = static_cast<const char*>(w.data) + key.expert * w.format.Bytes(one);
   w.shape = one;
   return w;
 }
@@ -456,45 +487,58 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> HuggingFaceCheckpoint::Open(const fs
 namespace {
 
 // What `path` is: the folder of a Hugging Face checkpoint (a folder, or a .safetensors file in one),
-// or a refusal that says what it found.
+// or a refusal that says what it found. GGUF paths are taken before this (IsGgufCheckpoint).
 absl::StatusOr<fs::path> HuggingFaceFolder(const std::string& path) {
   std::error_code ec;
   const fs::file_status st = fs::status(path, ec);
   // A path that is not there reads as a folder, so the message names the config.json it lacks.
   if (ec || !fs::exists(st)) return fs::path(path);
-  const auto gguf_refusal = [&](const std::string& what) {
-    return absl::UnimplementedError(absl::StrCat(
-        what, ": GGUF checkpoints are not read yet; give a Hugging Face folder (config.json and safetensors)"));
-  };
   if (fs::is_regular_file(st)) {
     const fs::path p(path);
-    if (p.extension() == ".gguf") return gguf_refusal(path);
     if (p.extension() != ".safetensors") {
       return absl::InvalidArgumentError(absl::StrCat(
-          path, ": not a checkpoint (a Hugging Face folder, or a .safetensors file beside its config.json)"));
+          path, ": not a checkpoint (a Hugging Face folder, a .safetensors file beside its config.json, or a GGUF "
+                "file)"));
     }
     return p.has_parent_path() ? p.parent_path() : fs::path(".");
   }
   if (!fs::is_directory(st)) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": not a regular file or a directory"));
   }
-  if (!fs::exists(fs::path(path) / "config.json")) {
-    for (const fs::directory_entry& e : fs::directory_iterator(path, ec)) {
-      if (e.path().extension() == ".gguf")
-        return gguf_refusal(absl::StrCat(path, " holds ", e.path().filename().string()));
-    }
-  }
   return fs::path(path);
 }
 
 }  // namespace
 
+bool IsGgufCheckpoint(const std::string& path) {
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);
+  if (ec || !fs::exists(st)) return fs::path(path).extension() == ".gguf";
+  if (fs::is_regular_file(st)) {
+    if (fs::path(path).extension() == ".gguf") return true;
+    // A GGUF file by its magic, whatever its name.
+    char magic[4] = {};
+    FILE* f = std::fopen(path.c_str(), "rb");
+    if (f == nullptr) return false;
+    const size_t n = std::fread(magic, 1, 4, f);
+    std::fclose(f);
+    return n == 4 && std::memcmp(magic, "GGUF", 4) == 0;
+  }
+  if (!fs::is_directory(st) || fs::exists(fs::path(path) / "config.json", ec)) return false;
+  for (const fs::directory_entry& e : fs::directory_iterator(path, ec)) {
+    if (e.path().extension() == ".gguf") return true;
+  }
+  return false;
+}
+
 absl::StatusOr<std::unique_ptr<Checkpoint>> OpenCheckpoint(const std::string& path) {
+  if (IsGgufCheckpoint(path)) return internal::OpenGgufCheckpoint(path);
   MOE_ASSIGN_OR_RETURN(const fs::path dir, HuggingFaceFolder(path));
   return HuggingFaceCheckpoint::Open(dir, path);
 }
 
 absl::StatusOr<ModelSpec> ReadCheckpointSpec(const std::string& path) {
+  if (IsGgufCheckpoint(path)) return internal::ReadGgufSpec(path);
   MOE_ASSIGN_OR_RETURN(const fs::path dir, HuggingFaceFolder(path));
   return LoadModelSpec(dir.string());
 }

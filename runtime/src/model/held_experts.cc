@@ -50,10 +50,16 @@ absl::Status HeldExpertsPolicy::ApplyOneSwap() {
     LayerWeights& lw = weights_.layers[swap.layer];
     const int slot = lw.backend_index_host[swap.out];
     if (slot < 0 || lw.backend_index_host[swap.in] >= 0) continue;  // no longer applies
-    MOE_ASSIGN_OR_RETURN(const WeightView gate, checkpoint_.Get({TensorId::kExpertGate, swap.layer, swap.in}));
-    MOE_ASSIGN_OR_RETURN(const WeightView up, checkpoint_.Get({TensorId::kExpertUp, swap.layer, swap.in}));
-    MOE_ASSIGN_OR_RETURN(const WeightView down, checkpoint_.Get({TensorId::kExpertDown, swap.layer, swap.in}));
-    MOE_RETURN_IF_ERROR(backend_.ReplaceExpert(*lw.experts, slot, gate.AsTensor(), up.AsTensor(), down.AsTensor()));
+    std::vector<float> storage[3];
+    core::TensorView views[3];
+    const TensorId ids[3] = {TensorId::kExpertGate, TensorId::kExpertUp, TensorId::kExpertDown};
+    for (int i = 0; i < 3; ++i) {
+      MOE_ASSIGN_OR_RETURN(const WeightView stored, checkpoint_.Get({ids[i], swap.layer, swap.in}));
+      MOE_ASSIGN_OR_RETURN(views[i], ExpandToFloats(stored, &storage[i]));
+    }
+    MOE_RETURN_IF_ERROR(backend_.ReplaceExpert(*lw.experts, slot, views[0], views[1], views[2]));
+    // A dequantized copy (GGUF) must outlive the upload.
+    if (!storage[0].empty() || !storage[1].empty() || !storage[2].empty()) MOE_RETURN_IF_ERROR(backend_.Synchronize());
     lw.backend_index_host[swap.out] = -1;
     lw.backend_index_host[swap.in] = slot;
     backend_.CopyFromHost(lw.backend_index_host.data(), lw.backend_index->tensor());

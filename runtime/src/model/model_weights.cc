@@ -11,6 +11,7 @@
 #include "moe/core/logging.h"
 #include "moe/core/progress.h"
 #include "moe/core/status.h"
+#include "moe/experts/gguf_types.h"
 #include "moe/runtime/checkpoint.h"
 
 namespace moe::runtime::internal {
@@ -47,8 +48,8 @@ struct Slice {
 class WeightLoader {
  public:
   WeightLoader(const Checkpoint& checkpoint, Backend& backend, core::ProgressReporter* progress,
-               std::vector<std::vector<uint8_t>>* slices)
-      : checkpoint_(checkpoint), backend_(backend), progress_(progress), slices_(slices) {}
+               std::vector<std::vector<uint8_t>>* slices, std::vector<std::vector<float>>* expanded)
+      : checkpoint_(checkpoint), backend_(backend), progress_(progress), slices_(slices), kept_(expanded) {}
 
   // `why` names the config keys behind the expected shape, for the error message.
   absl::StatusOr<std::unique_ptr<DeviceWeight>> Load(const TensorKey& key, const Shape& want, const std::string& why,
@@ -58,6 +59,7 @@ class WeightLoader {
     auto weight = backend_.PrepareWeight(view, use, RoleOf(key.id));
     if (!weight.ok()) return core::Annotate(weight.status(), checkpoint_.names().Name(key));
     Count(view.bytes(), **weight);
+    MOE_RETURN_IF_ERROR(ReleaseExpanded());
     return weight;
   }
 
@@ -77,6 +79,7 @@ class WeightLoader {
     auto weight = backend_.PrepareFusedWeight(views, use, RoleOf(keys[0].id));
     if (!weight.ok()) return core::Annotate(weight.status(), checkpoint_.names().Name(keys[0]));
     Count(bytes, **weight);
+    MOE_RETURN_IF_ERROR(ReleaseExpanded());
     return weight;
   }
 
@@ -88,7 +91,7 @@ class WeightLoader {
     const TensorKey keys[3] = {{ids[0], layer}, {ids[1], layer}, {ids[2], layer}};
     const Shape shapes[3] = {{width, hidden}, {width, hidden}, {hidden, width}};
     if (out == nullptr) {
-      for (int i = 0; i < 3; ++i) MOE_RETURN_IF_ERROR(Check(keys[i], shapes[i], why).status());
+      for (int i = 0; i < 3; ++i) MOE_RETURN_IF_ERROR(Stored(keys[i], shapes[i], why).status());
       return absl::OkStatus();
     }
     const Slice rows = share ? Slice::Rows(*share) : Slice{}, columns = share ? Slice::Columns(*share) : Slice{};
@@ -119,12 +122,14 @@ class WeightLoader {
     }
     if (progress_ != nullptr) progress_->Add(bytes);
     device_bytes_ += (*prepared)->bytes();
+    MOE_RETURN_IF_ERROR(ReleaseExpanded());
     return prepared;
   }
 
   int64_t device_bytes() const { return device_bytes_; }
+  // Checks a tensor's shape and type without expanding it.
   absl::Status CheckOnly(const TensorKey& key, const Shape& want, const std::string& why) {
-    return Check(key, want, why).status();
+    return Stored(key, want, why).status();
   }
 
   // The checkpoint's tensors that no key loaded named, but for the nextn layers (kept for
@@ -145,7 +150,8 @@ class WeightLoader {
   }
 
  private:
-  absl::StatusOr<core::TensorView> Check(const TensorKey& key, const Shape& want, const std::string& why) {
+  // The tensor `key` names as stored, its shape checked against `want`.
+  absl::StatusOr<WeightView> Stored(const TensorKey& key, const Shape& want, const std::string& why) {
     const std::string name = checkpoint_.names().Name(key);
     used_.insert(name);
     auto view = checkpoint_.Get(key);
@@ -160,13 +166,45 @@ class WeightLoader {
                                                      checkpoint_.source().FileOf(name), ", config expects ",
                                                      core::ShapeString(want), " (", why, ")"));
     }
-    const WeightFormat& f = view->format;
-    if (!f.plain() ||
-        (f.element != core::DType::kBF16 && f.element != core::DType::kF16 && f.element != core::DType::kF32)) {
+    if (const WeightFormat& f = view->format; f.plain() && f.element != core::DType::kBF16 &&
+                                              f.element != core::DType::kF16 && f.element != core::DType::kF32) {
       return absl::InvalidArgumentError(absl::StrCat(name, ": dtype ", f.Name(), " in ",
                                                      checkpoint_.source().FileOf(name), ", expected BF16, F16 or F32"));
     }
-    return view->AsTensor();
+    if (const WeightFormat& f = view->format; !f.plain() && experts::FindGgufType(f.type_id) == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(name, " in ", checkpoint_.source().FileOf(name), " is ", f.Name(),
+                                                     ", a type moeserve does not read (types read: ",
+                                                     experts::SupportedGgufTypeNames(), ")"));
+    }
+    return view;
+  }
+
+  // The tensor as plain values for the backend: as stored, or dequantized (kept until the backend
+  // has it: see ReleaseExpanded).
+  absl::StatusOr<core::TensorView> Check(const TensorKey& key, const Shape& want, const std::string& why) {
+    MOE_ASSIGN_OR_RETURN(const WeightView view, Stored(key, want, why));
+    if (view.format.plain()) return view.AsTensor();
+    std::vector<float>& storage = expanded_.emplace_back();
+    auto plain = ExpandToFloats(view, &storage);
+    if (!plain.ok()) {
+      const std::string name = checkpoint_.names().Name(key);
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, " in ", checkpoint_.source().FileOf(name), ": ", plain.status().message()));
+    }
+    return *plain;
+  }
+
+  // Dequantized copies: a GPU backend has uploaded them once it synchronizes; a host backend keeps
+  // pointers into them, so they live with the weights.
+  absl::Status ReleaseExpanded() {
+    if (expanded_.empty()) return absl::OkStatus();
+    if (backend_.weight_home() == WeightHome::kGpu) {
+      MOE_RETURN_IF_ERROR(backend_.Synchronize());
+    } else {
+      for (std::vector<float>& e : expanded_) kept_->push_back(std::move(e));
+    }
+    expanded_.clear();
+    return absl::OkStatus();
   }
 
   // The share of `whole` a slice names: a view for rows, a copy for columns (kept in slices_).
@@ -199,6 +237,8 @@ class WeightLoader {
   Backend& backend_;
   core::ProgressReporter* progress_;
   std::vector<std::vector<uint8_t>>* slices_;
+  std::vector<std::vector<float>>* kept_;
+  std::vector<std::vector<float>> expanded_;
   std::set<std::string> used_;
   int64_t device_bytes_ = 0;
 };
@@ -326,13 +366,13 @@ absl::StatusOr<std::unique_ptr<Model::Weights>> LoadWeights(const Checkpoint& ch
             backend_experts[key->layer].end()) {
       continue;
     }
-    auto view = checkpoint.source().Get(name);
+    auto view = checkpoint.source().GetStored(name);
     if (view.ok()) total += view->bytes();
   }
   std::optional<core::ProgressReporter> reporter;
   if (progress) reporter.emplace(absl::StrCat("loading weights onto ", backend.name()), total);
   auto weights = std::make_unique<Model::Weights>();
-  WeightLoader w(checkpoint, backend, reporter ? &*reporter : nullptr, &weights->slices);
+  WeightLoader w(checkpoint, backend, reporter ? &*reporter : nullptr, &weights->slices, &weights->expanded);
   const int64_t h = s.hidden_size, vocab = s.vocab_size;
   const std::string vh = absl::StrCat("vocab_size=", vocab, ", hidden_size=", h);
   // A layer split: the first stage embeds; the last holds the final norm and the LM head.

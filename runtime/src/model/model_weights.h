@@ -70,6 +70,9 @@ struct Model::Weights {
   // Host copies of column slices (a tensor split's o_proj and down projections), which the CPU
   // backend's weights may point into.
   std::vector<std::vector<uint8_t>> slices;
+  // Block-quantized tensors (GGUF) dequantized to f32 for a backend that keeps host pointers (the
+  // CPU backend); a GPU backend's copies are dropped once uploaded.
+  std::vector<std::vector<float>> expanded;
 };
 
 }  // namespace moe::runtime

@@ -307,10 +307,18 @@ absl::StatusOr<std::unique_ptr<experts::ExpertPool>> CreatePool(const Checkpoint
   return experts::ExpertPool::Create(
       shape, options, [&](int moe_layer, int expert) -> absl::StatusOr<experts::ExpertWeights> {
         const int layer = moe_layers[moe_layer];
-        MOE_ASSIGN_OR_RETURN(WeightView gate, checkpoint.Get({TensorId::kExpertGate, layer, expert}));
-        MOE_ASSIGN_OR_RETURN(WeightView up, checkpoint.Get({TensorId::kExpertUp, layer, expert}));
-        MOE_ASSIGN_OR_RETURN(WeightView down, checkpoint.Get({TensorId::kExpertDown, layer, expert}));
-        return experts::ExpertWeights{gate.AsTensor(), up.AsTensor(), down.AsTensor()};
+        // The pool packs each expert right after this returns, on the same thread: a dequantized
+        // copy lives in this thread's buffers until the next expert.
+        thread_local std::vector<float> storage[3];
+        core::TensorView views[3];
+        const TensorId ids[3] = {TensorId::kExpertGate, TensorId::kExpertUp, TensorId::kExpertDown};
+        for (int i = 0; i < 3; ++i) {
+          MOE_ASSIGN_OR_RETURN(const WeightView stored, checkpoint.Get({ids[i], layer, expert}));
+          auto plain = ExpandToFloats(stored, &storage[i]);
+          if (!plain.ok()) return core::Annotate(plain.status(), checkpoint.Describe({ids[i], layer, expert}));
+          views[i] = *plain;
+        }
+        return experts::ExpertWeights{views[0], views[1], views[2]};
       });
 }
 

@@ -140,7 +140,7 @@ absl::StatusOr<Placement> PlaceTensors(const ModelSpec& spec, const std::vector<
 absl::StatusOr<std::vector<TensorInfo>> CheckpointTensors(const WeightSource& source) {
   std::vector<TensorInfo> out;
   for (const std::string& name : source.Names()) {
-    absl::StatusOr<core::TensorView> view = source.Get(name);
+    absl::StatusOr<WeightView> view = source.GetStored(name);
     if (!view.ok()) return view.status();
     out.push_back(
         {name, view->bytes(), view->numel(), static_cast<int>(view->rank()), view->rank() > 0 ? view->shape[0] : 1});

@@ -31,58 +31,6 @@
 
 namespace moe::runtime {
 
-// ---- How a tensor is stored ----
-
-struct WeightFormat {
-  enum class Kind {
-    kPlain,        // one `element` per value
-    kBlockScaled,  // `element` values (fp8) with one `scale_dtype` scale per [scale_rows x scale_cols] block
-    kBlocks,       // `block_bytes` bytes per block of `block_elements` values along a row (GGUF's types)
-  };
-  Kind kind = Kind::kPlain;
-  core::DType element = core::DType::kBF16;
-  // kBlocks: the container's type id (GGUF's ggml_type), its name ("Q4_K"), and the block.
-  int type_id = -1;
-  std::string type_name;
-  int block_elements = 1;
-  int block_bytes = 0;
-  // kBlockScaled: the scales' block and element type.
-  int scale_rows = 0, scale_cols = 0;
-  core::DType scale_dtype = core::DType::kF32;
-
-  static WeightFormat Plain(core::DType element);
-  static WeightFormat BlockScaled(core::DType element, int scale_rows, int scale_cols, core::DType scale_dtype);
-  static WeightFormat Blocks(int type_id, std::string type_name, int block_elements, int block_bytes);
-
-  bool plain() const { return kind == Kind::kPlain; }
-  // Bytes of one row of `cols` values (cols a multiple of block_elements for kBlocks), scales apart.
-  int64_t RowBytes(int64_t cols) const;
-  // Bytes of a tensor of `shape` (the last dimension is the row), scales apart.
-  int64_t Bytes(const core::Shape& shape) const;
-  // Whether a row of `cols` values is whole blocks (always true but for kBlocks).
-  bool Fits(int64_t cols) const { return kind != Kind::kBlocks || cols % block_elements == 0; }
-  // "BF16", "F8_E4M3 (scale per 128x128)", "Q4_K".
-  std::string Name() const;
-  bool operator==(const WeightFormat& o) const;
-};
-
-// A tensor as stored: its bytes in the mapped checkpoint, its logical shape (values, row last), its
-// format, and for kBlockScaled its scales ([ceil(rows / scale_rows) x ceil(cols / scale_cols)]).
-struct WeightView {
-  const void* data = nullptr;
-  core::Shape shape;
-  WeightFormat format;
-  const void* scales = nullptr;
-  core::Shape scale_shape;
-
-  int64_t bytes() const { return format.Bytes(shape); }
-  int64_t numel() const { return core::NumElements(shape); }
-  int rank() const { return static_cast<int>(shape.size()); }
-  // The same bytes as a plain TensorView; only for a plain format.
-  core::TensorView AsTensor() const { return core::TensorView{data, format.element, shape}; }
-  static WeightView Of(const core::TensorView& t);
-};
-
 // ---- Which tensor ----
 
 // Every tensor a supported architecture has, and those the coming ones (MLA, Gated DeltaNet, MTP)
@@ -269,12 +217,29 @@ class Checkpoint {
   TokenizerSource tokenizer_;
 };
 
+// A stored weight as plain values the backends read: bf16, f16 and f32 as they are (a view of the
+// same bytes); a GGUF block type dequantized to f32 into `storage` (bit-identical to llama.cpp's
+// dequantization), which must outlive the view. kInvalidArgument for a type moeserve does not read,
+// naming it and the types it reads; the caller adds the tensor's name.
+absl::StatusOr<core::TensorView> ExpandToFloats(const WeightView& stored, std::vector<float>* storage);
+
+// Whether `path` names a GGUF model: a .gguf file (or a file starting with GGUF's magic), or a
+// folder without config.json that holds .gguf files.
+bool IsGgufCheckpoint(const std::string& path);
+
 // Opens a checkpoint: a Hugging Face folder (config.json and safetensors, one file or shards with
-// an index), or a single .safetensors file whose folder holds config.json. Every header is checked
-// before anything is handed out (weight_source.h). kNotFound for a path that does not exist or a
-// folder with neither config.json nor weights; kInvalidArgument for a bad file (naming it); a GGUF
-// file or a folder of them is kUnimplemented with that said.
+// an index), a single .safetensors file whose folder holds config.json, or a GGUF model (a file;
+// the first part of a split set; a folder of one model's GGUF files). Every header is checked
+// before anything is handed out (weight_source.h); a GGUF file's data is mapped, not read. kNotFound
+// for a path that does not exist or a folder with neither config.json nor weights;
+// kInvalidArgument for a bad file, naming it (and for GGUF the offset and what is wrong).
 absl::StatusOr<std::unique_ptr<Checkpoint>> OpenCheckpoint(const std::string& path);
+
+// The tokenizer.json text (Hugging Face's format, which the text module reads) for a vocabulary
+// carried in the checkpoint: byte-level BPE ("gpt2") with the split pattern its pre-tokenizer name
+// stands for (qwen2, llama-bpe, glm4, deepseek-v3, gpt-2, ...). kInvalidArgument naming an
+// unknown pre-tokenizer or tokenizer model, and saying to give --tokenizer DIR instead.
+absl::StatusOr<std::string> EmbeddedTokenizerJson(const TokenizerSource& source);
 
 // The spec alone, for planning without mapping the weights (inspect, the cluster file's checks):
 // the same as OpenCheckpoint(path)->spec(), reading only the configuration.
