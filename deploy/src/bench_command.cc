@@ -163,7 +163,7 @@ void AddBenchLoad(CLI::App& bench, CommandRun* selected) {
       "load as for the copy). With --expert-shm the arena is a named shared-memory segment: the\n"
       "first run fills it, later runs attach to it and report the attach time.",
       [f] { return BenchLoad(*f); }, selected);
-  app->add_option("--model", f->model, "Hugging Face model directory")->required();
+  app->add_option("--model", f->model, "the model: a Hugging Face folder (config.json + safetensors) or a GGUF file (the first part of a split one, or a folder of one model's GGUF files)")->required();
   f->experts.Add(app);
   app->add_flag("--unlink", f->unlink, "remove the shared-memory segment at the end");
   app->add_flag("--json", f->json, "print one JSON object");

@@ -133,7 +133,7 @@ void AddBenchControl(CLI::App& bench, CommandRun* selected) {
       "difference (the control plane's cost a step; the aim is at most 100 us) and the round trip of\n"
       "an empty call to the worker measured in the same run.",
       [f] { return BenchControl(*f); }, selected);
-  app->add_option("--model", f->model, "Hugging Face model directory")->required();
+  app->add_option("--model", f->model, "the model: a Hugging Face folder (config.json + safetensors) or a GGUF file (the first part of a split one, or a folder of one model's GGUF files)")->required();
   app->add_option("--steps", f->steps, "timed decode steps each way")->check(IntIn(10, 100000))->capture_default_str();
   f->device.device = "cpu";
   f->device.Add(app);

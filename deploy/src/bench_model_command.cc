@@ -62,7 +62,7 @@ void AddBenchModel(CLI::App& bench, CommandRun* selected) {
       "TFLOP/s against a bf16 GEMM measured in the same run. Decode tokens are random ids: sampling is\n"
       "not timed.",
       [f] { return BenchModel(*f); }, selected);
-  app->add_option("--model", f->model, "Hugging Face model directory")->required();
+  app->add_option("--model", f->model, "the model: a Hugging Face folder (config.json + safetensors) or a GGUF file (the first part of a split one, or a folder of one model's GGUF files)")->required();
   app->add_option("--batches", f->batches, "decode batch sizes")->check(IntListIn(1, 256))->capture_default_str();
   app->add_option("--prompts", f->prompts, "prefill lengths")->check(IntListIn(1, 1 << 20))->capture_default_str();
   app->add_option("--decode-context", f->options.decode_context, "tokens each sequence holds before decoding")

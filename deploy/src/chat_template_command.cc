@@ -11,6 +11,8 @@
 #include "moe/core/file.h"
 #include "moe/core/json.h"
 #include "moe/core/status.h"
+#include "moe/runtime/checkpoint.h"
+#include "moe/scheduler/text_pipeline.h"
 #include "moe/text/chat_template.h"
 #include "nlohmann/json.hpp"
 
@@ -73,13 +75,21 @@ int RunChatTemplate(const ChatTemplateFlags& flags) {
   std::optional<text::TokenizerConfig> tokenizer;
   std::string source;
   if (!flags.model.empty()) {
-    absl::StatusOr<text::TokenizerConfig> config = text::LoadTokenizerConfig(flags.model);
+    absl::StatusOr<text::TokenizerConfig> config;
+    if (runtime::IsGgufCheckpoint(flags.model)) {
+      absl::StatusOr<scheduler::ModelTokenizer> loaded = scheduler::LoadModelTokenizer(flags.model);
+      if (!loaded.ok()) return FailCommand(kCommand, loaded.status());
+      config = loaded->config;
+    } else {
+      config = text::LoadTokenizerConfig(flags.model);
+    }
     if (!config.ok()) return FailCommand(kCommand, config.status());
     if (config->chat_template.empty()) {
       return FailCommand(kCommand, absl::FailedPreconditionError(absl::StrCat(
                                        flags.model,
                                        " has no chat template (no chat_template in tokenizer_config.json, no "
-                                       "chat_template.jinja); give one with --chat-template-file")));
+                                       "chat_template.jinja, no tokenizer.chat_template in a GGUF file); give one "
+                                       "with --chat-template-file")));
     }
     source = config->chat_template;
     tokenizer = std::move(*config);
@@ -115,7 +125,7 @@ void AddChatTemplateCommand(CLI::App& root, CommandRun* selected) {
       "Exit 1 for a template error (Jinja's message on stderr), 2 for a usage error.",
       [flags] { return RunChatTemplate(*flags); }, selected);
   CLI::Option* model = app->add_option("--model", flags->model,
-                                       "Hugging Face model directory (tokenizer_config.json, chat_template.jinja)");
+                                       "the model: a Hugging Face folder (tokenizer_config.json, chat_template.jinja) or a GGUF file");
   CLI::Option* file = app->add_option("--chat-template-file", flags->chat_template_file, "a Jinja chat template");
   model->excludes(file);
   app->add_option("--request", flags->request,

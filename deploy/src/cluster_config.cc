@@ -238,7 +238,7 @@ absl::Status ReadServer(const Reader& r, const YAML::Node& s, ClusterConfig* c) 
   if (!s.IsDefined() || s.IsNull()) return absl::OkStatus();
   MOE_RETURN_IF_ERROR(r.Keys(s, "server",
                              {"listen", "http", "api_key_file", "api_key_protect_metrics", "served_model_name",
-                              "tls_cert", "tls_key", "tls_client_ca", "max_request_bytes", "chat_template_file",
+                              "tls_cert", "tls_key", "tls_client_ca", "max_request_bytes", "chat_template_file", "tokenizer",
                               "tool_call_parser", "reasoning_parser", "allowed_origins"}));
   MOE_RETURN_IF_ERROR(r.Get(s, "server", "allowed_origins", &c->allowed_origins));
   MOE_RETURN_IF_ERROR(r.Get(s, "server", "listen", &c->listen));
@@ -252,6 +252,7 @@ absl::Status ReadServer(const Reader& r, const YAML::Node& s, ClusterConfig* c) 
   MOE_RETURN_IF_ERROR(
       r.GetIn<int64_t>(s, "server", "max_request_bytes", &c->max_request_bytes, 1024, int64_t{1} << 30));
   MOE_RETURN_IF_ERROR(r.Get(s, "server", "chat_template_file", &c->chat_template_file));
+  MOE_RETURN_IF_ERROR(r.Get(s, "server", "tokenizer", &c->tokenizer));
   MOE_RETURN_IF_ERROR(r.Get(s, "server", "tool_call_parser", &c->tool_call_parser));
   MOE_RETURN_IF_ERROR(r.Get(s, "server", "reasoning_parser", &c->reasoning_parser));
   if (c->api_key_protect_metrics && c->api_key_file.empty()) {
@@ -314,7 +315,7 @@ absl::Status ReadControl(const Reader& r, const YAML::Node& comm, const YAML::No
 
 // The plan against the model and the machines: errors name the key behind the problem.
 absl::Status CheckPlan(const Reader& r, const YAML::Node& root, ClusterConfig* c) {
-  const runtime::ModelSpec spec = *runtime::LoadModelSpec(c->model);
+  const runtime::ModelSpec spec = *runtime::ReadCheckpointSpec(c->model);
   const YAML::Node p = root["parallel"];
   if (c->mode == runtime::ParallelMode::kTensor) {
     if (auto s = runtime::PlanTensorShard(spec, 0, c->ranks); !s.ok()) {
@@ -461,10 +462,10 @@ absl::StatusOr<ClusterConfig> LoadClusterConfig(const std::string& path) {
   MOE_RETURN_IF_ERROR(
       r.Keys(root, "", {"model", "nodes", "parallel", "experts", "scheduler", "server", "comm", "supervisor"}));
   if (!root["model"].IsDefined()) {
-    return r.Error(root, "model", "missing: the Hugging Face model directory every worker loads");
+    return r.Error(root, "model", "missing: the model every worker loads (a Hugging Face folder or a GGUF file)");
   }
   MOE_RETURN_IF_ERROR(r.Get(root, "", "model", &c.model));
-  if (auto spec = runtime::LoadModelSpec(c.model); !spec.ok()) {
+  if (auto spec = runtime::ReadCheckpointSpec(c.model); !spec.ok()) {
     return r.Error(root["model"], "model", absl::StrCat("'", c.model, "': ", spec.status().message()));
   }
   MOE_RETURN_IF_ERROR(ReadNodes(r, root["nodes"], &c));

@@ -71,7 +71,7 @@ struct ClusterConfig {
   bool api_key_protect_metrics = false;
   std::string tls_cert, tls_key, tls_client_ca;
   int64_t max_request_bytes = 4 << 20;
-  std::string chat_template_file, tool_call_parser, reasoning_parser;
+  std::string chat_template_file, tokenizer, tool_call_parser, reasoning_parser;
   std::vector<std::string> allowed_origins;
   std::optional<int> max_prompt_tokens;
   // the control plane

@@ -63,7 +63,7 @@ void AddGenerateCommand(CLI::App& root, CommandRun* selected) {
       "Runs one prompt through a model on the CPU backend: prefill, then greedy or sampled\n"
       "decode with the KV cache. Prints the generated token ids and the prefill and decode speed.",
       [flags] { return RunGenerate(*flags); }, selected);
-  app->add_option("--model", flags->model, "Hugging Face model directory (config.json + safetensors)")->required();
+  app->add_option("--model", flags->model, "the model: a Hugging Face folder (config.json + safetensors) or a GGUF file (the first part of a split one, or a folder of one model's GGUF files)")->required();
   app->add_option("--prompt-ids", flags->prompt_ids, "prompt as comma-separated token ids, e.g. 1,2,3")->required();
   app->add_option("--max-new-tokens", flags->max_new_tokens,
                   "tokens to generate (prompt plus these must fit the model's context)")

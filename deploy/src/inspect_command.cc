@@ -89,6 +89,24 @@ std::vector<LayerGroup> GroupLayers(const runtime::Placement& placement, int num
 
 std::string MiB(double bytes) { return absl::StrFormat("%.1f MiB", bytes / (1 << 20)); }
 
+// A GGUF file's storage by role: "routed expert Q4_K 812.0 MiB + Q6_K 96.0 MiB; attention ...".
+std::string GgufTypeSummary(const runtime::WeightSource& source) {
+  std::map<std::string, std::map<std::string, int64_t>> by_role;
+  for (const std::string& name : source.Names()) {
+    auto view = source.GetStored(name);
+    if (!view.ok()) continue;
+    const runtime::TensorKind kind = runtime::ClassifyTensor(name);
+    by_role[std::string(runtime::TensorRoleName(kind.role))][view->format.Name()] += view->bytes();
+  }
+  std::vector<std::string> roles;
+  for (const auto& [role, types] : by_role) {
+    std::vector<std::string> parts;
+    for (const auto& [type, bytes] : types) parts.push_back(absl::StrCat(type, " ", MiB(static_cast<double>(bytes))));
+    roles.push_back(absl::StrCat(role, " ", absl::StrJoin(parts, " + ")));
+  }
+  return absl::StrJoin(roles, "; ");
+}
+
 nlohmann::ordered_json DeviceJson(const runtime::DevicePlan& d) {
   nlohmann::ordered_json j;
   j["device"] = d.device;
@@ -133,12 +151,17 @@ int RunInspect(const InspectFlags& f) {
   // The checkpoint's headers where the weights are there; else the tensors config.json implies.
   std::vector<runtime::TensorInfo> tensors;
   std::string source_note;
-  auto source = runtime::OpenSafetensors(f.model);
-  if (source.ok()) {
-    auto listed = runtime::CheckpointTensors(**source);
+  const bool gguf = runtime::IsGgufCheckpoint(f.model);
+  absl::StatusOr<std::unique_ptr<runtime::Checkpoint>> checkpoint =
+      gguf ? runtime::OpenCheckpoint(f.model) : absl::StatusOr<std::unique_ptr<runtime::Checkpoint>>(nullptr);
+  if (!checkpoint.ok()) return FailCommand(command, checkpoint.status(), 1);
+  auto source = gguf ? absl::StatusOr<std::unique_ptr<runtime::WeightSource>>(nullptr) : runtime::OpenSafetensors(f.model);
+  if (gguf || source.ok()) {
+    auto listed = runtime::CheckpointTensors(gguf ? (*checkpoint)->source() : **source);
     if (!listed.ok()) return FailCommand(command, listed.status(), 1);
     tensors = std::move(*listed);
     source_note = absl::StrCat(tensors.size(), " tensors, from the checkpoint's headers");
+    if (gguf) absl::StrAppend(&source_note, " (GGUF: ", GgufTypeSummary((*checkpoint)->source()), ")");
   } else if (source.status().code() == absl::StatusCode::kNotFound) {
     tensors = runtime::ExpectedTensors(*spec);
     source_note =
@@ -285,7 +308,7 @@ void AddInspectCommand(CLI::App& root, CommandRun* selected) {
       "second (or --read-gbps). --gpu-memory-gb plans for a GPU that is not there. A plan that does\n"
       "not fit exits 1 with the numbers and the context or sequence count that would fit.",
       [f] { return RunInspect(*f); }, selected);
-  app->add_option("--model", f->model, "Hugging Face model directory (config.json; the weights are optional)")
+  app->add_option("--model", f->model, "the model: a Hugging Face folder (config.json; the weights are optional) or a GGUF file (its header is read, not its data)")
       ->required();
   f->experts.Add(app);
   app->add_option("--ctx", f->ctx, "tokens a sequence may hold (default: the model's max_position_embeddings)")

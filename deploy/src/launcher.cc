@@ -545,6 +545,7 @@ int Launcher::Run() {
   fo.tls = {c_.tls_cert, c_.tls_key, c_.tls_client_ca};
   fo.max_request_bytes = c_.max_request_bytes;
   fo.chat_template_file = c_.chat_template_file;
+  fo.tokenizer_dir = c_.tokenizer;
   fo.tool_call_parser = c_.tool_call_parser;
   fo.reasoning_parser = c_.reasoning_parser;
   fo.allowed_origins = c_.allowed_origins;

@@ -18,6 +18,7 @@
 #include "moe/core/status.h"
 #include "moe/runtime/model.h"
 #include "moe/runtime/routing_profile.h"
+#include "moe/scheduler/text_pipeline.h"
 #include "moe/text/tokenizer.h"
 
 namespace moe::deploy {
@@ -40,7 +41,11 @@ absl::StatusOr<std::vector<std::vector<int32_t>>> ReadPrompts(const ProfileFlags
                        core::ReadBoundedFile(path, kMaxPromptFileBytes, ids ? "--prompt-ids-file" : "--prompt-file"));
   std::unique_ptr<text::Tokenizer> tokenizer;
   if (!ids) {
-    MOE_ASSIGN_OR_RETURN(tokenizer, text::Tokenizer::FromModelDir(f.model));
+    MOE_ASSIGN_OR_RETURN(scheduler::ModelTokenizer loaded, scheduler::LoadModelTokenizer(f.model));
+    if (loaded.tokenizer == nullptr) {
+      return absl::NotFoundError(absl::StrCat(loaded.none_reason, " (", loaded.where, "); use --prompt-ids-file"));
+    }
+    tokenizer = std::move(loaded.tokenizer);
   }
   std::vector<std::vector<int32_t>> prompts;
   int line_number = 0;
@@ -148,7 +153,7 @@ void AddProfileExpertsCommand(CLI::App& root, CommandRun* selected) {
       "--gpu-experts-per-layer N --expert-profile FILE to hold each CPU layer's N most used experts\n"
       "on the GPU too. Use prompts like the ones you will serve.",
       [f] { return RunProfileExperts(*f); }, selected);
-  app->add_option("--model", f->model, "Hugging Face model directory")->required();
+  app->add_option("--model", f->model, "the model: a Hugging Face folder (config.json + safetensors) or a GGUF file (the first part of a split one, or a folder of one model's GGUF files)")->required();
   app->add_option("--prompt-file", f->prompt_file, "text prompts, one per line");
   app->add_option("--prompt-ids-file", f->prompt_ids_file, "token-id prompts, one per line, ids comma-separated");
   app->add_option("--out", f->out, "the routing profile to write (JSON)")->required();

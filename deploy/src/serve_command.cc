@@ -44,7 +44,7 @@ struct ServeFlags {
   bool no_request_log = false;
   std::string tls_cert, tls_key, tls_client_ca, api_key_file;
   std::vector<std::string> allowed_origins;
-  std::string served_model_name, chat_template_file, tool_call_parser, reasoning_parser;
+  std::string served_model_name, chat_template_file, tokenizer, tool_call_parser, reasoning_parser;
   bool api_key_protect_metrics = false;
   ExpertFlags experts;
   DeviceFlags device;
@@ -77,6 +77,7 @@ const std::map<std::string, std::string>& ClusterKeyOfFlag() {
       {"--api-key-protect-metrics", "server.api_key_protect_metrics"},
       {"--served-model-name", "server.served_model_name"},
       {"--chat-template-file", "server.chat_template_file"},
+      {"--tokenizer", "server.tokenizer"},
       {"--tool-call-parser", "server.tool_call_parser"},
       {"--reasoning-parser", "server.reasoning_parser"},
       {"--threads", "experts.cpu_pool.threads"},
@@ -265,6 +266,7 @@ int RunServe(const ServeFlags& flags) {
   options.model_dir = flags.model;
   options.served_model_name = flags.served_model_name;
   options.chat_template_file = flags.chat_template_file;
+  options.tokenizer_dir = flags.tokenizer;
   options.tool_call_parser = flags.tool_call_parser;
   options.reasoning_parser = flags.reasoning_parser;
   if (!flags.chat_template_file.empty() && ::access(flags.chat_template_file.c_str(), R_OK) != 0) {
@@ -338,7 +340,7 @@ void AddServeCommand(CLI::App& root, CommandRun* selected) {
       "requests, lets the running ones finish for up to --drain-seconds, then ends the rest with\n"
       "UNAVAILABLE \"server shutting down\". One JSON line per request goes to stderr.",
       [f] { return RunServe(*f); }, selected);
-  app->add_option("--model", f->model, "Hugging Face model directory (one process; or --config)");
+  app->add_option("--model", f->model, "the model (one process; or --config): a Hugging Face folder or a GGUF file (the first part of a split one, or a folder of one model's GGUF files)");
   app->add_option("--config", f->config,
                   "a cluster file (YAML): the model, the nodes and GPUs, the split, the experts' placement, the "
                   "scheduler and the server; this process starts and supervises its node's workers, and on node 0 "
@@ -398,7 +400,11 @@ void AddServeCommand(CLI::App& root, CommandRun* selected) {
   app->add_option("--served-model-name", f->served_model_name,
                   "the model's name in the OpenAI API (/v1/models, the 'model' field); default: --model's basename");
   app->add_option("--chat-template-file", f->chat_template_file,
-                  "Jinja chat template for /v1/chat/completions, in place of tokenizer_config.json's chat_template");
+                  "Jinja chat template for /v1/chat/completions, in place of the model's own (tokenizer_config.json's "
+                  "chat_template, or a GGUF file's tokenizer.chat_template)");
+  app->add_option("--tokenizer", f->tokenizer,
+                  "a folder with the model's tokenizer.json (and tokenizer_config.json) to use in place of the "
+                  "model's own: for a GGUF file whose vocabulary moeserve cannot read, or that carries none");
   app->add_option("--tool-call-parser", f->tool_call_parser,
                   "how tool calls are read from chat output (e.g. hermes); default: the model type's; 'none' "
                   "leaves them in the content");

@@ -8,6 +8,7 @@
 #include "commands.h"
 #include "flags.h"
 #include "moe/core/file.h"
+#include "moe/scheduler/text_pipeline.h"
 #include "moe/text/tokenizer.h"
 #include "nlohmann/json.hpp"
 
@@ -36,8 +37,12 @@ int RunTokenize(const TokenizeFlags& flags, bool have_text) {
     }
     text = *std::move(content);
   }
-  auto tokenizer = text::Tokenizer::FromModelDir(flags.model);
-  if (!tokenizer.ok()) return FailCommand("tokenize", tokenizer.status(), 1);
+  auto loaded = scheduler::LoadModelTokenizer(flags.model);
+  if (!loaded.ok()) return FailCommand("tokenize", loaded.status(), 1);
+  if (loaded->tokenizer == nullptr) {
+    return FailCommand("tokenize", absl::NotFoundError(absl::StrCat(loaded->none_reason, " (", loaded->where, ")")), 1);
+  }
+  const std::unique_ptr<text::Tokenizer>* tokenizer = &loaded->tokenizer;
   const std::vector<int32_t> ids = (*tokenizer)->Encode(text, /*add_special_tokens=*/!flags.no_special);
   if (flags.json) {
     nlohmann::ordered_json j = {{"ids", ids}, {"decoded", (*tokenizer)->Decode(ids, /*skip_special_tokens=*/false)}};
@@ -59,7 +64,7 @@ void AddTokenizeCommand(CLI::App& root, CommandRun* selected) {
       "the ids space-separated, or with --json {\"ids\": [...], \"decoded\": \"...\"} (decoded with\n"
       "the special tokens kept). Invalid UTF-8 in the text is replaced by U+FFFD first.",
       [flags, have_text] { return RunTokenize(*flags, (*have_text)->count() > 0); }, selected);
-  app->add_option("--model", flags->model, "Hugging Face model directory (with tokenizer.json)")->required();
+  app->add_option("--model", flags->model, "the model: a Hugging Face folder with tokenizer.json, or a GGUF file with its vocabulary")->required();
   CLI::Option* text = app->add_option("--text", flags->text, "the text to encode");
   CLI::Option* file = app->add_option("--text-file", flags->text_file, "a file whose whole content is the text");
   text->excludes(file);

@@ -543,6 +543,7 @@ absl::Status Frontend::Serve(std::unique_ptr<runtime::Executor> executor) {
   text_options.model_dir = options.model_dir;
   text_options.model_type = executor->model_info().architecture;
   text_options.chat_template_file = options.chat_template_file;
+  text_options.tokenizer_dir = options.tokenizer_dir;
   text_options.tool_call_parser = options.tool_call_parser;
   text_options.reasoning_parser = options.reasoning_parser;
   auto text = TextModel::Load(text_options);

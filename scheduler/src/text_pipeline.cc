@@ -5,6 +5,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "moe/core/status.h"
+#include "moe/runtime/checkpoint.h"
 #include "moe/text/chat_template.h"
 #include "moe/text/incremental_detokenizer.h"
 #include "moe/text/reasoning_parser.h"
@@ -91,6 +93,49 @@ struct TextModel::Impl {
 TextModel::TextModel(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 TextModel::~TextModel() = default;
 
+absl::StatusOr<ModelTokenizer> LoadModelTokenizer(const std::string& model, const std::string& tokenizer_dir) {
+  ModelTokenizer out;
+  const bool gguf = runtime::IsGgufCheckpoint(model);
+  std::optional<runtime::TokenizerSource> embedded;
+  if (gguf) {
+    MOE_ASSIGN_OR_RETURN(auto checkpoint, runtime::OpenCheckpoint(model));
+    embedded = checkpoint->tokenizer();
+    out.config.chat_template = embedded->chat_template;
+    const auto token = [&](std::optional<int32_t> id) { return id ? embedded->tokens[*id] : std::string(); };
+    if (embedded->embedded()) {
+      out.config.bos_token = token(embedded->bos_id);
+      out.config.eos_token = token(embedded->eos_id);
+    }
+  }
+  const std::string dir = !tokenizer_dir.empty() ? tokenizer_dir : gguf ? "" : model;
+  if (!dir.empty()) {
+    out.where = absl::StrCat("in ", dir);
+    auto tokenizer = text::Tokenizer::FromModelDir(dir);
+    if (tokenizer.ok()) {
+      out.tokenizer = std::move(*tokenizer);
+    } else if (tokenizer.status().code() == absl::StatusCode::kNotFound && tokenizer_dir.empty()) {
+      out.none_reason = "this model has no tokenizer.json";
+    } else {
+      return tokenizer_dir.empty() ? tokenizer.status() : core::Annotate(tokenizer.status(), "--tokenizer");
+    }
+    if (auto config = text::LoadTokenizerConfig(dir); config.ok()) {
+      // --tokenizer's own template where it has one; a GGUF file's otherwise.
+      if (config->chat_template.empty()) config->chat_template = out.config.chat_template;
+      out.config = *config;
+    }
+    return out;
+  }
+  out.where = absl::StrCat("in ", model);
+  if (!embedded->embedded()) {
+    out.none_reason = "this GGUF model carries no vocabulary (tokenizer.ggml.*)";
+    return out;
+  }
+  auto json = runtime::EmbeddedTokenizerJson(*embedded);
+  if (!json.ok()) return core::Annotate(json.status(), model);
+  MOE_ASSIGN_OR_RETURN(out.tokenizer, text::Tokenizer::FromJson(*json, absl::StrCat(model, " (tokenizer.ggml.*)")));
+  return out;
+}
+
 absl::StatusOr<std::unique_ptr<TextModel>> TextModel::Load(const TextModelOptions& options) {
   auto impl = std::make_unique<Impl>();
   if (options.model_dir.empty()) {
@@ -98,17 +143,15 @@ absl::StatusOr<std::unique_ptr<TextModel>> TextModel::Load(const TextModelOption
     impl->chat_status = absl::InvalidArgumentError(impl->no_tokenizer_reason);
     return std::unique_ptr<TextModel>(new TextModel(std::move(impl)));
   }
-  auto tokenizer = text::Tokenizer::FromModelDir(options.model_dir);
-  if (tokenizer.ok()) {
-    impl->tokenizer = std::move(*tokenizer);
-  } else if (tokenizer.status().code() == absl::StatusCode::kNotFound) {
-    // Clients read this: the model's folder is the operator's to know (Describe() names it).
-    impl->no_tokenizer_reason = "this model has no tokenizer.json";
-    impl->operator_detail = absl::StrCat(" (in ", options.model_dir, ")");
-  } else {
-    return tokenizer.status();  // a broken tokenizer is the operator's to fix before serving
+  // A broken tokenizer is the operator's to fix before serving.
+  MOE_ASSIGN_OR_RETURN(ModelTokenizer loaded, LoadModelTokenizer(options.model_dir, options.tokenizer_dir));
+  impl->tokenizer = std::move(loaded.tokenizer);
+  if (impl->tokenizer == nullptr) {
+    // Clients read the reason; the model's path is the operator's to know (Describe() names it).
+    impl->no_tokenizer_reason = loaded.none_reason;
+    impl->operator_detail = absl::StrCat(" (", loaded.where, ")");
   }
-  if (auto config = text::LoadTokenizerConfig(options.model_dir); config.ok()) impl->config = *config;
+  impl->config = std::move(loaded.config);
 
   std::string source = impl->config.chat_template;
   if (!options.chat_template_file.empty()) {
@@ -118,7 +161,8 @@ absl::StatusOr<std::unique_ptr<TextModel>> TextModel::Load(const TextModelOption
   }
   if (source.empty()) {
     impl->chat_status = absl::InvalidArgumentError(
-        "this model has no chat template (tokenizer_config.json has no chat_template); start the server with "
+        "this model has no chat template (no chat_template in tokenizer_config.json or the GGUF file); start the "
+        "server with "
         "--chat-template-file FILE, or use /v1/completions");
   } else if (auto compiled = text::ChatTemplate::Compile(source); compiled.ok()) {
     impl->chat_template = std::move(*compiled);

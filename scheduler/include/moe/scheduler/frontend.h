@@ -40,7 +40,8 @@ struct FrontendOptions {
   // empty model_dir: token ids only.
   std::string model_dir;
   std::string served_model_name;   // the model's id in the OpenAI API; "": model_dir's basename
-  std::string chat_template_file;  // replaces tokenizer_config.json's chat_template
+  std::string chat_template_file;  // replaces the model's chat template
+  std::string tokenizer_dir;       // replaces the model's tokenizer (--tokenizer)
   std::string tool_call_parser;    // "": the model type's default; "none": tool calls stay content
   std::string reasoning_parser;    // same
 };

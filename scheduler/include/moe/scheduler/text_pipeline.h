@@ -20,6 +20,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "moe/text/chat_template.h"
+#include "moe/text/tokenizer.h"
 #include "nlohmann/json.hpp"
 
 namespace moe::scheduler {
@@ -28,8 +30,23 @@ namespace moe::scheduler {
 inline constexpr size_t kMaxStopStrings = 16;
 inline constexpr size_t kMaxStopStringBytes = 1024;
 
+// A model's tokenizer and its tokenizer_config (bos/eos tokens, chat template), wherever they come
+// from: a Hugging Face folder's tokenizer.json and tokenizer_config.json, a GGUF file's embedded
+// vocabulary and tokenizer.chat_template, or `tokenizer_dir` when given (--tokenizer DIR: its
+// tokenizer.json, and its chat template where it has one, else the model's).
+struct ModelTokenizer {
+  std::unique_ptr<text::Tokenizer> tokenizer;  // null when the model carries none
+  std::string none_reason;                     // why tokenizer is null, for clients
+  std::string where;                           // where it was looked for, for the operator's log
+  text::TokenizerConfig config;
+};
+// kInvalidArgument for a tokenizer that exists but does not load (a broken tokenizer.json, a GGUF
+// vocabulary of a pre-tokenizer moeserve does not know: the message says to give --tokenizer).
+absl::StatusOr<ModelTokenizer> LoadModelTokenizer(const std::string& model, const std::string& tokenizer_dir = "");
+
 struct TextModelOptions {
-  std::string model_dir;    // tokenizer.json and tokenizer_config.json are read from here
+  std::string model_dir;      // the model: a Hugging Face folder or a GGUF file
+  std::string tokenizer_dir;  // --tokenizer: a folder whose tokenizer.json replaces the model's
   std::string model_type;   // config.json's model_type: picks the default parsers
   // A Jinja chat template file that replaces tokenizer_config.json's chat_template; "": that one.
   std::string chat_template_file;
