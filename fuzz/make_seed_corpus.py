@@ -157,8 +157,89 @@ def request_seeds():
     write(t, "not_a_request.bin", b"\xff\xff\xff\xff\x0f")
 
 
+def gguf(kv, tensors, version=3, alignment=32):
+    """A GGUF file: kv is [(key, type, packed value bytes)], tensors [(name, ne, ggml type, bytes)]."""
+    out = b"GGUF" + struct.pack("<IQQ", version, len(tensors), len(kv))
+    for key, t, value in kv:
+        out += struct.pack("<Q", len(key)) + key.encode() + struct.pack("<I", t) + value
+    offset, infos, blob = 0, b"", b""
+    for name, ne, t, data in tensors:
+        infos += struct.pack("<Q", len(name)) + name.encode() + struct.pack("<I", len(ne))
+        infos += b"".join(struct.pack("<Q", d) for d in ne) + struct.pack("<IQ", t, offset)
+        pad = (-len(data)) % alignment
+        blob += data + b"\0" * pad
+        offset += len(data) + pad
+    out += infos
+    out += b"\0" * ((-len(out)) % alignment)
+    return out + blob
+
+
+def gguf_seeds():
+    def s(v):
+        return struct.pack("<Q", len(v.encode())) + v.encode()
+
+    def u32(v):
+        return struct.pack("<I", v)
+
+    def f32(v):
+        return struct.pack("<f", v)
+
+    def strings(values):
+        return u32(8) + struct.pack("<Q", len(values)) + b"".join(s(v) for v in values)
+
+    def i32s(values):
+        return u32(5) + struct.pack("<Q", len(values)) + b"".join(struct.pack("<i", v) for v in values)
+
+    a = "qwen3moe"
+    h, ff, experts, vocab, heads, kv_heads, hd = 8, 8, 2, 6, 2, 1, 4
+    kv = [("general.architecture", 8, s(a)), (a + ".block_count", 4, u32(1)), (a + ".context_length", 4, u32(64)),
+          (a + ".embedding_length", 4, u32(h)), (a + ".feed_forward_length", 4, u32(ff)),
+          (a + ".attention.head_count", 4, u32(heads)), (a + ".attention.head_count_kv", 4, u32(kv_heads)),
+          (a + ".attention.key_length", 4, u32(hd)), (a + ".rope.freq_base", 6, f32(10000.0)),
+          (a + ".rope.dimension_count", 4, u32(hd)), (a + ".attention.layer_norm_rms_epsilon", 6, f32(1e-6)),
+          (a + ".expert_count", 4, u32(experts)), (a + ".expert_used_count", 4, u32(1)),
+          (a + ".expert_feed_forward_length", 4, u32(ff)),
+          ("tokenizer.ggml.model", 8, s("gpt2")), ("tokenizer.ggml.pre", 8, s("qwen2")),
+          ("tokenizer.ggml.tokens", 9, strings(["a", "b", "ab", "\u0120", "<|im_end|>", "c"])),
+          ("tokenizer.ggml.token_type", 9, i32s([1, 1, 1, 1, 3, 1])),
+          ("tokenizer.ggml.merges", 9, strings(["a b"])), ("tokenizer.ggml.eos_token_id", 4, u32(4)),
+          ("tokenizer.chat_template", 8, s("{{ messages }}"))]
+
+    def f32s(*ne):
+        n = 1
+        for d in ne:
+            n *= d
+        return ("", list(ne), 0, b"".join(f32(0.01 * (i % 7)) for i in range(n)))
+
+    def t(name, *ne):
+        x = f32s(*ne)
+        return (name, x[1], x[2], x[3])
+
+    tensors = [t("token_embd.weight", h, vocab), t("output_norm.weight", h), t("output.weight", h, vocab),
+               t("blk.0.attn_norm.weight", h), t("blk.0.ffn_norm.weight", h),
+               t("blk.0.attn_q.weight", h, heads * hd), t("blk.0.attn_k.weight", h, kv_heads * hd),
+               t("blk.0.attn_v.weight", h, kv_heads * hd), t("blk.0.attn_output.weight", heads * hd, h),
+               t("blk.0.attn_q_norm.weight", hd), t("blk.0.attn_k_norm.weight", hd),
+               t("blk.0.ffn_gate_inp.weight", h, experts), t("blk.0.ffn_gate_exps.weight", h, ff, experts),
+               t("blk.0.ffn_up_exps.weight", h, ff, experts), t("blk.0.ffn_down_exps.weight", ff, h, experts)]
+    write("gguf_header", "qwen3moe-tiny.gguf", gguf(kv, tensors))
+    write("gguf_header", "metadata-only.gguf", gguf(kv, []))
+    # A Q8_0 tensor (34 bytes per 32 values) and an alignment of 64.
+    q8 = [("q.weight", [32, 2], 8, bytes(range(68)))]
+    write("gguf_header", "q8_0-aligned64.gguf",
+          gguf(kv + [("general.alignment", 4, u32(64))], tensors[:3] + q8, alignment=64))
+    # Broken: a cut file, a misaligned offset, a string beyond the file, an unknown value type.
+    whole = gguf(kv, tensors)
+    write("gguf_header", "truncated.gguf", whole[: len(whole) // 2])
+    write("gguf_header", "long-string.gguf", b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1 << 60))
+    write("gguf_header", "bad-value-type.gguf", gguf([("k", 13, b"")], []))
+    write("gguf_header", "nested-arrays.gguf",
+          gguf([("k", 9, u32(9) + struct.pack("<Q", 1) + u32(0) + struct.pack("<Q", 2) + b"\x01\x02")], []))
+
+
 if __name__ == "__main__":
     model_configs()
     safetensors_seeds()
     index_seeds()
     request_seeds()
+    gguf_seeds()
