@@ -10,7 +10,14 @@
 #include <map>
 #include <tuple>
 
+#include <grpcpp/grpcpp.h>
+#include <httplib.h>
+
+#include <csignal>
+#include <regex>
+
 #include "gtest/gtest.h"
+#include "moeserve/v1/generation.grpc.pb.h"
 #include "moe/runtime/checkpoint.h"
 #include "moe/runtime/gguf_writer.h"
 #include "moe/runtime/model.h"
@@ -20,6 +27,7 @@
 namespace moe {
 namespace {
 
+namespace pb = ::moeserve::v1;
 using runtime::Architecture;
 using runtime::Checkpoint;
 using runtime::Container;
@@ -389,6 +397,63 @@ TEST(GgufRefusalTest, MissingTensorWrongShapeUnknownTypeArchitectureAndPreTokeni
   auto with_dir = scheduler::LoadModelTokenizer(tok / "m.gguf", testing::FixtureDir("qwen3_moe"));
   ASSERT_TRUE(with_dir.ok()) << with_dir.status();
   EXPECT_NE(with_dir->tokenizer, nullptr);
+}
+
+// `moeserve serve --model FILE.gguf`: the OpenAI API's chat (the file's chat template and
+// vocabulary) and gRPC's text prompt answer as the same model served from its safetensors folder.
+TEST(GgufServeTest, ServesOpenAiChatAndGrpcTextWithTheFilesTokenizerAndTemplate) {
+  testing::ScratchDir dir;
+  const std::string path = dir / "qwen3_moe-BF16.gguf";
+  WriteFixtureGguf("qwen3_moe", path);
+  struct Answer {
+    std::string chat, grpc_text;
+    std::vector<int32_t> grpc_tokens;
+  };
+  const auto ask = [](const std::string& model, const std::string& name) {
+    Answer a;
+    testing::ServeProcess serve({"--model", model, "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0", "--threads",
+                                 "2", "--max-seqs", "2", "--kv-cache-mb", "16"});
+    EXPECT_NE(serve.port(), 0) << serve.err();
+    if (serve.port() == 0) return a;
+    std::smatch m;
+    const std::string log = serve.err();
+    EXPECT_TRUE(std::regex_search(log, m, std::regex("HTTP on port ([0-9]+)"))) << log;
+    httplib::Client http("127.0.0.1", std::stoi(m[1]));
+    const nlohmann::json body = {{"model", name},
+                                 {"messages", {{{"role", "user"}, {"content", "Hello world"}}}},
+                                 {"max_tokens", 8},
+                                 {"temperature", 0}};
+    auto r = http.Post("/v1/chat/completions", body.dump(), "application/json");
+    EXPECT_TRUE(r) << serve.err();
+    if (r) {
+      EXPECT_EQ(r->status, 200) << r->body;
+      a.chat = nlohmann::json::parse(r->body)["choices"][0]["message"]["content"];
+    }
+    auto stub = pb::Generation::NewStub(
+        grpc::CreateChannel("127.0.0.1:" + std::to_string(serve.port()), grpc::InsecureChannelCredentials()));
+    pb::GenerateRequest request;
+    request.set_text("def f(x):");
+    request.mutable_stopping()->set_max_new_tokens(8);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    auto reader = stub->Generate(&ctx, request);
+    pb::GenerateResponse msg;
+    while (reader->Read(&msg)) {
+      a.grpc_tokens.insert(a.grpc_tokens.end(), msg.token_ids().begin(), msg.token_ids().end());
+      a.grpc_text += msg.text();
+    }
+    const grpc::Status status = reader->Finish();
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    EXPECT_EQ(serve.Stop(SIGTERM), 0);
+    return a;
+  };
+  // A GGUF file is served under its name without the extension.
+  const Answer from_gguf = ask(path, "qwen3_moe-BF16"), from_hf = ask(testing::FixtureDir("qwen3_moe"), "qwen3_moe");
+  EXPECT_FALSE(from_gguf.chat.empty());
+  EXPECT_EQ(from_gguf.chat, from_hf.chat);
+  EXPECT_EQ(from_gguf.grpc_tokens.size(), 8u);
+  EXPECT_EQ(from_gguf.grpc_tokens, from_hf.grpc_tokens);
+  EXPECT_EQ(from_gguf.grpc_text, from_hf.grpc_text);
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <iostream>
+#include <regex>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
@@ -487,6 +488,12 @@ std::string ModelId(const FrontendOptions& options) {
   while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
   const size_t slash = dir.rfind('/');
   std::string base = slash == std::string::npos ? dir : dir.substr(slash + 1);
+  // A GGUF file by its name without the extension (and a split set's part suffix).
+  if (base.size() > 5 && base.ends_with(".gguf")) {
+    base.resize(base.size() - 5);
+    static const std::regex kPart(R"(-\d{5}-of-\d{5}$)");
+    base = std::regex_replace(base, kPart, "");
+  }
   return base.empty() ? "default" : base;
 }
 
