@@ -202,12 +202,15 @@ TEST_F(CheckpointTest, TheIdFollowsTheFilesContents) {
 TEST_F(CheckpointTest, RefusesWhatItCannotReadSayingWhat) {
   const fs::path gguf = dir_ / "model-Q4_K_M.gguf";
   std::ofstream(gguf) << "GGUF";
+  // A GGUF file cut after its magic is read as GGUF and refused as truncated, by file and offset;
+  // a folder of it likewise.
   auto file = OpenCheckpoint(gguf.string());
-  EXPECT_EQ(file.status().code(), absl::StatusCode::kUnimplemented);
-  EXPECT_THAT(file.status().message(), HasSubstr("GGUF checkpoints are not read yet"));
+  EXPECT_EQ(file.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(file.status().message(), HasSubstr("model-Q4_K_M.gguf: at offset 4: the version"));
+  EXPECT_THAT(file.status().message(), HasSubstr("truncated"));
   auto folder = OpenCheckpoint(dir_.string());
-  EXPECT_EQ(folder.status().code(), absl::StatusCode::kUnimplemented);
-  EXPECT_THAT(folder.status().message(), HasSubstr("holds model-Q4_K_M.gguf"));
+  EXPECT_EQ(folder.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(folder.status().message(), HasSubstr("model-Q4_K_M.gguf: at offset 4"));
   const fs::path text = dir_ / "notes.txt";
   std::ofstream(text) << "x";
   EXPECT_EQ(OpenCheckpoint(text.string()).status().code(), absl::StatusCode::kInvalidArgument);
