@@ -132,6 +132,94 @@ absl::StatusOr<ServingBenchResult> RunServingBench(const ServingBenchOptions& o)
   return result;
 }
 
+absl::StatusOr<std::vector<MultiTurnRow>> RunMultiTurnBench(const ServingBenchOptions& o, int turns, int turn_len) {
+  if (o.concurrency <= 0 || turns <= 0 || turn_len <= 0 || o.prompt_len <= 0 || o.output_len <= 0) {
+    return absl::InvalidArgumentError("concurrency, turns and lengths must be positive");
+  }
+  auto channel = grpc::CreateChannel(o.target, grpc::InsecureChannelCredentials());
+  if (!channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(3))) {
+    return absl::UnavailableError(absl::StrCat("no server answers at ", o.target));
+  }
+  auto stub = moeserve::v1::Generation::NewStub(channel);
+  std::mt19937 system_rng(7);
+  std::vector<int32_t> system(o.prompt_len);
+  for (int32_t& t : system) t = static_cast<int32_t>(system_rng() % o.vocab);
+  std::vector<std::vector<double>> ttft(turns), cached(turns);
+  std::vector<int> history(turns, 0);
+  absl::Mutex mu;
+  std::string first_error;
+  std::vector<std::thread> clients;
+  for (int c = 0; c < o.concurrency; ++c) {
+    clients.emplace_back([&, c] {
+      std::mt19937 rng(2000 + c);
+      std::vector<int32_t> conversation = system;
+      for (int turn = 0; turn < turns; ++turn) {
+        for (int t = 0; t < turn_len; ++t) conversation.push_back(static_cast<int32_t>(rng() % o.vocab));
+        moeserve::v1::GenerateRequest request;
+        request.mutable_token_ids()->Add(conversation.begin(), conversation.end());
+        request.mutable_stopping()->set_max_new_tokens(o.output_len);
+        request.mutable_stopping()->set_ignore_eos(true);
+        grpc::ClientContext ctx;
+        const auto t0 = Clock::now();
+        auto reader = stub->Generate(&ctx, request);
+        moeserve::v1::GenerateResponse msg;
+        std::optional<Clock::time_point> first;
+        int cached_tokens = 0;
+        const size_t prompt = conversation.size();
+        while (reader->Read(&msg)) {
+          if (msg.token_ids_size() > 0 && !first) first = Clock::now();
+          conversation.insert(conversation.end(), msg.token_ids().begin(), msg.token_ids().end());
+          if (msg.has_usage()) cached_tokens = msg.usage().cached_tokens();
+        }
+        const grpc::Status status = reader->Finish();
+        absl::MutexLock lock(&mu);
+        if (!status.ok() || !first) {
+          if (first_error.empty()) first_error = status.error_message();
+          return;
+        }
+        ttft[turn].push_back(Ms(*first - t0));
+        cached[turn].push_back(cached_tokens);
+        history[turn] = static_cast<int>(prompt);
+      }
+    });
+  }
+  for (auto& t : clients) t.join();
+  if (!first_error.empty()) return absl::UnavailableError(absl::StrCat("a conversation failed: ", first_error));
+  std::vector<MultiTurnRow> rows;
+  for (int turn = 0; turn < turns; ++turn) {
+    MultiTurnRow row;
+    row.turn = turn + 1;
+    row.history_tokens = history[turn];
+    row.ttft_ms = Summarize(ttft[turn]).mean;
+    row.cached_tokens = Summarize(cached[turn]).mean;
+    rows.push_back(row);
+  }
+  return rows;
+}
+
+void PrintMultiTurn(const std::vector<MultiTurnRow>& on, const std::vector<MultiTurnRow>* off, bool json,
+                    std::ostream& out) {
+  nlohmann::ordered_json rows = nlohmann::ordered_json::array();
+  for (size_t i = 0; i < on.size(); ++i) {
+    const MultiTurnRow& r = on[i];
+    nlohmann::ordered_json row = {{"turn", r.turn},
+                                  {"prompt_tokens", r.history_tokens},
+                                  {"cached_tokens", r.cached_tokens},
+                                  {"ttft_ms", r.ttft_ms}};
+    std::string line = absl::StrFormat("turn %2d: prompt %6d tokens, %8.1f cached | TTFT %9.2f ms", r.turn,
+                                       r.history_tokens, r.cached_tokens, r.ttft_ms);
+    if (off != nullptr && i < off->size()) {
+      const double ratio = r.ttft_ms > 0 ? (*off)[i].ttft_ms / r.ttft_ms : 0;
+      row["ttft_ms_cache_off"] = (*off)[i].ttft_ms;
+      row["cache_off_over_on"] = ratio;
+      absl::StrAppend(&line, absl::StrFormat(" | cache off %9.2f ms | %5.2fx", (*off)[i].ttft_ms, ratio));
+    }
+    rows.push_back(std::move(row));
+    if (!json) out << line << "\n";
+  }
+  if (json) out << rows.dump() << std::endl;
+}
+
 absl::Status RunServingSweep(ServingBenchOptions o, const std::vector<int>& concurrency, int requests, bool json,
                              std::ostream& out) {
   nlohmann::ordered_json rows = nlohmann::ordered_json::array();

@@ -40,6 +40,23 @@ absl::StatusOr<ServingBenchResult> RunServingBench(const ServingBenchOptions& op
 // requests (0: 4 per stream, at least 8), the rest as `options` says. Prints a line per run on
 // `out` as it goes, or with `json` one JSON array of rows once every run is done. Errors:
 // RunServingBench's (the lines of the runs before stay printed).
+// Multi-turn chat, as coding agents and chat clients drive a server: `concurrency` conversations
+// share one system prompt (prompt_len tokens: the system prompt and tools); each turn adds
+// turn_len user tokens, asks for output_len tokens and keeps them, so the history grows every turn.
+// Per turn: the mean time to first token and the prompt tokens the server found cached.
+struct MultiTurnRow {
+  int turn = 0;
+  int history_tokens = 0;  // the prompt of this turn
+  double ttft_ms = 0;      // mean over the conversations
+  double cached_tokens = 0;
+};
+absl::StatusOr<std::vector<MultiTurnRow>> RunMultiTurnBench(const ServingBenchOptions& options, int turns,
+                                                            int turn_len);
+// Prints the rows of one server or, given both, of a server with the prefix cache on and one with it
+// off side by side, with the ratio of their TTFTs.
+void PrintMultiTurn(const std::vector<MultiTurnRow>& on, const std::vector<MultiTurnRow>* off, bool json,
+                    std::ostream& out);
+
 absl::Status RunServingSweep(ServingBenchOptions options, const std::vector<int>& concurrency, int requests, bool json,
                              std::ostream& out);
 

@@ -60,6 +60,7 @@ std::string Deployment(const std::string& parallel, const std::string& shm) {
 struct Stream {
   std::vector<int32_t> tokens;
   grpc::Status status;
+  int cached_tokens = 0;  // the final message's usage
 };
 
 Stream Generate(pb::Generation::Stub& stub, const std::vector<int32_t>& prompt, int n,
@@ -76,6 +77,7 @@ Stream Generate(pb::Generation::Stub& stub, const std::vector<int32_t>& prompt, 
   pb::GenerateResponse msg;
   while (reader->Read(&msg)) {
     s.tokens.insert(s.tokens.end(), msg.token_ids().begin(), msg.token_ids().end());
+    if (msg.has_usage()) s.cached_tokens = msg.usage().cached_tokens();
     if (on_token) on_token(static_cast<int>(s.tokens.size()));
   }
   s.status = reader->Finish();
@@ -88,7 +90,8 @@ std::unique_ptr<pb::Generation::Stub> Connect(int port) {
 }
 
 // A tensor split of 2 and a layer split of 2 serve the goldens' greedy continuations, as one
-// process does, and stop cleanly on SIGTERM.
+// process does, the second time from the frontend's prefix cache (the workers follow its block
+// tables), and stop cleanly on SIGTERM.
 TEST(ClusterTest, TensorAndLayerSplitsServeTheGoldensGreedyTokens) {
   const nlohmann::json golden = testing::LoadGolden("qwen3_moe");
   for (const std::string parallel : {"{mode: tensor, size: 2}", "{mode: layer, stages: 2}"}) {
@@ -103,6 +106,14 @@ TEST(ClusterTest, TensorAndLayerSplitsServeTheGoldensGreedyTokens) {
           Generate(*stub, golden["cases"][c]["prompt_ids"].get<std::vector<int32_t>>(), static_cast<int>(want.size()));
       ASSERT_TRUE(s.status.ok()) << parallel << ": " << s.status.error_message() << "\n" << serve.err();
       EXPECT_EQ(s.tokens, want) << parallel << " case " << c;
+    }
+    for (size_t c = 0; c < golden["cases"].size(); ++c) {
+      const std::vector<int32_t> want = golden["cases"][c]["greedy_ids"];
+      const std::vector<int32_t> prompt = golden["cases"][c]["prompt_ids"];
+      const Stream s = Generate(*stub, prompt, static_cast<int>(want.size()));
+      ASSERT_TRUE(s.status.ok()) << parallel << ": " << s.status.error_message() << "\n" << serve.err();
+      EXPECT_EQ(s.tokens, want) << parallel << " case " << c << ", again";
+      EXPECT_EQ(s.cached_tokens, (static_cast<int>(prompt.size()) - 1) / 16 * 16) << parallel << " case " << c;
     }
     EXPECT_EQ(serve.Stop(SIGTERM), 0) << serve.err();
     // A named arena outlives its deployment (a restarted launcher attaches to it): this test's goes.
@@ -163,6 +174,7 @@ TEST(ClusterTest, AKilledWorkerFailsTheStreamsAtOnceAndTheGroupHeals) {
   const Stream after = Generate(*stub, prompt, static_cast<int>(want.size()), std::chrono::seconds(120));
   ASSERT_TRUE(after.status.ok()) << after.status.error_message() << "\n" << serve.err();
   EXPECT_EQ(after.tokens, want);
+  EXPECT_EQ(after.cached_tokens, 0) << "the restarted workers hold none of the blocks cached before";
   const std::string err = serve.err();
   EXPECT_THAT(err, HasSubstr("worker 1 killed by signal 9"));
   EXPECT_THAT(err, HasSubstr("group restarted (generation 2); 2 of 2 workers attached the shared expert arena"));

@@ -350,6 +350,113 @@ TEST_F(OpenAiApiTest, TextCompletionChatToolsAndStopStrings) {
   EXPECT_EQ(Post("/v1/chat/completions", kwargs).status, 200);
 }
 
+// response_format with a schema and json_object, tool_choice "required" and a named function,
+// whole and streamed, sampled at temperature 1: the content parses and follows the schema, the tool
+// calls name the tools with arguments that follow theirs; a second turn reports its cached prompt.
+TEST_F(OpenAiApiTest, StructuredOutputsEnforcedToolCallsAndCachedTokens) {
+  StartServer();
+  if (!ServesText()) GTEST_SKIP() << "this build has no tokenizer library (moe::text)";
+  const json schema = {{"type", "object"},
+                       {"properties",
+                        {{"city", {{"type", "string"}, {"maxLength", 6}}},
+                         {"days", {{"type", "integer"}}},
+                         {"unit", {{"enum", {"c", "f"}}}}}},
+                       {"required", {"city", "unit"}}};
+  for (int seed = 0; seed < 3; ++seed) {
+    const json request = {{"messages", {{{"role", "user"}, {"content", "weather?"}}}},
+                          {"temperature", 1.0},
+                          {"seed", seed},
+                          {"max_tokens", 300},
+                          {"response_format",
+                           {{"type", "json_schema"}, {"json_schema", {{"name", "w"}, {"strict", true}, {"schema", schema}}}}}};
+    const HttpResult r = Post("/v1/chat/completions", request);
+    ASSERT_EQ(r.status, 200) << r.body;
+    const json body = json::parse(r.body);
+    const json content = json::parse(body["choices"][0]["message"]["content"].get<std::string>());
+    EXPECT_TRUE(content["city"].is_string() && content["city"].get<std::string>().size() <= 6 * 4) << content;
+    EXPECT_TRUE(content["unit"] == "c" || content["unit"] == "f") << content;
+    EXPECT_EQ(body["choices"][0]["finish_reason"], "stop");
+  }
+  const json object = json::parse(
+      json::parse(Post("/v1/completions", json{{"prompt", Prompt()},
+                                              {"max_tokens", 400},
+                                              {"temperature", 0},
+                                              {"response_format", {{"type", "json_object"}}}})
+                      .body)["choices"][0]["text"]
+          .get<std::string>(),
+      nullptr, false);
+  EXPECT_TRUE(object.is_object() || object.is_discarded()) << object;  // whole, or cut by max_tokens
+
+  const json tools = {{{"type", "function"},
+                       {"function",
+                        {{"name", "get_weather"},
+                         {"parameters",
+                          {{"type", "object"},
+                           {"properties", {{"city", {{"type", "string"}, {"maxLength", 5}}}}},
+                           {"required", {"city"}}}}}}},
+                      {{"type", "function"},
+                       {"function",
+                        {{"name", "get_time"},
+                         {"parameters", {{"type", "object"}, {"properties", {{"utc", {{"type", "boolean"}}}}}}}}}}};
+  for (const json& choice : {json("required"), json{{"type", "function"}, {"function", {{"name", "get_time"}}}}}) {
+    for (bool stream : {false, true}) {
+      const json request = {{"messages", {{{"role", "user"}, {"content", "weather in Oslo?"}}}},
+                            {"temperature", 1.0},
+                            {"seed", 5},
+                            {"max_tokens", 300},
+                            {"tools", tools},
+                            {"tool_choice", choice},
+                            {"stream", stream}};
+      const HttpResult r = Post("/v1/chat/completions", request);
+      ASSERT_EQ(r.status, 200) << r.body;
+      json calls, finish;
+      if (stream) {
+        for (const json& chunk : ParseEvents(r.body).chunks) {
+          const json& c = chunk["choices"][0];
+          if (c["delta"].contains("tool_calls")) calls = c["delta"]["tool_calls"];
+          if (!c["finish_reason"].is_null()) finish = c["finish_reason"];
+        }
+      } else {
+        const json body = json::parse(r.body);
+        calls = body["choices"][0]["message"]["tool_calls"];
+        finish = body["choices"][0]["finish_reason"];
+        EXPECT_TRUE(body["choices"][0]["message"]["content"].is_null()) << r.body;
+      }
+      ASSERT_TRUE(calls.is_array() && !calls.empty()) << r.body;
+      EXPECT_EQ(finish, "tool_calls") << r.body;
+      for (const json& call : calls) {
+        const std::string name = call["function"]["name"];
+        if (choice.is_object()) EXPECT_EQ(name, "get_time");
+        EXPECT_TRUE(name == "get_weather" || name == "get_time") << call;
+        const json args = json::parse(call["function"]["arguments"].get<std::string>());
+        EXPECT_TRUE(args.is_object()) << call;
+        if (name == "get_weather") EXPECT_TRUE(args["city"].is_string()) << call;
+        if (name == "get_time" && args.contains("utc")) EXPECT_TRUE(args["utc"].is_boolean()) << call;
+      }
+    }
+  }
+  ExpectError(Post("/v1/chat/completions",
+                   json{{"messages", {{{"role", "user"}, {"content", "hi"}}}},
+                        {"tools", {{{"type", "function"},
+                                    {"function", {{"name", "f"},
+                                                  {"parameters", {{"type", "object"},
+                                                                  {"properties", {{"n", {{"type", "number"},
+                                                                                         {"multipleOf", 2}}}}}}}}}}}},
+                        {"tool_choice", "required"}}),
+              400, "tools[0].function.parameters at /properties/n: the keyword 'multipleOf'");
+
+  // A conversation's second turn finds its first turn's prompt in the prefix cache.
+  json turn = {{"messages", {{{"role", "system"}, {"content", std::string(300, 'x')}}, {{"role", "user"}, {"content", "one"}}}},
+               {"max_tokens", 2}};
+  const json first = json::parse(Post("/v1/chat/completions", turn).body);
+  EXPECT_EQ(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0) << first;
+  turn["messages"].push_back({{"role", "assistant"}, {"content", "ok"}});
+  turn["messages"].push_back({{"role", "user"}, {"content", "two"}});
+  const json second = json::parse(Post("/v1/chat/completions", turn).body);
+  EXPECT_GT(second["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>(), 16) << second;
+  EXPECT_THAT(frontend_->engine().RenderMetrics(), HasSubstr("moeserve_prefix_cache_hits_total "));
+}
+
 TEST_F(OpenAiApiTest, BadRequestsGetOpenAisErrorShape) {
   StartServer();
   const json e = ExpectError(Post("/v1/completions", std::string("{\"prompt\": [1, 2,\n  }")), 400, "request body:2:");
@@ -359,8 +466,16 @@ TEST_F(OpenAiApiTest, BadRequestsGetOpenAisErrorShape) {
   EXPECT_EQ(ExpectError(Post("/v1/completions", json{{"prompt", Prompt()}, {"model", "gpt-4"}}), 404,
                         "The model 'gpt-4' does not exist")["param"],
             "model");
-  ExpectError(Post("/v1/completions", json{{"prompt", Prompt()}, {"response_format", {{"type", "json_object"}}}}),
-              400, "response_format");
+  const json refused_schema = ExpectError(
+      Post("/v1/completions",
+           json{{"prompt", Prompt()},
+                {"response_format",
+                 {{"type", "json_schema"},
+                  {"json_schema", {{"name", "n"}, {"schema", {{"type", "integer"}, {"minimum", 1}}}}}}}}),
+      400, "response_format.json_schema.schema: the keyword 'minimum' cannot be enforced while decoding");
+  EXPECT_EQ(refused_schema["param"], "response_format");
+  ExpectError(Post("/v1/completions", json{{"prompt", Prompt()}, {"response_format", {{"type", "xml"}}}}), 400,
+              "response_format: expected");
   EXPECT_EQ(Post("/v1/completions", json{{"prompt", Prompt()}, {"max_tokens", 1}, {"response_format", {{"type", "text"}}}})
                 .status,
             200);

@@ -1,8 +1,10 @@
 // moeserve bench experts, load, serve and comm: their flags, and the calls into the benchmarks, which
 // measure and print (bench/).
 #include <iostream>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "comm_bench.h"
 #include "commands.h"
@@ -173,6 +175,7 @@ struct ServeBenchFlags {
   bench::ServingBenchOptions options;
   std::string target, model, concurrency = "1,4,16";
   int requests = 0, max_batch_tokens = 2048;
+  int multi_turn = 0, turn_len = 64;
   ExpertFlags experts;
   DeviceFlags device;
   bool json = false;
@@ -191,6 +194,24 @@ int BenchServe(const ServeBenchFlags& flags) {
   }
   std::unique_ptr<runtime::Model> model;
   std::unique_ptr<scheduler::Frontend> frontend;
+  // With --model, a server in this process: the prefix cache on or off.
+  auto start_server = [&](bool prefix_cache) -> absl::Status {
+    if (frontend) frontend->Shutdown();
+    frontend.reset();
+    scheduler::FrontendOptions fo;
+    fo.listen = "127.0.0.1:0";
+    fo.scheduler.max_batch_tokens = flags.max_batch_tokens;
+    fo.scheduler.max_seqs = 64;
+    fo.scheduler.context = model->spec().max_position_embeddings;
+    fo.scheduler.prefix_cache = prefix_cache;
+    auto executor = runtime::ModelExecutor::Create(*model, /*num_blocks=*/4096, fo.scheduler.block_size);
+    if (!executor.ok()) return executor.status();
+    auto started = scheduler::Frontend::Start(*std::move(executor), fo);
+    if (!started.ok()) return started.status();
+    frontend = std::move(*started);
+    o.target = absl::StrCat("127.0.0.1:", frontend->port());
+    return absl::OkStatus();
+  };
   if (!flags.model.empty()) {
     if (absl::Status s = CheckModelFlags(flags.device, flags.experts, "bench serve"); !s.ok()) return Fail(s, 2);
     runtime::ModelOptions model_options;
@@ -200,18 +221,37 @@ int BenchServe(const ServeBenchFlags& flags) {
     auto loaded = LoadModelForCommand(flags.model, flags.device, flags.experts, model_options, 0, "bench serve");
     if (!loaded.ok()) return Fail(loaded.status(), 1);
     model = std::move(*loaded);
-    scheduler::FrontendOptions fo;
-    fo.listen = "127.0.0.1:0";
-    fo.scheduler.max_batch_tokens = flags.max_batch_tokens;
-    fo.scheduler.max_seqs = 64;
-    fo.scheduler.context = model->spec().max_position_embeddings;
-    auto executor = runtime::ModelExecutor::Create(*model, /*num_blocks=*/4096, fo.scheduler.block_size);
-    if (!executor.ok()) return Fail(executor.status(), 1);
-    auto started = scheduler::Frontend::Start(*std::move(executor), fo);
-    if (!started.ok()) return Fail(started.status(), 1);
-    frontend = std::move(*started);
-    o.target = absl::StrCat("127.0.0.1:", frontend->port());
+    if (absl::Status s = start_server(/*prefix_cache=*/true); !s.ok()) return Fail(s, 1);
     o.vocab = model->spec().vocab_size;
+  }
+  if (flags.multi_turn > 0) {
+    // Each concurrency: its conversations on the server as it is; with --model, then again on a
+    // server without the prefix cache, side by side.
+    for (int c : *concurrency) {
+      o.concurrency = c;
+      if (model && !frontend) {
+        if (absl::Status s = start_server(true); !s.ok()) return Fail(s, 1);
+      }
+      auto on = bench::RunMultiTurnBench(o, flags.multi_turn, flags.turn_len);
+      if (!on.ok()) return Fail(on.status(), 1);
+      std::optional<std::vector<bench::MultiTurnRow>> off;
+      if (model) {
+        if (absl::Status s = start_server(false); !s.ok()) return Fail(s, 1);
+        auto rows = bench::RunMultiTurnBench(o, flags.multi_turn, flags.turn_len);
+        if (!rows.ok()) return Fail(rows.status(), 1);
+        off = *std::move(rows);
+        frontend->Shutdown();
+        frontend.reset();
+      }
+      if (!flags.json) {
+        std::cout << absl::StrFormat("multi-turn: %d conversations, system prompt %d tokens, %d user tokens and %d "
+                                     "output tokens a turn%s\n",
+                                     c, o.prompt_len, flags.turn_len, o.output_len,
+                                     model ? "; prefix cache on, then off" : "");
+      }
+      bench::PrintMultiTurn(*on, off ? &*off : nullptr, flags.json, std::cout);
+    }
+    return 0;
   }
   if (absl::Status s = bench::RunServingSweep(o, *concurrency, flags.requests, flags.json, std::cout); !s.ok()) {
     return Fail(s, 1);
@@ -242,6 +282,15 @@ void AddBenchServe(CLI::App& bench, CommandRun* selected) {
       ->check(IntIn(1, 1 << 20))
       ->capture_default_str();
   app->add_option("--max-batch-tokens", f->max_batch_tokens, "with --model: tokens per step")
+      ->check(IntIn(1, 1 << 20))
+      ->capture_default_str();
+  app->add_option("--multi-turn", f->multi_turn,
+                  "conversations of this many turns sharing a system prompt (--prompt-len tokens), each turn adding "
+                  "--turn-len user tokens and keeping the --output-len tokens answered: TTFT and cached tokens per "
+                  "turn; with --model, with the prefix cache on and then off")
+      ->check(IntIn(0, 1000))
+      ->capture_default_str();
+  app->add_option("--turn-len", f->turn_len, "with --multi-turn: user tokens added each turn")
       ->check(IntIn(1, 1 << 20))
       ->capture_default_str();
   app->add_option("--csv", f->options.csv, "append one row per request");

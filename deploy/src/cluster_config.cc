@@ -214,7 +214,7 @@ absl::Status ReadScheduler(const Reader& r, const YAML::Node& s, ClusterConfig* 
   const std::string w = "scheduler";
   MOE_RETURN_IF_ERROR(r.Keys(s, w,
                              {"max_batch_tokens", "max_seqs", "max_queue", "ctx", "kv_cache_mb", "kv_cache_dtype",
-                              "drain_seconds", "max_prompt_tokens"}));
+                              "drain_seconds", "max_prompt_tokens", "prefix_cache"}));
   int max_prompt_tokens = 0;
   MOE_RETURN_IF_ERROR(r.GetIn(s, w, "max_prompt_tokens", &max_prompt_tokens, 0, 1 << 24));
   if (max_prompt_tokens > 0) c->max_prompt_tokens = max_prompt_tokens;
@@ -231,6 +231,7 @@ absl::Status ReadScheduler(const Reader& r, const YAML::Node& s, ClusterConfig* 
                    absl::StrCat("'", c->kv_cache_dtype, "' is not auto, bf16 or fp8"));
   }
   MOE_RETURN_IF_ERROR(r.GetIn(s, w, "drain_seconds", &c->drain_seconds, 0, 3600));
+  MOE_RETURN_IF_ERROR(r.Get(s, w, "prefix_cache", &c->prefix_cache));
   return absl::OkStatus();
 }
 

@@ -63,6 +63,7 @@ struct ClusterConfig {
   std::optional<int64_t> ctx;
   int64_t kv_cache_mb = 1024;  // per worker
   std::string kv_cache_dtype = "auto";
+  bool prefix_cache = true;
   int drain_seconds = 10;
   // server
   std::string listen = "127.0.0.1:50051";

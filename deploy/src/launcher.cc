@@ -577,6 +577,8 @@ int Launcher::Run() {
   sc.max_seqs = c_.max_seqs;
   sc.max_queue = c_.max_queue;
   sc.max_batch_tokens = c_.max_batch_tokens;
+  sc.prefix_cache = c_.prefix_cache;
+  sc.prefix_cache_salt = scheduler::PrefixCacheSalt(c_.kv_cache_dtype);
   const int64_t positions = int64_t{eo.kv.num_blocks} * eo.kv.block_size;
   sc.context = static_cast<int>(std::min<int64_t>(
       {c_.ctx.value_or(eo.info.max_position_embeddings), eo.info.max_position_embeddings, positions}));

@@ -42,6 +42,7 @@ struct ServeFlags {
   int64_t kv_cache_mb = 1024, max_request_bytes = 4 << 20;
   int drain_seconds = 10;
   bool no_request_log = false;
+  std::string prefix_cache = "on";
   std::string tls_cert, tls_key, tls_client_ca, api_key_file;
   std::vector<std::string> allowed_origins;
   std::string served_model_name, chat_template_file, tokenizer, tool_call_parser, reasoning_parser;
@@ -66,6 +67,7 @@ const std::map<std::string, std::string>& ClusterKeyOfFlag() {
       {"--ctx", "scheduler.ctx"},
       {"--kv-cache-mb", "scheduler.kv_cache_mb"},
       {"--kv-cache-dtype", "scheduler.kv_cache_dtype"},
+      {"--prefix-cache", "scheduler.prefix_cache"},
       {"--max-prompt-tokens", "scheduler.max_prompt_tokens"},
       {"--drain-seconds", "scheduler.drain_seconds"},
       {"--max-request-bytes", "server.max_request_bytes"},
@@ -293,6 +295,8 @@ int RunServe(const ServeFlags& flags) {
   sc.max_seqs = flags.max_seqs;
   sc.max_queue = flags.max_queue;
   sc.max_batch_tokens = flags.max_batch_tokens;
+  sc.prefix_cache = flags.prefix_cache == "on";
+  sc.prefix_cache_salt = scheduler::PrefixCacheSalt(flags.device.kv_cache_dtype);
   if (absl::Status s = PlanKvCache(flags, spec, **model, &sc); !s.ok()) return Fail(s, 2);
   options.placement = (*model)->expert_pool() != nullptr
                           ? (*model)->expert_pool()->Describe()
@@ -368,6 +372,11 @@ void AddServeCommand(CLI::App& root, CommandRun* selected) {
       ->check(IntIn(1, kMaxContext));
   app->add_option("--kv-cache-mb", f->kv_cache_mb, "memory for the paged KV cache, in MiB")
       ->check(IntIn(1, int64_t{1} << 30))
+      ->capture_default_str();
+  app->add_option("--prefix-cache", f->prefix_cache,
+                  "automatic prefix caching: a request whose prompt starts as an earlier one did reuses that "
+                  "prompt's KV blocks and prefills only the rest (usage.prompt_tokens_details.cached_tokens)")
+      ->check(CLI::IsMember({"on", "off"}))
       ->capture_default_str();
   app->add_option("--max-prompt-tokens", f->max_prompt_tokens,
                   "longest prompt accepted, in tokens (default: the context); longer ones get INVALID_ARGUMENT")

@@ -1,10 +1,23 @@
 #include "moe/scheduler/block_pool.h"
 
+#include <algorithm>
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
 
 namespace moe::scheduler {
+
+BlockHash HashBlock(BlockHash parent, std::span<const int32_t> tokens) {
+  // splitmix64's finalizer over the parent, then each token folded in and mixed again.
+  auto mix = [](uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  };
+  uint64_t h = mix(parent + 0x9e3779b97f4a7c15ull);
+  for (const int32_t t : tokens) h = mix(h ^ (static_cast<uint64_t>(static_cast<uint32_t>(t)) + 0x9e3779b97f4a7c15ull));
+  return mix(h ^ tokens.size());
+}
 
 BlockPool::BlockPool(int num_blocks)
     : refcount_(num_blocks, 0),
@@ -87,6 +100,16 @@ int BlockPool::Lookup(std::span<const BlockHash> hashes, std::vector<int32_t>* h
   }
   counters_.hits += hits;
   return hits;
+}
+
+void BlockPool::ForgetAll() {
+  for (const int32_t block : lru_) {
+    in_lru_[block] = false;
+    free_.push_back(block);
+  }
+  lru_.clear();
+  cached_.clear();
+  std::fill(has_hash_.begin(), has_hash_.end(), false);
 }
 
 }  // namespace moe::scheduler

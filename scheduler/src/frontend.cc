@@ -195,6 +195,7 @@ class GenerationService final : public pb::Generation::Service {
   struct Served {
     std::shared_ptr<Stream> stream;  // set once the engine took the request
     int completion_tokens = 0;
+    int cached_tokens = 0;
     std::string finish_reason;
   };
 
@@ -207,7 +208,8 @@ class GenerationService final : public pb::Generation::Service {
         {"status", absl::StatusCodeToString(static_cast<absl::StatusCode>(status.error_code()))},
         {"finish_reason", served.finish_reason},
         {"prompt_tokens", in.token_ids_size()},
-        {"output_tokens", served.completion_tokens}};
+        {"output_tokens", served.completion_tokens},
+        {"cached_tokens", served.cached_tokens}};
     if (!status.ok()) line["error"] = status.error_message();
     if (served.stream != nullptr) {
       line["queue_ms"] = Ms(served.stream->admitted(), arrival);
@@ -330,6 +332,7 @@ class GenerationService final : public pb::Generation::Service {
       }
       if (!out.finished) continue;
       served->finish_reason = stopped_by_string ? "stop_string" : FinishReasonName(*out.finished);
+      served->cached_tokens = out.cached_tokens;
       if (aborted_by_client) return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client");
       if (stopped_by_string) return grpc::Status::OK;
       // The error of a failed request, a passed deadline, or a shutdown; none for an ending or an Abort.
@@ -392,6 +395,7 @@ class GenerationService final : public pb::Generation::Service {
     if (!out.error.ok()) msg->set_error(std::string(out.error.message()));
     msg->mutable_usage()->set_prompt_tokens(out.prompt_tokens);
     msg->mutable_usage()->set_completion_tokens(completion);
+    msg->mutable_usage()->set_cached_tokens(out.cached_tokens);
     pb::Timings* t = msg->mutable_timings();
     const Clock::time_point now = Clock::now();
     if (auto admitted = stream.admitted()) t->set_queue_seconds(Seconds(*admitted - stream.arrival()));

@@ -58,6 +58,12 @@ std::string Metrics::Render(const SchedulerStats& stats) const {
   gauge("moeserve_requests_waiting", "Requests waiting to start.", stats.waiting);
   gauge("moeserve_kv_blocks_used", "KV cache blocks held by sequences.", stats.blocks_used);
   gauge("moeserve_kv_blocks_free", "KV cache blocks free.", stats.blocks_free);
+  gauge("moeserve_kv_blocks_cached", "Free KV cache blocks that keep a cached prefix (taken last).",
+        stats.blocks_cached);
+  counter("moeserve_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
+          static_cast<uint64_t>(stats.prefix_queried_tokens));
+  counter("moeserve_prefix_cache_hits_total", "Prompt tokens found in the prefix cache.",
+          static_cast<uint64_t>(stats.prefix_hit_tokens));
   counter("moeserve_preemptions_total", "Sequences preempted for lack of KV blocks.", stats.preemptions);
   counter("moeserve_prompt_tokens_total", "Prompt tokens of finished requests.", prompt_tokens.load());
   counter("moeserve_generated_tokens_total", "Tokens generated.", generated_tokens.load());

@@ -21,6 +21,7 @@
 #include "absl/strings/str_format.h"
 #include "moe/core/json.h"
 #include "moe/scheduler/http_server.h"
+#include "moe/scheduler/structured_output.h"
 
 namespace moe::scheduler::internal {
 namespace {
@@ -258,6 +259,10 @@ struct Parsed {
   int logprobs = -1;  // alternatives per token; -1: no logprobs
   bool return_token_ids = false;
   std::optional<int64_t> max_tokens;
+  // tool_choice enforced by a grammar: "required", or the named function; the output is JSON that
+  // becomes the response's tool calls.
+  std::string enforced_tools;
+  std::string enforced_function;
 };
 
 #define MOE_API_TRY(expr)                              \
@@ -287,7 +292,40 @@ std::optional<ApiError> RefuseUnsupported(const json& body) {
 }
 
 // The fields completions and chat share.
-std::optional<ApiError> ParseCommon(const json& body, const std::string& model_id, Parsed* p) {
+// The grammar of a structured output, or the 400 saying why there is none.
+std::optional<ApiError> UseGrammar(const char* param, absl::StatusOr<std::shared_ptr<const TokenGrammar>> grammar,
+                                   Parsed* p) {
+  if (!grammar.ok()) return BadParam(param, std::string(grammar.status().message()));
+  p->request.grammar = *std::move(grammar);
+  return std::nullopt;
+}
+
+std::optional<ApiError> ParseResponseFormat(const json& format, StructuredOutputs* structured, Parsed* p) {
+  const std::string type = format.is_object() ? format.value("type", "") : "";
+  if (type == "text") return std::nullopt;
+  if (type != "json_object" && type != "json_schema") {
+    return BadParam("response_format", "response_format: expected {\"type\": \"text\"}, \"json_object\" or \"json_schema\"");
+  }
+  if (structured == nullptr) {
+    return BadParam("response_format",
+                    absl::StrCat("response_format: ", type, " needs the model's tokenizer (tokenizer.json), which it has not"));
+  }
+  if (type == "json_object") return UseGrammar("response_format", structured->ForJsonObject(), p);
+  const json* spec = Field(format, "json_schema");
+  if (spec == nullptr || !spec->is_object()) {
+    return BadParam("response_format", "response_format.json_schema: expected an object with a schema");
+  }
+  const json* schema = Field(*spec, "schema");
+  if (schema == nullptr) return BadParam("response_format", "response_format.json_schema.schema: required");
+  if (const json* strict = Field(*spec, "strict"); strict != nullptr && !strict->is_boolean()) {
+    return BadParam("response_format", "response_format.json_schema.strict: expected true or false");
+  }
+  // strict or not, the schema is enforced: what cannot be is refused.
+  return UseGrammar("response_format", structured->ForJsonSchema(*schema, "response_format.json_schema.schema"), p);
+}
+
+std::optional<ApiError> ParseCommon(const json& body, const std::string& model_id, StructuredOutputs* structured,
+                                    Parsed* p) {
   if (const json* model = Field(body, "model")) {
     if (!model->is_string()) return BadParam("model", "model: expected a string");
     if (model->get<std::string>() != model_id) {
@@ -305,10 +343,7 @@ std::optional<ApiError> ParseCommon(const json& body, const std::string& model_i
     return BadParam("best_of", "best_of: only 1 is supported");
   }
   if (const json* format = Field(body, "response_format")) {
-    if (!format->is_object() || format->value("type", "") != "text") {
-      return BadParam("response_format",
-                      "response_format: only {\"type\": \"text\"} is supported (no JSON mode or schemas yet)");
-    }
+    if (auto e = ParseResponseFormat(*format, structured, p)) return e;
   }
   MOE_API_TRY(RefuseUnsupported(body));
   MOE_API_TRY(ReadBool(body, "stream", &p->stream));
@@ -411,7 +446,8 @@ std::optional<ApiError> ParseCompletion(const json& body, const TextModel& text,
   return std::nullopt;
 }
 
-std::optional<ApiError> ParseTools(const json& body, Parsed* p, ChatPrompt* chat, bool* parse_tools) {
+std::optional<ApiError> ParseTools(const json& body, StructuredOutputs* structured, Parsed* p, ChatPrompt* chat,
+                                   bool* parse_tools) {
   const json* tools = Field(body, "tools");
   if (tools != nullptr) {
     if (!tools->is_array()) return BadParam("tools", "tools: expected a list of tools");
@@ -455,17 +491,41 @@ std::optional<ApiError> ParseTools(const json& body, Parsed* p, ChatPrompt* chat
                                                   "' needs tools"));
     }
   }
-  // "required" and a named function are not enforced by constrained decoding (moeserve has none
-  // yet): the model sees only the allowed tools and its calls are parsed as with "auto".
   if (choice != "none") {
     chat->tools = selected;
     p->text.tools = selected;
     *parse_tools = true;
   }
+  // "required" and a named function are enforced by a grammar: a list of calls to the tools, or
+  // the named function's arguments; the output becomes the response's tool calls.
+  if (choice == "required" || choice == "named") {
+    if (p->request.grammar != nullptr) {
+      return BadParam("tool_choice", absl::StrCat("tool_choice: '", choice == "named" ? "a named function" : choice,
+                                                  "' cannot go with a response_format that constrains the output"));
+    }
+    if (structured == nullptr) {
+      return BadParam("tool_choice", "tool_choice: enforcing a tool call needs the model's tokenizer (tokenizer.json)");
+    }
+    if (choice == "required") {
+      if (auto e = UseGrammar("tools", structured->ForToolCalls(selected), p)) return e;
+      p->enforced_tools = "required";
+    } else {
+      const json& function = selected[0]["function"];
+      if (auto e = UseGrammar("tools", structured->ForJsonSchema(function.value("parameters", json::object()),
+                                                                 "tools[].function.parameters"),
+                              p)) {
+        return e;
+      }
+      p->enforced_tools = "named";
+      p->enforced_function = function["name"];
+    }
+    *parse_tools = false;
+  }
   return std::nullopt;
 }
 
-std::optional<ApiError> ParseChat(const json& body, const TextModel& text, int context, Parsed* p) {
+std::optional<ApiError> ParseChat(const json& body, const TextModel& text, int context, StructuredOutputs* structured,
+                                  Parsed* p) {
   if (const json* echo = Field(body, "echo"); echo != nullptr && *echo != false) {
     return BadParam("echo", "echo: not supported");
   }
@@ -483,7 +543,7 @@ std::optional<ApiError> ParseChat(const json& body, const TextModel& text, int c
   ChatPrompt chat;
   chat.messages = *messages;
   bool parse_tools = false;
-  MOE_API_TRY(ParseTools(body, p, &chat, &parse_tools));
+  MOE_API_TRY(ParseTools(body, structured, p, &chat, &parse_tools));
   if (const json* kwargs = Field(body, "chat_template_kwargs")) {
     if (!kwargs->is_object()) return BadParam("chat_template_kwargs", "chat_template_kwargs: expected an object");
     chat.template_kwargs = *kwargs;
@@ -496,7 +556,7 @@ std::optional<ApiError> ParseChat(const json& body, const TextModel& text, int c
     return e;
   }
   p->request.prompt = *std::move(ids);
-  p->text.parse_reasoning = true;
+  p->text.parse_reasoning = p->enforced_tools.empty();
   p->text.parse_tool_calls = parse_tools;
   // Chat has no default limit: what the context leaves (the scheduler refuses a prompt that
   // leaves nothing).
@@ -508,8 +568,12 @@ std::optional<ApiError> ParseChat(const json& body, const TextModel& text, int c
 
 #undef MOE_API_TRY
 
-json Usage(int prompt, int completion) {
-  return {{"prompt_tokens", prompt}, {"completion_tokens", completion}, {"total_tokens", prompt + completion}};
+// OpenAI's usage; prompt_tokens_details.cached_tokens: prompt tokens the prefix cache held.
+json Usage(int prompt, int completion, int cached) {
+  return {{"prompt_tokens", prompt},
+          {"completion_tokens", completion},
+          {"total_tokens", prompt + completion},
+          {"prompt_tokens_details", {{"cached_tokens", cached}}}};
 }
 
 // JSON has no infinities: an impossible token's log-probability is written as vLLM writes it.
@@ -582,6 +646,7 @@ class Generation {
       piece->finish_reason = stopped_ ? "stop" : FinishReasonText(*out.finished, text_->has_tool_calls());
       if (!stopped_) piece->error = out.error;
       prompt_tokens_ = out.prompt_tokens;
+      cached_tokens_ = out.cached_tokens;
     }
     return true;
   }
@@ -593,6 +658,7 @@ class Generation {
   bool finished() const { return finished_; }
   const std::shared_ptr<Stream>& stream() const { return stream_; }
   int prompt_tokens() const { return prompt_tokens_; }
+  int cached_tokens() const { return cached_tokens_; }
   int completion_tokens() const { return completion_tokens_; }
 
  private:
@@ -603,6 +669,7 @@ class Generation {
   bool stopped_ = false;
   bool finished_ = false;
   int prompt_tokens_ = 0;
+  int cached_tokens_ = 0;
   int completion_tokens_ = 0;
 };
 
@@ -612,11 +679,32 @@ class ResponseWriter {
   ResponseWriter(bool chat, std::string id, std::string model, const TextModel& text, const Parsed& parsed)
       : chat_(chat), id_(std::move(id)), model_(std::move(model)), created_(std::time(nullptr)), text_(text),
         logprobs_(parsed.logprobs), include_usage_(parsed.include_usage),
-        token_ids_(parsed.return_token_ids || !text.has_tokenizer()) {}
+        token_ids_(parsed.return_token_ids || !text.has_tokenizer()),
+        enforced_tools_(parsed.enforced_tools),
+        enforced_function_(parsed.enforced_function) {}
 
   // Streaming: the chunks for one piece, each a JSON object.
-  std::vector<json> Chunks(const Piece& piece) {
+  std::vector<json> Chunks(Piece piece) {
     std::vector<json> out;
+    if (chat_ && !enforced_tools_.empty()) {
+      // An enforced tool call streams whole at the end, once its JSON is complete.
+      enforced_text_ += piece.text.content;
+      piece.text.content.clear();
+      if (piece.finished) {
+        if (json calls = EnforcedCalls(enforced_text_); !calls.is_null()) {
+          for (size_t i = 0; i < calls.size(); ++i) calls[i]["index"] = static_cast<int>(i);
+          piece.text.content.clear();
+          if (!sent_role_) {
+            sent_role_ = true;
+            out.push_back(Chunk({{"role", "assistant"}, {"content", nullptr}}, json(), json()));
+          }
+          out.push_back(Chunk({{"tool_calls", calls}}, json(), json()));
+          if (piece.finish_reason == "stop") piece.finish_reason = "tool_calls";
+        } else {
+          piece.text.content = enforced_text_;  // cut short (max_tokens): what was written
+        }
+      }
+    }
     if (chat_ && !sent_role_) {
       sent_role_ = true;
       out.push_back(Chunk({{"role", "assistant"}, {"content", ""}}, json(), json()));
@@ -660,11 +748,11 @@ class ResponseWriter {
   }
 
   // Streaming: the last chunk, with the usage and no choices, when the client asked for it.
-  std::optional<json> UsageChunk(int prompt, int completion) const {
+  std::optional<json> UsageChunk(int prompt, int completion, int cached) const {
     if (!include_usage_) return std::nullopt;
     json chunk = Header();
     chunk["choices"] = json::array();
-    chunk["usage"] = Usage(prompt, completion);
+    chunk["usage"] = Usage(prompt, completion, cached);
     return chunk;
   }
 
@@ -676,7 +764,21 @@ class ResponseWriter {
     if (piece.finished) all_.finish_reason = piece.finish_reason;
   }
 
-  json Whole(int prompt, int completion) const {
+  json Whole(int prompt, int completion, int cached) const {
+    if (chat_ && !enforced_tools_.empty()) {
+      if (json calls = EnforcedCalls(all_.text.content); !calls.is_null()) {
+        json body = Header();
+        body["object"] = "chat.completion";
+        json choice = {{"index", 0},
+                       {"message", {{"role", "assistant"}, {"content", nullptr}, {"tool_calls", calls}}},
+                       {"logprobs", logprobs_ >= 0 ? Logprobs(all_) : json()},
+                       {"finish_reason", all_.finish_reason == "stop" ? "tool_calls" : all_.finish_reason}};
+        if (token_ids_) choice["message"]["token_ids"] = all_.tokens;
+        body["choices"] = json::array({choice});
+        body["usage"] = Usage(prompt, completion, cached);
+        return body;
+      }
+    }
     json body = Header();
     body["object"] = chat_ ? "chat.completion" : "text_completion";
     json choice = {{"index", 0}};
@@ -706,8 +808,28 @@ class ResponseWriter {
     choice["logprobs"] = lp;
     choice["finish_reason"] = all_.finish_reason;
     body["choices"] = json::array({choice});
-    body["usage"] = Usage(prompt, completion);
+    body["usage"] = Usage(prompt, completion, cached);
     return body;
+  }
+
+  // The tool calls an enforced tool_choice's output holds (OpenAI's message.tool_calls), or null
+  // when it is not whole (the request was cut short).
+  json EnforcedCalls(const std::string& text) const {
+    const json parsed = json::parse(text, nullptr, /*allow_exceptions=*/false);
+    if (parsed.is_discarded()) return json();
+    json calls = json::array();
+    auto add = [&](const std::string& name, const json& arguments) {
+      calls.push_back({{"id", absl::StrCat("call_", id_, "_", calls.size())},
+                       {"type", "function"},
+                       {"function", {{"name", name}, {"arguments", arguments.dump()}}}});
+    };
+    if (enforced_tools_ == "named") {
+      add(enforced_function_, parsed);
+    } else {
+      if (!parsed.is_array()) return json();
+      for (const json& call : parsed) add(call.value("name", ""), call.value("parameters", json::object()));
+    }
+    return calls;
   }
 
  private:
@@ -775,6 +897,9 @@ class ResponseWriter {
   const int logprobs_;
   const bool include_usage_;
   const bool token_ids_;
+  const std::string enforced_tools_;     // "", "required" or "named" (Parsed::enforced_tools)
+  const std::string enforced_function_;  // with "named"
+  std::string enforced_text_;            // streaming an enforced call: its JSON so far
   bool sent_role_ = false;
   mutable int64_t text_offset_ = 0;  // completions' logprobs: where each token starts
   Piece all_;
@@ -804,6 +929,7 @@ struct RequestRecord {
     if (!error.empty()) line["error"] = error;
     if (generation != nullptr) {
       line["prompt_tokens"] = generation->prompt_tokens();
+      line["cached_tokens"] = generation->cached_tokens();
       line["output_tokens"] = generation->completion_tokens();
       line["queue_ms"] = MsSince(generation->stream()->admitted(), arrival);
       line["ttft_ms"] = MsSince(generation->stream()->first_token(), arrival);
@@ -846,7 +972,8 @@ class EventStream {
       const json error = {{"error", {{"message", e.message}, {"type", e.type}, {"param", nullptr}, {"code", e.status}}}};
       if (!Write(sink, Event(error))) return false;
     }
-    if (auto usage = writer_.UsageChunk(generation_->prompt_tokens(), generation_->completion_tokens())) {
+    if (auto usage = writer_.UsageChunk(generation_->prompt_tokens(), generation_->completion_tokens(),
+                                           generation_->cached_tokens())) {
       if (!Write(sink, Event(*usage))) return false;
     }
     if (!Write(sink, "data: [DONE]\n\n")) return false;
@@ -888,6 +1015,16 @@ std::string RandomPrefix() {
 
 OpenAiApi::OpenAiApi(Engine& engine, const TextModel& text, std::string model_id, RequestLogFn log)
     : engine_(engine), text_(text), model_id_(std::move(model_id)), id_prefix_(RandomPrefix()), log_(std::move(log)) {}
+
+StructuredOutputs* OpenAiApi::Structured() {
+  absl::call_once(structured_once_, [this] {
+    if (std::shared_ptr<const VocabularyTrie> trie = text_.vocabulary_trie()) {
+      structured_ = std::make_unique<StructuredOutputs>(std::move(trie), engine_.model_info().vocab_size,
+                                                        engine_.config().eos_token_ids);
+    }
+  });
+  return structured_.get();
+}
 
 json OpenAiApi::ModelCard() const {
   return {{"id", model_id_},
@@ -945,14 +1082,16 @@ void OpenAiApi::Generate(Kind kind, const httplib::Request& request, httplib::Re
   auto body = core::ParseJsonObject(request.body, "request body");
   if (!body.ok()) return refuse(BadParam("", std::string(body.status().message())));
   Parsed parsed;
-  if (auto e = ParseCommon(*body, model_id_, &parsed)) return refuse(*e);
+  StructuredOutputs* structured = Structured();
+  if (auto e = ParseCommon(*body, model_id_, structured, &parsed)) return refuse(*e);
   if (parsed.stream && request.version == "HTTP/1.0") {
     // A stream is sent in chunks, which HTTP/1.0 does not have.
     return refuse(BadParam("stream",
                            "stream: an HTTP/1.0 client cannot take a stream (chunked transfer is "
                            "HTTP/1.1); send HTTP/1.1, or stream: false"));
   }
-  if (auto e = chat ? ParseChat(*body, text_, engine_.config().context, &parsed) : ParseCompletion(*body, text_, &parsed)) {
+  if (auto e = chat ? ParseChat(*body, text_, engine_.config().context, structured, &parsed)
+                    : ParseCompletion(*body, text_, &parsed)) {
     return refuse(*e);
   }
   const std::string id = absl::StrCat(chat ? "chatcmpl-" : "cmpl-", id_prefix_, "-", next_id_++);
@@ -1003,7 +1142,7 @@ void OpenAiApi::Generate(Kind kind, const httplib::Request& request, httplib::Re
     return SetError(response, e);
   }
   record.Write(200, piece.finish_reason, "", generation.get());
-  response.set_content(writer.Whole(generation->prompt_tokens(), generation->completion_tokens()).dump(
+  response.set_content(writer.Whole(generation->prompt_tokens(), generation->completion_tokens(), generation->cached_tokens()).dump(
                            -1, ' ', false, json::error_handler_t::replace),
                        "application/json");
 }

@@ -17,7 +17,9 @@
 
 #include "nlohmann/json.hpp"
 
+#include "absl/base/call_once.h"
 #include "moe/scheduler/engine.h"
+#include "moe/scheduler/structured_output.h"
 #include "moe/scheduler/text_pipeline.h"
 
 namespace moe::scheduler::internal {
@@ -40,6 +42,9 @@ class OpenAiApi : public std::enable_shared_from_this<OpenAiApi> {
   enum class Kind { kCompletion, kChat };
   void Generate(Kind kind, const httplib::Request& request, httplib::Response& response);
   nlohmann::json ModelCard() const;
+  // Structured outputs over the model's vocabulary (built on the first request that asks); null
+  // when the model has no tokenizer.
+  StructuredOutputs* Structured();
 
   Engine& engine_;
   const TextModel& text_;
@@ -47,6 +52,8 @@ class OpenAiApi : public std::enable_shared_from_this<OpenAiApi> {
   const std::string id_prefix_;  // random per process, so ids differ across restarts
   const RequestLogFn log_;
   std::atomic<int64_t> next_id_{1};
+  absl::once_flag structured_once_;
+  std::unique_ptr<StructuredOutputs> structured_;
 };
 
 }  // namespace moe::scheduler::internal

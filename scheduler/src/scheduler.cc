@@ -4,6 +4,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "moe/runtime/cache.h"
+#include "moe/scheduler/structured_output.h"
+
+#include <future>
+#include <optional>
 
 namespace moe::scheduler {
 
@@ -29,6 +33,11 @@ const char* FinishReasonName(FinishReason reason) {
   return "?";
 }
 
+uint64_t PrefixCacheSalt(const std::string& kv_cache_dtype) {
+  std::vector<int32_t> bytes(kv_cache_dtype.begin(), kv_cache_dtype.end());
+  return HashBlock(0x6b762d6474797065ull, bytes);  // "kv-dtype"
+}
+
 struct Scheduler::Sequence {
   Request request;              // its sampling seed is always set
   std::vector<int32_t> tokens;  // committed: prompt, then generated tokens (accepted drafts among them)
@@ -46,6 +55,16 @@ struct Scheduler::Sequence {
   // This admission's id in step plans (SequenceChunk::seq_id; 0 while not running): a sequence
   // re-admitted after a preemption recomputes its cache from the start under a new id.
   uint64_t seq_id = 0;
+  // Prefix cache: hashes of the sequence's first full blocks (they depend on its tokens only, so
+  // they outlive a preemption); how many of its blocks are committed; the prompt tokens its first
+  // admission found cached; whether this admission's first chunk, which starts on cached blocks,
+  // is still to be planned (it carries the tokens before it, for executors that mirror sequences).
+  std::vector<BlockHash> hashes;
+  int64_t committed_blocks = 0;
+  int cached_tokens = 0;
+  bool send_prefix = false;
+  // Structured outputs: where the tokens so far leave the request's grammar.
+  std::optional<GrammarMatcher> matcher;
 };
 
 namespace {
@@ -136,6 +155,7 @@ absl::Status Scheduler::Add(Request r) {
   // samples with the same key wherever it runs.
   if (!r.sampling.seed.has_value()) r.sampling.seed = seeds_();
   auto seq = std::make_unique<Sequence>();
+  if (r.grammar != nullptr) seq->matcher = r.grammar->NewMatcher();
   seq->tokens = r.prompt;
   seq->request = std::move(r);
   waiting_.push_back(seq.get());
@@ -158,6 +178,8 @@ SchedulerStats Scheduler::stats() const {
   s.blocks_cached = blocks_.num_cached_free();
   s.blocks_used = blocks_.num_blocks() - blocks_.num_free();
   s.preemptions = preemptions_;
+  s.prefix_queried_tokens = prefix_queried_tokens_;
+  s.prefix_hit_tokens = prefix_hit_tokens_;
   return s;
 }
 
@@ -167,6 +189,9 @@ void Scheduler::Finish(Sequence* seq, FinishReason reason, absl::Status error, s
   out->error = std::move(error);
   out->prompt_tokens = static_cast<int>(seq->request.prompt.size());
   out->completion_tokens = seq->generated;
+  out->cached_tokens = seq->cached_tokens;
+  // A failed sequence's cache may hold what made it fail (non-finite values): never share it.
+  if (reason != FinishReason::kError) CommitFullBlocks(seq);
   blocks_.Release(&seq->blocks);
   Release(seq);
   running_.erase(std::remove(running_.begin(), running_.end(), seq), running_.end());
@@ -176,9 +201,12 @@ void Scheduler::Finish(Sequence* seq, FinishReason reason, absl::Status error, s
 
 void Scheduler::Preempt(Sequence* seq) {
   // Recompute later: drop the cache, keep every token, go first in line.
+  CommitFullBlocks(seq);
   blocks_.Release(&seq->blocks);
   Release(seq);
   seq->computed = 0;
+  seq->committed_blocks = 0;
+  seq->send_prefix = false;
   seq->draft.clear();
   seq->proposed.clear();
   seq->running = false;
@@ -190,6 +218,35 @@ void Scheduler::Preempt(Sequence* seq) {
 void Scheduler::Release(Sequence* seq) {
   if (seq->seq_id != 0) released_.push_back(seq->seq_id);
   seq->seq_id = 0;
+}
+
+std::span<const BlockHash> Scheduler::HashesOf(Sequence* seq, int64_t n) {
+  const int64_t bs = config_.block_size;
+  for (int64_t i = static_cast<int64_t>(seq->hashes.size()); i < n; ++i) {
+    const BlockHash parent = i == 0 ? config_.prefix_cache_salt : seq->hashes[i - 1];
+    seq->hashes.push_back(HashBlock(parent, std::span<const int32_t>(seq->tokens.data() + i * bs, bs)));
+  }
+  return std::span<const BlockHash>(seq->hashes.data(), n);
+}
+
+void Scheduler::TakeCachedPrefix(Sequence* seq) {
+  if (!config_.prefix_cache || !seq->blocks.empty()) return;
+  // Full blocks before the last token: the last one is always computed, for its logits, so a
+  // sequence never writes into a block it found cached.
+  const int64_t n = (static_cast<int64_t>(seq->tokens.size()) - 1) / config_.block_size;
+  const int hits = blocks_.Lookup(HashesOf(seq, n), &seq->blocks);
+  seq->computed = static_cast<int64_t>(hits) * config_.block_size;
+  seq->committed_blocks = hits;
+  seq->send_prefix = hits > 0;
+}
+
+void Scheduler::CommitFullBlocks(Sequence* seq) {
+  if (!config_.prefix_cache) return;
+  const int64_t full = std::min<int64_t>(seq->computed / config_.block_size, static_cast<int64_t>(seq->blocks.size()));
+  if (full <= seq->committed_blocks) return;
+  const std::span<const BlockHash> hashes = HashesOf(seq, full);
+  for (int64_t i = seq->committed_blocks; i < full; ++i) blocks_.Commit(seq->blocks[i], hashes[i]);
+  seq->committed_blocks = full;
 }
 
 bool Scheduler::EnsureBlocks(Sequence* seq, int64_t positions, bool may_preempt) {
@@ -236,6 +293,17 @@ runtime::SampleRow Scheduler::SampleRowFor(const Sequence& seq, int draft) const
     row.history.insert(row.history.end(), seq.draft.begin(), seq.draft.begin() + draft);
   }
   row.logprobs = seq.request.logprobs;
+  if (seq.matcher.has_value()) {
+    // A state seen before has its mask already; a new one is computed on another thread while the
+    // step's forward pass runs, and the executor waits for it only to sample.
+    const std::shared_ptr<const TokenGrammar>& grammar = seq.request.grammar;
+    if (auto cached = grammar->CachedMask(*seq.matcher)) {
+      row.allowed = runtime::ReadyTokenMask(std::move(cached));
+    } else {
+      row.allowed =
+          std::async(std::launch::async, [grammar, matcher = *seq.matcher] { return grammar->Mask(matcher); }).share();
+    }
+  }
   return row;
 }
 
@@ -256,7 +324,7 @@ int Scheduler::ProposeDrafts(Sequence* seq, int budget) {
   std::vector<int32_t> proposed = std::move(seq->proposed);
   seq->proposed.clear();
   const int64_t pending = static_cast<int64_t>(seq->tokens.size()) - seq->computed;
-  if (config_.max_draft <= 0 || pending != 1) return 0;
+  if (config_.max_draft <= 0 || pending != 1 || seq->matcher.has_value()) return 0;
   // Never past max_new_tokens: the bonus token of a step whose drafts are all kept is the last.
   const int room = seq->request.stopping.max_new_tokens - seq->generated - 1;
   const int most = std::min({config_.max_draft, room, budget - 1});
@@ -299,7 +367,20 @@ std::vector<Scheduler::Scheduled> Scheduler::Schedule(std::vector<Output>* outpu
   // Then new requests, first come first served, while blocks and slots last (no preemption).
   while (!waiting_.empty() && budget > 0 && static_cast<int>(running_.size()) < config_.max_seqs) {
     Sequence* seq = waiting_.front();
-    if (!schedule(seq, /*may_preempt=*/false)) break;
+    TakeCachedPrefix(seq);
+    if (!schedule(seq, /*may_preempt=*/false)) {
+      // It waits on: the cached blocks it took go back (still cached) until it can start.
+      blocks_.Release(&seq->blocks);
+      seq->computed = 0;
+      seq->committed_blocks = 0;
+      seq->send_prefix = false;
+      break;
+    }
+    if (config_.prefix_cache) {
+      prefix_queried_tokens_ += static_cast<int64_t>(seq->tokens.size());
+      prefix_hit_tokens_ += seq->computed;
+      if (!seq->started) seq->cached_tokens = static_cast<int>(seq->computed);
+    }
     waiting_.pop_front();
     seq->running = true;
     seq->seq_id = ++last_seq_id_;
@@ -321,7 +402,7 @@ std::vector<Scheduler::Scheduled> Scheduler::Schedule(std::vector<Output>* outpu
 runtime::StepPlan Scheduler::BuildPlan(const std::vector<Scheduled>& scheduled) {
   runtime::StepPlan plan;
   for (const Scheduled& s : scheduled) {
-    const Sequence& seq = *s.seq;
+    Sequence& seq = *s.seq;
     const int32_t fed = s.count - s.num_draft;  // of the sequence's own tokens
     plan.batch.token_ids.insert(plan.batch.token_ids.end(), seq.tokens.begin() + s.first,
                                 seq.tokens.begin() + s.first + fed);
@@ -332,6 +413,10 @@ runtime::StepPlan Scheduler::BuildPlan(const std::vector<Scheduled>& scheduled) 
     chunk.block_table = seq.blocks;
     chunk.seq_id = seq.seq_id;
     chunk.num_draft = s.num_draft;
+    if (seq.send_prefix) {
+      chunk.prefix.assign(seq.tokens.begin(), seq.tokens.begin() + s.first);
+      seq.send_prefix = false;
+    }
     // The chunk that reaches the last token samples the next one, and one more per draft; an
     // executor with a drafter proposes the next step's drafts.
     if (s.first + fed == static_cast<int64_t>(seq.tokens.size())) {
@@ -357,7 +442,18 @@ bool Scheduler::Accept(Sequence* seq, runtime::SequenceResult& result, std::vect
     if (out == nullptr) out = &OutputOf(seq->request.id, outputs);
     out->new_tokens.push_back(token);
     if (i < result.logprobs.size() && result.logprobs[i]) out->logprobs.push_back(std::move(*result.logprobs[i]));
+    const TokenGrammar* grammar = seq->request.grammar.get();
+    if (grammar != nullptr && !grammar->IsEos(token) && !grammar->Accept(&*seq->matcher, token)) {
+      Finish(seq, FinishReason::kError,
+             absl::InternalError(absl::StrCat("structured output: token ", token, " does not follow the grammar")),
+             outputs);
+      return false;
+    }
     if (CheckStop(seq, token, outputs)) return false;
+    if (grammar != nullptr && !seq->matcher->can_continue()) {  // the output is whole
+      Finish(seq, FinishReason::kEos, absl::OkStatus(), outputs);
+      return false;
+    }
   }
   if (!result.error.ok()) {
     Finish(seq, FinishReason::kError, std::move(result.error), outputs);
@@ -375,6 +471,7 @@ void Scheduler::Apply(const std::vector<Scheduled>& scheduled, runtime::StepResu
     seq->draft.clear();
     if (end != static_cast<int64_t>(seq->tokens.size())) {  // a prefill chunk
       seq->computed = end;
+      CommitFullBlocks(seq);
       continue;
     }
     if (next >= result.sequences.size()) {
@@ -388,20 +485,36 @@ void Scheduler::Apply(const std::vector<Scheduled>& scheduled, runtime::StepResu
     // The cache holds the sequence's own tokens and the drafts kept; the bonus token is fed next.
     seq->computed = end + std::clamp(r.accepted, 0, s.num_draft);
     std::vector<int32_t> proposed = std::move(r.drafts);
-    if (Accept(seq, r, outputs)) seq->proposed = std::move(proposed);
+    if (Accept(seq, r, outputs)) {
+      seq->proposed = std::move(proposed);
+      CommitFullBlocks(seq);
+    }
   }
 }
 
 std::vector<Output> Scheduler::Step(runtime::Executor& executor, Clock::time_point now) {
   std::vector<Output> outputs;
+  // Workers restarted since the last step hold none of the cached blocks.
+  if (const uint64_t generation = executor.cache_generation(); generation != cache_generation_) {
+    blocks_.ForgetAll();
+    cache_generation_ = generation;
+  }
   // Aborted and late requests end before any work is planned for them.
   EndAbortedAndLate(now, &outputs);
   const std::vector<Scheduled> scheduled = Schedule(&outputs);
   if (scheduled.empty()) return outputs;
   const runtime::StepPlan plan = BuildPlan(scheduled);
   absl::StatusOr<runtime::StepResult> result = executor.Execute(plan);
+  // Masks still being computed (an executor that failed before sampling) end before the matchers
+  // they read move on.
+  for (const runtime::SampleRow& row : plan.samples) {
+    if (row.allowed.valid()) row.allowed.wait();
+  }
   if (!result.ok()) {
     for (const Scheduled& s : scheduled) Finish(s.seq, FinishReason::kError, result.status(), &outputs);
+    // A malformed plan left the cache as it was; any other failure (a worker lost, restarted with
+    // an empty cache) may not have: no cached block is trusted after it.
+    if (result.status().code() != absl::StatusCode::kInvalidArgument) blocks_.ForgetAll();
     return outputs;
   }
   Apply(scheduled, *result, &outputs);

@@ -1,5 +1,8 @@
 #include "moe/scheduler/text_pipeline.h"
 
+#include "absl/base/call_once.h"
+#include "moe/scheduler/structured_output.h"
+
 #include <fstream>
 #include <sstream>
 #include <utility>
@@ -88,6 +91,8 @@ struct TextModel::Impl {
   absl::Status chat_status;  // why chat_template is null
   std::string tool_call_parser;
   std::optional<ReasoningMarkers> reasoning;
+  absl::once_flag trie_once;
+  std::shared_ptr<const VocabularyTrie> trie;
 };
 
 TextModel::TextModel(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -252,6 +257,19 @@ absl::StatusOr<std::vector<int32_t>> TextModel::EncodeChat(const ChatPrompt& pro
 std::string TextModel::TokenText(int32_t id) const {
   if (!has_tokenizer()) return absl::StrCat("token_id:", id);
   return impl_->tokenizer->Decode({id}, /*skip_special_tokens=*/false);
+}
+
+std::shared_ptr<const VocabularyTrie> TextModel::vocabulary_trie() const {
+  if (!has_tokenizer()) return nullptr;
+  absl::call_once(impl_->trie_once, [this] {
+    const text::Tokenizer& tokenizer = *impl_->tokenizer;
+    std::vector<std::string> bytes(static_cast<size_t>(tokenizer.vocab_size()));
+    for (int32_t id = 0; id < tokenizer.vocab_size(); ++id) {
+      if (!tokenizer.IsSpecial(id)) bytes[id] = tokenizer.TokenBytes(id);
+    }
+    impl_->trie = std::make_shared<const VocabularyTrie>(std::move(bytes));
+  });
+  return impl_->trie;
 }
 
 std::string TextModel::TokenBytes(int32_t id) const {

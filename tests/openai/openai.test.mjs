@@ -88,7 +88,8 @@ test('completion of token ids, whole and streamed, with usage', async () => {
   assert.equal(whole.object, 'text_completion');
   assert.equal(whole.choices.length, 1);
   assert.equal(whole.choices[0].finish_reason, 'length');
-  assert.deepEqual(whole.usage, { prompt_tokens: 5, completion_tokens: 6, total_tokens: 11 });
+  assert.deepEqual(whole.usage, { prompt_tokens: 5, completion_tokens: 6, total_tokens: 11,
+                                  prompt_tokens_details: { cached_tokens: 0 } });
   const stream = await client.completions.create({ model: MODEL, prompt: PROMPT_IDS, max_tokens: 6, temperature: 0,
                                                    ignore_eos: true, return_token_ids: true, stream: true,
                                                    stream_options: { include_usage: true } });
@@ -177,7 +178,8 @@ test('400: n > 1, response_format, malformed JSON; 404: unknown model', async ()
   });
   for (const [body, pattern] of [
     [{ model: MODEL, prompt: PROMPT_IDS, n: 2 }, /n: only 1/],
-    [{ model: MODEL, prompt: PROMPT_IDS, response_format: { type: 'json_object' } }, /response_format/],
+    [{ model: MODEL, prompt: PROMPT_IDS, response_format: { type: 'json_schema', json_schema: { name: 'n', schema: { type: 'integer', minimum: 1 } } } },
+     /the keyword 'minimum' cannot be enforced/],
   ]) {
     await assert.rejects(client.completions.create(body), (e) => {
       assert.ok(e instanceof OpenAI.BadRequestError, String(e));
@@ -250,4 +252,41 @@ test('503 while draining', async () => {
   });
   long.controller.abort();
   await exited;
+});
+
+test('structured outputs: response_format with a schema, tool_choice required, cached_tokens on a second turn', async (t) => {
+  if (!servesText) return t.skip('this build has no tokenizer library');
+  const messages = [{ role: 'system', content: 'You answer in JSON. '.repeat(20) }, { role: 'user', content: 'Weather?' }];
+  const schema = {
+    type: 'object',
+    properties: { city: { type: 'string', maxLength: 6 }, unit: { enum: ['c', 'f'] } },
+    required: ['city', 'unit'],
+    additionalProperties: false,
+  };
+  const first = await client.chat.completions.create({
+    model: MODEL, messages, temperature: 1, seed: 3, max_tokens: 200,
+    response_format: { type: 'json_schema', json_schema: { name: 'weather', strict: true, schema } },
+  });
+  const parsed = JSON.parse(first.choices[0].message.content);
+  assert.equal(typeof parsed.city, 'string');
+  assert.ok(['c', 'f'].includes(parsed.unit), JSON.stringify(parsed));
+  assert.deepEqual(Object.keys(parsed).sort(), ['city', 'unit']);
+
+  const tools = await client.chat.completions.create({
+    model: MODEL, messages, temperature: 1, seed: 4, max_tokens: 200, tool_choice: 'required',
+    tools: [{ type: 'function', function: { name: 'get_weather',
+                                            parameters: { type: 'object', properties: { city: { type: 'string', maxLength: 5 } },
+                                                          required: ['city'] } } }],
+  });
+  assert.equal(tools.choices[0].finish_reason, 'tool_calls');
+  const calls = tools.choices[0].message.tool_calls;
+  assert.ok(calls.length >= 1);
+  assert.equal(calls[0].function.name, 'get_weather');
+  assert.equal(typeof JSON.parse(calls[0].function.arguments).city, 'string');
+
+  const second = await client.chat.completions.create({
+    model: MODEL, max_tokens: 2,
+    messages: [...messages, { role: 'assistant', content: first.choices[0].message.content }, { role: 'user', content: 'And tomorrow?' }],
+  });
+  assert.ok(second.usage.prompt_tokens_details.cached_tokens > 0, JSON.stringify(second.usage));
 });

@@ -100,6 +100,8 @@ absl::StatusOr<std::vector<SampledToken>> ModelExecutor::SampleLogitRows(const S
                                                                          const Tensor& device_logits, bool on_host) {
   const int vocab = info_.vocab_size;
   std::vector<SampledToken> tokens(plan.samples.size());
+  // Masked rows (structured outputs) are sampled on the host.
+  for (const SampleRow& row : plan.samples) on_host = on_host || row.allowed.valid();
   // On a backend that samples (a GPU), the logits never leave it: only the tokens come back.
   std::vector<SampleInput> inputs(plan.samples.size());
   for (size_t i = 0; i < plan.samples.size(); ++i) {
@@ -139,7 +141,18 @@ absl::StatusOr<std::vector<SampledToken>> ModelExecutor::SampleLogitRows(const S
       tokens[i].error = std::move(finite);
       continue;
     }
-    tokens[i].token = Sample(row, logits, vocab);
+    if (row.allowed.valid()) {
+      const std::shared_ptr<const TokenMask> mask = row.allowed.get();
+      masked_.assign(logits, logits + vocab);
+      if (mask != nullptr) mask->Apply(masked_.data(), vocab);
+      if (mask != nullptr && mask->Count(vocab) == 0) {
+        tokens[i].error = absl::InternalError("structured output: the grammar allows no token here");
+        continue;
+      }
+      tokens[i].token = Sample(row, masked_.data(), vocab);
+    } else {
+      tokens[i].token = Sample(row, logits, vocab);
+    }
     // Log-probabilities of the model's own distribution, before penalties and sampling filters.
     if (row.logprobs > 0) tokens[i].logprobs = ComputeLogprobs(logits, vocab, tokens[i].token, row.logprobs);
   }

@@ -139,6 +139,11 @@ bool RemoteExecutor::healthy() const {
   return broken_.empty();
 }
 
+uint64_t RemoteExecutor::cache_generation() const {
+  absl::MutexLock lock(&mu_);
+  return group_ != nullptr ? group_->generation : 0;
+}
+
 std::string RemoteExecutor::broken_reason() const {
   absl::MutexLock lock(&mu_);
   return broken_;
@@ -156,7 +161,14 @@ absl::StatusOr<runtime::StepResult> RemoteExecutor::Execute(const runtime::StepP
   }
   if (group->generation != generation_seen_) {
     encoder_.Reset();  // the new workers mirror nothing yet
+    const bool restarted = generation_seen_ != 0;
     generation_seen_ = group->generation;
+    for (const runtime::SequenceChunk& c : plan.batch.sequences) {
+      if (restarted && c.first_position > 0) {
+        return absl::UnavailableError(
+            "the workers were restarted: the KV cache this step continues from is gone, recompute");
+      }
+    }
   }
   MOE_ASSIGN_OR_RETURN(const pb::StepRequest request, encoder_.Encode(plan));
   auto lost = [&](size_t rank, const char* what) {

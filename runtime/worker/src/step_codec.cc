@@ -1,6 +1,7 @@
 #include "moe/worker/step_codec.h"
 
 #include <algorithm>
+#include <cstring>
 #include <optional>
 #include <set>
 #include <utility>
@@ -28,6 +29,11 @@ runtime::SampleRow RowFromSpec(const pb::SamplingSpec& s) {
   r.position = s.position();
   r.prompt_len = s.prompt_len();
   r.logprobs = s.logprobs();
+  if (s.has_allowed_tokens()) {
+    std::vector<uint32_t> words((s.allowed_tokens().size() + 3) / 4, 0);
+    std::memcpy(words.data(), s.allowed_tokens().data(), s.allowed_tokens().size());
+    r.allowed = runtime::ReadyTokenMask(std::make_shared<const runtime::TokenMask>(std::move(words)));
+  }
   return r;
 }
 
@@ -86,6 +92,12 @@ absl::StatusOr<pb::StepRequest> PlanEncoder::Encode(const runtime::StepPlan& pla
     s->set_position(r.position);
     s->set_prompt_len(r.prompt_len);
     s->set_logprobs(r.logprobs);
+    if (r.allowed.valid()) {  // a mask still being computed is waited for here
+      const std::shared_ptr<const runtime::TokenMask> mask = r.allowed.get();
+      if (mask != nullptr) {
+        s->set_allowed_tokens(reinterpret_cast<const char*>(mask->words().data()), mask->words().size() * 4);
+      }
+    }
   }
   return req;
 }

@@ -20,6 +20,7 @@
 #include "absl/status/statusor.h"
 #include "moe/runtime/model.h"
 #include "moe/runtime/sampler.h"
+#include "moe/runtime/token_mask.h"
 
 namespace moe::runtime {
 
@@ -39,6 +40,10 @@ struct SampleRow {
   std::vector<int32_t> history;
   int32_t prompt_len = 0;  // the first prompt_len tokens of the sequence are its prompt
   int logprobs = 0;        // top alternatives to return with the token's log-probability (0: none)
+  // Structured outputs: the tokens this row may draw (invalid: any). It may still be being
+  // computed while the step runs; the executor waits for it only to sample. Log-probabilities stay
+  // those of the model's own distribution.
+  PendingTokenMask allowed;
 };
 
 // The sample of one logit row, before drafts are accepted.
@@ -130,6 +135,9 @@ class Executor {
   virtual absl::StatusOr<StepResult> Execute(const StepPlan& plan) = 0;
 
   virtual KvCapacity kv_capacity() const = 0;
+  // Changes whenever the KV cache's contents were lost (workers restarted with empty caches), so
+  // that a caller keeping blocks across requests (the prefix cache) forgets them. Any thread.
+  virtual uint64_t cache_generation() const { return 0; }
   virtual const ModelInfo& model_info() const = 0;
   // One line for logs: what runs the plans, and where.
   virtual std::string Describe() const = 0;

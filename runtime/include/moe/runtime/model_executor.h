@@ -52,6 +52,7 @@ class ModelExecutor final : public Executor {
   // Reused across steps, so a step allocates nothing once sizes settle.
   std::vector<float> logits_;
   std::vector<float> penalized_;
+  std::vector<float> masked_;
 };
 
 // The ModelInfo of a model with this spec.

@@ -30,6 +30,12 @@ namespace moe::scheduler {
 // A block's contents and everything before it in its sequence, chained (the caller's hash).
 using BlockHash = uint64_t;
 
+// The hash of a full block of `tokens` that follows a block hashed `parent` (for a sequence's first
+// block, `parent` is the cache's salt: whatever else changes the block's contents, such as the KV
+// cache's dtype). 64 bits, well mixed: two different prefixes share a hash with probability about
+// 2^-64 per pair.
+BlockHash HashBlock(BlockHash parent, std::span<const int32_t> tokens);
+
 class BlockPool {
  public:
   explicit BlockPool(int num_blocks);
@@ -55,6 +61,9 @@ class BlockPool {
   // The longest run of `hashes`, from the first, that the pool holds blocks for: each such block
   // is held once more (revived when cached-free) and appended to `hit_table`. Returns how many.
   int Lookup(std::span<const BlockHash> hashes, std::vector<int32_t>* hit_table);
+  // Forgets every hash: cached-free blocks become free and held ones private. For when the cache's
+  // contents can no longer be trusted (a failed step, a worker lost and restarted).
+  void ForgetAll();
 
   struct Counters {
     int64_t allocated = 0;  // blocks handed out by Allocate

@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -13,6 +14,8 @@
 namespace moe::scheduler {
 
 using Clock = std::chrono::steady_clock;
+
+class TokenGrammar;  // structured_output.h
 
 struct StoppingParams {
   int max_new_tokens = 16;
@@ -28,6 +31,9 @@ struct Request {
   StoppingParams stopping;
   int logprobs = 0;  // with each token: its log-probability and this many top alternatives
   std::optional<Clock::time_point> deadline;
+  // Structured outputs: every token follows this grammar, and the request ends when its bytes are
+  // a whole sentence that cannot go on (null: unconstrained). Such a request carries no drafts.
+  std::shared_ptr<const TokenGrammar> grammar;
 };
 
 // kStopString: the text pipeline matched a stop string and ended the request (Engine::Finish).
@@ -43,6 +49,7 @@ struct Output {
   absl::Status error;  // set with kError
   int prompt_tokens = 0;
   int completion_tokens = 0;
+  int cached_tokens = 0;  // prompt tokens found in the prefix cache when the request started
   bool admitted = false;  // this step started working on the request (for queue-time metrics)
 };
 

@@ -6,6 +6,11 @@
 // come first served. KV blocks come from a block pool (block_pool.h) and go back the moment a sequence
 // finishes, is aborted, fails or passes its deadline. When blocks run out, the newest running
 // sequence is preempted (its blocks freed) and recomputed later, rather than failing older ones.
+// With the prefix cache on, every full block a sequence has computed is committed to the pool under
+// a hash chained over its tokens; a sequence being admitted takes the longest run of cached blocks
+// that matches its tokens (shared read-only, refcounted) and prefills only the rest, always at
+// least its last token, so no shared block is ever written. Freed blocks keep their contents until
+// Allocate needs them (least recently freed first).
 // Every request gets a sampling seed when it is added (a random one when it has none), so its
 // tokens do not depend on which executor or process samples them. With a DraftProposer, a decoding
 // sequence carries up to max_draft drafts a step; the executor keeps those its sampler agrees with
@@ -60,7 +65,16 @@ struct SchedulerConfig {
   // Drafts a decoding sequence may carry in one step (0: none): those the executor's own drafter
   // proposed in the step before (SequenceChunk::want_drafts asks for them), else a DraftProposer's.
   int max_draft = 0;
+  // Automatic prefix caching (see above).
+  bool prefix_cache = true;
+  // Folded into every sequence's first block hash: whatever else changes what a block holds for the
+  // same tokens (the KV cache's dtype, the model), so that such blocks never match.
+  uint64_t prefix_cache_salt = 0;
 };
+
+// A prefix-cache salt from what changes a block's contents beyond its tokens: the KV cache's dtype
+// as configured ("auto", "bf16", "fp8").
+uint64_t PrefixCacheSalt(const std::string& kv_cache_dtype);
 
 struct SchedulerStats {
   int running = 0;
@@ -69,6 +83,10 @@ struct SchedulerStats {
   int blocks_free = 0;  // blocks_cached of them keep a committed prefix (block_pool.h)
   int blocks_cached = 0;
   int64_t preemptions = 0;
+  // Prefix cache, over the life of the scheduler: prompt tokens of admitted sequences looked up,
+  // and of them found in the cache (vLLM's prefix_cache_queries and prefix_cache_hits).
+  int64_t prefix_queried_tokens = 0;
+  int64_t prefix_hit_tokens = 0;
 };
 
 class Scheduler {
@@ -121,6 +139,11 @@ class Scheduler {
   void Preempt(Sequence* seq);
   // Its blocks are gone: the next plan tells the executor its id is no more.
   void Release(Sequence* seq);
+  // Prefix cache: the hashes of seq's first `n` full blocks (extended as needed); takes the cached
+  // blocks of a sequence being admitted; commits the blocks the sequence has filled since.
+  std::span<const BlockHash> HashesOf(Sequence* seq, int64_t n);
+  void TakeCachedPrefix(Sequence* seq);
+  void CommitFullBlocks(Sequence* seq);
   // Ends `seq` if `token` (just appended) stops it; true when it did (seq is gone then).
   bool CheckStop(Sequence* seq, int32_t token, std::vector<Output>* outputs);
   // The sampling row that draws the token after seq's tokens and its first `draft` drafts.
@@ -133,6 +156,9 @@ class Scheduler {
   std::deque<Sequence*> waiting_;                               // FCFS; preempted ones go first
   std::vector<Sequence*> running_;                              // in admission order
   int64_t preemptions_ = 0;
+  int64_t prefix_queried_tokens_ = 0;
+  int64_t prefix_hit_tokens_ = 0;
+  uint64_t cache_generation_ = 0;  // the executor's when the last step began
   uint64_t last_seq_id_ = 0;
   DraftProposer* proposer_ = nullptr;
   std::vector<uint64_t> released_;  // ids of sequences released since the last plan

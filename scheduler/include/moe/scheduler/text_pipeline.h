@@ -90,6 +90,7 @@ struct OutputTextOptions {
 };
 
 class OutputText;
+class VocabularyTrie;  // structured_output.h
 
 class TextModel {
  public:
@@ -117,6 +118,9 @@ class TextModel {
   std::string TokenText(int32_t id) const;
   // The token's own bytes (logprobs' `bytes`): part of a character stays its bytes, not U+FFFD.
   std::string TokenBytes(int32_t id) const;
+  // Every token's bytes in a trie, for structured outputs' masks (special tokens left out); built on
+  // first use. Null without a tokenizer.
+  std::shared_ptr<const VocabularyTrie> vocabulary_trie() const;
   // kInvalidArgument for a tool-call parser that cannot take these tools.
   absl::StatusOr<std::unique_ptr<OutputText>> NewOutput(OutputTextOptions options) const;
 

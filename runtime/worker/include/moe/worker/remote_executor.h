@@ -54,6 +54,10 @@ class RemoteExecutor final : public runtime::Executor {
 
   absl::StatusOr<runtime::StepResult> Execute(const runtime::StepPlan& plan) override;
   runtime::KvCapacity kv_capacity() const override { return options_.kv; }
+  // The worker group's generation: each restart empties the workers' caches. A plan that reaches
+  // the new group carrying a chunk that starts on cached positions (planned before the scheduler
+  // saw the restart) fails with kUnavailable instead of reading an empty cache.
+  uint64_t cache_generation() const override;
   const runtime::ModelInfo& model_info() const override { return options_.info; }
   std::string Describe() const override { return options_.description; }
 

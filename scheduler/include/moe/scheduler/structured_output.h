@@ -1,0 +1,109 @@
+// Structured outputs at the token level: a grammar (grammar.h, json_schema.h) over the model's
+// vocabulary. Each step, a constrained sequence's sampling row carries the mask of the token ids
+// whose bytes the grammar allows next (runtime/token_mask.h), computed by walking a trie of the
+// vocabulary's token bytes beside the matcher: a subtree is left as soon as its prefix cannot
+// follow, so the walk visits only the tokens that may come next and their first failing byte.
+// Masks are cached by matcher state, shared by every request with the same grammar (inside a JSON
+// string most steps are the same state). The end-of-sequence ids are allowed exactly when the
+// bytes so far are a whole sentence; special tokens never are.
+//
+// Thread-safety: VocabularyTrie and TokenGrammar are immutable but for TokenGrammar's mask cache
+// and timing, which are guarded, so masks may be computed on any threads at once.
+// StructuredOutputs may be used from any thread.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "moe/runtime/token_mask.h"
+#include "moe/scheduler/grammar.h"
+#include "nlohmann/json.hpp"
+
+namespace moe::scheduler {
+
+class VocabularyTrie {
+ public:
+  // token_bytes[id]: what token `id` writes; "" for a token structured output never uses (special
+  // tokens, ids the tokenizer does not know).
+  explicit VocabularyTrie(std::vector<std::string> token_bytes);
+  int size() const { return static_cast<int>(bytes_.size()); }
+  const std::string& bytes(int32_t id) const { return bytes_[id]; }
+
+ private:
+  friend class TokenGrammar;
+  struct Node {
+    std::vector<std::pair<uint8_t, int32_t>> children;  // by byte
+    std::vector<int32_t> tokens;                        // ids whose bytes end here
+  };
+  std::vector<std::string> bytes_;
+  std::vector<Node> nodes_;  // 0: the root (the empty prefix)
+};
+
+class TokenGrammar {
+ public:
+  TokenGrammar(std::shared_ptr<const Grammar> grammar, std::shared_ptr<const VocabularyTrie> vocabulary,
+               int vocab_size, std::vector<int> eos_token_ids);
+
+  GrammarMatcher NewMatcher() const { return GrammarMatcher(grammar_); }
+  // The tokens that may follow `matcher`'s bytes (cached by state).
+  std::shared_ptr<const runtime::TokenMask> Mask(const GrammarMatcher& matcher) const;
+  // The cached mask of this state, or null.
+  std::shared_ptr<const runtime::TokenMask> CachedMask(const GrammarMatcher& matcher) const;
+  // The same mask by trying every token of the vocabulary in turn (for tests).
+  std::shared_ptr<const runtime::TokenMask> MaskByEveryToken(const GrammarMatcher& matcher) const;
+  // Advances `matcher` by the bytes of `token`; false (unchanged) when they cannot follow.
+  bool Accept(GrammarMatcher* matcher, int32_t token) const;
+  bool IsEos(int32_t token) const;
+
+  // Masks computed (not found in the cache) and the seconds they took, over the grammar's life.
+  int64_t masks_computed() const { return computed_.load(); }
+  double mask_seconds() const { return static_cast<double>(mask_ns_.load()) * 1e-9; }
+
+ private:
+  void Walk(int32_t node, const GrammarMatcher& matcher, std::vector<uint32_t>* words) const;
+  void AllowEos(const GrammarMatcher& matcher, std::vector<uint32_t>* words) const;
+
+  const std::shared_ptr<const Grammar> grammar_;
+  const std::shared_ptr<const VocabularyTrie> vocabulary_;
+  const int vocab_size_;
+  const std::vector<int> eos_token_ids_;
+  mutable absl::Mutex mu_;
+  mutable std::unordered_map<std::string, std::shared_ptr<const runtime::TokenMask>> cache_ ABSL_GUARDED_BY(mu_);
+  mutable std::atomic<int64_t> computed_{0};
+  mutable std::atomic<int64_t> mask_ns_{0};
+};
+
+// Compiles the grammars of requests, keeping each (and its masks) for the next request that asks
+// for the same: an agent sends the same schema or tools every turn.
+class StructuredOutputs {
+ public:
+  StructuredOutputs(std::shared_ptr<const VocabularyTrie> vocabulary, int vocab_size, std::vector<int> eos_token_ids);
+
+  // response_format json_schema (its `schema`); `field` names it in errors (kInvalidArgument
+  // naming the keyword a schema uses that cannot be enforced).
+  absl::StatusOr<std::shared_ptr<const TokenGrammar>> ForJsonSchema(const nlohmann::json& schema,
+                                                                    const std::string& field);
+  // response_format json_object.
+  absl::StatusOr<std::shared_ptr<const TokenGrammar>> ForJsonObject();
+  // tool_choice "required": ToolCallsGrammar(tools).
+  absl::StatusOr<std::shared_ptr<const TokenGrammar>> ForToolCalls(const nlohmann::json& tools);
+
+ private:
+  absl::StatusOr<std::shared_ptr<const TokenGrammar>> Cached(
+      const std::string& key, const std::function<absl::StatusOr<std::shared_ptr<const Grammar>>()>& compile);
+
+  const std::shared_ptr<const VocabularyTrie> vocabulary_;
+  const int vocab_size_;
+  const std::vector<int> eos_token_ids_;
+  absl::Mutex mu_;
+  std::unordered_map<std::string, std::shared_ptr<const TokenGrammar>> grammars_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace moe::scheduler

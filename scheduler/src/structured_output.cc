@@ -1,0 +1,144 @@
+#include "moe/scheduler/structured_output.h"
+
+#include <algorithm>
+#include <chrono>
+#include <utility>
+
+#include "moe/scheduler/json_schema.h"
+
+namespace moe::scheduler {
+namespace {
+
+// Masks kept per grammar; past it the cache starts again (a mask is vocab/8 bytes).
+constexpr size_t kMaxCachedMasks = 1024;
+// Grammars kept per StructuredOutputs.
+constexpr size_t kMaxGrammars = 256;
+
+void Allow(int32_t id, std::vector<uint32_t>* words) { (*words)[id / 32] |= 1u << (id % 32); }
+
+}  // namespace
+
+VocabularyTrie::VocabularyTrie(std::vector<std::string> token_bytes) : bytes_(std::move(token_bytes)) {
+  nodes_.emplace_back();
+  for (int32_t id = 0; id < static_cast<int32_t>(bytes_.size()); ++id) {
+    int32_t node = 0;
+    for (const char c : bytes_[id]) {
+      const uint8_t b = static_cast<uint8_t>(c);
+      auto& children = nodes_[node].children;
+      auto it = std::lower_bound(children.begin(), children.end(), std::make_pair(b, int32_t{-1}));
+      if (it == children.end() || it->first != b) {
+        const int32_t added = static_cast<int32_t>(nodes_.size());
+        it = children.insert(it, {b, added});
+        nodes_.emplace_back();  // invalidates `children`, not `it`'s copy below
+        node = added;
+      } else {
+        node = it->second;
+      }
+    }
+    if (node != 0) nodes_[node].tokens.push_back(id);
+  }
+}
+
+TokenGrammar::TokenGrammar(std::shared_ptr<const Grammar> grammar, std::shared_ptr<const VocabularyTrie> vocabulary,
+                           int vocab_size, std::vector<int> eos_token_ids)
+    : grammar_(std::move(grammar)),
+      vocabulary_(std::move(vocabulary)),
+      vocab_size_(vocab_size),
+      eos_token_ids_(std::move(eos_token_ids)) {}
+
+bool TokenGrammar::IsEos(int32_t token) const {
+  return std::find(eos_token_ids_.begin(), eos_token_ids_.end(), token) != eos_token_ids_.end();
+}
+
+void TokenGrammar::AllowEos(const GrammarMatcher& matcher, std::vector<uint32_t>* words) const {
+  if (!matcher.accepting()) return;
+  for (int id : eos_token_ids_) {
+    if (id >= 0 && id < vocab_size_) Allow(id, words);
+  }
+}
+
+void TokenGrammar::Walk(int32_t node, const GrammarMatcher& matcher, std::vector<uint32_t>* words) const {
+  const ByteSet next = matcher.NextBytes();
+  for (const auto& [byte, child] : vocabulary_->nodes_[node].children) {
+    if (!next.test(byte)) continue;
+    GrammarMatcher advanced = matcher;
+    if (!advanced.Advance(byte)) continue;
+    for (int32_t id : vocabulary_->nodes_[child].tokens) {
+      if (id < vocab_size_) Allow(id, words);
+    }
+    if (!vocabulary_->nodes_[child].children.empty()) Walk(child, advanced, words);
+  }
+}
+
+std::shared_ptr<const runtime::TokenMask> TokenGrammar::CachedMask(const GrammarMatcher& matcher) const {
+  const std::string key = matcher.StateKey();
+  absl::MutexLock lock(&mu_);
+  auto it = cache_.find(key);
+  return it == cache_.end() ? nullptr : it->second;
+}
+
+std::shared_ptr<const runtime::TokenMask> TokenGrammar::Mask(const GrammarMatcher& matcher) const {
+  if (auto cached = CachedMask(matcher)) return cached;
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<uint32_t> words((static_cast<size_t>(vocab_size_) + 31) / 32, 0);
+  Walk(0, matcher, &words);
+  AllowEos(matcher, &words);
+  auto mask = std::make_shared<const runtime::TokenMask>(std::move(words));
+  mask_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+  ++computed_;
+  absl::MutexLock lock(&mu_);
+  if (cache_.size() >= kMaxCachedMasks) cache_.clear();
+  cache_.emplace(matcher.StateKey(), mask);
+  return mask;
+}
+
+std::shared_ptr<const runtime::TokenMask> TokenGrammar::MaskByEveryToken(const GrammarMatcher& matcher) const {
+  std::vector<uint32_t> words((static_cast<size_t>(vocab_size_) + 31) / 32, 0);
+  for (int32_t id = 0; id < std::min(vocab_size_, vocabulary_->size()); ++id) {
+    const std::string& bytes = vocabulary_->bytes(id);
+    GrammarMatcher copy = matcher;
+    if (!bytes.empty() && copy.AdvanceBytes(bytes)) Allow(id, &words);
+  }
+  AllowEos(matcher, &words);
+  return std::make_shared<const runtime::TokenMask>(std::move(words));
+}
+
+bool TokenGrammar::Accept(GrammarMatcher* matcher, int32_t token) const {
+  if (token < 0 || token >= vocabulary_->size()) return false;
+  const std::string& bytes = vocabulary_->bytes(token);
+  return !bytes.empty() && matcher->AdvanceBytes(bytes);
+}
+
+StructuredOutputs::StructuredOutputs(std::shared_ptr<const VocabularyTrie> vocabulary, int vocab_size,
+                                     std::vector<int> eos_token_ids)
+    : vocabulary_(std::move(vocabulary)), vocab_size_(vocab_size), eos_token_ids_(std::move(eos_token_ids)) {}
+
+absl::StatusOr<std::shared_ptr<const TokenGrammar>> StructuredOutputs::Cached(
+    const std::string& key, const std::function<absl::StatusOr<std::shared_ptr<const Grammar>>()>& compile) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (auto it = grammars_.find(key); it != grammars_.end()) return it->second;
+  }
+  absl::StatusOr<std::shared_ptr<const Grammar>> grammar = compile();
+  if (!grammar.ok()) return grammar.status();
+  auto token_grammar = std::make_shared<const TokenGrammar>(*std::move(grammar), vocabulary_, vocab_size_, eos_token_ids_);
+  absl::MutexLock lock(&mu_);
+  if (grammars_.size() >= kMaxGrammars) grammars_.clear();
+  grammars_.emplace(key, token_grammar);
+  return token_grammar;
+}
+
+absl::StatusOr<std::shared_ptr<const TokenGrammar>> StructuredOutputs::ForJsonSchema(const nlohmann::json& schema,
+                                                                                    const std::string& field) {
+  return Cached("schema:" + field + ":" + schema.dump(), [&] { return CompileJsonSchema(schema, field); });
+}
+
+absl::StatusOr<std::shared_ptr<const TokenGrammar>> StructuredOutputs::ForJsonObject() {
+  return Cached("json_object", [] { return JsonObjectGrammar(); });
+}
+
+absl::StatusOr<std::shared_ptr<const TokenGrammar>> StructuredOutputs::ForToolCalls(const nlohmann::json& tools) {
+  return Cached("tools:" + tools.dump(), [&] { return ToolCallsGrammar(tools); });
+}
+
+}  // namespace moe::scheduler
