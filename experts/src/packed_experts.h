@@ -50,6 +50,7 @@ inline absl::StatusOr<PackedExperts> LayOutExperts(const ExpertShape& shape, Exp
 
 // Columns per quantized-sum group of the activations for a matrix.
 inline int SumGroup(const MatrixLayout& l) {
+  if (l.gguf_type >= 0) return 16;  // every GGUF type's groups are 16 or 32 columns
   return l.format == ExpertFormat::kInt4 ? l.group : static_cast<int>(l.k_pad);
 }
 

@@ -1,0 +1,366 @@
+// Kernels for the GGUF formats (packed.h): the weights stay in their GGUF blocks and are decoded,
+// a span of up to 256 columns of 16 rows at a time, to unsigned int8 (q + bias) with per-group
+// scales (and mins), then multiplied by int8 activations:
+//   y[m][n] = a_scale[m] * sum_g (scale[n][g] * (dot_g(q + bias, x) - bias * xsum_g) + min[n][g] * xsum_g)
+// with xsum_g the activations' group sums (the activations are prepared with groups of 16).
+//
+// portable: one block at a time through the scalar decoder (gguf_blocks.h); the reference.
+// vnni:     the 16 rows' blocks of a span decoded in registers (vector decoders for Q8_0, Q4_0,
+//           IQ4_NL, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ3_XXS; the scalar one for the other types),
+//           transposed into 64-byte lines of 16 rows x 4 columns (the int8 format's layout, kept
+//           in L1), then vpdpbusd with broadcast activations, one accumulator per group, so that
+//           no horizontal sums are needed. The span is decoded once for all the call's tokens.
+// Speed bound: at one token, the memory stream of the blocks, if the decode keeps up.
+#include <immintrin.h>
+
+#include <cstring>
+#include <vector>
+
+#include "gguf_blocks.h"
+#include "moe/core/dtype.h"
+#include "moe/experts/gguf_types.h"
+#include "moe/experts/kernels.h"
+
+#define MOE_GGUF_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c")))
+
+// GCC 12 warns about the undefined pass-through operand inside its own AVX-512 intrinsics.
+#pragma GCC diagnostic push
+#if !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+
+namespace moe::experts::internal {
+namespace {
+
+// The activations' sum over group g of `group` columns (they are prepared in groups of 16).
+inline int32_t GroupSum(const Activations& a, int64_t m, int64_t g, int group) {
+  return group == 16 ? a.i8_sum(m, g) : a.i8_sum(m, 2 * g) + a.i8_sum(m, 2 * g + 1);
+}
+
+}  // namespace
+
+void MatmulGgufPortable(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, float* y,
+                        int64_t ldy) {
+  const MatrixLayout& l = w.layout;
+  const GgufBlockCode& code = *FindGgufBlockCode(l.gguf_type);
+  const int64_t chunks = l.k / code.elements, groups = code.elements / code.group;
+  std::vector<float> acc(a.m());
+  int8_t q[256];
+  float scale[16], offset[16];
+  for (int64_t b = b0; b < b1; ++b) {
+    for (int r = 0; r < 16; ++r) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t c = 0; c < chunks; ++c) {
+        DecodeGgufBlock(l.gguf_type, w.block(b) + (c * 16 + r) * code.bytes, q, scale, offset);
+        for (int64_t m = 0; m < a.m(); ++m) {
+          const int8_t* x = a.i8(m) + c * code.elements;
+          for (int64_t g = 0; g < groups; ++g) {
+            int32_t dot = 0;
+            for (int i = 0; i < code.group; ++i) dot += q[g * code.group + i] * x[g * code.group + i];
+            acc[m] += scale[g] * static_cast<float>(dot);
+            if (code.has_offset) {
+              acc[m] += offset[g] * static_cast<float>(GroupSum(a, m, (c * code.elements) / code.group + g, code.group));
+            }
+          }
+        }
+      }
+      for (int64_t m = 0; m < a.m(); ++m) y[m * ldy + (b - b0) * 16 + r] = acc[m] * a.i8_scale(m);
+    }
+  }
+}
+
+namespace {
+
+constexpr int kSpan = 256;  // columns decoded at a time
+
+// One span of 16 rows, decoded: rows[r][i] = q + bias of column i; scale and min per group, the
+// 16 rows of a group side by side.
+struct DecodedSpan {
+  alignas(64) uint8_t rows[16][kSpan];
+  alignas(64) uint8_t lines[kSpan / 4][64];
+  alignas(64) float scale[kSpan / 16][16];
+  alignas(64) float min[kSpan / 16][16];
+};
+
+MOE_GGUF_VNNI inline float Half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+uint32_t Load32u(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// Any type, through the scalar decoder: row r's block at `blk` to columns [col, col + elements).
+void DecodeScalar(const GgufBlockCode& code, const uint8_t* blk, int r, int col, DecodedSpan& s) {
+  int8_t q[256];
+  float scale[16], offset[16];
+  DecodeGgufBlock(code.id, blk, q, scale, offset);
+  for (int i = 0; i < code.elements; ++i) s.rows[r][col + i] = static_cast<uint8_t>(q[i] + code.bias);
+  for (int g = 0; g < code.elements / code.group; ++g) {
+    s.scale[col / code.group + g][r] = scale[g];
+    s.min[col / code.group + g][r] = code.has_offset ? offset[g] : 0.0f;
+  }
+}
+
+MOE_GGUF_VNNI void DecodeQ8_0(const uint8_t* blk, int r, int col, DecodedSpan& s) {
+  s.scale[col / 32][r] = Half(blk);
+  const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+  _mm256_store_si256(reinterpret_cast<__m256i*>(&s.rows[r][col]), _mm256_xor_si256(q, _mm256_set1_epi8(-128)));
+}
+
+// Q4_0 (bias 8) and IQ4_NL (through the codebook, bias 128): value j low nibble, j + 16 high.
+template <bool kCodebook>
+MOE_GGUF_VNNI void DecodeNibbles32(const uint8_t* blk, int r, int col, DecodedSpan& s) {
+  s.scale[col / 32][r] = Half(blk);
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
+  __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0x0F)), hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F));
+  if (kCodebook) {
+    const __m128i table = _mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141, (char)153, (char)166,
+                                        (char)181, (char)197, (char)217, (char)241);  // kvalues_iq4nl + 128
+    lo = _mm_shuffle_epi8(table, lo);
+    hi = _mm_shuffle_epi8(table, hi);
+  }
+  _mm_store_si128(reinterpret_cast<__m128i*>(&s.rows[r][col]), lo);
+  _mm_store_si128(reinterpret_cast<__m128i*>(&s.rows[r][col + 16]), hi);
+}
+
+// Q4_K and Q5_K: 8 groups of 32, scale and min 6 bits each; the 64 columns of chunk j are the low
+// nibbles (group 2j), then the high ones (2j + 1), of qs[32j .. 32j + 31], plus 16 for Q5_K where
+// bit 2j (2j + 1) of qh[l] is set.
+template <bool kFive>
+MOE_GGUF_VNNI void DecodeQ45_K(const uint8_t* blk, int r, int col, DecodedSpan& s) {
+  const float d = Half(blk), dmin = Half(blk + 2);
+  const uint8_t* sc = blk + 4;
+  for (int g = 0; g < 8; ++g) {
+    int scale, min;
+    if (g < 4) {
+      scale = sc[g] & 63;
+      min = sc[g + 4] & 63;
+    } else {
+      scale = (sc[g + 4] & 0xF) | ((sc[g - 4] >> 6) << 4);
+      min = (sc[g + 4] >> 4) | ((sc[g] >> 6) << 4);
+    }
+    s.scale[g][r] = d * scale;
+    s.min[g][r] = -(dmin * min);
+  }
+  const uint8_t* qs = blk + (kFive ? 48 : 16);
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  __m256i qh = _mm256_setzero_si256();
+  if (kFive) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
+  for (int j = 0; j < 4; ++j) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+    __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    if (kFive) {
+      const __mmask32 mlo = _mm256_test_epi8_mask(qh, _mm256_set1_epi8(static_cast<char>(1 << (2 * j))));
+      const __mmask32 mhi = _mm256_test_epi8_mask(qh, _mm256_set1_epi8(static_cast<char>(2 << (2 * j))));
+      lo = _mm256_mask_add_epi8(lo, mlo, lo, _mm256_set1_epi8(16));
+      hi = _mm256_mask_add_epi8(hi, mhi, hi, _mm256_set1_epi8(16));
+    }
+    _mm256_store_si256(reinterpret_cast<__m256i*>(&s.rows[r][64 * j]), lo);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(&s.rows[r][64 * j + 32]), hi);
+  }
+  (void)col;
+}
+
+// Q6_K: the 6-bit values as they are (q + 32), 16 groups of 16 with int8 scales.
+MOE_GGUF_VNNI void DecodeQ6_K(const uint8_t* blk, int r, int col, DecodedSpan& s) {
+  const float d = Half(blk + 208);
+  const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+  for (int g = 0; g < 16; ++g) s.scale[g][r] = d * sc[g];
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(0x03);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
+    const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+    const __m256i v[4] = {
+        _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4)),
+        _mm256_or_si256(_mm256_and_si256(ql1, m4),
+                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4)),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4)),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4)),
+    };
+    for (int i = 0; i < 4; ++i) _mm256_store_si256(reinterpret_cast<__m256i*>(&s.rows[r][128 * h + 32 * i]), v[i]);
+  }
+  (void)col;
+}
+
+// IQ4_XS: 8 groups of 32 with 6-bit scales - 32; nibbles through the codebook (+ 128).
+MOE_GGUF_VNNI void DecodeIQ4_XS(const uint8_t* blk, int r, int col, DecodedSpan& s) {
+  const float d = Half(blk);
+  uint16_t scales_h;
+  std::memcpy(&scales_h, blk + 2, 2);
+  for (int g = 0; g < 8; ++g) {
+    const int ls = ((blk[4 + g / 2] >> (4 * (g % 2))) & 0xF) | (((scales_h >> (2 * g)) & 3) << 4);
+    s.scale[g][r] = d * static_cast<float>(ls - 32);
+  }
+  const __m256i table = _mm256_broadcastsi128_si256(
+      _mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141, (char)153, (char)166, (char)181, (char)197,
+                    (char)217, (char)241));
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  for (int j = 0; j < 4; ++j) {  // groups 2j, 2j + 1
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 8 + 32 * j));
+    const __m256i lo = _mm256_shuffle_epi8(table, _mm256_and_si256(v, m4));
+    const __m256i hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(&s.rows[r][64 * j]), _mm256_permute2x128_si256(lo, hi, 0x20));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(&s.rows[r][64 * j + 32]), _mm256_permute2x128_si256(lo, hi, 0x31));
+  }
+  (void)col;
+}
+
+// IQ3_XXS: per group of 32, 8 grid entries of 4 magnitudes (gathered) and 32 sign bits from four
+// 7-bit indices; q + 64.
+MOE_GGUF_VNNI void DecodeIQ3_XXS(const uint8_t* blk, int r, int col, DecodedSpan& s) {
+  const float d = Half(blk);
+  const uint8_t* qs = blk + 2;
+  const __m256i bias = _mm256_set1_epi8(64);
+  for (int g = 0; g < 8; ++g) {
+    const uint32_t aux = Load32u(blk + 66 + 4 * g);
+    s.scale[g][r] = d * (0.5f + static_cast<float>(aux >> 28)) * 0.5f;
+    const __m256i index = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * g)));
+    const __m256i mag = _mm256_i32gather_epi32(reinterpret_cast<const int*>(kGgufIq3xxsGrid), index, 4);
+    const __mmask32 neg = static_cast<__mmask32>(kGgufKsignsIq2xs[aux & 127]) |
+                          static_cast<__mmask32>(kGgufKsignsIq2xs[(aux >> 7) & 127]) << 8 |
+                          static_cast<__mmask32>(kGgufKsignsIq2xs[(aux >> 14) & 127]) << 16 |
+                          static_cast<__mmask32>(kGgufKsignsIq2xs[(aux >> 21) & 127]) << 24;
+    const __m256i u = _mm256_mask_sub_epi8(_mm256_add_epi8(bias, mag), neg, bias, mag);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(&s.rows[r][32 * g]), u);
+  }
+  (void)col;
+}
+
+// Transposes 16 x 16 dwords: v[i] holds row i; afterwards v[j] holds column j (as packed.cc).
+MOE_GGUF_VNNI inline void Transpose16x16(__m512i v[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i x0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), x1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+    const __m512i y0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+    const __m512i y1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+    v[c] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+    v[4 + c] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
+    v[8 + c] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+    v[12 + c] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
+  }
+}
+
+MOE_GGUF_VNNI inline __m512i Dpbusd(__m512i acc, __m512i a, __m512i b) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));  // as kernels_avx512.cc: named accumulators
+  return acc;
+}
+
+using DecodeFn = void (*)(const uint8_t* blk, int r, int col, DecodedSpan& s);
+
+// Decodes the span of `cols` columns from `col0` of 16-row block `blk0` into s.lines, s.scale and
+// s.min (group index relative to the span).
+MOE_GGUF_VNNI void DecodeSpan(const GgufBlockCode& code, DecodeFn decode, const uint8_t* rowblock, int64_t col0,
+                              int cols, DecodedSpan& s) {
+  const int chunks = cols / code.elements;
+  const int64_t c0 = col0 / code.elements;
+  for (int c = 0; c < chunks; ++c) {
+    const uint8_t* chunk = rowblock + (c0 + c) * 16 * code.bytes;
+    // The next span's blocks, into L1 while this one decodes (the L2 prefetcher runs ahead).
+    for (int p = 0; p < 16 * code.bytes; p += 64) _mm_prefetch(reinterpret_cast<const char*>(chunk + chunks * 16 * code.bytes + p), _MM_HINT_T0);
+    for (int r = 0; r < 16; ++r) {
+      const uint8_t* blk = chunk + r * code.bytes;
+      if (decode != nullptr) {
+        decode(blk, r, c * code.elements, s);
+      } else {
+        DecodeScalar(code, blk, r, c * code.elements, s);
+      }
+    }
+  }
+  const int padded = (cols + 63) / 64 * 64;
+  if (padded != cols) {
+    for (int r = 0; r < 16; ++r) std::memset(&s.rows[r][cols], 0, padded - cols);
+  }
+  for (int c64 = 0; c64 < padded; c64 += 64) {
+    __m512i v[16];
+    for (int r = 0; r < 16; ++r) v[r] = _mm512_load_si512(&s.rows[r][c64]);
+    Transpose16x16(v);
+    for (int j = 0; j < 16; ++j) _mm512_store_si512(s.lines[c64 / 4 + j], v[j]);
+  }
+}
+
+// One token's products with a decoded span: the sum over its groups of scale * (integer dot -
+// bias * group sum) + min * group sum, for the 16 rows.
+template <int kGroup, bool kMin>
+MOE_GGUF_VNNI __m512 DotSpan(const DecodedSpan& s, int cols, int bias, const int8_t* x, const int32_t* sums16) {
+  constexpr int kLines = kGroup / 4;
+  __m512 acc = _mm512_setzero_ps();
+  for (int g = 0; g < cols / kGroup; ++g) {
+    const int32_t sum = kGroup == 16 ? sums16[g] : sums16[2 * g] + sums16[2 * g + 1];
+    __m512i i0 = _mm512_set1_epi32(-bias * sum), i1 = _mm512_setzero_si512();
+    for (int j = 0; j < kLines; j += 2) {
+      const int line = g * kLines + j;
+      int32_t x0, x1;
+      std::memcpy(&x0, x + 4 * line, 4);
+      std::memcpy(&x1, x + 4 * line + 4, 4);
+      i0 = Dpbusd(i0, _mm512_load_si512(s.lines[line]), _mm512_set1_epi32(x0));
+      i1 = Dpbusd(i1, _mm512_load_si512(s.lines[line + 1]), _mm512_set1_epi32(x1));
+    }
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)), _mm512_load_ps(s.scale[g]), acc);
+    if (kMin) acc = _mm512_fmadd_ps(_mm512_load_ps(s.min[g]), _mm512_set1_ps(static_cast<float>(sum)), acc);
+  }
+  return acc;
+}
+
+using DotFn = __m512 (*)(const DecodedSpan& s, int cols, int bias, const int8_t* x, const int32_t* sums16);
+
+DecodeFn VectorDecoder(int type_id) {
+  switch (type_id) {
+    case kGgufQ8_0: return DecodeQ8_0;
+    case kGgufQ4_0: return DecodeNibbles32<false>;
+    case kGgufIQ4_NL: return DecodeNibbles32<true>;
+    case kGgufQ4_K: return DecodeQ45_K<false>;
+    case kGgufQ5_K: return DecodeQ45_K<true>;
+    case kGgufQ6_K: return DecodeQ6_K;
+    case kGgufIQ4_XS: return DecodeIQ4_XS;
+    case kGgufIQ3_XXS: return DecodeIQ3_XXS;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+MOE_GGUF_VNNI void MatmulGgufVnni(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, float* y,
+                                  int64_t ldy) {
+  const MatrixLayout& l = w.layout;
+  const GgufBlockCode& code = *FindGgufBlockCode(l.gguf_type);
+  const DecodeFn decode = VectorDecoder(code.id);
+  const DotFn dot = code.group == 16 ? (code.has_offset ? DotSpan<16, true> : DotSpan<16, false>)
+                                     : (code.has_offset ? DotSpan<32, true> : DotSpan<32, false>);
+  thread_local DecodedSpan span;
+  const int64_t m = a.m();
+  for (int64_t b = b0; b < b1; ++b) {
+    for (int64_t t = 0; t < m; ++t) _mm512_storeu_ps(y + t * ldy + (b - b0) * 16, _mm512_setzero_ps());
+    for (int64_t col = 0; col < l.k; col += kSpan) {
+      const int cols = static_cast<int>(std::min<int64_t>(kSpan, l.k - col));
+      DecodeSpan(code, decode, w.block(b), col, cols, span);
+      for (int64_t t = 0; t < m; ++t) {
+        float* out = y + t * ldy + (b - b0) * 16;
+        const __m512 part = dot(span, cols, code.bias, a.i8(t) + col, a.i8_sums(t) + col / 16);
+        _mm512_storeu_ps(out, _mm512_fmadd_ps(part, _mm512_set1_ps(a.i8_scale(t)), _mm512_loadu_ps(out)));
+      }
+    }
+  }
+}
+
+}  // namespace moe::experts::internal
+
+#pragma GCC diagnostic pop
