@@ -43,7 +43,8 @@ absl::Status CheckShapes(const ExpertWeights& w, int layer, int expert, int64_t 
 }
 
 // A matrix's type against the format its layout keeps: GGUF formats take their own type only.
-absl::Status CheckType(const ExpertMatrix& m, const MatrixLayout& l, int layer, int expert, const char* what) {
+absl::Status CheckType(const ExpertMatrix& m, const MatrixLayout& l, bool native, int layer, int expert,
+                       const char* what) {
   if (l.gguf_type < 0) {
     if (m.is_gguf() && FindGgufType(m.gguf_type) == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat("MoE layer ", layer, " expert ", expert, " ", what,
@@ -55,8 +56,10 @@ absl::Status CheckType(const ExpertMatrix& m, const MatrixLayout& l, int layer, 
   if (m.gguf_type == l.gguf_type) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat(
       "MoE layer ", layer, " expert ", expert, " ", what, " is ", m.TypeName(), ", but the expert pool keeps ",
-      FormatName(l.format), " there (", layer > 0 || expert > 0 ? "as expert 0 of the layer has it" : "the format asked",
-      "): every expert of a layer must have the same types, or use --expert-format bf16, int8 or int4"));
+      FormatName(l.format), " there",
+      native ? " (the type of expert 0 of the layer): every expert of a layer must have the same types"
+             : " (the format asked): use --expert-format native to keep each matrix's type",
+      ", or bf16, int8 or int4 to convert them"));
 }
 
 // Row `n` of a matrix as floats: its values converted, or its GGUF blocks dequantized.
@@ -77,8 +80,8 @@ const uint8_t* GgufRow(const ExpertMatrix& m, int64_t n) {
 
 // Packs one expert's checkpoint weights, of the shapes CheckShapes wants, into its place in the
 // arena.
-absl::Status PackExpert(const ExpertWeights& w, const PackedExperts& experts, int layer, int expert, int64_t h,
-                        int64_t inter) {
+absl::Status PackExpert(const ExpertWeights& w, const PackedExperts& experts, bool native, int layer, int expert,
+                        int64_t h, int64_t inter) {
   // Fused gate+up: 16 gate rows, then the same 16 up rows, block after block.
   const PackedMatrix gu = experts.GateUp(layer, expert);
   auto gate_up_row = [&](int64_t n) -> std::pair<const ExpertMatrix*, int64_t> {
@@ -86,9 +89,9 @@ absl::Status PackExpert(const ExpertWeights& w, const PackedExperts& experts, in
     return {(n / 16) % 2 == 0 ? &w.gate : &w.up, unit};
   };
   const PackedMatrix d = experts.Down(layer, expert);
-  MOE_RETURN_IF_ERROR(CheckType(w.gate, gu.layout, layer, expert, "gate"));
-  MOE_RETURN_IF_ERROR(CheckType(w.up, gu.layout, layer, expert, "up"));
-  MOE_RETURN_IF_ERROR(CheckType(w.down, d.layout, layer, expert, "down"));
+  MOE_RETURN_IF_ERROR(CheckType(w.gate, gu.layout, native, layer, expert, "gate"));
+  MOE_RETURN_IF_ERROR(CheckType(w.up, gu.layout, native, layer, expert, "up"));
+  MOE_RETURN_IF_ERROR(CheckType(w.down, d.layout, native, layer, expert, "down"));
   if (gu.layout.gguf_type >= 0) {
     // GGUF blocks as they are.
     PackGgufRows(
@@ -170,7 +173,7 @@ absl::StatusOr<LoadedExperts> LoadExperts(const ExpertShape& shape, const Expert
       auto w = source(layer, expert);
       if (!w.ok()) return error.Set(w.status());
       if (absl::Status s = CheckShapes(*w, layer, expert, h, inter); !s.ok()) return error.Set(s);
-      error.Set(PackExpert(*w, experts, layer, expert, h, inter));
+      error.Set(PackExpert(*w, experts, options.format == ExpertFormat::kNative, layer, expert, h, inter));
       const int64_t n = w->gate.bytes() + w->up.bytes() + w->down.bytes();  // as the source holds them
       read += n;
       progress.Add(n);
