@@ -223,8 +223,13 @@ MOE_GGUF_VNNI void DecodeIQ3_XXS(const uint8_t* blk, int r, int col, DecodedSpan
   for (int g = 0; g < 8; ++g) {
     const uint32_t aux = Load32u(blk + 66 + 4 * g);
     s.scale[g][r] = d * (0.5f + static_cast<float>(aux >> 28)) * 0.5f;
-    const __m256i index = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * g)));
-    const __m256i mag = _mm256_i32gather_epi32(reinterpret_cast<const int*>(kGgufIq3xxsGrid), index, 4);
+    // Eight table loads: faster than vpgatherdd, which the gather-data-sampling mitigation slows.
+    const uint8_t* i = qs + 8 * g;
+    const __m256i mag = _mm256_setr_epi32(
+        static_cast<int>(kGgufIq3xxsGrid[i[0]]), static_cast<int>(kGgufIq3xxsGrid[i[1]]),
+        static_cast<int>(kGgufIq3xxsGrid[i[2]]), static_cast<int>(kGgufIq3xxsGrid[i[3]]),
+        static_cast<int>(kGgufIq3xxsGrid[i[4]]), static_cast<int>(kGgufIq3xxsGrid[i[5]]),
+        static_cast<int>(kGgufIq3xxsGrid[i[6]]), static_cast<int>(kGgufIq3xxsGrid[i[7]]));
     const __mmask32 neg = static_cast<__mmask32>(kGgufKsignsIq2xs[aux & 127]) |
                           static_cast<__mmask32>(kGgufKsignsIq2xs[(aux >> 7) & 127]) << 8 |
                           static_cast<__mmask32>(kGgufKsignsIq2xs[(aux >> 14) & 127]) << 16 |
@@ -268,8 +273,9 @@ using DecodeFn = void (*)(const uint8_t* blk, int r, int col, DecodedSpan& s);
 
 // Decodes the span of `cols` columns from `col0` of 16-row block `blk0` into s.lines, s.scale and
 // s.min (group index relative to the span).
-MOE_GGUF_VNNI void DecodeSpan(const GgufBlockCode& code, DecodeFn decode, const uint8_t* rowblock, int64_t col0,
-                              int cols, DecodedSpan& s) {
+template <DecodeFn kDecode>
+MOE_GGUF_VNNI void DecodeSpan(const GgufBlockCode& code, const uint8_t* rowblock, int64_t col0, int cols,
+                              DecodedSpan& s) {
   const int chunks = cols / code.elements;
   const int64_t c0 = col0 / code.elements;
   for (int c = 0; c < chunks; ++c) {
@@ -278,8 +284,8 @@ MOE_GGUF_VNNI void DecodeSpan(const GgufBlockCode& code, DecodeFn decode, const 
     for (int p = 0; p < 16 * code.bytes; p += 64) _mm_prefetch(reinterpret_cast<const char*>(chunk + chunks * 16 * code.bytes + p), _MM_HINT_T0);
     for (int r = 0; r < 16; ++r) {
       const uint8_t* blk = chunk + r * code.bytes;
-      if (decode != nullptr) {
-        decode(blk, r, c * code.elements, s);
+      if constexpr (kDecode != nullptr) {
+        kDecode(blk, r, c * code.elements, s);
       } else {
         DecodeScalar(code, blk, r, c * code.elements, s);
       }
@@ -322,18 +328,22 @@ MOE_GGUF_VNNI __m512 DotSpan(const DecodedSpan& s, int cols, int bias, const int
 
 using DotFn = __m512 (*)(const DecodedSpan& s, int cols, int bias, const int8_t* x, const int32_t* sums16);
 
-DecodeFn VectorDecoder(int type_id) {
+using DecodeSpanFn = void (*)(const GgufBlockCode& code, const uint8_t* rowblock, int64_t col0, int cols,
+                               DecodedSpan& s);
+
+// The span decoder of a type: with its vector decoder inlined, or the scalar one.
+DecodeSpanFn SpanDecoder(int type_id) {
   switch (type_id) {
-    case kGgufQ8_0: return DecodeQ8_0;
-    case kGgufQ4_0: return DecodeNibbles32<false>;
-    case kGgufIQ4_NL: return DecodeNibbles32<true>;
-    case kGgufQ4_K: return DecodeQ45_K<false>;
-    case kGgufQ5_K: return DecodeQ45_K<true>;
-    case kGgufQ6_K: return DecodeQ6_K;
-    case kGgufIQ4_XS: return DecodeIQ4_XS;
-    case kGgufIQ3_XXS: return DecodeIQ3_XXS;
+    case kGgufQ8_0: return DecodeSpan<DecodeQ8_0>;
+    case kGgufQ4_0: return DecodeSpan<DecodeNibbles32<false>>;
+    case kGgufIQ4_NL: return DecodeSpan<DecodeNibbles32<true>>;
+    case kGgufQ4_K: return DecodeSpan<DecodeQ45_K<false>>;
+    case kGgufQ5_K: return DecodeSpan<DecodeQ45_K<true>>;
+    case kGgufQ6_K: return DecodeSpan<DecodeQ6_K>;
+    case kGgufIQ4_XS: return DecodeSpan<DecodeIQ4_XS>;
+    case kGgufIQ3_XXS: return DecodeSpan<DecodeIQ3_XXS>;
   }
-  return nullptr;
+  return DecodeSpan<nullptr>;
 }
 
 }  // namespace
@@ -342,7 +352,7 @@ MOE_GGUF_VNNI void MatmulGgufVnni(const PackedMatrix& w, const Activations& a, i
                                   int64_t ldy) {
   const MatrixLayout& l = w.layout;
   const GgufBlockCode& code = *FindGgufBlockCode(l.gguf_type);
-  const DecodeFn decode = VectorDecoder(code.id);
+  const DecodeSpanFn decode = SpanDecoder(code.id);
   const DotFn dot = code.group == 16 ? (code.has_offset ? DotSpan<16, true> : DotSpan<16, false>)
                                      : (code.has_offset ? DotSpan<32, true> : DotSpan<32, false>);
   thread_local DecodedSpan span;
@@ -351,7 +361,7 @@ MOE_GGUF_VNNI void MatmulGgufVnni(const PackedMatrix& w, const Activations& a, i
     for (int64_t t = 0; t < m; ++t) _mm512_storeu_ps(y + t * ldy + (b - b0) * 16, _mm512_setzero_ps());
     for (int64_t col = 0; col < l.k; col += kSpan) {
       const int cols = static_cast<int>(std::min<int64_t>(kSpan, l.k - col));
-      DecodeSpan(code, decode, w.block(b), col, cols, span);
+      decode(code, w.block(b), col, cols, span);
       for (int64_t t = 0; t < m; ++t) {
         float* out = y + t * ldy + (b - b0) * 16;
         const __m512 part = dot(span, cols, code.bias, a.i8(t) + col, a.i8_sums(t) + col / 16);
