@@ -5,8 +5,8 @@
 // with xsum_g the activations' group sums (the activations are prepared with groups of 16).
 //
 // portable: one block at a time through the scalar decoder (gguf_blocks.h); the reference.
-// vnni:     the 16 rows' blocks of a span decoded in registers (vector decoders for Q8_0, Q4_0,
-//           IQ4_NL, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ3_XXS; the scalar one for the other types),
+// vnni:     the 16 rows' blocks of a span decoded in registers (vector decoders for every type
+//           but IQ1_S and IQ1_M, which take the scalar one),
 //           transposed into 64-byte lines of 16 rows x 4 columns (the int8 format's layout, kept
 //           in L1), then vpdpbusd with broadcast activations, one accumulator per group, so that
 //           no horizontal sums are needed. The span is decoded once for all the call's tokens.
@@ -235,7 +235,143 @@ MOE_GGUF_VNNI void DecodeIQ3_XXS(const uint8_t* blk, int r, int col, DecodedSpan
                           static_cast<__mmask32>(kGgufKsignsIq2xs[(aux >> 14) & 127]) << 16 |
                           static_cast<__mmask32>(kGgufKsignsIq2xs[(aux >> 21) & 127]) << 24;
     const __m256i u = _mm256_mask_sub_epi8(_mm256_add_epi8(bias, mag), neg, bias, mag);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(&s.rows[r][32 * g]), u);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(&s.rows[r][32 * g]), u);  // q + 64
+  }
+  (void)col;
+}
+
+// Q4_1 (min, bias 0), Q5_0 (fifth bit, bias 16), Q5_1 (fifth bit, min, bias 0): value j in the
+// low nibble of qs[j], j + 16 in the high one; the fifth bit of value i is bit i of qh.
+template <bool kMin, bool kFifth>
+MOE_GGUF_VNNI void DecodeLegacy32(const uint8_t* blk, int r, int col, DecodedSpan& s) {
+  s.scale[col / 32][r] = Half(blk);
+  if (kMin) s.min[col / 32][r] = Half(blk + 2);
+  const uint8_t* qs = blk + (kMin ? 4 : 2) + (kFifth ? 4 : 0);
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0x0F)), hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F));
+  __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+  if (kFifth) q = _mm256_mask_add_epi8(q, static_cast<__mmask32>(Load32u(blk + (kMin ? 4 : 2))), q, _mm256_set1_epi8(16));
+  _mm256_store_si256(reinterpret_cast<__m256i*>(&s.rows[r][col]), q);
+}
+
+// Q2_K (bias 0, a min per group) and Q3_K (a high bit per value, bias 4): 16 groups of 16; in half
+// h, bits 2j of qs[32h + l] (l < 32) are values 128h + 32j + l.
+template <bool kThree>
+MOE_GGUF_VNNI void DecodeQ23_K(const uint8_t* blk, int r, int col, DecodedSpan& s) {
+  if (kThree) {
+    const uint8_t* sc = blk + 96;
+    const float d = Half(blk + 108);
+    for (int g = 0; g < 16; ++g) {
+      const int low = g < 8 ? sc[g] & 0xF : sc[g - 8] >> 4;
+      const int high = (sc[8 + g % 4] >> (2 * (g / 4))) & 3;
+      s.scale[g][r] = d * static_cast<float>((low | (high << 4)) - 32);
+    }
+  } else {
+    const float d = Half(blk + 80), dmin = Half(blk + 82);
+    for (int g = 0; g < 16; ++g) {
+      s.scale[g][r] = d * (blk[g] & 0xF);
+      s.min[g][r] = -(dmin * (blk[g] >> 4));
+    }
+  }
+  const uint8_t* qs = blk + (kThree ? 32 : 16);
+  const __m256i m3 = _mm256_set1_epi8(3);
+  const __m256i hm = kThree ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)) : _mm256_setzero_si256();
+  for (int h = 0; h < 2; ++h) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * h));
+    for (int j = 0; j < 4; ++j) {
+      __m256i v = _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), m3);
+      if (kThree) {
+        const __mmask32 keep = _mm256_test_epi8_mask(hm, _mm256_set1_epi8(static_cast<char>(1 << (4 * h + j))));
+        v = _mm256_mask_add_epi8(v, keep, v, _mm256_set1_epi8(4));
+      }
+      _mm256_store_si256(reinterpret_cast<__m256i*>(&s.rows[r][128 * h + 32 * j]), v);
+    }
+  }
+  (void)col;
+}
+
+// 32 sign bits from four 7-bit indices into ksigns_iq2xs (IQ2_XXS, IQ3_XXS).
+inline __mmask32 SignsFrom7(uint32_t aux) {
+  return static_cast<__mmask32>(kGgufKsignsIq2xs[aux & 127]) |
+         static_cast<__mmask32>(kGgufKsignsIq2xs[(aux >> 7) & 127]) << 8 |
+         static_cast<__mmask32>(kGgufKsignsIq2xs[(aux >> 14) & 127]) << 16 |
+         static_cast<__mmask32>(kGgufKsignsIq2xs[(aux >> 21) & 127]) << 24;
+}
+
+// 32 values from magnitudes and sign bits: bias + magnitude, or bias - magnitude where negative.
+MOE_GGUF_VNNI inline void StoreSigned(__m256i mag, __mmask32 neg, int bias, uint8_t* dst) {
+  const __m256i b = _mm256_set1_epi8(static_cast<char>(bias));
+  _mm256_store_si256(reinterpret_cast<__m256i*>(dst), _mm256_mask_sub_epi8(_mm256_add_epi8(b, mag), neg, b, mag));
+}
+
+// Four 8-value grid entries (IQ2 types).
+MOE_GGUF_VNNI inline __m256i Grid4(const uint64_t* grid, int i0, int i1, int i2, int i3) {
+  return _mm256_setr_epi64x(static_cast<long long>(grid[i0]), static_cast<long long>(grid[i1]),
+                            static_cast<long long>(grid[i2]), static_cast<long long>(grid[i3]));
+}
+
+// IQ2_XXS: per 32 values, four grid indices, four 7-bit sign indices and a scale.
+MOE_GGUF_VNNI void DecodeIQ2_XXS(const uint8_t* blk, int r, int col, DecodedSpan& s) {
+  const float d = Half(blk);
+  for (int g = 0; g < 8; ++g) {
+    const uint8_t* p = blk + 2 + 8 * g;
+    const uint32_t aux = Load32u(p + 4);
+    s.scale[g][r] = d * (0.5f + static_cast<float>(aux >> 28)) * 0.25f;
+    StoreSigned(Grid4(kGgufIq2xxsGrid, p[0], p[1], p[2], p[3]), SignsFrom7(aux), 64, &s.rows[r][32 * g]);
+  }
+  (void)col;
+}
+
+// IQ2_XS: u16 codes, a 9-bit grid index and a 7-bit sign index each; scales per 16.
+MOE_GGUF_VNNI void DecodeIQ2_XS(const uint8_t* blk, int r, int col, DecodedSpan& s) {
+  const float d = Half(blk);
+  for (int g = 0; g < 16; ++g) {
+    const int nib = g % 2 == 0 ? blk[66 + g / 2] & 0xF : blk[66 + g / 2] >> 4;
+    s.scale[g][r] = d * (0.5f + static_cast<float>(nib)) * 0.25f;
+  }
+  for (int g = 0; g < 8; ++g) {
+    uint16_t v[4];
+    std::memcpy(v, blk + 2 + 8 * g, 8);
+    const __mmask32 neg = static_cast<__mmask32>(kGgufKsignsIq2xs[v[0] >> 9]) |
+                          static_cast<__mmask32>(kGgufKsignsIq2xs[v[1] >> 9]) << 8 |
+                          static_cast<__mmask32>(kGgufKsignsIq2xs[v[2] >> 9]) << 16 |
+                          static_cast<__mmask32>(kGgufKsignsIq2xs[v[3] >> 9]) << 24;
+    StoreSigned(Grid4(kGgufIq2xsGrid, v[0] & 511, v[1] & 511, v[2] & 511, v[3] & 511), neg, 64, &s.rows[r][32 * g]);
+  }
+  (void)col;
+}
+
+// IQ2_S: 10-bit grid indices (two high bits per index in qh), explicit sign bytes; scales per 16.
+MOE_GGUF_VNNI void DecodeIQ2_S(const uint8_t* blk, int r, int col, DecodedSpan& s) {
+  const float d = Half(blk);
+  const uint8_t* qs = blk + 2;
+  const uint8_t* qh = blk + 66;
+  for (int g = 0; g < 16; ++g) {
+    const int nib = g % 2 == 0 ? blk[74 + g / 2] & 0xF : blk[74 + g / 2] >> 4;
+    s.scale[g][r] = d * (0.5f + static_cast<float>(nib)) * 0.25f;
+  }
+  for (int g = 0; g < 8; ++g) {
+    const uint8_t* q = qs + 4 * g;
+    const int h = qh[g];
+    const __m256i mag = Grid4(kGgufIq2sGrid, q[0] | ((h << 8) & 0x300), q[1] | ((h << 6) & 0x300),
+                              q[2] | ((h << 4) & 0x300), q[3] | ((h << 2) & 0x300));
+    StoreSigned(mag, static_cast<__mmask32>(Load32u(qs + 32 + 4 * g)), 64, &s.rows[r][32 * g]);
+  }
+  (void)col;
+}
+
+// IQ3_S: 9-bit grid indices (the ninth bit j of qh[g] for index j), explicit sign bytes.
+MOE_GGUF_VNNI void DecodeIQ3_S(const uint8_t* blk, int r, int col, DecodedSpan& s) {
+  const float d = Half(blk);
+  const uint8_t* qs = blk + 2;
+  for (int g = 0; g < 8; ++g) {
+    const int nib = g % 2 == 0 ? blk[106 + g / 2] & 0xF : blk[106 + g / 2] >> 4;
+    s.scale[g][r] = d * static_cast<float>(1 + 2 * nib);
+    const uint8_t* i = qs + 8 * g;
+    const int h = blk[66 + g];
+    auto e = [&](int j) { return static_cast<int>(kGgufIq3sGrid[i[j] | (((h >> j) & 1) << 8)]); };
+    const __m256i mag = _mm256_setr_epi32(e(0), e(1), e(2), e(3), e(4), e(5), e(6), e(7));
+    StoreSigned(mag, static_cast<__mmask32>(Load32u(blk + 74 + 4 * g)), 16, &s.rows[r][32 * g]);
   }
   (void)col;
 }
@@ -342,6 +478,15 @@ DecodeSpanFn SpanDecoder(int type_id) {
     case kGgufQ6_K: return DecodeSpan<DecodeQ6_K>;
     case kGgufIQ4_XS: return DecodeSpan<DecodeIQ4_XS>;
     case kGgufIQ3_XXS: return DecodeSpan<DecodeIQ3_XXS>;
+    case kGgufQ4_1: return DecodeSpan<DecodeLegacy32<true, false>>;
+    case kGgufQ5_0: return DecodeSpan<DecodeLegacy32<false, true>>;
+    case kGgufQ5_1: return DecodeSpan<DecodeLegacy32<true, true>>;
+    case kGgufQ2_K: return DecodeSpan<DecodeQ23_K<false>>;
+    case kGgufQ3_K: return DecodeSpan<DecodeQ23_K<true>>;
+    case kGgufIQ2_XXS: return DecodeSpan<DecodeIQ2_XXS>;
+    case kGgufIQ2_XS: return DecodeSpan<DecodeIQ2_XS>;
+    case kGgufIQ2_S: return DecodeSpan<DecodeIQ2_S>;
+    case kGgufIQ3_S: return DecodeSpan<DecodeIQ3_S>;
   }
   return DecodeSpan<nullptr>;
 }
