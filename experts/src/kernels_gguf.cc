@@ -5,8 +5,7 @@
 // with xsum_g the activations' group sums (the activations are prepared with groups of 16).
 //
 // portable: one block at a time through the scalar decoder (gguf_blocks.h); the reference.
-// vnni:     the 16 rows' blocks of a span decoded in registers (vector decoders for every type
-//           but IQ1_S and IQ1_M, which take the scalar one),
+// vnni:     the 16 rows' blocks of a span decoded in registers (a vector decoder per type),
 //           transposed into 64-byte lines of 16 rows x 4 columns (the int8 format's layout, kept
 //           in L1), then vpdpbusd with broadcast activations, one accumulator per group, so that
 //           no horizontal sums are needed. The span is decoded once for all the call's tokens.
@@ -398,6 +397,55 @@ MOE_GGUF_VNNI void DecodeIQ3_S(const uint8_t* blk, int r, int col, DecodedSpan& 
   (void)col;
 }
 
+// IQ1: grid values in {-1, 0, 1} (int8 bytes of iq1s_grid) as 8 * value + shift, shift +-1 (the
+// +-1/8 of ggml's delta), + 16; the scale divided by 8, as the scalar decoder does.
+MOE_GGUF_VNNI inline __m256i Iq1Values(__m256i grid, __m256i plus) {
+  const __m256i eight = _mm256_and_si256(_mm256_slli_epi16(grid, 3), _mm256_set1_epi8(static_cast<char>(0xF8)));
+  return _mm256_add_epi8(eight, plus);
+}
+
+// IQ1_S: 11-bit grid indices (the high 3 bits of index l in bits 3l of qh[g]), per 32 values a
+// 3-bit scale and the shift's sign (bit 15 of qh[g]).
+MOE_GGUF_VNNI void DecodeIQ1_S(const uint8_t* blk, int r, int col, DecodedSpan& s) {
+  const float d = Half(blk);
+  const uint8_t* qs = blk + 2;
+  for (int g = 0; g < 8; ++g) {
+    uint16_t qh;
+    std::memcpy(&qh, blk + 34 + 2 * g, 2);
+    s.scale[g][r] = d * static_cast<float>(2 * ((qh >> 12) & 7) + 1) * 0.125f;
+    const uint8_t* q = qs + 4 * g;
+    const __m256i grid = Grid4(kGgufIq1sGrid, q[0] | ((qh << 8) & 0x700), q[1] | ((qh << 5) & 0x700),
+                               q[2] | ((qh << 2) & 0x700), q[3] | ((qh >> 1) & 0x700));
+    const __m256i v = Iq1Values(grid, _mm256_set1_epi8((qh & 0x8000) ? 15 : 17));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(&s.rows[r][32 * g]), v);
+  }
+  (void)col;
+}
+
+// IQ1_M: the fp16 scale in the top nibbles of the four u16 scale words, 3-bit scales per 16
+// values, a shift sign per 8.
+MOE_GGUF_VNNI void DecodeIQ1_M(const uint8_t* blk, int r, int col, DecodedSpan& s) {
+  const uint8_t* qs = blk;
+  const uint8_t* qh = blk + 32;
+  uint16_t sc[4];
+  std::memcpy(sc, blk + 48, 8);
+  const uint16_t bits = static_cast<uint16_t>((sc[0] >> 12) | ((sc[1] >> 8) & 0x00f0) | ((sc[2] >> 4) & 0x0f00) |
+                                              (sc[3] & 0xf000));
+  const float d = _cvtsh_ss(bits);
+  for (int ib = 0; ib < 8; ++ib) {
+    s.scale[2 * ib][r] = d * static_cast<float>(2 * ((sc[ib / 2] >> (6 * (ib % 2) + 0)) & 0x7) + 1) * 0.125f;
+    s.scale[2 * ib + 1][r] = d * static_cast<float>(2 * ((sc[ib / 2] >> (6 * (ib % 2) + 3)) & 0x7) + 1) * 0.125f;
+    const int h0 = qh[2 * ib], h1 = qh[2 * ib + 1];
+    const uint8_t* q = qs + 4 * ib;
+    const __m256i grid = Grid4(kGgufIq1sGrid, q[0] | ((h0 << 8) & 0x700), q[1] | ((h0 << 4) & 0x700),
+                               q[2] | ((h1 << 8) & 0x700), q[3] | ((h1 << 4) & 0x700));
+    auto plus = [](int h) { return static_cast<long long>((h ? 15 : 17) * 0x0101010101010101ull); };
+    const __m256i shift = _mm256_setr_epi64x(plus(h0 & 0x08), plus(h0 & 0x80), plus(h1 & 0x08), plus(h1 & 0x80));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(&s.rows[r][32 * ib]), Iq1Values(grid, shift));
+  }
+  (void)col;
+}
+
 // Transposes 16 x 16 dwords: v[i] holds row i; afterwards v[j] holds column j (as packed.cc).
 MOE_GGUF_VNNI inline void Transpose16x16(__m512i v[16]) {
   __m512i t[16], u[16];
@@ -509,6 +557,8 @@ DecodeSpanFn SpanDecoder(int type_id) {
     case kGgufIQ2_XS: return DecodeSpan<DecodeIQ2_XS>;
     case kGgufIQ2_S: return DecodeSpan<DecodeIQ2_S>;
     case kGgufIQ3_S: return DecodeSpan<DecodeIQ3_S>;
+    case kGgufIQ1_S: return DecodeSpan<DecodeIQ1_S>;
+    case kGgufIQ1_M: return DecodeSpan<DecodeIQ1_M>;
   }
   return DecodeSpan<nullptr>;
 }
