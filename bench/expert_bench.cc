@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <memory>
 #include <random>
 #include <set>
 
@@ -10,6 +11,7 @@
 #include "moe/core/dtype.h"
 #include "moe/core/status.h"
 #include "moe/experts/expert_pool.h"
+#include "moe/experts/gguf_types.h"
 #include "nlohmann/json.hpp"
 
 namespace moe::bench {
@@ -36,6 +38,36 @@ struct RandomExperts {
   }
   int64_t h, inter;
   std::vector<uint16_t> data;
+};
+
+// Random experts of one GGUF type, as a GGUF file would hold them (random codes and scales: the
+// kernels' speed does not depend on the values), kVariants of them as above.
+struct RandomGgufExperts {
+  RandomGgufExperts(int64_t h, int64_t inter, int type_id) : h(h), inter(inter), type_id(type_id) {
+    const experts::GgufType& t = *experts::FindGgufType(type_id);
+    gate_up_bytes = inter * experts::GgufRowBytes(t, h);
+    down_bytes = h * experts::GgufRowBytes(t, inter);
+    data.resize(static_cast<size_t>(kVariants) * (2 * gate_up_bytes + down_bytes));
+    uint64_t x = 88172645463325252ull;
+    for (auto& b : data) {
+      x ^= x << 13;
+      x ^= x >> 7;
+      x ^= x << 17;
+      b = static_cast<uint8_t>(x >> 32);
+    }
+  }
+  experts::ExpertWeightSource Source() const {
+    return [this](int, int e) -> absl::StatusOr<experts::ExpertWeights> {
+      const uint8_t* base = data.data() + static_cast<size_t>(e % kVariants) * (2 * gate_up_bytes + down_bytes);
+      return experts::ExpertWeights{experts::ExpertMatrix::Gguf(base, inter, h, type_id),
+                                    experts::ExpertMatrix::Gguf(base + gate_up_bytes, inter, h, type_id),
+                                    experts::ExpertMatrix::Gguf(base + 2 * gate_up_bytes, h, inter, type_id)};
+    };
+  }
+  int64_t h, inter;
+  int type_id;
+  int64_t gate_up_bytes = 0, down_bytes = 0;
+  std::vector<uint8_t> data;
 };
 
 // Spins for `us` microseconds: the caller's own work between two layer calls.
@@ -92,7 +124,13 @@ absl::StatusOr<std::vector<ExpertBenchRow>> RunExpertBench(const ExpertBenchOpti
     po.decode_max_tokens = o.decode_max_tokens;
     po.decode_units_per_thread = o.decode_units;
     po.linger_us = o.linger_us;
-    MOE_ASSIGN_OR_RETURN(auto pool, experts::ExpertPool::Create(shape, po, source.Source()));
+    // GGUF formats (q8_0, q4_k, iq3_xxs, ...): experts of that type, kept as they are.
+    std::unique_ptr<RandomGgufExperts> gguf;
+    if (experts::IsGgufFormat(po.format)) {
+      gguf = std::make_unique<RandomGgufExperts>(o.hidden, o.intermediate, experts::Describe(po.format).gguf_type);
+    }
+    MOE_ASSIGN_OR_RETURN(auto pool,
+                         experts::ExpertPool::Create(shape, po, gguf != nullptr ? gguf->Source() : source.Source()));
     double read_gbps = pool->MeasureReadBandwidth(static_cast<size_t>(o.read_bytes));
     log << absl::StrFormat("%s | read bandwidth %.1f GB/s (%d threads, %.1f GB buffer)\n", pool->Describe(), read_gbps,
                            pool->threads(), o.read_bytes / 1e9);

@@ -21,6 +21,8 @@ struct ExpertBenchOptions {
   int top_k = 8;
   int layers = 4;  // calls cycle through layers so the touched experts come from RAM, not cache
   std::vector<int> batches = {1, 4, 16, 64, 256, 1024};
+  // Also GGUF formats ("q8_0", "q4_k", "iq3_xxs", ...: random experts of that type, kept as the
+  // file's blocks).
   std::vector<std::string> formats = {"bf16", "int8", "int4"};
   std::vector<std::string> kernels;  // empty: every kernel this CPU has
   int threads = 0;

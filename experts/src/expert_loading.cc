@@ -11,43 +11,107 @@
 #include "first_error.h"
 #include "moe/core/dtype.h"
 #include "moe/core/progress.h"
+#include "moe/core/status.h"
+#include "moe/experts/gguf_types.h"
 #include "oneapi/tbb/parallel_for.h"
 
 namespace moe::experts::internal {
 namespace {
 
-uint64_t ArenaKey(const ExpertShape& s, const ExpertPoolOptions& o) {
-  const std::string text = absl::StrCat(o.model_id, "|", FormatName(o.format), "|", o.group, "|", s.num_layers, "|",
-                                        s.num_experts, "|", s.hidden, "|", s.intermediate, "|layout1");
+// The shared segment's key: the model, the shape and every matrix's format (per layer where
+// they differ: native GGUF types), so that a pool never attaches to another layout.
+uint64_t ArenaKey(const ExpertShape& s, const ExpertPoolOptions& o, const PackedExperts& layout) {
+  std::string text = absl::StrCat(o.model_id, "|", FormatName(o.format), "|", o.group, "|", s.num_layers, "|",
+                                  s.num_experts, "|", s.hidden, "|", s.intermediate, "|layout1");
+  if (IsGgufFormat(o.format) || o.format == ExpertFormat::kNative) {
+    absl::StrAppend(&text, "|gguf1");
+    for (int l = 0; l < s.num_layers; ++l) {
+      const PackedExperts p = layout.ForLayer(l);
+      absl::StrAppend(&text, "|", FormatName(p.gate_up.format), ",", FormatName(p.down.format));
+    }
+  }
   return std::hash<std::string>{}(text);
 }
 
 absl::Status CheckShapes(const ExpertWeights& w, int layer, int expert, int64_t h, int64_t inter) {
   const core::Shape io = {inter, h}, oi = {h, inter};
-  if (w.gate.shape == io && w.up.shape == io && w.down.shape == oi) return absl::OkStatus();
+  if (w.gate.shape() == io && w.up.shape() == io && w.down.shape() == oi) return absl::OkStatus();
   return absl::InvalidArgumentError(
-      absl::StrCat("MoE layer ", layer, " expert ", expert, ": gate ", core::ShapeString(w.gate.shape), ", up ",
-                   core::ShapeString(w.up.shape), ", down ", core::ShapeString(w.down.shape), "; expected gate and up ",
-                   core::ShapeString(io), ", down ", core::ShapeString(oi)));
+      absl::StrCat("MoE layer ", layer, " expert ", expert, ": gate ", core::ShapeString(w.gate.shape()), ", up ",
+                   core::ShapeString(w.up.shape()), ", down ", core::ShapeString(w.down.shape()),
+                   "; expected gate and up ", core::ShapeString(io), ", down ", core::ShapeString(oi)));
+}
+
+// A matrix's type against the format its layout keeps: GGUF formats take their own type only.
+absl::Status CheckType(const ExpertMatrix& m, const MatrixLayout& l, bool native, int layer, int expert,
+                       const char* what) {
+  if (l.gguf_type < 0) {
+    if (m.is_gguf() && FindGgufType(m.gguf_type) == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("MoE layer ", layer, " expert ", expert, " ", what,
+                                                     ": GGUF type id ", m.gguf_type, " is not read; types supported: ",
+                                                     SupportedGgufTypeNames()));
+    }
+    return absl::OkStatus();
+  }
+  if (m.gguf_type == l.gguf_type) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "MoE layer ", layer, " expert ", expert, " ", what, " is ", m.TypeName(), ", but the expert pool keeps ",
+      FormatName(l.format), " there",
+      native ? " (the type of expert 0 of the layer): every expert of a layer must have the same types"
+             : " (the format asked): use --expert-format native to keep each matrix's type",
+      ", or bf16, int8 or int4 to convert them"));
+}
+
+// Row `n` of a matrix as floats: its values converted, or its GGUF blocks dequantized.
+void RowAsFloats(const ExpertMatrix& m, int64_t n, float* dst) {
+  const int64_t cols = m.tensor.dim(1);
+  if (m.is_gguf()) {
+    const GgufType& t = *FindGgufType(m.gguf_type);
+    DequantizeRow(m.gguf_type, static_cast<const uint8_t*>(m.tensor.data) + n * GgufRowBytes(t, cols), cols, dst);
+    return;
+  }
+  const int64_t elem = core::DTypeSize(m.tensor.dtype);
+  core::ConvertToFloat(static_cast<const uint8_t*>(m.tensor.data) + n * cols * elem, m.tensor.dtype, dst, cols);
+}
+
+const uint8_t* GgufRow(const ExpertMatrix& m, int64_t n) {
+  return static_cast<const uint8_t*>(m.tensor.data) + n * GgufRowBytes(*FindGgufType(m.gguf_type), m.tensor.dim(1));
 }
 
 // Packs one expert's checkpoint weights, of the shapes CheckShapes wants, into its place in the
 // arena.
-absl::Status PackExpert(const ExpertWeights& w, const PackedExperts& experts, int layer, int expert, int64_t h,
-                        int64_t inter) {
+absl::Status PackExpert(const ExpertWeights& w, const PackedExperts& experts, bool native, int layer, int expert,
+                        int64_t h, int64_t inter) {
   // Fused gate+up: 16 gate rows, then the same 16 up rows, block after block.
   const PackedMatrix gu = experts.GateUp(layer, expert);
-  auto gate_up_row = [&](int64_t n) -> std::pair<const core::TensorView*, int64_t> {
+  auto gate_up_row = [&](int64_t n) -> std::pair<const ExpertMatrix*, int64_t> {
     const int64_t unit = (n / 32) * 16 + n % 16;
     return {(n / 16) % 2 == 0 ? &w.gate : &w.up, unit};
   };
-  if (w.gate.dtype == core::DType::kBF16 && w.up.dtype == core::DType::kBF16) {
+  const PackedMatrix d = experts.Down(layer, expert);
+  MOE_RETURN_IF_ERROR(CheckType(w.gate, gu.layout, native, layer, expert, "gate"));
+  MOE_RETURN_IF_ERROR(CheckType(w.up, gu.layout, native, layer, expert, "up"));
+  MOE_RETURN_IF_ERROR(CheckType(w.down, d.layout, native, layer, expert, "down"));
+  if (gu.layout.gguf_type >= 0) {
+    // GGUF blocks as they are.
+    PackGgufRows(
+        gu.layout,
+        [&](int64_t n) -> const uint8_t* {
+          const auto [src, unit] = gate_up_row(n);
+          return unit < inter ? GgufRow(*src, unit) : nullptr;
+        },
+        const_cast<uint8_t*>(gu.data));
+    PackGgufRows(d.layout, [&](int64_t n) { return GgufRow(w.down, n); }, const_cast<uint8_t*>(d.data));
+    return absl::OkStatus();
+  }
+  if (!w.gate.is_gguf() && !w.up.is_gguf() && w.gate.tensor.dtype == core::DType::kBF16 &&
+      w.up.tensor.dtype == core::DType::kBF16) {
     // bf16 rows go in as they are, without a row of floats in between.
     PackRowsBf16(
         experts.gate_up,
         [&](int64_t n) -> const uint16_t* {
           const auto [src, unit] = gate_up_row(n);
-          return unit < inter ? static_cast<const uint16_t*>(src->data) + unit * h : nullptr;
+          return unit < inter ? static_cast<const uint16_t*>(src->tensor.data) + unit * h : nullptr;
         },
         const_cast<uint8_t*>(gu.data));
   } else {
@@ -59,13 +123,13 @@ absl::Status PackExpert(const ExpertWeights& w, const PackedExperts& experts, in
             std::fill(dst, dst + h, 0.0f);
             return;
           }
-          const int64_t elem = core::DTypeSize(src->dtype);
-          core::ConvertToFloat(static_cast<const uint8_t*>(src->data) + unit * h * elem, src->dtype, dst, h);
+          RowAsFloats(*src, unit, dst);
         },
         const_cast<uint8_t*>(gu.data));
   }
-  const PackedMatrix d = experts.Down(layer, expert);
-  return PackMatrix(w.down, experts.down, const_cast<uint8_t*>(d.data));
+  if (!w.down.is_gguf()) return PackMatrix(w.down.tensor, d.layout, const_cast<uint8_t*>(d.data));
+  PackRows(d.layout, [&](int64_t n, float* dst) { RowAsFloats(w.down, n, dst); }, const_cast<uint8_t*>(d.data));
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -75,10 +139,10 @@ absl::StatusOr<LoadedExperts> LoadExperts(const ExpertShape& shape, const Expert
                                           const ExpertWeightSource& source) {
   const auto start = std::chrono::steady_clock::now();
   const int64_t jobs = static_cast<int64_t>(shape.num_layers) * shape.num_experts;
-  const size_t bytes = static_cast<size_t>(jobs * layout.expert_bytes);
+  const size_t bytes = static_cast<size_t>(layout.TotalBytes(shape.num_layers));
   LoadedExperts loaded;
   if (!options.shm_name.empty()) {
-    auto arena = HostArena::OpenShared(options.shm_name, ArenaKey(shape, options), bytes);
+    auto arena = HostArena::OpenShared(options.shm_name, ArenaKey(shape, options, layout), bytes);
     if (!arena.ok()) return arena.status();
     loaded.arena = std::move(*arena);
     if (loaded.arena->attached()) {
@@ -95,7 +159,10 @@ absl::StatusOr<LoadedExperts> LoadExperts(const ExpertShape& shape, const Expert
 
   const int64_t h = shape.hidden, inter = shape.intermediate;
   core::ProgressReporter progress(absl::StrCat("loading ", FormatName(options.format), " experts"),
-                                  jobs * 3 * h * inter * 2, options.progress);
+                                  IsGgufFormat(options.format) || options.format == ExpertFormat::kNative
+                                      ? layout.TotalBytes(shape.num_layers)
+                                      : jobs * 3 * h * inter * 2,
+                                  options.progress);
   FirstError error;
   std::atomic<int64_t> read{0};
   threads.execute([&] {
@@ -106,8 +173,8 @@ absl::StatusOr<LoadedExperts> LoadExperts(const ExpertShape& shape, const Expert
       auto w = source(layer, expert);
       if (!w.ok()) return error.Set(w.status());
       if (absl::Status s = CheckShapes(*w, layer, expert, h, inter); !s.ok()) return error.Set(s);
-      error.Set(PackExpert(*w, experts, layer, expert, h, inter));
-      const int64_t n = w->gate.bytes() + w->up.bytes() + w->down.bytes();
+      error.Set(PackExpert(*w, experts, options.format == ExpertFormat::kNative, layer, expert, h, inter));
+      const int64_t n = w->gate.bytes() + w->up.bytes() + w->down.bytes();  // as the source holds them
       read += n;
       progress.Add(n);
     });

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "expert_loading.h"
+#include "moe/experts/gguf_types.h"
 #include "expert_schedules.h"
 #include "packed_experts.h"
 #include "phase_timing.h"
@@ -19,6 +20,59 @@
 #include "worker_crew.h"
 
 namespace moe::experts {
+
+int64_t ExpertMatrix::bytes() const {
+  if (!is_gguf()) return tensor.bytes();
+  const GgufType* t = FindGgufType(gguf_type);
+  return t == nullptr || tensor.rank() != 2 ? 0 : tensor.dim(0) * GgufRowBytes(*t, tensor.dim(1));
+}
+
+std::string ExpertMatrix::TypeName() const {
+  if (!is_gguf()) return core::DTypeName(tensor.dtype);
+  const GgufType* t = FindGgufType(gguf_type);
+  return t != nullptr ? t->name : absl::StrCat("GGUF type ", gguf_type);
+}
+
+namespace {
+
+// Native GGUF types: each layer's formats, from expert 0 of the layer.
+absl::StatusOr<internal::PackedExperts> LayOutNativeExperts(const ExpertShape& shape, const ExpertWeightSource& source) {
+  std::vector<std::pair<ExpertFormat, ExpertFormat>> formats;
+  for (int layer = 0; layer < shape.num_layers; ++layer) {
+    auto w = source(layer, 0);
+    if (!w.ok()) return w.status();
+    auto format_of = [&](const ExpertMatrix& m, const char* what) -> absl::StatusOr<ExpertFormat> {
+      if (!m.is_gguf()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "MoE layer ", layer, " expert 0 ", what, " is ", m.TypeName(),
+            ": the native expert format keeps quantized GGUF types only; use --expert-format bf16, int8 or int4"));
+      }
+      auto f = FormatForGgufType(m.gguf_type);
+      if (!f.ok()) return absl::InvalidArgumentError(absl::StrCat("MoE layer ", layer, " expert 0 ", what, ": ", f.status().message()));
+      return *f;
+    };
+    auto gate = format_of(w->gate, "gate");
+    if (!gate.ok()) return gate.status();
+    auto up = format_of(w->up, "up");
+    if (!up.ok()) return up.status();
+    auto down = format_of(w->down, "down");
+    if (!down.ok()) return down.status();
+    if (*gate != *up) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "MoE layer ", layer, ": gate is ", w->gate.TypeName(), " and up ", w->up.TypeName(),
+          "; the native expert format fuses gate and up and needs one type for both (use --expert-format int8 or int4)"));
+    }
+    formats.push_back({*gate, *down});
+  }
+  return internal::LayOutExpertsPerLayer(shape, formats);
+}
+
+// The kernels a pool in `format` may run (native: those of the GGUF formats, all alike).
+ExpertFormat KernelFormat(ExpertFormat format) {
+  return format == ExpertFormat::kNative ? ExpertFormat::kQ8_0 : format;
+}
+
+}  // namespace
 
 class ExpertPool::Impl {
  public:
@@ -58,13 +112,14 @@ absl::StatusOr<std::unique_ptr<ExpertPool>> ExpertPool::Create(const ExpertShape
   std::unique_ptr<ExpertPool> pool(new ExpertPool());
   pool->shape_ = shape;
   pool->options_ = options;
-  auto experts = internal::LayOutExperts(shape, options.format, options.group);
+  auto experts = options.format == ExpertFormat::kNative ? LayOutNativeExperts(shape, source)
+                                                         : internal::LayOutExperts(shape, options.format, options.group);
   if (!experts.ok()) return experts.status();
   pool->expert_bytes_ = experts->expert_bytes;
 
   const core::CpuFeatures& cpu = core::GetCpuFeatures();
   if (options.kernel.has_value()) {
-    const std::string why = KernelUnsupportedReason(*options.kernel, options.format, cpu);
+    const std::string why = KernelUnsupportedReason(*options.kernel, KernelFormat(options.format), cpu);
     if (!why.empty()) {
       return absl::FailedPreconditionError(absl::StrCat("expert kernel ", KernelName(*options.kernel), " for ",
                                                         FormatName(options.format), ": ", why,
@@ -75,8 +130,8 @@ absl::StatusOr<std::unique_ptr<ExpertPool>> ExpertPool::Create(const ExpertShape
   pool->threads_ = options.threads > 0 ? options.threads : std::max<int>(1, static_cast<int>(cpus.size()));
   pool->impl_ = std::make_unique<Impl>(pool->threads_, options, cpus, *experts);
   Impl& impl = *pool->impl_;
-  for (KernelKind k : KernelsFor(options.format)) {
-    if (KernelUnsupportedReason(k, options.format, cpu).empty()) impl.usable.push_back(k);
+  for (KernelKind k : KernelsFor(KernelFormat(options.format))) {
+    if (KernelUnsupportedReason(k, KernelFormat(options.format), cpu).empty()) impl.usable.push_back(k);
   }
   auto loaded = internal::LoadExperts(shape, options, impl.experts, impl.workers.arena(), source);
   if (!loaded.ok()) return loaded.status();
@@ -89,7 +144,7 @@ absl::StatusOr<std::unique_ptr<ExpertPool>> ExpertPool::Create(const ExpertShape
 
 absl::Status ExpertPool::SetKernel(std::optional<KernelKind> kernel) {
   if (kernel.has_value()) {
-    const std::string why = KernelUnsupportedReason(*kernel, options_.format, core::GetCpuFeatures());
+    const std::string why = KernelUnsupportedReason(*kernel, KernelFormat(options_.format), core::GetCpuFeatures());
     if (!why.empty()) {
       return absl::FailedPreconditionError(
           absl::StrCat("expert kernel ", KernelName(*kernel), " for ", FormatName(options_.format), ": ", why));
@@ -118,6 +173,8 @@ KernelKind ExpertPool::KernelFor(int64_t tokens) const {
       if (tokens >= amx_from && usable(KernelKind::kAmx)) return KernelKind::kAmx;
       return usable(KernelKind::kVnni) ? KernelKind::kVnni : KernelKind::kPortable;
     }
+    default:  // GGUF formats and native: VNNI for every token count (it decodes each span once per call)
+      return usable(KernelKind::kVnni) ? KernelKind::kVnni : KernelKind::kPortable;
   }
   return KernelKind::kPortable;
 }
@@ -206,7 +263,15 @@ absl::StatusOr<int64_t> PackedExpertBytes(const ExpertShape& shape, ExpertFormat
 }
 
 ExpertPool::ArenaLayout ExpertPool::arena_layout() const {
-  return ArenaLayout{impl_->experts.data, impl_->experts.expert_bytes, impl_->experts.gate_up, impl_->experts.down};
+  const internal::PackedExperts& e = impl_->experts;
+  ArenaLayout a{e.data, e.expert_bytes, e.gate_up, e.down, e.layers == nullptr, {}};
+  int64_t offset = 0;
+  for (int l = 0; l < shape_.num_layers; ++l) {
+    const internal::PackedExperts p = e.ForLayer(l);
+    a.layers.push_back({offset, p.expert_bytes, p.gate_up, p.down});
+    offset += p.expert_bytes * shape_.num_experts;
+  }
+  return a;
 }
 
 double ExpertPool::MeasureReadBandwidth(size_t bytes, int repeats) {
@@ -223,7 +288,13 @@ ExpertPool::KernelStream ExpertPool::MeasureKernelStream(int64_t tokens, int rep
 }
 
 std::string ExpertPool::Describe() const {
-  return absl::StrFormat("%s experts: %d layers x %d, %.2f GB in %s, %d %sthreads", FormatName(options_.format),
+  std::string format = FormatName(options_.format);
+  if (options_.format == ExpertFormat::kNative) {  // the types of the first layer's matrices
+    const internal::PackedExperts p = impl_->experts.ForLayer(0);
+    format = absl::StrCat(format, " (", FormatName(p.gate_up.format), "/", FormatName(p.down.format),
+                          impl_->experts.layers != nullptr ? " in layer 0" : "", ")");
+  }
+  return absl::StrFormat("%s experts: %d layers x %d, %.2f GB in %s, %d %sthreads", format,
                          shape_.num_layers, shape_.num_experts, arena_->size() / 1e9, arena_->page_kind(), threads_,
                          options_.pin_threads ? "pinned " : "");
 }

@@ -512,7 +512,7 @@ TEST_F(ExpertPoolBehaviour, WrongExpertShapeNamesLayerAndExpert) {
   options.threads = 2;
   auto source = [&](int layer, int e) -> absl::StatusOr<ExpertWeights> {
     auto w = experts_.Source()(layer, e);
-    if (layer == 1 && e == 6) w->down.shape = {40, 96};
+    if (layer == 1 && e == 6) w->down.tensor.shape = {40, 96};
     return w;
   };
   auto pool = ExpertPool::Create(SmallShape(), options, source);

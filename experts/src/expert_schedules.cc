@@ -19,7 +19,7 @@ ExpertCall::ExpertCall(const ExpertPool& pool, const PackedExperts& experts, Cal
                        int layer, int64_t num_tokens, const int32_t* topk_ids, const float* hidden,
                        const float* topk_weights, float* out)
     : pool(pool),
-      experts(experts),
+      experts(experts.ForLayer(layer)),
       s(scratch),
       g(scratch.groups),
       times(times),
@@ -46,7 +46,7 @@ absl::Status ExpertCall::SetUp(bool batch) {
   out_rows = s.expert_out.as<float>();
   // Batch schedule with int8/int4: every token's input row is quantized once (while the slots
   // are counted), and each expert's rows are gathered from there.
-  const bool gather = batch && pool.options().format != ExpertFormat::kBF16;
+  const bool gather = batch && experts.gate_up.format != ExpertFormat::kBF16;
   if (absl::Status st = grouping.SetUp(pool.threads(), gather, experts.gate_up); !st.ok()) return st;
   in_state.reset(new std::atomic<int64_t>[num_experts]);
   for (int e = 0; e < num_experts; ++e) in_state[e].store(0, std::memory_order_relaxed);
@@ -63,7 +63,7 @@ bool ExpertCall::StartInput(int e) {
                                     pool.KernelFor(g.count[slot])));
   } else {
     error.Set(s.act_in[slot].Prepare(g.rows.data() + g.offset[slot], g.count[slot], h, experts.gate_up.k_pad,
-                                     pool.KernelFor(g.count[slot]), pool.options().format, SumGroup(experts.gate_up)));
+                                     pool.KernelFor(g.count[slot]), experts.gate_up.format, SumGroup(experts.gate_up)));
   }
   in_state[slot].store(2, std::memory_order_release);
   return true;
@@ -87,12 +87,12 @@ const Activations& ExpertCall::Input(int e) {
 void ExpertCall::GateUp(int e, const Activations& act, int64_t b0, int64_t b1) {
   const int64_t m = g.count[e], base = g.offset[e];
   const PackedMatrix w = experts.GateUp(layer, e);
-  if (const SwiGluKernel fused = GetSwiGluKernel(pool.KernelFor(m), pool.options().format); fused != nullptr) {
+  if (const SwiGluKernel fused = GetSwiGluKernel(pool.KernelFor(m), w.layout.format); fused != nullptr) {
     Timed timed(times, Work::kGateUp);
     fused(w, act, b0, b1, inter, inter_rows + base * inter + b0 / 2 * 16, inter);
     return;
   }
-  const MatmulKernel kernel = KernelOf(e);
+  const MatmulKernel kernel = KernelOf(e, w.layout);
   const int64_t piece = std::max<int64_t>(2, 4096 / m / 2 * 2);  // blocks: at most 256 KB of products
   thread_local std::vector<float> tmp;
   for (int64_t p0 = b0; p0 < b1; p0 += piece) {
@@ -123,12 +123,12 @@ void ExpertCall::InputAndGateUp(int e, int64_t b0, int64_t b1) {
 void ExpertCall::PrepareMid(int e) {
   Timed timed(times, Work::kIntermediate);
   error.Set(s.act_mid[e].Prepare(inter_rows + g.offset[e] * inter, g.count[e], inter, experts.down.k_pad,
-                                 pool.KernelFor(g.count[e]), pool.options().format, SumGroup(experts.down)));
+                                 pool.KernelFor(g.count[e]), experts.down.format, SumGroup(experts.down)));
 }
 
 void ExpertCall::Down(int e, int64_t b0, int64_t b1) {
   Timed timed(times, Work::kDown);
-  KernelOf(e)(experts.Down(layer, e), s.act_mid[e], b0, b1, out_rows + g.offset[e] * out_ld + b0 * 16, out_ld);
+  KernelOf(e, experts.down)(experts.Down(layer, e), s.act_mid[e], b0, b1, out_rows + g.offset[e] * out_ld + b0 * 16, out_ld);
 }
 
 void ExpertCall::Reduce(int64_t t, int64_t c0, int64_t c1) {

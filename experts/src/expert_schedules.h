@@ -59,7 +59,10 @@ struct ExpertCall {
   absl::Status SetUp(bool batch);
 
   float WeightOf(int64_t pos) const { return topk_weights[g.slot_of[pos]]; }
-  MatmulKernel KernelOf(int e) const { return GetKernel(pool.KernelFor(g.count[e]), pool.options().format); }
+  // Expert e's kernel for a matrix of `layout`'s format.
+  MatmulKernel KernelOf(int e, const MatrixLayout& layout) const {
+    return GetKernel(pool.KernelFor(g.count[e]), layout.format);
+  }
 
   // Prepares expert e's input activations unless another thread has started to; true if this
   // call did.
@@ -90,7 +93,7 @@ struct ExpertCall {
   }
 
   const ExpertPool& pool;
-  const PackedExperts& experts;
+  const PackedExperts experts;  // ForLayer(layer): the call's layer's layouts
   CallScratch& s;
   TokenGroups& g;
   PhaseTimes& times;

@@ -3,6 +3,7 @@
 #include "moe/experts/gguf_types.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <iterator>
@@ -338,7 +339,8 @@ std::vector<char> ReadAll(const std::string& path) {
 TEST_P(GgufGoldenTest, BitIdenticalToLlamaCpp) {
   const GgufType* t = FindGgufType(GetParam());
   ASSERT_NE(t, nullptr);
-  const std::string dir = std::string(MOE_TESTDATA_DIR) + "/gguf/dequant/";
+  const char* env = std::getenv("MOE_TESTDATA_DIR");  // set when the tests run from a bundle
+  const std::string dir = std::string(env != nullptr ? env : MOE_TESTDATA_DIR) + "/gguf/dequant/";
   const std::string blocks_path = dir + t->name + ".blocks", floats_path = dir + t->name + ".f32";
   const std::vector<char> blocks = ReadAll(blocks_path), floats = ReadAll(floats_path);
   if (blocks.empty() || floats.empty()) GTEST_SKIP() << "no golden " << blocks_path << " / " << floats_path;

@@ -29,7 +29,8 @@ absl::StatusOr<KernelKind> ParseKernel(const std::string& name) {
 const std::vector<KernelEntry>& KernelTable() {
   using F = ExpertFormat;
   using K = KernelKind;
-  static const std::vector<KernelEntry> table = {
+  static const std::vector<KernelEntry> table = [] {
+    std::vector<KernelEntry> t = {
       {K::kPortable, F::kBF16, internal::MatmulPortable, nullptr},
       {K::kAvx512, F::kBF16, internal::MatmulAvx512Bf16F32, nullptr},
       {K::kAvx512Bf16, F::kBF16, internal::MatmulAvx512Bf16Dp, nullptr},
@@ -40,7 +41,14 @@ const std::vector<KernelEntry>& KernelTable() {
       {K::kPortable, F::kInt4, internal::MatmulPortable, nullptr},
       {K::kVnni, F::kInt4, internal::MatmulVnniInt4, nullptr},
       {K::kAmx, F::kInt4, internal::MatmulAmxInt4, internal::SwiGluAmxInt4},
-  };
+    };
+    for (const FormatDescriptor& d : PackedFormats()) {
+      if (!IsGgufFormat(d.format)) continue;
+      t.push_back({K::kPortable, d.format, internal::MatmulGgufPortable, nullptr});
+      t.push_back({K::kVnni, d.format, internal::MatmulGgufVnni, nullptr});
+    }
+    return t;
+  }();
   return table;
 }
 

@@ -99,6 +99,8 @@ void MatmulPortable(const PackedMatrix& w, const Activations& a, int64_t b0, int
             out[r] = acc * a.i8_scale(m);
             break;
           }
+          default:  // GGUF formats have their own kernels (kernels_gguf.cc)
+            break;
         }
       }
     }

@@ -9,7 +9,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "moe/core/cpu_features.h"
+#include "absl/strings/ascii.h"
+#include "gguf_blocks.h"
 #include "moe/core/dtype.h"
+#include "moe/experts/gguf_types.h"
 #include "moe/experts/kernels.h"
 
 namespace moe::experts {
@@ -22,14 +25,56 @@ int64_t QuadIndex(int64_t r, int64_t k) { return (k / 4) * 64 + r * 4 + k % 4; }
 
 }  // namespace
 
+// The ggml type of each GGUF format, in the order of ExpertFormat from kQ4_0.
+constexpr int kGgufFormatTypes[] = {kGgufQ4_0,    kGgufQ4_1,   kGgufQ5_0,    kGgufQ5_1,   kGgufQ8_0,
+                                    kGgufQ2_K,    kGgufQ3_K,   kGgufQ4_K,    kGgufQ5_K,   kGgufQ6_K,
+                                    kGgufIQ2_XXS, kGgufIQ2_XS, kGgufIQ2_S,   kGgufIQ3_XXS, kGgufIQ3_S,
+                                    kGgufIQ1_S,   kGgufIQ1_M,  kGgufIQ4_NL,  kGgufIQ4_XS};
+
 const std::vector<FormatDescriptor>& PackedFormats() {
   using S = FormatDescriptor::Scales;
-  static const std::vector<FormatDescriptor> formats = {
-      {ExpertFormat::kBF16, "bf16", 16, S::kNone, true, 0, nullptr},
-      {ExpertFormat::kInt8, "int8", 8, S::kPerRow, true, 128, nullptr},
-      {ExpertFormat::kInt4, "int4", 4, S::kPerGroup, true, 8, nullptr},
-  };
+  static const std::vector<FormatDescriptor> formats = [] {
+    std::vector<FormatDescriptor> f = {
+        {ExpertFormat::kBF16, "bf16", 16, S::kNone, true, 0, nullptr},
+        {ExpertFormat::kInt8, "int8", 8, S::kPerRow, true, 128, nullptr},
+        {ExpertFormat::kInt4, "int4", 4, S::kPerGroup, true, 8, nullptr},
+    };
+    // GGUF formats: the lower-case ggml name ("q4_k"); 8 bits as the kernels compute; a scale per
+    // group (in the blocks), a min beside it for the types that have one, q + bias unsigned.
+    static std::vector<std::string> names;
+    names.reserve(std::size(kGgufFormatTypes));
+    for (size_t i = 0; i < std::size(kGgufFormatTypes); ++i) {
+      const int id = kGgufFormatTypes[i];
+      const internal::GgufBlockCode& code = *internal::FindGgufBlockCode(id);
+      names.push_back(absl::AsciiStrToLower(FindGgufType(id)->name));
+      FormatDescriptor d;
+      d.format = static_cast<ExpertFormat>(static_cast<int>(ExpertFormat::kQ4_0) + static_cast<int>(i));
+      d.name = names.back().c_str();
+      d.bits = 8;
+      d.scales = S::kPerGroup;
+      d.symmetric = !code.has_offset;
+      d.offset = code.bias;
+      d.gguf_type = id;
+      f.push_back(d);
+    }
+    f.push_back({ExpertFormat::kNative, "native", 8, S::kNone, true, 0, nullptr});
+    return f;
+  }();
   return formats;
+}
+
+absl::StatusOr<ExpertFormat> FormatForGgufType(int type_id) {
+  for (size_t i = 0; i < std::size(kGgufFormatTypes); ++i) {
+    if (kGgufFormatTypes[i] == type_id) {
+      return static_cast<ExpertFormat>(static_cast<int>(ExpertFormat::kQ4_0) + static_cast<int>(i));
+    }
+  }
+  std::string names;
+  for (int id : kGgufFormatTypes) absl::StrAppend(&names, names.empty() ? "" : ", ", FindGgufType(id)->name);
+  const GgufType* t = FindGgufType(type_id);
+  return absl::InvalidArgumentError(absl::StrCat("GGUF type ", t != nullptr ? std::string(t->name) : "", " (id ",
+                                                 type_id, ") is not one the expert pool keeps; types supported: ",
+                                                 names));
 }
 
 const FormatDescriptor& Describe(ExpertFormat f) { return PackedFormats()[static_cast<size_t>(f)]; }
@@ -38,14 +83,16 @@ const char* FormatName(ExpertFormat f) { return Describe(f).name; }
 
 absl::StatusOr<ExpertFormat> ParseFormat(const std::string& name) {
   std::string names;
+  const std::string lower = absl::AsciiStrToLower(name);
   for (const FormatDescriptor& d : PackedFormats()) {
-    if (name == d.name) return d.format;
+    if (lower == d.name) return d.format;
     absl::StrAppend(&names, names.empty() ? "" : ", ", d.name);
   }
   return absl::InvalidArgumentError(absl::StrCat("expert format '", name, "' is not one of ", names));
 }
 
 int64_t MatrixLayout::scale_bytes() const {
+  if (gguf_type >= 0) return 0;  // in the blocks
   switch (Describe(format).scales) {
     case FormatDescriptor::Scales::kNone:
       return 0;
@@ -58,6 +105,29 @@ int64_t MatrixLayout::scale_bytes() const {
 }
 
 absl::StatusOr<MatrixLayout> MakeLayout(ExpertFormat format, int64_t n, int64_t k, int group) {
+  if (format == ExpertFormat::kNative) {
+    return absl::InvalidArgumentError("'native' is a pool option, not a matrix layout");
+  }
+  if (IsGgufFormat(format)) {
+    const FormatDescriptor& d = Describe(format);
+    const internal::GgufBlockCode& code = *internal::FindGgufBlockCode(d.gguf_type);
+    if (n <= 0 || k <= 0 || k % code.elements != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("bad matrix shape [", n, ", ", k, "] for ", d.name,
+                                                     " (rows of whole blocks of ", code.elements, " values)"));
+    }
+    MatrixLayout l;
+    l.format = format;
+    l.n = n;
+    l.k = k;
+    l.n_pad = RoundUp(n, 16);
+    l.k_pad = RoundUp(k, 64);  // the activations' padding; the blocks cover k
+    l.group = code.group;
+    l.gguf_type = d.gguf_type;
+    l.gguf_block_elements = code.elements;
+    l.gguf_block_bytes = code.bytes;
+    l.gguf_row_block_bytes = RoundUp(16 * (k / code.elements) * code.bytes, 64);
+    return l;
+  }
   if (group != 32 && group != 64 && group != 128) {
     return absl::InvalidArgumentError(absl::StrCat("int4 group size ", group, " is not 32, 64 or 128"));
   }
@@ -77,6 +147,10 @@ absl::Status PackMatrix(const core::TensorView& w, const MatrixLayout& l, uint8_
   if (w.rank() != 2 || w.dim(0) != l.n || w.dim(1) != l.k) {
     return absl::InvalidArgumentError(absl::StrCat("expert matrix has shape ", core::ShapeString(w.shape),
                                                    ", expected [", l.n, ", ", l.k, "]"));
+  }
+  if (l.gguf_type >= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("a ", core::DTypeName(w.dtype), " matrix cannot be packed as ",
+                                                   FormatName(l.format), " (GGUF blocks are kept, not made)"));
   }
   const int64_t row_bytes = l.k * core::DTypeSize(w.dtype);
   if (w.dtype == core::DType::kBF16) {
@@ -141,6 +215,8 @@ void PackBlockPlain(const MatrixLayout& l, const float* tile, int64_t b, uint8_t
         }
         break;
       }
+      default:  // GGUF formats keep their blocks (PackGgufRows)
+        break;
     }
   }
 }
@@ -417,8 +493,41 @@ void PackRowsBf16(const MatrixLayout& l, const std::function<const uint16_t*(int
   _mm_sfence();  // as PackRowsWith
 }
 
+void PackGgufRows(const MatrixLayout& l, const std::function<const uint8_t*(int64_t n)>& row, uint8_t* out) {
+  const int64_t chunks = l.k / l.gguf_block_elements, bb = l.gguf_block_bytes;
+  for (int64_t b = 0; b < l.blocks(); ++b) {
+    uint8_t* block = out + b * l.block_bytes();
+    for (int64_t r = 0; r < 16; ++r) {
+      const uint8_t* src = b * 16 + r < l.n ? row(b * 16 + r) : nullptr;
+      for (int64_t c = 0; c < chunks; ++c) {
+        uint8_t* dst = block + (c * 16 + r) * bb;
+        if (src == nullptr) {
+          std::memset(dst, 0, bb);
+        } else {
+          std::memcpy(dst, src + c * bb, bb);
+        }
+      }
+    }
+    const int64_t used = 16 * chunks * bb;
+    std::memset(block + used, 0, l.block_bytes() - used);
+  }
+}
+
+void PackBlockRows(const MatrixLayout& l, const void* rows, uint8_t* out) {
+  const int64_t row_bytes = l.k / l.gguf_block_elements * l.gguf_block_bytes;
+  PackGgufRows(l, [&](int64_t n) { return static_cast<const uint8_t*>(rows) + n * row_bytes; }, out);
+}
+
 float UnpackValue(const PackedMatrix& m, int64_t n, int64_t k) {
   const MatrixLayout& l = m.layout;
+  if (l.gguf_type >= 0) {
+    if (n >= l.n_pad || k >= l.k) return 0.0f;
+    const int64_t c = k / l.gguf_block_elements;
+    const uint8_t* blk = m.block(n / 16) + (c * 16 + n % 16) * l.gguf_block_bytes;
+    float values[256];
+    DequantizeRow(l.gguf_type, blk, l.gguf_block_elements, values);
+    return values[k % l.gguf_block_elements];
+  }
   if (n >= l.n_pad || k >= l.k_pad) return 0.0f;
   const uint8_t* block = m.block(n / 16);
   const int64_t r = n % 16;
@@ -433,6 +542,8 @@ float UnpackValue(const PackedMatrix& m, int64_t n, int64_t k) {
       const int q = ((i % 64) < 32 ? (byte & 0x0F) : (byte >> 4)) - 8;
       return q * m.block_scales(n / 16, k / l.group)[r];
     }
+    default:
+      return 0.0f;
   }
   return 0.0f;
 }

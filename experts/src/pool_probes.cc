@@ -67,6 +67,9 @@ ExpertPool::KernelStream MeasureKernelStream(WorkerThreads& workers, int threads
   const int64_t gu_item = BatchItemBlocks(shape.num_experts, gate_up_layout.blocks(), threads);
   const int64_t down_item =
       std::min(kDownItemBlocks, BatchItemBlocks(shape.num_experts, down_layout.blocks(), threads));
+  // Native GGUF types: each layer's matrices have their own formats (and kernels); all take the
+  // same int8 activations.
+  if (format == ExpertFormat::kNative) format = gate_up_layout.format;
   const MatmulKernel matmul = GetKernel(kind, format);
   const SwiGluKernel swiglu = GetSwiGluKernel(kind, format);
   // Each thread's own activations (the same values on every thread) and result rows.
@@ -97,19 +100,21 @@ ExpertPool::KernelStream MeasureKernelStream(WorkerThreads& workers, int threads
       const int layer = static_cast<int>(i / shape.num_experts), e = static_cast<int>(i % shape.num_experts);
       if (gate_up) {
         const PackedMatrix w = experts.GateUp(layer, e);
+        const MatmulKernel mm = experts.layers != nullptr ? GetKernel(kind, w.layout.format) : matmul;
         for (int64_t b0 = 0; b0 < gate_up_layout.blocks(); b0 += gu_item) {
           const int64_t b1 = std::min(gate_up_layout.blocks(), b0 + gu_item);
           if (swiglu != nullptr) {
             swiglu(w, s.in, b0, b1, inter, s.y_gate_up.data() + b0 / 2 * 16, ld_gate_up);
           } else {
-            matmul(w, s.in, b0, b1, s.y_gate_up.data() + b0 * 16, ld_gate_up);
+            mm(w, s.in, b0, b1, s.y_gate_up.data() + b0 * 16, ld_gate_up);
           }
         }
       }
       if (down) {
         const PackedMatrix w = experts.Down(layer, e);
+        const MatmulKernel mm = experts.layers != nullptr ? GetKernel(kind, w.layout.format) : matmul;
         for (int64_t b0 = 0; b0 < down_layout.blocks(); b0 += down_item) {
-          matmul(w, s.mid, b0, std::min(down_layout.blocks(), b0 + down_item), s.y_down.data() + b0 * 16, ld_down);
+          mm(w, s.mid, b0, std::min(down_layout.blocks(), b0 + down_item), s.y_down.data() + b0 * 16, ld_down);
         }
       }
     }
@@ -118,8 +123,11 @@ ExpertPool::KernelStream MeasureKernelStream(WorkerThreads& workers, int threads
     for (auto [gate_up, down, gbps] :
          {std::tuple{true, false, &best.gate_up_gbps}, std::tuple{false, true, &best.down_gbps},
           std::tuple{true, true, &best.all_gbps}}) {
-      const double bytes =
-          static_cast<double>(matrices) * ((gate_up ? gate_up_layout.bytes() : 0) + (down ? down_layout.bytes() : 0));
+      double bytes = 0;
+      for (int l = 0; l < shape.num_layers; ++l) {
+        const PackedExperts p = experts.ForLayer(l);
+        bytes += static_cast<double>(shape.num_experts) * ((gate_up ? p.gate_up.bytes() : 0) + (down ? p.down.bytes() : 0));
+      }
       const auto t0 = std::chrono::steady_clock::now();
       workers.OnEachThread(threads, [&, gate_up = gate_up, down = down](int t) { run(t, gate_up, down); });
       const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -46,13 +46,46 @@ struct ExpertShape {
   int64_t intermediate = 0;
 };
 
+// One matrix of an expert as the checkpoint holds it: a tensor of bf16, f16 or f32 values, or
+// rows of GGUF blocks (gguf_types.h) of a ggml type. A TensorView converts to one implicitly.
+struct ExpertMatrix {
+  ExpertMatrix() = default;
+  ExpertMatrix(const core::TensorView& t) : tensor(t) {}  // NOLINT(google-explicit-constructor)
+  ExpertMatrix(const void* data, core::DType dtype, core::Shape shape) : tensor{data, dtype, std::move(shape)} {}
+  // `rows` rows of `cols` values of GGUF type `type_id`, row-major as a GGUF tensor stores them
+  // (cols / block_elements blocks per row).
+  static ExpertMatrix Gguf(const void* data, int64_t rows, int64_t cols, int type_id) {
+    ExpertMatrix m;
+    m.tensor = core::TensorView{data, core::DType::kI8, {rows, cols}};
+    m.gguf_type = type_id;
+    return m;
+  }
+
+  // The values (dtype bf16, f16 or f32), or for GGUF blocks their data and the shape in values.
+  core::TensorView tensor;
+  int gguf_type = -1;  // ggml type id of GGUF blocks; -1: a tensor of values
+
+  bool is_gguf() const { return gguf_type >= 0; }
+  const core::Shape& shape() const { return tensor.shape; }
+  // Bytes the source holds (for a GGUF matrix its blocks'; 0 for a type gguf_types.h lacks).
+  int64_t bytes() const;
+  // "Q4_K" or "bf16".
+  std::string TypeName() const;
+};
+
 // One expert's weights as the checkpoint holds them: gate and up [I x H], down [H x I].
 struct ExpertWeights {
-  core::TensorView gate, up, down;
+  ExpertMatrix gate, up, down;
 };
 using ExpertWeightSource = std::function<absl::StatusOr<ExpertWeights>(int layer, int expert)>;
 
 struct ExpertPoolOptions {
+  // How the arena holds the experts. bf16, int8, int4: every matrix converted (GGUF matrices
+  // dequantized first, bit-identical to llama.cpp). A GGUF format (kQ4_K, ...): every matrix must
+  // come in that GGUF type, and is kept as it is. kNative ("native"): each layer's matrices keep
+  // the GGUF type the source gives them (gate and up of a layer must share one, as llama.cpp's
+  // quantizer makes them; layers may differ, as Q4_K_M files' down matrices do), read from expert
+  // 0 of each layer before loading; every expert of a layer must then have the same types.
   ExpertFormat format = ExpertFormat::kBF16;
   int group = 32;                    // int4 group size: 32, 64 or 128
   int threads = 0;                   // 0: every core this process may use
@@ -109,13 +142,23 @@ class ExpertPool {
   // A loop finishes a call in flight first. The pool's linger_us applies after Rest.
   HostThreads& host_threads();
   // The packed experts as they lie in the arena (packed.h): expert e of layer l at
-  // data + (l * num_experts + e) * expert_bytes, its fused gate+up matrix (16-row blocks that
-  // alternate gate and up rows of 16 intermediate units) and then its down matrix; a layer's
-  // experts are contiguous. For streaming them to a GPU.
+  // data + layers[l].offset + e * layers[l].expert_bytes, its fused gate+up matrix (16-row blocks
+  // that alternate gate and up rows of 16 intermediate units) and then its down matrix; a layer's
+  // experts are contiguous. Each matrix's layout carries its format (for GGUF formats the ggml
+  // type, layout.gguf_type). Where every layer is laid out alike (uniform: every format but
+  // native, and native files with one type per matrix kind), expert e of layer l is also at
+  // data + (l * num_experts + e) * expert_bytes with gate_up and down; otherwise those three
+  // are layer 0's. For streaming them to a GPU (which must know the formats it unpacks).
+  struct LayerArena {
+    int64_t offset = 0, expert_bytes = 0;
+    MatrixLayout gate_up, down;
+  };
   struct ArenaLayout {
     const uint8_t* data = nullptr;
     int64_t expert_bytes = 0;
     MatrixLayout gate_up, down;
+    bool uniform = true;
+    std::vector<LayerArena> layers;  // one per MoE layer, always filled
   };
   ArenaLayout arena_layout() const;
   int64_t expert_bytes() const { return expert_bytes_; }
@@ -171,7 +214,8 @@ class ExpertPool {
 double MeasureHostReadBandwidth(int threads, size_t bytes, int repeats = 3);
 
 // Bytes the pool's arena takes for one expert of `shape` in `format` (its fused gate+up and its
-// down, packed): what one routed expert reads per token.
+// down, packed): what one routed expert reads per token. (kNative: kInvalidArgument, the types
+// come with the source; a GGUF format: its blocks.)
 absl::StatusOr<int64_t> PackedExpertBytes(const ExpertShape& shape, ExpertFormat format, int group = 32);
 
 }  // namespace moe::experts

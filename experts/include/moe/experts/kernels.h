@@ -11,6 +11,9 @@
 //                               scale); integer dot products; one fp32 scale per row (int8) or per
 //                               row and group (int4)
 //   int8, int4 (amx and vnni):  bitwise the same results
+//   GGUF formats (portable, vnni): int8 activations as int8's, with group sums of 16 columns;
+//                               each block decoded to int8 with its group scales and mins
+//                               (kernels_gguf.cc); the weights exactly llama.cpp's values
 // Speed bounds: at few tokens every kernel streams the weights once (memory bandwidth); at many
 // tokens avx512/vnni are bound by vector FMA throughput and amx by tile throughput (int4 on amx:
 // one tile step and one store of the sums per scale group).
@@ -46,7 +49,7 @@ std::string KernelUnsupportedReason(KernelKind kind, ExpertFormat format, const 
 class Activations {
  public:
   // Fills the forms `kind` needs from x [m x k] (row stride k). `sum_group`: columns per
-  // quantized-sum group (the int4 group; k_pad for int8).
+  // quantized-sum group (the int4 group; k_pad for int8; 16 for the GGUF formats).
   absl::Status Prepare(const float* x, int64_t m, int64_t k, int64_t k_pad, KernelKind kind, ExpertFormat format,
                        int sum_group);
   // The same, with row r read from rows[r] (k floats each): gathers and prepares in one pass.
@@ -146,6 +149,9 @@ void SwiGluAmxInt8(const PackedMatrix& w, const Activations& a, int64_t b0, int6
 void MatmulAmxInt4(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, float* y, int64_t ldy);
 void SwiGluAmxInt4(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, int64_t n_cols, float* y,
                    int64_t ldy);
+// GGUF formats (kernels_gguf.cc): every type, through one decoder per type.
+void MatmulGgufPortable(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, float* y, int64_t ldy);
+void MatmulGgufVnni(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, float* y, int64_t ldy);
 float AbsMaxAvx512(const float* x, int64_t n);
 float SumAvx512(const float* x, int64_t n);
 void SiluMulAvx512(const float* gate, const float* up, int64_t n, float* out);

@@ -20,6 +20,14 @@
 // offset * sum(activations) once per token (per group for int4).
 //
 // A packed matrix is: blocks (block_bytes each), then scales. All offsets are 64-byte aligned.
+//
+// GGUF formats (kQ4_0 .. kIQ1_M, one per ggml block type, gguf_types.h) keep the file's blocks as
+// they are, losslessly: a 16-row block holds, for each K-chunk c of the type's block_elements
+// values, the 16 rows' GGUF blocks of that chunk one after the other (row 0's block, row 1's, ...),
+// chunk after chunk; rows past n are zero blocks, and each 16-row block is padded to 64 bytes.
+// So a matrix takes the file's bytes (plus at most 15 zero rows and 63 bytes per 16 rows), and a
+// kernel streams it in order, decoding a chunk of 16 rows to int8 in registers (gguf_blocks.h).
+// Their scales are inside the blocks: scale_bytes() is 0.
 #pragma once
 
 #include <cstddef>
@@ -33,7 +41,34 @@
 
 namespace moe::experts {
 
-enum class ExpertFormat { kBF16, kInt8, kInt4 };
+enum class ExpertFormat {
+  kBF16,
+  kInt8,
+  kInt4,
+  // GGUF block types, kept as the file stores them (see above); the names are llama.cpp's.
+  kQ4_0,
+  kQ4_1,
+  kQ5_0,
+  kQ5_1,
+  kQ8_0,
+  kQ2_K,
+  kQ3_K,
+  kQ4_K,
+  kQ5_K,
+  kQ6_K,
+  kIQ2_XXS,
+  kIQ2_XS,
+  kIQ2_S,
+  kIQ3_XXS,
+  kIQ3_S,
+  kIQ1_S,
+  kIQ1_M,
+  kIQ4_NL,
+  kIQ4_XS,
+  // Not a packed format: an ExpertPoolOptions::format that keeps each matrix in its GGUF type
+  // ("native"; expert_pool.h).
+  kNative,
+};
 
 // What a packed format is, for the code that sizes, packs and picks kernels for it: the kernels
 // register against formats (kernels.h: KernelTable), and everything else reads the descriptor, so
@@ -49,33 +84,49 @@ struct FormatDescriptor {
   bool symmetric = true;            // codes are q + offset around zero; false: a min beside each scale
   int offset = 0;                   // stored as q + offset (unsigned storage: 128 for int8, 8 for int4)
   const float* codebook = nullptr;  // the value of each code (non-linear types); null: linear codes
+  int gguf_type = -1;               // GGUF formats: the ggml type id of their blocks; -1 otherwise
 };
 const FormatDescriptor& Describe(ExpertFormat f);
-// Every format the pool packs, in the order of ExpertFormat.
+// Every format the pool packs, in the order of ExpertFormat (kNative last, with no kernels).
 const std::vector<FormatDescriptor>& PackedFormats();
+// GGUF formats: the ones that keep a ggml block type.
+inline bool IsGgufFormat(ExpertFormat f) { return f >= ExpertFormat::kQ4_0 && f <= ExpertFormat::kIQ4_XS; }
+// The GGUF format for ggml type `type_id`, or kInvalidArgument naming the ones there are.
+absl::StatusOr<ExpertFormat> FormatForGgufType(int type_id);
 
 const char* FormatName(ExpertFormat f);
-// A format by its name ("bf16", "int8", "int4"); kInvalidArgument naming the ones there are.
+// A format by its name ("bf16", "int8", "int4", "q4_k", ..., "native"; GGUF names in either
+// case); kInvalidArgument naming the ones there are.
 absl::StatusOr<ExpertFormat> ParseFormat(const std::string& name);
 // Stored bits per value: the descriptor's `bits`, for the kernels' inline sizes.
-constexpr int FormatBits(ExpertFormat f) { return f == ExpertFormat::kBF16 ? 16 : f == ExpertFormat::kInt8 ? 8 : 4; }
+// (GGUF formats: 8, the bits of the integers their kernels compute with.)
+constexpr int FormatBits(ExpertFormat f) {
+  return f == ExpertFormat::kBF16 ? 16 : f == ExpertFormat::kInt4 ? 4 : 8;
+}
 
 struct MatrixLayout {
   ExpertFormat format = ExpertFormat::kBF16;
   int64_t n = 0, k = 0;          // logical shape
   int64_t n_pad = 0, k_pad = 0;  // padded shape
-  int group = 32;                // int4 group size along K (32, 64 or 128)
+  int group = 32;                // int4 group size along K (32, 64 or 128); GGUF: values per scale (16, 32)
+  // GGUF formats: the ggml type, its block (values, bytes) and the bytes of one 16-row block.
+  int gguf_type = -1;
+  int gguf_block_elements = 0, gguf_block_bytes = 0;
+  int64_t gguf_row_block_bytes = 0;
 
   int64_t blocks() const { return n_pad / 16; }
   // Weight bytes of one 16-row block. Inline: the kernels reach blocks and scales through it.
-  int64_t block_bytes() const { return 2 * k_pad * FormatBits(format); }  // 16 rows x k_pad x bits / 8
+  int64_t block_bytes() const {
+    return gguf_type >= 0 ? gguf_row_block_bytes : 2 * k_pad * FormatBits(format);  // 16 rows x k_pad x bits / 8
+  }
   int64_t weight_bytes() const { return blocks() * block_bytes(); }
   int64_t scale_bytes() const;   // after the blocks
   int64_t bytes() const { return weight_bytes() + scale_bytes(); }
   int64_t groups() const { return k_pad / group; }
 };
 
-// kInvalidArgument for a group that is not 32, 64 or 128.
+// kInvalidArgument for a group that is not 32, 64 or 128 (int4; other formats ignore it), or for a
+// GGUF format whose block does not divide k, or kNative.
 absl::StatusOr<MatrixLayout> MakeLayout(ExpertFormat format, int64_t n, int64_t k, int group = 32);
 
 // A read-only view of one packed matrix: its bytes are not owned and are read from any thread.
@@ -104,8 +155,15 @@ void PackRows(const MatrixLayout& layout, const std::function<void(int64_t n, fl
 // floats in registers; otherwise through PackRows).
 void PackRowsBf16(const MatrixLayout& layout, const std::function<const uint16_t*(int64_t n)>& row, uint8_t* out);
 
+// GGUF formats: packs rows of GGUF blocks as the file stores them: `row(n)` gives the
+// k / block_elements blocks of row n < layout.n, or null for a row of zeros. A copy, re-ordered.
+void PackGgufRows(const MatrixLayout& layout, const std::function<const uint8_t*(int64_t n)>& row, uint8_t* out);
+// The same from `rows`: layout.n rows of k values in the layout's GGUF type, row-major, as a GGUF
+// tensor stores them.
+void PackBlockRows(const MatrixLayout& layout, const void* rows, uint8_t* out);
+
 // The value the kernels compute with, for tests and the portable kernel: W[n][k] after
-// quantization (0 in the padding).
+// quantization (0 in the padding). GGUF formats: DequantizeRow's value, bit for bit.
 float UnpackValue(const PackedMatrix& m, int64_t n, int64_t k);
 
 namespace internal {
