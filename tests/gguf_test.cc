@@ -4,6 +4,7 @@
 // safetensors model, the same token ids from the embedded vocabulary as from tokenizer.json; split
 // files and folders; and every refusal of a broken file, naming the file and what.
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <functional>
@@ -18,6 +19,9 @@
 
 #include "gtest/gtest.h"
 #include "moeserve/v1/generation.grpc.pb.h"
+#include "moe/core/dtype.h"
+#include "moe/experts/expert_pool.h"
+#include "moe/experts/gguf_types.h"
 #include "moe/runtime/checkpoint.h"
 #include "moe/runtime/gguf_writer.h"
 #include "moe/runtime/model.h"
@@ -128,14 +132,14 @@ void WriteVocabulary(const std::string& dir, const std::string& pre, GgufWriter&
   if (cfg.contains("chat_template")) w.String("tokenizer.chat_template", cfg["chat_template"]);
 }
 
-// May rename a tensor, change its dimensions or type (the bytes stay), or drop it (false).
-using TensorEdit = std::function<bool(std::string& name, std::vector<int64_t>& ne, int& type)>;
+// May rename a tensor, change its dimensions, type or bytes, or drop it (false).
+using TensorEdit = std::function<bool(std::string& name, std::vector<int64_t>& ne, int& type, std::string& bytes)>;
 
 // The fixture's tensors under GGUF names: experts stacked per layer, Mixtral's q and k rows
 // permuted as the converter permutes them, qwen2_moe's shared expert gate as a vector.
 void WriteTensors(const Checkpoint& c, GgufWriter& w, const TensorEdit& edit = nullptr) {
   const auto put = [&](std::string name, std::vector<int64_t> ne, int type, std::string bytes) {
-    if (edit && !edit(name, ne, type)) return;
+    if (edit && !edit(name, ne, type, bytes)) return;
     w.Tensor(name, ne, type, std::move(bytes));
   };
   const runtime::ModelSpec& s = c.spec();
@@ -357,13 +361,13 @@ TEST(GgufRefusalTest, MissingTensorWrongShapeUnknownTypeArchitectureAndPreTokeni
     EXPECT_TRUE(w.Write(path).ok());
     return runtime::Model::Load(path, options).status();
   };
-  const absl::Status missing = load([](std::string& name, std::vector<int64_t>&, int&) {
+  const absl::Status missing = load([](std::string& name, std::vector<int64_t>&, int&, std::string&) {
     return name != "blk.1.attn_q.weight";
   });
   EXPECT_NE(missing.message().find("blk.1.attn_q.weight"), std::string::npos) << missing;
   EXPECT_NE(missing.message().find("missing"), std::string::npos) << missing;
 
-  const absl::Status shape = load([](std::string& name, std::vector<int64_t>& ne, int&) {
+  const absl::Status shape = load([](std::string& name, std::vector<int64_t>& ne, int&, std::string&) {
     if (name == "blk.0.attn_k.weight") std::swap(ne[0], ne[1]);
     return true;
   });
@@ -371,7 +375,7 @@ TEST(GgufRefusalTest, MissingTensorWrongShapeUnknownTypeArchitectureAndPreTokeni
   EXPECT_NE(shape.message().find("num_key_value_heads"), std::string::npos) << shape;
 
   // Q8_1 (36 bytes per 32 values) is a ggml type moeserve does not read; the F32 bytes hold it.
-  const absl::Status type = load([](std::string& name, std::vector<int64_t>&, int& t) {
+  const absl::Status type = load([](std::string& name, std::vector<int64_t>&, int& t, std::string&) {
     if (name == "blk.0.ffn_norm.weight") t = 9;
     return true;
   });
@@ -397,6 +401,108 @@ TEST(GgufRefusalTest, MissingTensorWrongShapeUnknownTypeArchitectureAndPreTokeni
   auto with_dir = scheduler::LoadModelTokenizer(tok / "m.gguf", testing::FixtureDir("qwen3_moe"));
   ASSERT_TRUE(with_dir.ok()) << with_dir.status();
   EXPECT_NE(with_dir->tokenizer, nullptr);
+}
+
+// Q8_0 blocks of bf16 rows (as ggml quantizes: d = max|x| / 127 in fp16, q = round(x / d)).
+std::string QuantizeQ8_0(const std::string& bf16, int64_t cols) {
+  const int64_t n = static_cast<int64_t>(bf16.size() / 2);
+  std::string out;
+  for (int64_t b = 0; b < n / 32; ++b) {
+    float x[32], amax = 0;
+    for (int i = 0; i < 32; ++i) {
+      uint16_t v;
+      std::memcpy(&v, &bf16[2 * (b * 32 + i)], 2);
+      x[i] = core::Bf16ToFloat(v);
+      amax = std::max(amax, std::fabs(x[i]));
+    }
+    const float d = amax / 127;
+    const _Float16 h = static_cast<_Float16>(d);
+    char block[34];
+    std::memcpy(block, &h, 2);
+    for (int i = 0; i < 32; ++i) {
+      block[2 + i] = static_cast<char>(static_cast<int8_t>(d == 0 ? 0 : std::lround(x[i] / d)));
+    }
+    out.append(block, 34);
+  }
+  (void)cols;
+  return out;
+}
+
+// The file's Q8_0 values as f32 (experts::DequantizeRow, llama.cpp's dequantization).
+std::string DequantizeToF32(const std::string& blocks, int type, int64_t values) {
+  std::string out(4 * values, '\0');
+  experts::DequantizeRow(type, blocks.data(), values, reinterpret_cast<float*>(out.data()));
+  return out;
+}
+
+// A GGUF file whose matrices (attention, experts, dense and LM head) are Q8_0 runs with its experts
+// kept as Q8_0 in the pool (native) and its dense weights dequantized: its logits are those of the
+// same values given as f32 (bit for bit on the reference path; within the pool's int8 activation
+// rounding with the pool), and the pool's arena holds the file's expert bytes.
+TEST(GgufQuantizedTest, Q8_0ExpertsStayInTheirTypeAndComputeTheFilesValues) {
+  testing::ScratchDir dir;
+  auto c = runtime::OpenCheckpoint(testing::FixtureDir("qwen3_moe"));
+  ASSERT_TRUE(c.ok());
+  const auto matrix = [](const std::string& name, const std::vector<int64_t>& ne) {
+    return ne.size() >= 2 && name.find("norm") == std::string::npos && name.find("ffn_gate_inp") == std::string::npos &&
+           ne[0] % 32 == 0;
+  };
+  int64_t expert_bytes = 0;
+  const auto write = [&](const std::string& path, bool as_f32) {
+    GgufWriter w;
+    WriteMetadata((*c)->spec(), w);
+    WriteVocabulary(testing::FixtureDir("qwen3_moe"), "qwen2", w);
+    WriteTensors(**c, w, [&](std::string& name, std::vector<int64_t>& ne, int& type, std::string& bytes) {
+      if (!matrix(name, ne) || type != kBF16) return true;
+      int64_t values = 1;
+      for (int64_t d : ne) values *= d;
+      bytes = QuantizeQ8_0(bytes, ne[0]);
+      type = 8;
+      if (name.find("_exps") != std::string::npos && !as_f32) expert_bytes += static_cast<int64_t>(bytes.size());
+      if (as_f32) {
+        bytes = DequantizeToF32(bytes, 8, values);
+        type = kF32;
+      }
+      return true;
+    });
+    ASSERT_TRUE(w.Write(path).ok());
+  };
+  write(dir / "q8_0.gguf", false);
+  write(dir / "f32.gguf", true);
+  runtime::ModelOptions native;
+  native.pool.progress = false;
+  native.pool_format_auto = true;
+  auto pooled = runtime::Model::Load(dir / "q8_0.gguf", native);
+  ASSERT_TRUE(pooled.ok()) << pooled.status();
+  ASSERT_NE((*pooled)->expert_pool(), nullptr);
+  EXPECT_LE((*pooled)->expert_pool()->arena().size(), expert_bytes * 11 / 10);
+  EXPECT_GE((*pooled)->expert_pool()->arena().size(), expert_bytes);
+  runtime::ModelOptions reference;
+  reference.pool.progress = false;
+  reference.experts = runtime::RoutedExpertsMode::kBackend;
+  auto ref_q8 = runtime::Model::Load(dir / "q8_0.gguf", reference);
+  ASSERT_TRUE(ref_q8.ok()) << ref_q8.status();
+  auto ref_f32 = runtime::Model::Load(dir / "f32.gguf", reference);
+  ASSERT_TRUE(ref_f32.ok()) << ref_f32.status();
+  const nlohmann::json golden = testing::LoadGolden("qwen3_moe");
+  float worst = 0;
+  int positions = 0, agree = 0;
+  for (const auto& gc : golden["cases"]) {
+    const std::vector<int32_t> ids = gc["prompt_ids"];
+    const auto a = testing::FullForward(**ref_q8, ids), b = testing::FullForward(**ref_f32, ids),
+               p = testing::FullForward(**pooled, ids);
+    for (size_t r = 0; r < a.size(); ++r) {
+      ASSERT_EQ(a[r], b[r]) << "position " << r;
+      worst = std::max(worst, testing::MaxAbsDiff(p[r], a[r]));
+      ++positions;
+      agree += std::max_element(p[r].begin(), p[r].end()) - p[r].begin() ==
+               std::max_element(a[r].begin(), a[r].end()) - a[r].begin();
+    }
+  }
+  // The pool quantizes activations to int8 per token: the bounds of the int8 pool's goldens test
+  // (goldens_test: 85% agreement, worst error under 3 on these fixtures).
+  EXPECT_GT(agree, positions * 85 / 100) << agree << " of " << positions;
+  EXPECT_LT(worst, 3.0f);
 }
 
 // `moeserve serve --model FILE.gguf`: the OpenAI API's chat (the file's chat template and

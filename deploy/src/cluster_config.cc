@@ -16,6 +16,7 @@
 #include "flags.h"
 #include "moe/comm/tcp_socket.h"
 #include "moe/core/status.h"
+#include "moe/experts/packed.h"
 #include "moe/runtime/model_spec.h"
 #include "moe/runtime/placement.h"
 #include "moe/scheduler/security.h"
@@ -176,9 +177,9 @@ absl::Status ReadExperts(const Reader& r, const YAML::Node& e, ClusterConfig* c)
   if (const YAML::Node pool = e["cpu_pool"]; pool.IsDefined() && !pool.IsNull()) {
     MOE_RETURN_IF_ERROR(r.Keys(pool, "experts.cpu_pool", {"dtype", "group", "threads", "shm"}));
     MOE_RETURN_IF_ERROR(r.Get(pool, "experts.cpu_pool", "dtype", &c->expert_format));
-    if (c->expert_format != "bf16" && c->expert_format != "int8" && c->expert_format != "int4") {
+    if (c->expert_format != "auto" && !experts::ParseFormat(c->expert_format).ok()) {
       return r.Error(pool["dtype"], "experts.cpu_pool.dtype",
-                     absl::StrCat("'", c->expert_format, "' is not bf16, int8 or int4"));
+                     absl::StrCat("'", c->expert_format, "' is not auto, native, bf16, int8, int4 or a GGUF type"));
     }
     MOE_RETURN_IF_ERROR(r.Get(pool, "experts.cpu_pool", "group", &c->expert_group));
     if (c->expert_group != 32 && c->expert_group != 64 && c->expert_group != 128) {

@@ -43,7 +43,7 @@ struct ClusterConfig {
   runtime::ParallelMode mode = runtime::ParallelMode::kNone;
   int ranks = 1;  // parallel.size or parallel.stages
   // experts
-  std::string expert_format = "bf16";
+  std::string expert_format = "auto";
   int expert_group = 32;
   int expert_threads = 0;  // per worker; 0: its share of the node's cores
   std::string expert_shm;  // the shared arena's name; empty: one is derived from the model

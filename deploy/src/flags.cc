@@ -189,7 +189,10 @@ void ExpertFlags::Add(CLI::App* app) {
                   "pool's kernels (int4 in groups of --expert-group)")
       ->check(CLI::IsMember({"bf16", "int8", "int4"}))
       ->capture_default_str();
-  app->add_option("--expert-format", format, "packed format of the expert pool's weights: bf16, int8 or int4")
+  app->add_option("--expert-format", format,
+                  "format of the expert pool's weights: auto (a GGUF file's own types, kept as stored; bf16 for a "
+                  "Hugging Face checkpoint), native (a GGUF file's types), bf16, int8 or int4 (packed from the "
+                  "checkpoint's values), or one GGUF type for every expert (q4_k, q8_0, iq3_xxs, ...)")
       ->capture_default_str();
   app->add_option("--expert-group", group, "int4 scale group size: 32, 64 or 128")
       ->check(CLI::IsMember({32, 64, 128}))
@@ -219,7 +222,10 @@ absl::Status ExpertFlags::Apply(runtime::ModelOptions* options, const std::strin
   options->experts =
       mode == "reference" || mode == "gpu" ? runtime::RoutedExpertsMode::kBackend : runtime::RoutedExpertsMode::kPool;
   experts::ExpertPoolOptions& pool = options->pool;
-  MOE_ASSIGN_OR_RETURN(pool.format, experts::ParseFormat(format));
+  options->pool_format_auto = format == "auto";
+  if (!options->pool_format_auto) {
+    MOE_ASSIGN_OR_RETURN(pool.format, experts::ParseFormat(format));
+  }
   pool.group = group;
   pool.threads = threads;
   WarnIfMoreThreadsThanCores(threads, "expert-threads", command);

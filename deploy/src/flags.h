@@ -55,7 +55,7 @@ void WarnIfMoreThreadsThanCores(int threads, const std::string& flag, const std:
 // --override-tensor.
 struct ExpertFlags {
   std::string mode = "auto";
-  std::string format = "bf16";
+  std::string format = "auto";
   int group = 32;
   std::string kernel;
   int threads = 0;

@@ -189,7 +189,15 @@ int RunInspect(const InspectFlags& f) {
   plan_options.max_batch_tokens = f.max_batch_tokens;
   plan_options.max_logit_rows = std::min(256, f.max_batch_tokens);
   plan_options.kv_dtype = ParseKvCacheDtype(f.kv_cache_dtype).value_or(core::DType::kBF16);
-  plan_options.host_format = *experts::ParseFormat(f.experts.format);
+  if (f.experts.format == "auto") {
+    // A GGUF file's experts are kept as stored; the plan reads their types from the header.
+    plan_options.host_format =
+        gguf ? runtime::AutoPoolFormat(**checkpoint) : experts::ExpertFormat::kBF16;
+  } else {
+    auto format = experts::ParseFormat(f.experts.format);
+    if (!format.ok()) return FailCommand(command, core::Annotate(format.status(), "--expert-format"), 2);
+    plan_options.host_format = *format;
+  }
   plan_options.host_group = f.experts.group;
   plan_options.gpu_experts_per_layer = f.experts.gpu_experts_per_layer;
   plan_options.prefill_streaming = f.experts.prefill_offload_tokens.value_or(-1) != 0;

@@ -510,6 +510,20 @@ absl::StatusOr<fs::path> HuggingFaceFolder(const std::string& path) {
 
 }  // namespace
 
+bool ExpertsAreBlockQuantized(const Checkpoint& checkpoint) {
+  const ModelSpec& s = checkpoint.spec();
+  for (int l = 0; l < s.num_layers; ++l) {
+    if (!s.IsMoeLayer(l)) continue;
+    auto gate = checkpoint.Get({TensorId::kExpertGate, l, 0});
+    return gate.ok() && gate->format.kind == WeightFormat::Kind::kBlocks;
+  }
+  return false;
+}
+
+experts::ExpertFormat AutoPoolFormat(const Checkpoint& checkpoint) {
+  return ExpertsAreBlockQuantized(checkpoint) ? experts::ExpertFormat::kNative : experts::ExpertFormat::kBF16;
+}
+
 bool IsGgufCheckpoint(const std::string& path) {
   std::error_code ec;
   const fs::file_status st = fs::status(path, ec);

@@ -167,6 +167,37 @@ class CpuBackend : public Backend {
     return Fused({host});
   }
 
+  // GGUF Linears: the parts' blocks re-ordered for the kernels (experts/packed.h), as small as the
+  // file.
+  absl::StatusOr<std::unique_ptr<DeviceWeight>> PrepareStoredWeight(const std::vector<WeightView>& parts,
+                                                                    WeightUse use, TensorRole role) override {
+    if (parts.empty() || use != WeightUse::kMatrix) return absl::InvalidArgumentError("stored weights are Linears");
+    const WeightFormat& stored = parts[0].format;
+    int64_t rows = 0;
+    for (const WeightView& p : parts) {
+      if (p.rank() != 2 || p.shape[1] != parts[0].shape[1] || !(p.format == stored)) {
+        return absl::InvalidArgumentError("stored weights stack 2-D parts of one format and width");
+      }
+      rows += p.shape[0];
+    }
+    const int64_t cols = parts[0].shape[1];
+    MOE_ASSIGN_OR_RETURN(const experts::ExpertFormat format, experts::FormatForGgufType(stored.type_id));
+    MOE_ASSIGN_OR_RETURN(const experts::MatrixLayout layout, experts::MakeLayout(format, rows, cols));
+    MOE_ASSIGN_OR_RETURN(auto data, core::AlignedBuffer::Allocate(layout.bytes()));
+    const int64_t row_bytes = stored.RowBytes(cols);
+    experts::PackGgufRows(
+        layout,
+        [&](int64_t r) -> const uint8_t* {
+          for (const WeightView& p : parts) {
+            if (r < p.shape[0]) return static_cast<const uint8_t*>(p.data) + r * row_bytes;
+            r -= p.shape[0];
+          }
+          return nullptr;
+        },
+        data.as<uint8_t>());
+    return std::unique_ptr<DeviceWeight>(CpuWeight::Packed(core::Shape{rows, cols}, layout, std::move(data)));
+  }
+
   absl::StatusOr<std::unique_ptr<DeviceWeight>> PrepareFusedWeight(const std::vector<core::TensorView>& parts,
                                                                    WeightUse use,
                                                                    TensorRole role = TensorRole::kOther) override {
@@ -557,10 +588,15 @@ class CpuBackend : public Backend {
     const experts::ExpertFormat f = w.layout.format;
     const core::CpuFeatures& cpu = core::GetCpuFeatures();
     auto usable = [&](experts::KernelKind kind) { return experts::KernelUnsupportedReason(kind, f, cpu).empty(); };
-    const experts::KernelKind kind = rows >= 16 && usable(experts::KernelKind::kAmx) ? experts::KernelKind::kAmx
-                                     : usable(experts::KernelKind::kVnni)            ? experts::KernelKind::kVnni
+    // The fastest kernel that exists for the format and runs here (GGUF formats have no AMX one).
+    auto exists = [&](experts::KernelKind kind) { return experts::GetKernel(kind, f) != nullptr && usable(kind); };
+    const experts::KernelKind kind = rows >= 16 && exists(experts::KernelKind::kAmx) ? experts::KernelKind::kAmx
+                                     : exists(experts::KernelKind::kVnni)            ? experts::KernelKind::kVnni
                                                                                      : experts::KernelKind::kPortable;
-    const int sum_group = f == experts::ExpertFormat::kInt4 ? w.layout.group : static_cast<int>(w.layout.k_pad);
+    // GGUF blocks group their scales by 16 or 32 columns; their kernels read sums per 16.
+    const int sum_group = w.layout.gguf_type >= 0                  ? 16
+                          : f == experts::ExpertFormat::kInt4 ? w.layout.group
+                                                              : static_cast<int>(w.layout.k_pad);
     experts::Activations act;
     if (!act.Prepare(x, rows, k, w.layout.k_pad, kind, f, sum_group).ok()) {
       std::fill(out, out + rows * n, std::numeric_limits<float>::quiet_NaN());  // loud rather than wrong

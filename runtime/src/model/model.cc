@@ -244,6 +244,7 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, cons
   }
   if (pool) {
     experts::ExpertPoolOptions pool_options = options.pool;
+    if (options.pool_format_auto) pool_options.format = AutoPoolFormat(*model->checkpoint_);
     pool_options.linger_us = options.expert_linger_us.value_or(b.ComputesOnHostCores() ? 0 : pool_options.linger_us);
     MOE_ASSIGN_OR_RETURN(model->pool_, internal::CreatePool(*model->checkpoint_, pool_options, pool_layers));
     if (b.ComputesOnHostCores() && options.share_host_threads) b.UseHostThreads(&model->pool_->host_threads());
@@ -262,6 +263,17 @@ absl::Status Model::SetUpStreamedExperts() {
   Backend& b = *backend_;
   const ModelSpec& s = spec_;
   const experts::ExpertPool::ArenaLayout a = pool_->arena_layout();
+  // The GPU unpacks bf16, int8 and int4 layers of one layout; the pool's GGUF formats stay on the
+  // CPU for prefill too.
+  const auto unpacks = [](const experts::MatrixLayout& m) {
+    return m.format == experts::ExpertFormat::kBF16 || m.format == experts::ExpertFormat::kInt8 ||
+           m.format == experts::ExpertFormat::kInt4;
+  };
+  if (!a.uniform || !unpacks(a.gate_up) || !unpacks(a.down)) {
+    prefill_offload_note_ = absl::StrCat("prefill keeps the routed experts on the CPU: the GPU does not unpack the ",
+                                         experts::FormatName(a.gate_up.format), " experts the pool holds");
+    return absl::OkStatus();
+  }
   Backend::StreamedExpertArena e;
   e.data = a.data;
   e.num_layers = static_cast<int>(pool_layers_.size());

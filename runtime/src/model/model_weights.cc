@@ -54,6 +54,8 @@ class WeightLoader {
   // `why` names the config keys behind the expected shape, for the error message.
   absl::StatusOr<std::unique_ptr<DeviceWeight>> Load(const TensorKey& key, const Shape& want, const std::string& why,
                                                      WeightUse use = WeightUse::kMatrix, Slice slice = {}) {
+    MOE_ASSIGN_OR_RETURN(std::optional<std::vector<WeightView>> stored, StoredParts({key}, {want}, why, use, {slice}));
+    if (stored) return LoadStored(*stored, use, key);
     MOE_ASSIGN_OR_RETURN(core::TensorView whole, Check(key, want, why));
     const core::TensorView view = Share(whole, slice);
     auto weight = backend_.PrepareWeight(view, use, RoleOf(key.id));
@@ -68,6 +70,8 @@ class WeightLoader {
                                                           const std::vector<Shape>& shapes, const std::string& why,
                                                           WeightUse use = WeightUse::kMatrix,
                                                           const std::vector<Slice>& slices = {}) {
+    MOE_ASSIGN_OR_RETURN(std::optional<std::vector<WeightView>> stored, StoredParts(keys, shapes, why, use, slices));
+    if (stored) return LoadStored(*stored, use, keys[0]);
     std::vector<core::TensorView> views;
     int64_t bytes = 0;
     for (size_t i = 0; i < keys.size(); ++i) {
@@ -192,6 +196,39 @@ class WeightLoader {
           absl::StrCat(name, " in ", checkpoint_.source().FileOf(name), ": ", plain.status().message()));
     }
     return *plain;
+  }
+
+  // The parts as stored when the backend keeps them so (GGUF blocks of one type, on the CPU
+  // backend; whole or by rows), else nullopt: they go through Check, as plain values.
+  absl::StatusOr<std::optional<std::vector<WeightView>>> StoredParts(const std::vector<TensorKey>& keys,
+                                                                     const std::vector<Shape>& shapes,
+                                                                     const std::string& why, WeightUse use,
+                                                                     const std::vector<Slice>& slices) {
+    std::vector<WeightView> parts;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      MOE_ASSIGN_OR_RETURN(WeightView v, Stored(keys[i], shapes[i], why));
+      const Slice slice = i < slices.size() ? slices[i] : Slice{};
+      if (v.format.plain() || !backend_.SupportsWeight(v.format, use) || slice.kind == Slice::Kind::kColumns ||
+          (!parts.empty() && !(v.format == parts[0].format))) {
+        return std::optional<std::vector<WeightView>>();
+      }
+      if (slice.kind == Slice::Kind::kRows) {
+        v.data = static_cast<const uint8_t*>(v.data) + slice.range.begin * v.format.RowBytes(v.shape[1]);
+        v.shape[0] = slice.range.size();
+      }
+      parts.push_back(v);
+    }
+    return std::optional<std::vector<WeightView>>(std::move(parts));
+  }
+
+  absl::StatusOr<std::unique_ptr<DeviceWeight>> LoadStored(const std::vector<WeightView>& parts, WeightUse use,
+                                                           const TensorKey& key) {
+    auto weight = backend_.PrepareStoredWeight(parts, use, RoleOf(key.id));
+    if (!weight.ok()) return core::Annotate(weight.status(), checkpoint_.names().Name(key));
+    int64_t bytes = 0;
+    for (const WeightView& p : parts) bytes += p.bytes();
+    Count(bytes, **weight);
+    return weight;
   }
 
   // Dequantized copies: a GPU backend has uploaded them once it synchronizes; a host backend keeps

@@ -11,6 +11,7 @@
 #include "cpu/kernels.h"
 #include "moe/core/files_fingerprint.h"
 #include "moe/core/status.h"
+#include "moe/experts/gguf_types.h"
 #include "moe/runtime/routing.h"
 
 namespace moe::runtime::internal {
@@ -307,18 +308,22 @@ absl::StatusOr<std::unique_ptr<experts::ExpertPool>> CreatePool(const Checkpoint
   return experts::ExpertPool::Create(
       shape, options, [&](int moe_layer, int expert) -> absl::StatusOr<experts::ExpertWeights> {
         const int layer = moe_layers[moe_layer];
-        // The pool packs each expert right after this returns, on the same thread: a dequantized
-        // copy lives in this thread's buffers until the next expert.
-        thread_local std::vector<float> storage[3];
-        core::TensorView views[3];
+        // GGUF blocks go to the pool as stored: it keeps them (native or a GGUF format) or
+        // dequantizes them itself (bf16, int8, int4).
+        experts::ExpertMatrix m[3];
         const TensorId ids[3] = {TensorId::kExpertGate, TensorId::kExpertUp, TensorId::kExpertDown};
         for (int i = 0; i < 3; ++i) {
           MOE_ASSIGN_OR_RETURN(const WeightView stored, checkpoint.Get({ids[i], layer, expert}));
-          auto plain = ExpandToFloats(stored, &storage[i]);
-          if (!plain.ok()) return core::Annotate(plain.status(), checkpoint.Describe({ids[i], layer, expert}));
-          views[i] = *plain;
+          if (stored.format.plain()) {
+            m[i] = stored.AsTensor();
+          } else if (experts::FindGgufType(stored.format.type_id) != nullptr && stored.rank() == 2) {
+            m[i] = experts::ExpertMatrix::Gguf(stored.data, stored.shape[0], stored.shape[1], stored.format.type_id);
+          } else {
+            return absl::InvalidArgumentError(absl::StrCat(checkpoint.Describe({ids[i], layer, expert}), " is ",
+                                                           stored.format.Name(), ", a type moeserve does not read"));
+          }
         }
-        return experts::ExpertWeights{views[0], views[1], views[2]};
+        return experts::ExpertWeights{m[0], m[1], m[2]};
       });
 }
 

@@ -63,14 +63,21 @@ absl::StatusOr<MemoryPlan> PlanMemory(const ModelSpec& spec, const Placement& pl
   std::set<std::pair<int, int>> cpu_experts;  // (layer, expert)
   std::set<int> cpu_layers, gpu_expert_layers;
   int64_t host_other = 0, gpu_experts = 0;
+  int64_t cpu_expert_stored = 0;  // the CPU experts' bytes as the checkpoint stores them
   for (const TensorPlace& t : placement.tensors) {
     // MTP / nextn layers are not loaded for the forward (speculative decoding loads them itself).
     if (t.kind.layer >= spec.num_layers) continue;
     const bool expert = t.kind.role == TensorRole::kRoutedExpert;
     if (t.device.kind == Device::Kind::kCpu) {
       if (expert) {
-        cpu_experts.insert({t.kind.layer, t.kind.expert});
+        // A stacked tensor (GGUF's ffn_*_exps) holds every expert of its layer.
+        if (t.kind.expert >= 0) {
+          cpu_experts.insert({t.kind.layer, t.kind.expert});
+        } else {
+          for (int e = 0; e < spec.routing.num_experts; ++e) cpu_experts.insert({t.kind.layer, e});
+        }
         cpu_layers.insert(t.kind.layer);
+        cpu_expert_stored += t.bytes;
       } else {
         host_other += t.bytes;
       }
@@ -101,7 +108,11 @@ absl::StatusOr<MemoryPlan> PlanMemory(const ModelSpec& spec, const Placement& pl
     shape.top_k = k;
     shape.hidden = spec.hidden_size;
     shape.intermediate = spec.moe_intermediate_size;
-    absl::StatusOr<int64_t> per_expert = experts::PackedExpertBytes(shape, o.host_format, o.host_group);
+    // Native: the file's blocks as they are (packed.h), so the stored bytes.
+    absl::StatusOr<int64_t> per_expert =
+        o.host_format == experts::ExpertFormat::kNative
+            ? absl::StatusOr<int64_t>(cpu_expert_stored / static_cast<int64_t>(cpu_experts.size()))
+            : experts::PackedExpertBytes(shape, o.host_format, o.host_group);
     if (!per_expert.ok()) return per_expert.status();
     pool_bytes = *per_expert * static_cast<int64_t>(cpu_experts.size());
     plan.host_read_per_token = *per_expert * k * static_cast<int64_t>(cpu_layers.size());

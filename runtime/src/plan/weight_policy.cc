@@ -46,6 +46,11 @@ std::string WeightPolicy::Describe() const {
 }
 
 bool SupportsStoredWeight(WeightHome home, const WeightFormat& stored, WeightUse use) {
+  if (stored.kind == WeightFormat::Kind::kBlocks) {
+    // The CPU backend keeps a Linear's GGUF blocks as they are, for the expert pool's kernels.
+    return home == WeightHome::kHost && use == WeightUse::kMatrix &&
+           experts::FormatForGgufType(stored.type_id).ok();
+  }
   return stored.plain() && (stored.element == core::DType::kBF16 || stored.element == core::DType::kF16 ||
                             stored.element == core::DType::kF32);
 }
@@ -55,6 +60,7 @@ int64_t DeviceWeightBytes(WeightHome home, const WeightPolicy& policy, const cor
   const int64_t elements = core::NumElements(shape);
   if (use == WeightUse::kVector) return elements * 4;
   if (home == WeightHome::kGpu) return elements * 2;  // bf16
+  if (SupportsStoredWeight(home, stored, use)) return stored.Bytes(shape);  // GGUF blocks as stored
   if (use == WeightUse::kMatrix && shape.size() == 2) {
     const experts::ExpertFormat f = policy.MatrixFormat(role);
     if (f != experts::ExpertFormat::kBF16) {

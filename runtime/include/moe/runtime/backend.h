@@ -260,6 +260,14 @@ class Backend {
   virtual absl::StatusOr<std::unique_ptr<DeviceWeight>> PrepareFusedWeight(const std::vector<core::TensorView>& parts,
                                                                            WeightUse use,
                                                                            TensorRole role = TensorRole::kOther) = 0;
+  // Weights as stored, for a format SupportsWeight takes that is not plain (a GGUF block type on the
+  // CPU backend: kept in its type and run by the expert pool's kernels). `parts` stacked by rows,
+  // all of one format. kUnimplemented where the backend takes no such format.
+  virtual absl::StatusOr<std::unique_ptr<DeviceWeight>> PrepareStoredWeight(const std::vector<WeightView>& parts,
+                                                                            WeightUse use, TensorRole role) {
+    return absl::UnimplementedError(name() + " reads no weights stored as " +
+                                    (parts.empty() ? std::string("?") : parts[0].format.Name()));
+  }
   // One MoE layer's routed experts (gate, up, down of each), for MoeExperts. Backends that do not
   // run routed experts themselves return kUnimplemented.
   virtual absl::StatusOr<std::unique_ptr<BackendExpertWeights>> PrepareExperts(

@@ -26,6 +26,7 @@
 #include "absl/status/statusor.h"
 #include "moe/core/dtype.h"
 #include "moe/core/tensor.h"
+#include "moe/experts/packed.h"
 #include "moe/runtime/model_spec.h"
 #include "moe/runtime/weight_source.h"
 
@@ -222,6 +223,13 @@ class Checkpoint {
 // dequantization), which must outlive the view. kInvalidArgument for a type moeserve does not read,
 // naming it and the types it reads; the caller adds the tensor's name.
 absl::StatusOr<core::TensorView> ExpandToFloats(const WeightView& stored, std::vector<float>* storage);
+
+// Whether the checkpoint's routed experts are stored block-quantized (a GGUF file's types), read
+// from its first MoE layer's expert 0.
+bool ExpertsAreBlockQuantized(const Checkpoint& checkpoint);
+// The expert pool's format for --expert-format auto: native (the file's types) for block-quantized
+// experts, bf16 otherwise.
+experts::ExpertFormat AutoPoolFormat(const Checkpoint& checkpoint);
 
 // Whether `path` names a GGUF model: a .gguf file (or a file starting with GGUF's magic), or a
 // folder without config.json that holds .gguf files.

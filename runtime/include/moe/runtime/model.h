@@ -121,6 +121,9 @@ struct ModelOptions {
   WeightPolicy weights;
   RoutedExpertsMode experts = RoutedExpertsMode::kPool;
   experts::ExpertPoolOptions pool;  // used with kPool; model_id is filled in by Load
+  // The pool's format follows the checkpoint (--expert-format auto): a GGUF file's block types kept
+  // as stored (native), bf16 for a Hugging Face checkpoint; `pool.format` is then ignored.
+  bool pool_format_auto = false;
   // With kPool: the model layers whose routed experts the pool holds (unset: every MoE layer); the
   // others' run on the backend. On a GPU backend the pool's layers run on the host beside it
   // (hybrid execution: --cpu-moe, --n-cpu-moe, --override-tensor).

@@ -50,15 +50,16 @@ struct WeightPolicy {
 enum class WeightHome { kHost, kGpu };
 
 // Whether a backend keeping weights at `home` reads a weight stored as `stored` for `use`: the
-// loader converts on the host what it does not (today every backend reads bf16, f16 and f32).
+// loader converts on the host what it does not. Every backend reads bf16, f16 and f32; the CPU
+// backend also keeps a Linear's GGUF blocks as stored (PrepareStoredWeight).
 bool SupportsStoredWeight(WeightHome home, const WeightFormat& stored, WeightUse use);
 
 // Bytes a weight of `shape`, stored as `stored`, is read from on a backend at `home` with `policy`
 // (what DeviceWeight::bytes() reports once it is prepared): on a GPU matrices, routers and
 // embeddings in bf16 and vectors in fp32 (Linears' rows padded as the CUDA backend pads them are not
 // counted: under 0.1% of a real model); on the CPU vectors in fp32, bf16 and f32 matrices as stored
-// (read where they lie in the mapped checkpoint), f16 ones as fp32 copies, packed ones at their
-// packed size.
+// (read where they lie in the mapped checkpoint), GGUF Linears as stored (their blocks), f16 ones
+// and other GGUF weights as fp32 copies, packed ones at their packed size.
 int64_t DeviceWeightBytes(WeightHome home, const WeightPolicy& policy, const core::Shape& shape,
                           const WeightFormat& stored, WeightUse use, TensorRole role);
 
