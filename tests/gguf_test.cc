@@ -435,10 +435,10 @@ std::string DequantizeToF32(const std::string& blocks, int type, int64_t values)
   return out;
 }
 
-// A GGUF file whose matrices (attention, experts, dense and LM head) are Q8_0 runs with its experts
-// kept as Q8_0 in the pool (native) and its dense weights dequantized: its logits are those of the
-// same values given as f32 (bit for bit on the reference path; within the pool's int8 activation
-// rounding with the pool), and the pool's arena holds the file's expert bytes.
+// A GGUF file whose matrices (attention, experts, dense and LM head) are Q8_0 runs with its
+// experts kept as Q8_0 in the pool (native) and its Linears kept as Q8_0 on the CPU backend: the
+// backend's weights and the pool's arena hold the file's bytes, and the logits are those of the same
+// values given as f32, within the int8 rounding of the activations the kernels multiply them with.
 TEST(GgufQuantizedTest, Q8_0ExpertsStayInTheirTypeAndComputeTheFilesValues) {
   testing::ScratchDir dir;
   auto c = runtime::OpenCheckpoint(testing::FixtureDir("qwen3_moe"));
@@ -480,26 +480,31 @@ TEST(GgufQuantizedTest, Q8_0ExpertsStayInTheirTypeAndComputeTheFilesValues) {
   runtime::ModelOptions reference;
   reference.pool.progress = false;
   reference.experts = runtime::RoutedExpertsMode::kBackend;
-  auto ref_q8 = runtime::Model::Load(dir / "q8_0.gguf", reference);
-  ASSERT_TRUE(ref_q8.ok()) << ref_q8.status();
   auto ref_f32 = runtime::Model::Load(dir / "f32.gguf", reference);
   ASSERT_TRUE(ref_f32.ok()) << ref_f32.status();
+  // Q8_0 is 34 bytes per 32 values: with the experts in the pool, the backend's weights (the
+  // Linears Q8_0; norms, router and the embedding, whose rows are gathered, f32) are under half
+  // those of the f32 file.
+  runtime::ModelOptions pooled_f32;
+  pooled_f32.pool.progress = false;
+  auto f32_pool = runtime::Model::Load(dir / "f32.gguf", pooled_f32);
+  ASSERT_TRUE(f32_pool.ok()) << f32_pool.status();
+  EXPECT_LT((*pooled)->weight_bytes(), (*f32_pool)->weight_bytes() / 2)
+      << (*pooled)->weight_bytes() << " against " << (*f32_pool)->weight_bytes();
   const nlohmann::json golden = testing::LoadGolden("qwen3_moe");
   float worst = 0;
   int positions = 0, agree = 0;
   for (const auto& gc : golden["cases"]) {
     const std::vector<int32_t> ids = gc["prompt_ids"];
-    const auto a = testing::FullForward(**ref_q8, ids), b = testing::FullForward(**ref_f32, ids),
-               p = testing::FullForward(**pooled, ids);
+    const auto a = testing::FullForward(**ref_f32, ids), p = testing::FullForward(**pooled, ids);
     for (size_t r = 0; r < a.size(); ++r) {
-      ASSERT_EQ(a[r], b[r]) << "position " << r;
       worst = std::max(worst, testing::MaxAbsDiff(p[r], a[r]));
       ++positions;
       agree += std::max_element(p[r].begin(), p[r].end()) - p[r].begin() ==
                std::max_element(a[r].begin(), a[r].end()) - a[r].begin();
     }
   }
-  // The pool quantizes activations to int8 per token: the bounds of the int8 pool's goldens test
+  // The kernels quantize activations to int8 per token: the bounds of the int8 goldens tests
   // (goldens_test: 85% agreement, worst error under 3 on these fixtures).
   EXPECT_GT(agree, positions * 85 / 100) << agree << " of " << positions;
   EXPECT_LT(worst, 3.0f);
