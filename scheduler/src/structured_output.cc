@@ -4,6 +4,7 @@
 #include <chrono>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "moe/scheduler/json_schema.h"
 
 namespace moe::scheduler {
@@ -139,6 +140,40 @@ absl::StatusOr<std::shared_ptr<const TokenGrammar>> StructuredOutputs::ForJsonOb
 
 absl::StatusOr<std::shared_ptr<const TokenGrammar>> StructuredOutputs::ForToolCalls(const nlohmann::json& tools) {
   return Cached("tools:" + tools.dump(), [&] { return ToolCallsGrammar(tools); });
+}
+
+absl::StatusOr<std::shared_ptr<const TokenGrammar>> StructuredOutputs::ForResponseFormat(const nlohmann::json& format) {
+  return GrammarForResponseFormat(format, this);
+}
+
+absl::StatusOr<std::shared_ptr<const TokenGrammar>> GrammarForResponseFormat(const nlohmann::json& format,
+                                                                             StructuredOutputs* structured) {
+  const std::string type = format.is_object() && format.contains("type") && format["type"].is_string()
+                               ? format["type"].get<std::string>()
+                               : "";
+  if (type == "text") return nullptr;
+  if (type != "json_object" && type != "json_schema") {
+    return absl::InvalidArgumentError(
+        "response_format: expected {\"type\": \"text\"}, \"json_object\" or \"json_schema\"");
+  }
+  if (structured == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("response_format: ", type, " needs the model's tokenizer (tokenizer.json), which it has not"));
+  }
+  if (type == "json_object") return structured->ForJsonObject();
+  const auto spec = format.find("json_schema");
+  if (spec == format.end() || !spec->is_object()) {
+    return absl::InvalidArgumentError("response_format.json_schema: expected an object with a schema");
+  }
+  const auto schema = spec->find("schema");
+  if (schema == spec->end() || schema->is_null()) {
+    return absl::InvalidArgumentError("response_format.json_schema.schema: required");
+  }
+  if (const auto strict = spec->find("strict"); strict != spec->end() && !strict->is_null() && !strict->is_boolean()) {
+    return absl::InvalidArgumentError("response_format.json_schema.strict: expected true or false");
+  }
+  // strict or not, the schema is enforced: what cannot be is refused.
+  return structured->ForJsonSchema(*schema, "response_format.json_schema.schema");
 }
 
 }  // namespace moe::scheduler

@@ -94,6 +94,10 @@ class StructuredOutputs {
   absl::StatusOr<std::shared_ptr<const TokenGrammar>> ForJsonObject();
   // tool_choice "required": ToolCallsGrammar(tools).
   absl::StatusOr<std::shared_ptr<const TokenGrammar>> ForToolCalls(const nlohmann::json& tools);
+  // OpenAI's response_format object, as both APIs take it: {"type": "text"} (null: no grammar),
+  // {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ..., "strict":
+  // ...}}. kInvalidArgument for another shape, or a schema keyword that cannot be enforced.
+  absl::StatusOr<std::shared_ptr<const TokenGrammar>> ForResponseFormat(const nlohmann::json& format);
 
  private:
   absl::StatusOr<std::shared_ptr<const TokenGrammar>> Cached(
@@ -105,5 +109,10 @@ class StructuredOutputs {
   absl::Mutex mu_;
   std::unordered_map<std::string, std::shared_ptr<const TokenGrammar>> grammars_ ABSL_GUARDED_BY(mu_);
 };
+
+// ForResponseFormat of `structured`, where null means the model has no tokenizer: {"type": "text"}
+// is still taken, the others are refused (kInvalidArgument saying so).
+absl::StatusOr<std::shared_ptr<const TokenGrammar>> GrammarForResponseFormat(const nlohmann::json& format,
+                                                                             StructuredOutputs* structured);
 
 }  // namespace moe::scheduler
