@@ -67,6 +67,7 @@ absl::StatusOr<ServingBenchResult> RunServingBench(const ServingBenchOptions& o)
         for (int t = 0; t < o.prompt_len; ++t) request.add_token_ids(static_cast<int32_t>(rng() % o.vocab));
         request.mutable_stopping()->set_max_new_tokens(o.output_len);
         request.mutable_stopping()->set_ignore_eos(true);
+        request.set_response_format(o.response_format);
         grpc::ClientContext ctx;
         RequestRecord& r = records[i];
         const auto t0 = Clock::now();
@@ -247,6 +248,59 @@ absl::Status RunServingSweep(ServingBenchOptions o, const std::vector<int>& conc
           c, r->output_tokens_per_second, r->ttft_ms.mean, r->ttft_ms.p50, r->ttft_ms.p99, r->tpot_ms.mean,
           r->tpot_ms.p50, r->tpot_ms.p99, r->itl_ms.mean, r->itl_ms.p50, r->itl_ms.p99, r->requests, r->failed);
     }
+  }
+  if (json) out << rows.dump() << std::endl;
+  return absl::OkStatus();
+}
+
+absl::Status RunStructuredSweep(ServingBenchOptions o, const std::vector<int>& concurrency, int requests,
+                                const std::function<MaskCounters()>& mask_counters, bool json, std::ostream& out) {
+  if (o.response_format.empty()) return absl::InvalidArgumentError("RunStructuredSweep: no response_format");
+  const std::string format = o.response_format;
+  nlohmann::ordered_json rows = nlohmann::ordered_json::array();
+  for (int c : concurrency) {
+    o.concurrency = c;
+    o.requests = requests > 0 ? requests : std::max(8, 4 * c);
+    o.response_format.clear();
+    auto free = RunServingBench(o);
+    if (!free.ok()) return free.status();
+    o.response_format = format;
+    const MaskCounters before = mask_counters ? mask_counters() : MaskCounters{};
+    auto constrained = RunServingBench(o);
+    if (!constrained.ok()) return constrained.status();
+    const MaskCounters after = mask_counters ? mask_counters() : MaskCounters{};
+    const double ratio = free->output_tokens_per_second > 0
+                             ? constrained->output_tokens_per_second / free->output_tokens_per_second
+                             : 0;
+    const int64_t masks = after.computed - before.computed;
+    const double mask_ms = (after.seconds - before.seconds) * 1e3;
+    const double output_tokens = constrained->output_tokens_per_second * constrained->seconds;
+    nlohmann::ordered_json row = {{"concurrency", c},
+                                  {"requests", o.requests},
+                                  {"failed", free->failed + constrained->failed},
+                                  {"output_tokens_per_s", free->output_tokens_per_second},
+                                  {"constrained_output_tokens_per_s", constrained->output_tokens_per_second},
+                                  {"constrained_over_unconstrained", ratio},
+                                  {"tpot_ms", free->tpot_ms.mean},
+                                  {"constrained_tpot_ms", constrained->tpot_ms.mean},
+                                  {"constrained_output_tokens", output_tokens}};
+    std::string line = absl::StrFormat(
+        "concurrency %3d: unconstrained %8.1f output tokens/s (TPOT %.2f ms) | constrained %8.1f output tokens/s "
+        "(TPOT %.2f ms, %.0f tokens) | constrained/unconstrained %.3f",
+        c, free->output_tokens_per_second, free->tpot_ms.mean, constrained->output_tokens_per_second,
+        constrained->tpot_ms.mean, output_tokens, ratio);
+    if (mask_counters) {
+      const double per_mask = masks > 0 ? mask_ms / masks : 0;
+      const double per_token = output_tokens > 0 ? mask_ms / output_tokens : 0;
+      row["masks_computed"] = masks;
+      row["mask_ms"] = mask_ms;
+      row["mask_ms_per_computed_mask"] = per_mask;
+      row["mask_ms_per_output_token"] = per_token;
+      absl::StrAppend(&line, absl::StrFormat(" | masks: %d new states, %.3f ms each, %.4f ms per output token",
+                                             masks, per_mask, per_token));
+    }
+    rows.push_back(std::move(row));
+    if (!json) out << line << std::endl;
   }
   if (json) out << rows.dump() << std::endl;
   return absl::OkStatus();

@@ -3,6 +3,8 @@
 // the time per output token after it, the gaps between tokens and the whole latency.
 #pragma once
 
+#include <cstdint>
+#include <functional>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -19,6 +21,8 @@ struct ServingBenchOptions {
   int output_len = 32;
   int vocab = 512;        // prompt token ids are drawn below this
   std::string csv;        // per-request rows, when set
+  // Structured outputs: GenerateRequest.response_format (OpenAI's object as JSON text), "" for none.
+  std::string response_format;
 };
 
 struct LatencyStats {
@@ -59,5 +63,17 @@ void PrintMultiTurn(const std::vector<MultiTurnRow>& on, const std::vector<Multi
 
 absl::Status RunServingSweep(ServingBenchOptions options, const std::vector<int>& concurrency, int requests, bool json,
                              std::ostream& out);
+
+// `moeserve bench serve --response-format`: per concurrency, the same load unconstrained and then
+// constrained by `response_format`, their output tokens/s and the ratio. `mask_counters`, when
+// given (a server in this process), reads the grammar's masks computed so far and the seconds
+// they took (TokenGrammar::masks_computed, mask_seconds): each constrained run reports the masks
+// it computed (states not cached before), the time of one, and that time per output token.
+struct MaskCounters {
+  int64_t computed = 0;
+  double seconds = 0;
+};
+absl::Status RunStructuredSweep(ServingBenchOptions options, const std::vector<int>& concurrency, int requests,
+                                const std::function<MaskCounters()>& mask_counters, bool json, std::ostream& out);
 
 }  // namespace moe::bench

@@ -920,5 +920,105 @@ TEST_F(OpenAiApiTest, GrpcTakesTextAndMessages) {
   EXPECT_THAT(status.error_message(), HasSubstr("chat_template_kwargs"));
 }
 
+// gRPC's response_format goes through the HTTP API's compiler: sampled outputs parse and follow
+// the schema and end as EOS, a greedy one is the HTTP API's to the byte, and what the HTTP API
+// refuses gRPC refuses as INVALID_ARGUMENT naming the keyword.
+TEST_F(OpenAiApiTest, GrpcResponseFormatIsEnforcedAsOverHttp) {
+  StartServer();
+  if (!ServesText()) GTEST_SKIP() << "this build has no tokenizer library";
+  auto stub = ::moeserve::v1::Generation::NewStub(grpc::CreateChannel(
+      absl::StrCat("127.0.0.1:", frontend_->port()), grpc::InsecureChannelCredentials()));
+  const auto run = [&](const ::moeserve::v1::GenerateRequest& request, std::string* text,
+                       ::moeserve::v1::GenerateResponse* last) {
+    grpc::ClientContext context;
+    auto reader = stub->Generate(&context, request);
+    ::moeserve::v1::GenerateResponse response;
+    while (reader->Read(&response)) {
+      *text += response.text();
+      *last = response;
+    }
+    return reader->Finish();
+  };
+  const json schema = {{"type", "object"},
+                       {"properties",
+                        {{"city", {{"type", "string"}, {"maxLength", 6}}},
+                         {"days", {{"type", "integer"}}},
+                         {"tags", {{"type", "array"}, {"items", {{"enum", {"sun", "rain"}}}}, {"maxItems", 2}}},
+                         {"unit", {{"enum", {"c", "f"}}}}}},
+                       {"required", {"city", "unit"}},
+                       {"additionalProperties", false}};
+  const json format = {{"type", "json_schema"}, {"json_schema", {{"name", "w"}, {"strict", true}, {"schema", schema}}}};
+  for (int seed = 0; seed < 4; ++seed) {
+    ::moeserve::v1::GenerateRequest request;
+    request.set_text("The weather:");
+    request.set_response_format(format.dump());
+    request.mutable_sampling()->set_temperature(1.0f);
+    request.mutable_sampling()->set_seed(seed);
+    request.mutable_stopping()->set_max_new_tokens(300);
+    std::string text;
+    ::moeserve::v1::GenerateResponse last;
+    const grpc::Status status = run(request, &text, &last);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    EXPECT_EQ(last.finish_reason(), ::moeserve::v1::FINISH_REASON_EOS) << text;
+    const json value = json::parse(text, nullptr, /*allow_exceptions=*/false);
+    ASSERT_TRUE(value.is_object()) << text;
+    for (const auto& [key, v] : value.items()) {
+      EXPECT_TRUE(schema["properties"].contains(key)) << text;
+    }
+    ASSERT_TRUE(value.contains("city") && value["city"].is_string()) << text;
+    EXPECT_LE(value["city"].get<std::string>().size(), 6u * 4) << text;  // 6 characters of up to 4 bytes
+    EXPECT_TRUE(value["unit"] == "c" || value["unit"] == "f") << text;
+    if (value.contains("days")) {
+      EXPECT_TRUE(value["days"].is_number_integer()) << text;
+    }
+    if (value.contains("tags")) {
+      ASSERT_TRUE(value["tags"].is_array()) << text;
+      EXPECT_LE(value["tags"].size(), 2u) << text;
+      for (const json& tag : value["tags"]) EXPECT_TRUE(tag == "sun" || tag == "rain") << text;
+    }
+  }
+  // Greedy, the same request over both APIs writes the same JSON.
+  ::moeserve::v1::GenerateRequest greedy;
+  greedy.set_text("The weather:");
+  greedy.set_response_format(format.dump());
+  greedy.mutable_stopping()->set_max_new_tokens(300);
+  std::string text;
+  ::moeserve::v1::GenerateResponse last;
+  ASSERT_TRUE(run(greedy, &text, &last).ok());
+  const HttpResult http = Post("/v1/completions", json{{"prompt", "The weather:"},
+                                                       {"max_tokens", 300},
+                                                       {"temperature", 0},
+                                                       {"response_format", format}});
+  ASSERT_EQ(http.status, 200) << http.body;
+  EXPECT_EQ(text, json::parse(http.body)["choices"][0]["text"]);
+  greedy.set_response_format(R"({"type": "json_object"})");
+  text.clear();
+  ASSERT_TRUE(run(greedy, &text, &last).ok());
+  const json object = json::parse(text, nullptr, false);
+  EXPECT_TRUE(object.is_object() || last.finish_reason() == ::moeserve::v1::FINISH_REASON_LENGTH) << text;
+  greedy.set_response_format(R"({"type": "text"})");
+  EXPECT_TRUE(run(greedy, &text, &last).ok());
+
+  const auto refused = [&](const std::string& response_format, const std::string& message) {
+    ::moeserve::v1::GenerateRequest request;
+    request.add_token_ids(1);
+    request.set_response_format(response_format);
+    std::string ignored;
+    const grpc::Status status = run(request, &ignored, &last);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << response_format;
+    EXPECT_THAT(status.error_message(), HasSubstr(message)) << response_format;
+  };
+  json minimum = schema;
+  minimum["properties"]["days"]["minimum"] = 1;
+  refused(json{{"type", "json_schema"}, {"json_schema", {{"schema", minimum}}}}.dump(),
+          "response_format.json_schema.schema at /properties/days: the keyword 'minimum' cannot be enforced");
+  refused(R"({"type": "json_schema", "json_schema": {"schema": {"type": "string", "format": "email"}}})",
+          "the keyword 'format'");
+  refused(R"({"type": "xml"})", "response_format: expected {\"type\": \"text\"}, \"json_object\" or \"json_schema\"");
+  refused(R"({"type": "json_schema"})", "response_format.json_schema: expected an object with a schema");
+  refused(R"({"type": "json_schema", "json_schema": {"name": "x"}})", "response_format.json_schema.schema: required");
+  refused(R"({"type": "json_object")", "response_format:1:");
+}
+
 }  // namespace
 }  // namespace moe

@@ -1,5 +1,6 @@
 // moeserve bench experts, load, serve and comm: their flags, and the calls into the benchmarks, which
 // measure and print (bench/).
+#include <functional>
 #include <iostream>
 #include <optional>
 
@@ -15,7 +16,11 @@
 #include "moe/experts/arena.h"
 #include "moe/runtime/model.h"
 #include "moe/runtime/model_executor.h"
+#include "moe/core/file.h"
+#include "moe/core/json.h"
 #include "moe/scheduler/frontend.h"
+#include "moe/scheduler/structured_output.h"
+#include "nlohmann/json.hpp"
 #include "serving_bench.h"
 
 namespace moe::deploy {
@@ -176,10 +181,25 @@ struct ServeBenchFlags {
   std::string target, model, concurrency = "1,4,16";
   int requests = 0, max_batch_tokens = 2048;
   int multi_turn = 0, turn_len = 64;
+  std::string response_format;  // a file: a response_format object or a bare JSON schema
   ExpertFlags experts;
   DeviceFlags device;
   bool json = false;
 };
+
+// --response-format FILE: OpenAI's response_format object ({"type": "json_schema", ...} or
+// "json_object"), or a JSON schema alone, which becomes {"type": "json_schema", ...}; as JSON text.
+absl::StatusOr<std::string> ReadResponseFormat(const std::string& path) {
+  auto text = core::ReadBoundedFile(path, 4 << 20, "--response-format");
+  if (!text.ok()) return text.status();
+  auto value = core::ParseJsonObject(*text, path);
+  if (!value.ok()) return value.status();
+  const auto type = value->find("type");
+  if (type != value->end() && (*type == "json_schema" || *type == "json_object" || *type == "text")) {
+    return value->dump();
+  }
+  return nlohmann::json{{"type", "json_schema"}, {"json_schema", {{"name", "bench"}, {"schema", *value}}}}.dump();
+}
 
 int BenchServe(const ServeBenchFlags& flags) {
   bench::ServingBenchOptions o = flags.options;
@@ -200,6 +220,7 @@ int BenchServe(const ServeBenchFlags& flags) {
     frontend.reset();
     scheduler::FrontendOptions fo;
     fo.listen = "127.0.0.1:0";
+    fo.model_dir = flags.model;  // its tokenizer, for --response-format
     fo.scheduler.max_batch_tokens = flags.max_batch_tokens;
     fo.scheduler.max_seqs = 64;
     fo.scheduler.context = model->spec().max_position_embeddings;
@@ -223,6 +244,38 @@ int BenchServe(const ServeBenchFlags& flags) {
     model = std::move(*loaded);
     if (absl::Status s = start_server(/*prefix_cache=*/true); !s.ok()) return Fail(s, 1);
     o.vocab = model->spec().vocab_size;
+  }
+  if (!flags.response_format.empty()) {
+    if (flags.multi_turn > 0) {
+      return Fail(absl::InvalidArgumentError("--response-format and --multi-turn: give one of them"), 2);
+    }
+    auto format = ReadResponseFormat(flags.response_format);
+    if (!format.ok()) return Fail(format.status(), 2);
+    o.response_format = *format;
+    std::function<bench::MaskCounters()> counters;
+    if (frontend != nullptr) {
+      scheduler::StructuredOutputs* structured = frontend->structured_outputs();
+      if (structured == nullptr) {
+        return Fail(absl::FailedPreconditionError(absl::StrCat(
+                        "--response-format: ", flags.model, " has no tokenizer.json, which structured outputs need")),
+                    2);
+      }
+      // The grammar the requests get: the server's cache hands the same one back.
+      auto grammar = structured->ForResponseFormat(nlohmann::json::parse(*format));
+      if (!grammar.ok()) return Fail(grammar.status(), 2);
+      if (*grammar == nullptr) return Fail(absl::InvalidArgumentError("--response-format: {\"type\": \"text\"} constrains nothing"), 2);
+      counters = [grammar = *grammar] { return bench::MaskCounters{grammar->masks_computed(), grammar->mask_seconds()}; };
+    }
+    if (!flags.json) {
+      std::cout << absl::StrFormat("structured outputs: %s, prompt %d tokens, up to %d output tokens%s\n",
+                                   flags.response_format, o.prompt_len, o.output_len,
+                                   counters ? "; mask time from the server's grammar" : "");
+    }
+    if (absl::Status s = bench::RunStructuredSweep(o, *concurrency, flags.requests, counters, flags.json, std::cout);
+        !s.ok()) {
+      return Fail(s, 1);
+    }
+    return 0;
   }
   if (flags.multi_turn > 0) {
     // Each concurrency: its conversations on the server as it is; with --model, then again on a
@@ -293,6 +346,10 @@ void AddBenchServe(CLI::App& bench, CommandRun* selected) {
   app->add_option("--turn-len", f->turn_len, "with --multi-turn: user tokens added each turn")
       ->check(IntIn(1, 1 << 20))
       ->capture_default_str();
+  app->add_option("--response-format", f->response_format,
+                  "structured outputs: a JSON file with a response_format object or a JSON schema; each concurrency "
+                  "runs unconstrained, then constrained, printing both tokens/s, the ratio and (with --model) the "
+                  "grammar mask's time");
   app->add_option("--csv", f->options.csv, "append one row per request");
   f->experts.Add(app);
   f->device.Add(app);

@@ -10,6 +10,7 @@
 #include <iostream>
 #include <regex>
 
+#include "absl/base/call_once.h"
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
@@ -20,6 +21,7 @@
 #include "moe/scheduler/http_server.h"
 #include "moe/scheduler/listen_address.h"
 #include "moe/scheduler/metrics.h"
+#include "moe/scheduler/structured_output.h"
 #include "moe/scheduler/text_pipeline.h"
 #include "moeserve/v1/generation.grpc.pb.h"
 #include "nlohmann/json.hpp"
@@ -96,8 +98,15 @@ double Ms(std::optional<Clock::time_point> at, Clock::time_point from) {
 // once; the service's own state is immutable but for an atomic id counter.
 class GenerationService final : public pb::Generation::Service {
  public:
-  GenerationService(Engine& engine, const TextModel& text, std::string placement, RequestLog& log, const ApiKeys* keys)
-      : engine_(engine), text_(text), placement_(std::move(placement)), log_(log), keys_(keys) {}
+  using StructuredOutputsFn = internal::OpenAiApi::StructuredOutputsFn;
+  GenerationService(Engine& engine, const TextModel& text, std::string placement, RequestLog& log, const ApiKeys* keys,
+                    StructuredOutputsFn structured)
+      : engine_(engine),
+        text_(text),
+        placement_(std::move(placement)),
+        log_(log),
+        keys_(keys),
+        structured_(std::move(structured)) {}
 
   // Counts a call refused before it ran, and returns its status.
   grpc::Status Rejected(grpc::Status status) {
@@ -226,6 +235,7 @@ class GenerationService final : public pb::Generation::Service {
     request.id = id;
     request.logprobs = in.logprobs();
     if (absl::Status s = PromptOf(in, &request.prompt); !s.ok()) return ToGrpc(s);
+    if (absl::Status s = GrammarOf(in, &request.grammar); !s.ok()) return ToGrpc(s);
     const pb::SamplingParams& sp = in.sampling();
     request.sampling.temperature = sp.temperature();
     request.sampling.top_p = sp.has_top_p() ? sp.top_p() : 1.0f;
@@ -340,6 +350,17 @@ class GenerationService final : public pb::Generation::Service {
     }
   }
 
+  // The grammar of response_format (the same compiler and cache as the OpenAI API's), or none.
+  absl::Status GrammarOf(const pb::GenerateRequest& in, std::shared_ptr<const TokenGrammar>* grammar) const {
+    if (in.response_format().empty()) return absl::OkStatus();
+    auto format = core::ParseJson(in.response_format(), "response_format");
+    if (!format.ok()) return format.status();
+    auto made = GrammarForResponseFormat(*format, structured_());
+    if (!made.ok()) return made.status();
+    *grammar = *std::move(made);
+    return absl::OkStatus();
+  }
+
   // The prompt's token ids, from token_ids, text or messages (exactly one of them).
   absl::Status PromptOf(const pb::GenerateRequest& in, std::vector<int32_t>* prompt) const {
     const int given = (in.token_ids_size() > 0) + !in.text().empty() + (in.messages_size() > 0);
@@ -411,6 +432,7 @@ class GenerationService final : public pb::Generation::Service {
   const std::string placement_;
   RequestLog& log_;
   const ApiKeys* keys_;  // not owned; null: no keys asked for
+  const StructuredOutputsFn structured_;
   absl::Mutex owners_mu_;
   // Live requests' ids and the authorization that made each.
   absl::flat_hash_map<std::string, std::string> owners_ ABSL_GUARDED_BY(owners_mu_);
@@ -439,6 +461,21 @@ class Frontend::Impl {
   std::shared_ptr<internal::OpenAiApi> openai ABSL_GUARDED_BY(metrics_mu);
 
   std::function<std::string()> extra_metrics ABSL_GUARDED_BY(metrics_mu);
+
+  // Structured outputs for both APIs, with one grammar cache: built on the first request that asks
+  // (the trie of a large vocabulary takes a moment), after Serve set text and engine; null
+  // without a tokenizer. Any thread.
+  StructuredOutputs* Structured() {
+    absl::call_once(structured_once, [this] {
+      if (std::shared_ptr<const VocabularyTrie> trie = text->vocabulary_trie()) {
+        structured = std::make_unique<StructuredOutputs>(std::move(trie), engine->model_info().vocab_size,
+                                                         engine->config().eos_token_ids);
+      }
+    });
+    return structured.get();
+  }
+  absl::once_flag structured_once;
+  std::unique_ptr<StructuredOutputs> structured;  // written once, under structured_once
 
   std::string RenderMetrics() {
     absl::MutexLock lock(&metrics_mu);
@@ -563,8 +600,10 @@ absl::Status Frontend::Serve(std::unique_ptr<runtime::Executor> executor) {
   auto engine = Engine::Start(std::move(executor), options.scheduler);
   if (!engine.ok()) return engine.status();
   impl.engine = std::move(*engine);
+  Impl* raw = &impl;
+  const GenerationService::StructuredOutputsFn structured = [raw] { return raw->Structured(); };
   impl.service = std::make_unique<GenerationService>(*impl.engine, *impl.text, options.placement, *impl.log,
-                                                     options.api_keys.get());
+                                                     options.api_keys.get(), structured);
   // Reflection follows the API keys: with keys, v1 asks for one as every other call does, and
   // gRPC's own v1alpha (which cannot be asked to) is not served.
   const bool keyed = options.api_keys != nullptr && !options.api_keys->empty();
@@ -604,7 +643,8 @@ absl::Status Frontend::Serve(std::unique_ptr<runtime::Executor> executor) {
     internal::OpenAiApi::RequestLogFn log;
     if (impl.log->enabled())
       log = [request_log = impl.log.get()](const nlohmann::ordered_json& line) { request_log->Write(line); };
-    impl.openai = std::make_shared<internal::OpenAiApi>(*impl.engine, *impl.text, ModelId(options), std::move(log));
+    impl.openai =
+        std::make_shared<internal::OpenAiApi>(*impl.engine, *impl.text, ModelId(options), structured, std::move(log));
   }
   if (impl.http != nullptr) impl.http->set_state(ServingState::kServing);
   return absl::OkStatus();
@@ -613,6 +653,7 @@ absl::Status Frontend::Serve(std::unique_ptr<runtime::Executor> executor) {
 int Frontend::http_port() const { return impl_->http != nullptr ? impl_->http->port() : 0; }
 
 int Frontend::port() const { return impl_->port; }
+StructuredOutputs* Frontend::structured_outputs() { return impl_->text != nullptr ? impl_->Structured() : nullptr; }
 std::string Frontend::DescribeText() const { return impl_->text != nullptr ? impl_->text->Describe() : ""; }
 Engine& Frontend::engine() { return *impl_->engine; }
 

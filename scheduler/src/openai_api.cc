@@ -301,27 +301,9 @@ std::optional<ApiError> UseGrammar(const char* param, absl::StatusOr<std::shared
 }
 
 std::optional<ApiError> ParseResponseFormat(const json& format, StructuredOutputs* structured, Parsed* p) {
-  const std::string type = format.is_object() ? format.value("type", "") : "";
-  if (type == "text") return std::nullopt;
-  if (type != "json_object" && type != "json_schema") {
-    return BadParam("response_format", "response_format: expected {\"type\": \"text\"}, \"json_object\" or \"json_schema\"");
-  }
-  if (structured == nullptr) {
-    return BadParam("response_format",
-                    absl::StrCat("response_format: ", type, " needs the model's tokenizer (tokenizer.json), which it has not"));
-  }
-  if (type == "json_object") return UseGrammar("response_format", structured->ForJsonObject(), p);
-  const json* spec = Field(format, "json_schema");
-  if (spec == nullptr || !spec->is_object()) {
-    return BadParam("response_format", "response_format.json_schema: expected an object with a schema");
-  }
-  const json* schema = Field(*spec, "schema");
-  if (schema == nullptr) return BadParam("response_format", "response_format.json_schema.schema: required");
-  if (const json* strict = Field(*spec, "strict"); strict != nullptr && !strict->is_boolean()) {
-    return BadParam("response_format", "response_format.json_schema.strict: expected true or false");
-  }
-  // strict or not, the schema is enforced: what cannot be is refused.
-  return UseGrammar("response_format", structured->ForJsonSchema(*schema, "response_format.json_schema.schema"), p);
+  absl::StatusOr<std::shared_ptr<const TokenGrammar>> grammar = GrammarForResponseFormat(format, structured);
+  if (grammar.ok() && *grammar == nullptr) return std::nullopt;  // {"type": "text"}
+  return UseGrammar("response_format", std::move(grammar), p);
 }
 
 std::optional<ApiError> ParseCommon(const json& body, const std::string& model_id, StructuredOutputs* structured,
@@ -1013,18 +995,14 @@ std::string RandomPrefix() {
 
 }  // namespace
 
-OpenAiApi::OpenAiApi(Engine& engine, const TextModel& text, std::string model_id, RequestLogFn log)
-    : engine_(engine), text_(text), model_id_(std::move(model_id)), id_prefix_(RandomPrefix()), log_(std::move(log)) {}
-
-StructuredOutputs* OpenAiApi::Structured() {
-  absl::call_once(structured_once_, [this] {
-    if (std::shared_ptr<const VocabularyTrie> trie = text_.vocabulary_trie()) {
-      structured_ = std::make_unique<StructuredOutputs>(std::move(trie), engine_.model_info().vocab_size,
-                                                        engine_.config().eos_token_ids);
-    }
-  });
-  return structured_.get();
-}
+OpenAiApi::OpenAiApi(Engine& engine, const TextModel& text, std::string model_id, StructuredOutputsFn structured,
+                     RequestLogFn log)
+    : engine_(engine),
+      text_(text),
+      model_id_(std::move(model_id)),
+      id_prefix_(RandomPrefix()),
+      log_(std::move(log)),
+      structured_(std::move(structured)) {}
 
 json OpenAiApi::ModelCard() const {
   return {{"id", model_id_},
@@ -1082,7 +1060,7 @@ void OpenAiApi::Generate(Kind kind, const httplib::Request& request, httplib::Re
   auto body = core::ParseJsonObject(request.body, "request body");
   if (!body.ok()) return refuse(BadParam("", std::string(body.status().message())));
   Parsed parsed;
-  StructuredOutputs* structured = Structured();
+  StructuredOutputs* structured = structured_ != nullptr ? structured_() : nullptr;
   if (auto e = ParseCommon(*body, model_id_, structured, &parsed)) return refuse(*e);
   if (parsed.stream && request.version == "HTTP/1.0") {
     // A stream is sent in chunks, which HTTP/1.0 does not have.

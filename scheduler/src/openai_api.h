@@ -17,7 +17,6 @@
 
 #include "nlohmann/json.hpp"
 
-#include "absl/base/call_once.h"
 #include "moe/scheduler/engine.h"
 #include "moe/scheduler/structured_output.h"
 #include "moe/scheduler/text_pipeline.h"
@@ -28,8 +27,12 @@ class OpenAiApi : public std::enable_shared_from_this<OpenAiApi> {
  public:
   // One JSON line per request (the frontend's request log), or empty for none.
   using RequestLogFn = std::function<void(const nlohmann::ordered_json& line)>;
+  // Structured outputs over the model's vocabulary (one grammar cache for both APIs), or null when
+  // the model has no tokenizer; called on the handlers' threads.
+  using StructuredOutputsFn = std::function<StructuredOutputs*()>;
   // `model_id` is the one model name requests may ask for.
-  OpenAiApi(Engine& engine, const TextModel& text, std::string model_id, RequestLogFn log = nullptr);
+  OpenAiApi(Engine& engine, const TextModel& text, std::string model_id, StructuredOutputsFn structured,
+            RequestLogFn log = nullptr);
 
   void ListModels(const httplib::Request& request, httplib::Response& response);
   void GetModel(const httplib::Request& request, httplib::Response& response);
@@ -42,9 +45,6 @@ class OpenAiApi : public std::enable_shared_from_this<OpenAiApi> {
   enum class Kind { kCompletion, kChat };
   void Generate(Kind kind, const httplib::Request& request, httplib::Response& response);
   nlohmann::json ModelCard() const;
-  // Structured outputs over the model's vocabulary (built on the first request that asks); null
-  // when the model has no tokenizer.
-  StructuredOutputs* Structured();
 
   Engine& engine_;
   const TextModel& text_;
@@ -52,8 +52,7 @@ class OpenAiApi : public std::enable_shared_from_this<OpenAiApi> {
   const std::string id_prefix_;  // random per process, so ids differ across restarts
   const RequestLogFn log_;
   std::atomic<int64_t> next_id_{1};
-  absl::once_flag structured_once_;
-  std::unique_ptr<StructuredOutputs> structured_;
+  const StructuredOutputsFn structured_;
 };
 
 }  // namespace moe::scheduler::internal

@@ -4,6 +4,8 @@
 #include <chrono>
 #include <utility>
 
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
 #include "moe/scheduler/json_schema.h"
 
 namespace moe::scheduler {
@@ -19,24 +21,57 @@ void Allow(int32_t id, std::vector<uint32_t>* words) { (*words)[id / 32] |= 1u <
 }  // namespace
 
 VocabularyTrie::VocabularyTrie(std::vector<std::string> token_bytes) : bytes_(std::move(token_bytes)) {
-  nodes_.emplace_back();
+  // Built as nodes first, then laid flat in depth-first order.
+  struct Node {
+    std::vector<std::pair<uint8_t, int32_t>> children;  // by byte
+    std::vector<int32_t> tokens;                        // ids whose bytes end here
+  };
+  std::vector<Node> nodes(1);
   for (int32_t id = 0; id < static_cast<int32_t>(bytes_.size()); ++id) {
     int32_t node = 0;
     for (const char c : bytes_[id]) {
       const uint8_t b = static_cast<uint8_t>(c);
-      auto& children = nodes_[node].children;
+      auto& children = nodes[node].children;
       auto it = std::lower_bound(children.begin(), children.end(), std::make_pair(b, int32_t{-1}));
       if (it == children.end() || it->first != b) {
-        const int32_t added = static_cast<int32_t>(nodes_.size());
+        const int32_t added = static_cast<int32_t>(nodes.size());
         it = children.insert(it, {b, added});
-        nodes_.emplace_back();  // invalidates `children`, not `it`'s copy below
+        nodes.emplace_back();  // invalidates `children`, not `it`'s copy below
         node = added;
       } else {
         node = it->second;
       }
     }
-    if (node != 0) nodes_[node].tokens.push_back(id);
+    if (node != 0) nodes[node].tokens.push_back(id);
   }
+  // Depth-first numbering: a node's number is given when it is reached.
+  std::vector<int32_t> order;  // new number -> old
+  std::vector<int32_t> number(nodes.size(), -1);
+  order.reserve(nodes.size());
+  std::vector<int32_t> pending = {0};
+  while (!pending.empty()) {
+    const int32_t old = pending.back();
+    pending.pop_back();
+    number[old] = static_cast<int32_t>(order.size());
+    order.push_back(old);
+    const auto& children = nodes[old].children;
+    for (auto it = children.rbegin(); it != children.rend(); ++it) pending.push_back(it->second);
+  }
+  child_begin_.reserve(order.size() + 1);
+  token_begin_.reserve(order.size() + 1);
+  child_byte_.reserve(nodes.size());
+  child_node_.reserve(nodes.size());
+  for (const int32_t old : order) {
+    child_begin_.push_back(static_cast<uint32_t>(child_node_.size()));
+    token_begin_.push_back(static_cast<uint32_t>(token_ids_.size()));
+    for (const auto& [byte, child] : nodes[old].children) {
+      child_byte_.push_back(byte);
+      child_node_.push_back(number[child]);
+    }
+    token_ids_.insert(token_ids_.end(), nodes[old].tokens.begin(), nodes[old].tokens.end());
+  }
+  child_begin_.push_back(static_cast<uint32_t>(child_node_.size()));
+  token_begin_.push_back(static_cast<uint32_t>(token_ids_.size()));
 }
 
 TokenGrammar::TokenGrammar(std::shared_ptr<const Grammar> grammar, std::shared_ptr<const VocabularyTrie> vocabulary,
@@ -57,16 +92,62 @@ void TokenGrammar::AllowEos(const GrammarMatcher& matcher, std::vector<uint32_t>
   }
 }
 
-void TokenGrammar::Walk(int32_t node, const GrammarMatcher& matcher, std::vector<uint32_t>* words) const {
-  const ByteSet next = matcher.NextBytes();
-  for (const auto& [byte, child] : vocabulary_->nodes_[node].children) {
-    if (!next.test(byte)) continue;
-    GrammarMatcher advanced = matcher;
-    if (!advanced.Advance(byte)) continue;
-    for (int32_t id : vocabulary_->nodes_[child].tokens) {
-      if (id < vocab_size_) Allow(id, words);
+// The matcher states one walk meets, numbered, with their transitions by byte as they are found:
+// a lazily built DFA over the states reached from the walk's start. Owned by one Mask call.
+class TokenGrammar::WalkStates {
+ public:
+  static constexpr int32_t kDead = -1;
+
+  explicit WalkStates(const GrammarMatcher& start) { Intern(start); }
+
+  // The state after `byte` from `state`, or kDead.
+  int32_t Next(int32_t state, uint8_t byte) {
+    if (state < kTabled) {
+      if (const int32_t known = table_[static_cast<size_t>(state) * 256 + byte]; known != kUnknown) return known;
+    } else if (auto it = spill_.find(Key(state, byte)); it != spill_.end()) {
+      return it->second;
     }
-    if (!vocabulary_->nodes_[child].children.empty()) Walk(child, advanced, words);
+    GrammarMatcher advanced = states_[state];
+    const int32_t next = advanced.Advance(byte) ? Intern(std::move(advanced)) : kDead;
+    if (state < kTabled) {
+      table_[static_cast<size_t>(state) * 256 + byte] = next;  // after Intern, which may grow table_
+    } else {
+      spill_.emplace(Key(state, byte), next);
+    }
+    return next;
+  }
+
+ private:
+  static constexpr int32_t kUnknown = -2;
+  // States below this keep a 256-entry table (1 KiB each); the rest, rare, a hash map.
+  static constexpr int32_t kTabled = 1024;
+
+  static uint64_t Key(int32_t state, uint8_t byte) { return (static_cast<uint64_t>(state) << 8) | byte; }
+
+  int32_t Intern(GrammarMatcher matcher) {
+    auto [it, added] = ids_.emplace(matcher.StateKey(), static_cast<int32_t>(states_.size()));
+    if (!added) return it->second;
+    states_.push_back(std::move(matcher));
+    if (it->second < kTabled) table_.resize(table_.size() + 256, kUnknown);
+    return it->second;
+  }
+
+  std::vector<GrammarMatcher> states_;
+  absl::flat_hash_map<std::string, int32_t> ids_;
+  std::vector<int32_t> table_;  // [state * 256 + byte]: the next state, kDead or kUnknown
+  absl::flat_hash_map<uint64_t, int32_t> spill_;
+};
+
+void TokenGrammar::Walk(int32_t node, int32_t state, WalkStates& states, std::vector<uint32_t>* words) const {
+  const VocabularyTrie& trie = *vocabulary_;
+  for (uint32_t c = trie.child_begin_[node]; c < trie.child_begin_[node + 1]; ++c) {
+    const int32_t next = states.Next(state, trie.child_byte_[c]);
+    if (next == WalkStates::kDead) continue;
+    const int32_t child = trie.child_node_[c];
+    for (uint32_t t = trie.token_begin_[child]; t < trie.token_begin_[child + 1]; ++t) {
+      if (trie.token_ids_[t] < vocab_size_) Allow(trie.token_ids_[t], words);
+    }
+    if (trie.child_begin_[child] < trie.child_begin_[child + 1]) Walk(child, next, states, words);
   }
 }
 
@@ -81,7 +162,8 @@ std::shared_ptr<const runtime::TokenMask> TokenGrammar::Mask(const GrammarMatche
   if (auto cached = CachedMask(matcher)) return cached;
   const auto start = std::chrono::steady_clock::now();
   std::vector<uint32_t> words((static_cast<size_t>(vocab_size_) + 31) / 32, 0);
-  Walk(0, matcher, &words);
+  WalkStates states(matcher);
+  Walk(0, 0, states, &words);
   AllowEos(matcher, &words);
   auto mask = std::make_shared<const runtime::TokenMask>(std::move(words));
   mask_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
@@ -139,6 +221,40 @@ absl::StatusOr<std::shared_ptr<const TokenGrammar>> StructuredOutputs::ForJsonOb
 
 absl::StatusOr<std::shared_ptr<const TokenGrammar>> StructuredOutputs::ForToolCalls(const nlohmann::json& tools) {
   return Cached("tools:" + tools.dump(), [&] { return ToolCallsGrammar(tools); });
+}
+
+absl::StatusOr<std::shared_ptr<const TokenGrammar>> StructuredOutputs::ForResponseFormat(const nlohmann::json& format) {
+  return GrammarForResponseFormat(format, this);
+}
+
+absl::StatusOr<std::shared_ptr<const TokenGrammar>> GrammarForResponseFormat(const nlohmann::json& format,
+                                                                             StructuredOutputs* structured) {
+  const std::string type = format.is_object() && format.contains("type") && format["type"].is_string()
+                               ? format["type"].get<std::string>()
+                               : "";
+  if (type == "text") return nullptr;
+  if (type != "json_object" && type != "json_schema") {
+    return absl::InvalidArgumentError(
+        "response_format: expected {\"type\": \"text\"}, \"json_object\" or \"json_schema\"");
+  }
+  if (structured == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("response_format: ", type, " needs the model's tokenizer (tokenizer.json), which it has not"));
+  }
+  if (type == "json_object") return structured->ForJsonObject();
+  const auto spec = format.find("json_schema");
+  if (spec == format.end() || !spec->is_object()) {
+    return absl::InvalidArgumentError("response_format.json_schema: expected an object with a schema");
+  }
+  const auto schema = spec->find("schema");
+  if (schema == spec->end() || schema->is_null()) {
+    return absl::InvalidArgumentError("response_format.json_schema.schema: required");
+  }
+  if (const auto strict = spec->find("strict"); strict != spec->end() && !strict->is_null() && !strict->is_boolean()) {
+    return absl::InvalidArgumentError("response_format.json_schema.strict: expected true or false");
+  }
+  // strict or not, the schema is enforced: what cannot be is refused.
+  return structured->ForJsonSchema(*schema, "response_format.json_schema.schema");
 }
 
 }  // namespace moe::scheduler

@@ -21,6 +21,8 @@
 
 namespace moe::scheduler {
 
+class StructuredOutputs;  // structured_output.h
+
 struct FrontendOptions {
   std::string listen = "127.0.0.1:50051";  // port 0 picks a free one (see port())
   SchedulerConfig scheduler;               // its KV blocks and vocabulary come from the executor
@@ -69,6 +71,10 @@ class Frontend {
   // After Serve: one line on what text requests get (tokenizer, chat template, parsers).
   std::string DescribeText() const;
   Engine& engine();  // after Serve
+  // After Serve: the structured outputs both APIs compile their grammars with (one cache, so a
+  // caller asking for a request's response_format gets the grammar that request used, and its
+  // mask counters); null when the model has no tokenizer.
+  StructuredOutputs* structured_outputs();
   // A graceful stop: health turns NOT_SERVING, new requests get UNAVAILABLE, the running ones
   // have `grace` to finish; then the rest end with UNAVAILABLE "server shutting down" and the
   // servers stop. Returns how many requests were cut off. `cut_short`, when given, is asked

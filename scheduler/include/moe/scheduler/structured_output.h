@@ -3,6 +3,9 @@
 // whose bytes the grammar allows next (runtime/token_mask.h), computed by walking a trie of the
 // vocabulary's token bytes beside the matcher: a subtree is left as soon as its prefix cannot
 // follow, so the walk visits only the tokens that may come next and their first failing byte.
+// The matcher states the walk meets are few (inside a JSON string, after any ordinary character
+// it is the same state again), so the walk numbers them and keeps each one's transitions by byte:
+// most trie nodes cost a table lookup, not a matcher's copy and advance.
 // Masks are cached by matcher state, shared by every request with the same grammar (inside a JSON
 // string most steps are the same state). The end-of-sequence ids are allowed exactly when the
 // bytes so far are a whole sentence; special tokens never are.
@@ -38,12 +41,16 @@ class VocabularyTrie {
 
  private:
   friend class TokenGrammar;
-  struct Node {
-    std::vector<std::pair<uint8_t, int32_t>> children;  // by byte
-    std::vector<int32_t> tokens;                        // ids whose bytes end here
-  };
+  // The trie in flat arrays, its nodes numbered in depth-first order (0: the root, the empty
+  // prefix), so that a walk reads memory mostly in order: node n's children are
+  // child_byte_/child_node_[child_begin_[n], child_begin_[n + 1]), by byte, and the ids whose bytes
+  // end at n are token_ids_[token_begin_[n], token_begin_[n + 1]).
   std::vector<std::string> bytes_;
-  std::vector<Node> nodes_;  // 0: the root (the empty prefix)
+  std::vector<uint32_t> child_begin_;
+  std::vector<uint8_t> child_byte_;
+  std::vector<int32_t> child_node_;
+  std::vector<uint32_t> token_begin_;
+  std::vector<int32_t> token_ids_;
 };
 
 class TokenGrammar {
@@ -67,7 +74,8 @@ class TokenGrammar {
   double mask_seconds() const { return static_cast<double>(mask_ns_.load()) * 1e-9; }
 
  private:
-  void Walk(int32_t node, const GrammarMatcher& matcher, std::vector<uint32_t>* words) const;
+  class WalkStates;
+  void Walk(int32_t node, int32_t state, WalkStates& states, std::vector<uint32_t>* words) const;
   void AllowEos(const GrammarMatcher& matcher, std::vector<uint32_t>* words) const;
 
   const std::shared_ptr<const Grammar> grammar_;
@@ -94,6 +102,10 @@ class StructuredOutputs {
   absl::StatusOr<std::shared_ptr<const TokenGrammar>> ForJsonObject();
   // tool_choice "required": ToolCallsGrammar(tools).
   absl::StatusOr<std::shared_ptr<const TokenGrammar>> ForToolCalls(const nlohmann::json& tools);
+  // OpenAI's response_format object, as both APIs take it: {"type": "text"} (null: no grammar),
+  // {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ..., "strict":
+  // ...}}. kInvalidArgument for another shape, or a schema keyword that cannot be enforced.
+  absl::StatusOr<std::shared_ptr<const TokenGrammar>> ForResponseFormat(const nlohmann::json& format);
 
  private:
   absl::StatusOr<std::shared_ptr<const TokenGrammar>> Cached(
@@ -105,5 +117,10 @@ class StructuredOutputs {
   absl::Mutex mu_;
   std::unordered_map<std::string, std::shared_ptr<const TokenGrammar>> grammars_ ABSL_GUARDED_BY(mu_);
 };
+
+// ForResponseFormat of `structured`, where null means the model has no tokenizer: {"type": "text"}
+// is still taken, the others are refused (kInvalidArgument saying so).
+absl::StatusOr<std::shared_ptr<const TokenGrammar>> GrammarForResponseFormat(const nlohmann::json& format,
+                                                                             StructuredOutputs* structured);
 
 }  // namespace moe::scheduler
