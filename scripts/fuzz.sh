@@ -6,7 +6,7 @@
 # saved under build-fuzz/findings/<target>/ and the end of the target's log is printed.
 #
 #   FUZZ_SECONDS=60   how long each target runs
-#   FUZZ_TARGETS="…"  which targets (default: all four)
+#   FUZZ_TARGETS="…"  which targets (default: all of them)
 #   FUZZ_JOBS=N       targets run at once (default: the number of cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +21,7 @@ out=build-fuzz
 # Per target: the largest input, the time one input may take, and the memory it may use. A file
 # header or config fits in a few KB; a request in 1 KB. A request may run for its 2 s deadline
 # plus the wait for the engine to go idle; a parser has no reason to take more than a second.
-max_len() { case "$1" in generate_request) echo 1024 ;; safetensors_header) echo 8192 ;; *) echo 4096 ;; esac; }
+max_len() { case "$1" in generate_request) echo 1024 ;; safetensors_header | gguf_header) echo 8192 ;; *) echo 4096 ;; esac; }
 timeout_s() { case "$1" in generate_request) echo 30 ;; *) echo 10 ;; esac; }
 rss_mb() { case "$1" in generate_request) echo 3072 ;; *) echo 2048 ;; esac; }
 

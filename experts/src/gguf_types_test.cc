@@ -325,9 +325,12 @@ TEST(GgufTypesTest, IQ2_XXSAndIQ2_XS) {
   EXPECT_EQ(y[16], 1.0f);  // values 16-31: scale nibble 0, db 0.125; index 0: grid 8
 }
 
-// llama.cpp's own floats, where they have been generated (on a machine with llama.cpp built):
-// testdata/gguf/dequant/<TYPE>.blocks holds whole blocks of the type as a GGUF file stores them,
-// <TYPE>.f32 the little-endian floats dequantize_row_<type> gave for them.
+// llama.cpp's own floats, committed under testdata/gguf/dequant/ (README.md there):
+//   <TYPE>.blocks / <TYPE>.f32: blocks of every type (random, all 0xFF, all zero) and the floats
+//     mainline ggml's dequantize_row_<type> gave for them (scripts/gguf/make_dequant_goldens.sh);
+//   <TYPE>.bin (GGDQ): rows of real values (gaussian, an outlier, tiny, constant, +-65504, scaled
+//     blocks) quantized by llama.cpp's ggml_quantize_chunk and dequantized by its to_float
+//     (scripts/gguf/dequant_goldens.cpp), for the types of llama.cpp's usual mixes.
 class GgufGoldenTest : public ::testing::TestWithParam<int> {};
 
 std::vector<char> ReadAll(const std::string& path) {
@@ -336,36 +339,72 @@ std::vector<char> ReadAll(const std::string& path) {
   return std::vector<char>(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
 }
 
-TEST_P(GgufGoldenTest, BitIdenticalToLlamaCpp) {
-  const GgufType* t = FindGgufType(GetParam());
-  ASSERT_NE(t, nullptr);
-  const char* env = std::getenv("MOE_TESTDATA_DIR");  // set when the tests run from a bundle
-  const std::string dir = std::string(env != nullptr ? env : MOE_TESTDATA_DIR) + "/gguf/dequant/";
-  const std::string blocks_path = dir + t->name + ".blocks", floats_path = dir + t->name + ".f32";
-  const std::vector<char> blocks = ReadAll(blocks_path), floats = ReadAll(floats_path);
-  if (blocks.empty() || floats.empty()) GTEST_SKIP() << "no golden " << blocks_path << " / " << floats_path;
-  ASSERT_EQ(blocks.size() % t->block_bytes, 0u) << blocks_path;
-  const int64_t n = static_cast<int64_t>(blocks.size()) / t->block_bytes * t->block_elements;
-  ASSERT_EQ(floats.size(), n * sizeof(float)) << floats_path;
+// Counts the values of DequantizeRow(blocks) whose bits differ from `want` (NaN equal to NaN).
+int64_t Mismatches(const GgufType& t, const char* blocks, const float* want, int64_t n, const std::string& what) {
   std::vector<float> y(n);
-  DequantizeRow(t->id, blocks.data(), n, y.data());
-  std::vector<float> want(n);
-  std::memcpy(want.data(), floats.data(), floats.size());
+  DequantizeRow(t.id, blocks, n, y.data());
   int64_t mismatches = 0;
   for (int64_t i = 0; i < n; ++i) {
     uint32_t a, b;
     std::memcpy(&a, &y[i], 4);
     std::memcpy(&b, &want[i], 4);
     if (a != b && !(std::isnan(y[i]) && std::isnan(want[i]))) {
-      if (++mismatches <= 5) ADD_FAILURE() << t->name << " value " << i << ": " << y[i] << ", llama.cpp " << want[i];
+      if (++mismatches <= 5) ADD_FAILURE() << what << " value " << i << ": " << y[i] << ", llama.cpp " << want[i];
     }
   }
-  EXPECT_EQ(mismatches, 0) << t->name;
+  return mismatches;
+}
+
+std::string DequantDir() {
+  const char* env = std::getenv("MOE_TESTDATA_DIR");  // set when the tests run from a bundle
+  return std::string(env != nullptr ? env : MOE_TESTDATA_DIR) + "/gguf/dequant/";
+}
+
+TEST_P(GgufGoldenTest, BitIdenticalToLlamaCpp) {
+  const GgufType* t = FindGgufType(GetParam());
+  ASSERT_NE(t, nullptr);
+  const std::string dir = DequantDir();
+  // Mainline ggml's, for every quantized type (F16 and BF16 have the .bin below only).
+  const std::string blocks_path = dir + t->name + ".blocks", floats_path = dir + t->name + ".f32";
+  const std::vector<char> blocks = ReadAll(blocks_path), floats = ReadAll(floats_path);
+  const bool plain = t->block_elements == 1;
+  if (!plain) ASSERT_FALSE(blocks.empty() || floats.empty()) << "no golden " << blocks_path << " / " << floats_path;
+  if (!plain) {
+    ASSERT_EQ(blocks.size() % t->block_bytes, 0u) << blocks_path;
+    const int64_t n = static_cast<int64_t>(blocks.size()) / t->block_bytes * t->block_elements;
+    ASSERT_EQ(floats.size(), n * sizeof(float)) << floats_path;
+    std::vector<float> want(n);
+    std::memcpy(want.data(), floats.data(), floats.size());
+    EXPECT_EQ(Mismatches(*t, blocks.data(), want.data(), n, blocks_path), 0) << t->name;
+  }
+
+  // llama.cpp's quantizer and dequantizer on real values, where made for this type.
+  const std::string bin_path = dir + t->name + ".bin";
+  const std::vector<char> bin = ReadAll(bin_path);
+  if (plain) ASSERT_FALSE(bin.empty()) << "no golden " << bin_path;
+  if (bin.empty()) return;
+  ASSERT_GE(bin.size(), 64u);
+  ASSERT_EQ(std::memcmp(bin.data(), "GGDQ", 4), 0) << bin_path;
+  uint32_t header[8];
+  std::memcpy(header, bin.data() + 4, sizeof(header));  // version, type, rows, cols, block, block bytes, row bytes
+  ASSERT_EQ(header[1], static_cast<uint32_t>(t->id)) << bin_path;
+  const int64_t rows = header[2], cols = header[3], row_bytes = header[6];
+  ASSERT_EQ(row_bytes, cols / t->block_elements * t->block_bytes) << bin_path;
+  ASSERT_GE(bin.size(), 64 + rows * row_bytes + rows * cols * 4) << bin_path;
+  for (int64_t r = 0; r < rows; ++r) {
+    std::vector<float> row(cols);
+    std::memcpy(row.data(), bin.data() + 64 + rows * row_bytes + r * cols * 4, cols * 4);
+    EXPECT_EQ(Mismatches(*t, bin.data() + 64 + r * row_bytes, row.data(), cols, bin_path + " row " + std::to_string(r)),
+              0)
+        << t->name << " row " << r;
+  }
 }
 
 std::vector<int> AllTypeIds() {
   std::vector<int> ids;
-  for (const GgufType& t : SupportedGgufTypes()) ids.push_back(t.id);
+  for (const GgufType& t : SupportedGgufTypes()) {
+    if (t.id != kGgufF32) ids.push_back(t.id);  // nothing to dequantize
+  }
   return ids;
 }
 
