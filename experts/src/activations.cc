@@ -94,6 +94,9 @@ absl::Status Activations::Reset(int64_t m, int64_t k, int64_t k_pad, KernelKind 
   // correction; the padding columns and rows are zero.
   if (absl::Status s = Grow(i8_, rows * ld); !s.ok()) return s;
   groups_ = k_pad_ / sum_group;
+  group_scaled_ = IsGgufFormat(format);
+  gscale_groups_ = group_scaled_ ? (k_pad_ + kScaleGroup - 1) / kScaleGroup : 0;
+  i8_gscale_.assign(m_pad_ * gscale_groups_, 1.0f);
   i8_scale_.assign(m_pad_, 1.0f);
   i8_sum_.assign(m_pad_ * groups_, 0);
   std::memset(i8_.as<int8_t>() + m * ld, 0, (m_pad_ - m) * ld);
@@ -124,6 +127,22 @@ void Activations::FillRows(const float* const* x, int64_t r0, int64_t r1) {
       const char* next = reinterpret_cast<const char*>(x[r + 1]);
       for (int64_t b = 0; b < k_ * static_cast<int64_t>(sizeof(float)); b += 64) __builtin_prefetch(next + b);
     }
+    if (group_scaled_) {
+      // A scale per kScaleGroup columns; the sums stay per sum_group (which divides it).
+      int8_t* qr = i8_.as<int8_t>() + r * ld;
+      std::memset(qr + k_, 0, ld - k_);
+      int32_t* sums = i8_sum_.data() + r * groups_;
+      std::fill(sums, sums + groups_, 0);
+      for (int64_t c = 0; c < k_; c += kScaleGroup) {
+        const int64_t n = std::min<int64_t>(kScaleGroup, k_ - c);
+        const float amax = AbsMax(x[r] + c, n);
+        const float scale = amax > 0 ? amax / 127.0f : 1.0f;
+        i8_gscale_[r * gscale_groups_ + c / kScaleGroup] = scale;
+        QuantizeRow(x[r] + c, n, 1.0f / scale, sum_group_, qr + c, sums + c / sum_group_);
+      }
+      i8_scale_[r] = 1.0f;
+      continue;
+    }
     const float amax = avx512 ? internal::AbsMaxAvx512(x[r], k_) : AbsMax(x[r], k_);
     const float scale = amax > 0 ? amax / 127.0f : 1.0f;
     i8_scale_[r] = scale;
@@ -147,6 +166,8 @@ absl::Status Activations::Gather(const Activations& src, const int32_t* rows, in
     std::memcpy(i8_.as<int8_t>() + r * ld, src.i8(rows[r]), ld);
     i8_scale_[r] = src.i8_scale_[rows[r]];
     std::copy_n(src.i8_sum_.data() + rows[r] * groups_, groups_, i8_sum_.data() + r * groups_);
+    std::copy_n(src.i8_gscale_.data() + rows[r] * gscale_groups_, gscale_groups_,
+                i8_gscale_.data() + r * gscale_groups_);
   }
   return absl::OkStatus();
 }

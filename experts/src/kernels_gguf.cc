@@ -55,11 +55,14 @@ void MatmulGgufPortable(const PackedMatrix& w, const Activations& a, int64_t b0,
         for (int64_t m = 0; m < a.m(); ++m) {
           const int8_t* x = a.i8(m) + c * code.elements;
           for (int64_t g = 0; g < groups; ++g) {
+            // The activations' scale of these columns (one per 32 of them).
+            const float as = a.i8_group_scales(m)[(c * code.elements + g * code.group) / Activations::kScaleGroup];
             int32_t dot = 0;
             for (int i = 0; i < code.group; ++i) dot += q[g * code.group + i] * x[g * code.group + i];
-            acc[m] += scale[g] * static_cast<float>(dot);
+            acc[m] += scale[g] * as * static_cast<float>(dot);
             if (code.has_offset) {
-              acc[m] += offset[g] * static_cast<float>(GroupSum(a, m, (c * code.elements) / code.group + g, code.group));
+              acc[m] += offset[g] * as *
+                        static_cast<float>(GroupSum(a, m, (c * code.elements) / code.group + g, code.group));
             }
           }
         }
@@ -512,10 +515,12 @@ MOE_GGUF_VNNI void DecodeSpan(const GgufBlockCode& code, const uint8_t* rowblock
 // One token's products with a decoded span: the sum over its groups of scale * (integer dot -
 // bias * group sum) + min * group sum, for the 16 rows.
 template <int kGroup, bool kMin>
-MOE_GGUF_VNNI __m512 DotSpan(const DecodedSpan& s, int cols, int bias, const int8_t* x, const int32_t* sums16) {
+MOE_GGUF_VNNI __m512 DotSpan(const DecodedSpan& s, int cols, int bias, const int8_t* x, const int32_t* sums16,
+                             const float* ascale) {
   constexpr int kLines = kGroup / 4;
   __m512 acc = _mm512_setzero_ps();
   for (int g = 0; g < cols / kGroup; ++g) {
+    const float as = ascale[g * kGroup / Activations::kScaleGroup];  // the activations' scale here
     const int32_t sum = kGroup == 16 ? sums16[g] : sums16[2 * g] + sums16[2 * g + 1];
     __m512i i0 = _mm512_set1_epi32(-bias * sum), i1 = _mm512_setzero_si512();
     for (int j = 0; j < kLines; j += 2) {
@@ -526,13 +531,15 @@ MOE_GGUF_VNNI __m512 DotSpan(const DecodedSpan& s, int cols, int bias, const int
       i0 = Dpbusd(i0, _mm512_load_si512(s.lines[line]), _mm512_set1_epi32(x0));
       i1 = Dpbusd(i1, _mm512_load_si512(s.lines[line + 1]), _mm512_set1_epi32(x1));
     }
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)), _mm512_load_ps(s.scale[g]), acc);
-    if (kMin) acc = _mm512_fmadd_ps(_mm512_load_ps(s.min[g]), _mm512_set1_ps(static_cast<float>(sum)), acc);
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)),
+                          _mm512_mul_ps(_mm512_load_ps(s.scale[g]), _mm512_set1_ps(as)), acc);
+    if (kMin) acc = _mm512_fmadd_ps(_mm512_load_ps(s.min[g]), _mm512_set1_ps(static_cast<float>(sum) * as), acc);
   }
   return acc;
 }
 
-using DotFn = __m512 (*)(const DecodedSpan& s, int cols, int bias, const int8_t* x, const int32_t* sums16);
+using DotFn = __m512 (*)(const DecodedSpan& s, int cols, int bias, const int8_t* x, const int32_t* sums16,
+                         const float* ascale);
 
 using DecodeSpanFn = void (*)(const GgufBlockCode& code, const uint8_t* rowblock, int64_t col0, int cols,
                                DecodedSpan& s);
@@ -581,7 +588,8 @@ MOE_GGUF_VNNI void MatmulGgufVnni(const PackedMatrix& w, const Activations& a, i
       decode(code, w.block(b), col, cols, span);
       for (int64_t t = 0; t < m; ++t) {
         float* out = y + t * ldy + (b - b0) * 16;
-        const __m512 part = dot(span, cols, code.bias, a.i8(t) + col, a.i8_sums(t) + col / 16);
+        const __m512 part = dot(span, cols, code.bias, a.i8(t) + col, a.i8_sums(t) + col / 16,
+                                a.i8_group_scales(t) + col / Activations::kScaleGroup);
         _mm512_storeu_ps(out, _mm512_fmadd_ps(part, _mm512_set1_ps(a.i8_scale(t)), _mm512_loadu_ps(out)));
       }
     }

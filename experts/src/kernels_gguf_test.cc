@@ -72,11 +72,14 @@ TEST_P(GgufKernelTest, MatchesDequantizedWeightsOnOddShapes) {
           // Against the int8 activations the kernel reads: only float rounding apart.
           double want = 0, mag = 0, want_f32 = 0, bound = 0;
           for (int64_t i = 0; i < k; ++i) {
-            const double xi = a.i8(t)[i] * static_cast<double>(a.i8_scale(t));
+            // GGUF formats: a scale per 32 activations (Activations::kScaleGroup).
+            ASSERT_TRUE(a.group_scaled());
+            const double scale = a.i8_group_scales(t)[i / Activations::kScaleGroup];
+            const double xi = a.i8(t)[i] * scale;
             want += wf[r * k + i] * xi;
             mag += std::abs(wf[r * k + i] * xi);
             want_f32 += wf[r * k + i] * static_cast<double>(x[t * k + i]);
-            bound += std::abs(wf[r * k + i]) * 0.5 * a.i8_scale(t);
+            bound += std::abs(wf[r * k + i]) * 0.5 * scale;
           }
           const double got = y[t * l.n_pad + r];
           ASSERT_NEAR(got, want, 1e-5 * mag + 1e-30) << "row " << r << " token " << t;

@@ -77,6 +77,12 @@ class Activations {
   const uint16_t* bf16_lo(int64_t row) const { return bf16_lo_.as<uint16_t>() + row * stride(); }
   const int8_t* i8(int64_t row) const { return i8_.as<int8_t>() + row * stride(); }
   float i8_scale(int64_t row) const { return i8_scale_[row]; }
+  // GGUF formats quantize each token's activations with one scale per kScaleGroup columns (as
+  // llama.cpp's Q8_0 activations; finer than its Q8_K), so that a GGUF file computes with no more
+  // rounding than llama.cpp gives it; i8_scale() is then 1. The other formats: one per token.
+  static constexpr int kScaleGroup = 32;
+  bool group_scaled() const { return group_scaled_; }
+  const float* i8_group_scales(int64_t row) const { return i8_gscale_.data() + row * gscale_groups_; }
   // Sum of the quantized values of `row` in group g (columns [g*sum_group, (g+1)*sum_group)).
   int32_t i8_sum(int64_t row, int64_t g) const { return i8_sum_[row * groups_ + g]; }
   // The sums of every group of `row`.
@@ -88,6 +94,9 @@ class Activations {
   ExpertFormat format_ = ExpertFormat::kBF16;
   int sum_group_ = 0;
   bool with_bf16_ = false, with_lo_ = false;
+  bool group_scaled_ = false;
+  int64_t gscale_groups_ = 0;
+  std::vector<float> i8_gscale_;
   core::AlignedBuffer f32_, bf16_, bf16_lo_, i8_;
   std::vector<float> i8_scale_;
   std::vector<int32_t> i8_sum_;
