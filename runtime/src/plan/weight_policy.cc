@@ -60,7 +60,7 @@ int64_t DeviceWeightBytes(WeightHome home, const WeightPolicy& policy, const cor
   const int64_t elements = core::NumElements(shape);
   if (use == WeightUse::kVector) return elements * 4;
   if (home == WeightHome::kGpu) return elements * 2;  // bf16
-  if (SupportsStoredWeight(home, stored, use)) return stored.Bytes(shape);  // GGUF blocks as stored
+  if (!stored.plain() && SupportsStoredWeight(home, stored, use)) return stored.Bytes(shape);  // GGUF blocks
   if (use == WeightUse::kMatrix && shape.size() == 2) {
     const experts::ExpertFormat f = policy.MatrixFormat(role);
     if (f != experts::ExpertFormat::kBF16) {
