@@ -510,6 +510,47 @@ TEST(GgufQuantizedTest, Q8_0ExpertsStayInTheirTypeAndComputeTheFilesValues) {
   EXPECT_LT(worst, 3.0f);
 }
 
+// A file without output.weight ties the head to a Q8_0 embedding kept as stored rows: the head is
+// then a Q8_0 Linear of its own, and the logits are those of a file whose output.weight is a copy
+// of token_embd.
+TEST(GgufQuantizedTest, TiedHeadOfAQuantizedEmbedding) {
+  testing::ScratchDir dir;
+  auto c = runtime::OpenCheckpoint(testing::FixtureDir("qwen3_moe"));
+  ASSERT_TRUE(c.ok());
+  const auto write = [&](const std::string& path, bool tied) {
+    GgufWriter w;
+    WriteMetadata((*c)->spec(), w);
+    WriteVocabulary(testing::FixtureDir("qwen3_moe"), "qwen2", w);
+    std::string embd;
+    std::vector<int64_t> embd_ne;
+    WriteTensors(**c, w, [&](std::string& name, std::vector<int64_t>& ne, int& type, std::string& bytes) {
+      if (name == "output.weight") return false;
+      if (name == "token_embd.weight") {
+        bytes = QuantizeQ8_0(bytes, ne[0]);
+        type = 8;
+        embd = bytes;
+        embd_ne = ne;
+      }
+      return true;
+    });
+    if (!tied) w.Tensor("output.weight", embd_ne, 8, embd);
+    ASSERT_TRUE(w.Write(path).ok());
+  };
+  write(dir / "tied.gguf", true);
+  write(dir / "copy.gguf", false);
+  runtime::ModelOptions options;
+  options.pool.progress = false;
+  auto tied = runtime::Model::Load(dir / "tied.gguf", options);
+  ASSERT_TRUE(tied.ok()) << tied.status();
+  EXPECT_TRUE(tied->get()->spec().tie_word_embeddings);
+  auto copy = runtime::Model::Load(dir / "copy.gguf", options);
+  ASSERT_TRUE(copy.ok()) << copy.status();
+  const std::vector<int32_t> ids = {5, 17, 42, 99, 3};
+  const auto a = testing::FullForward(**tied, ids), b = testing::FullForward(**copy, ids);
+  EXPECT_EQ(a, b);
+  for (float v : a.back()) ASSERT_TRUE(std::isfinite(v));
+}
+
 // `moeserve serve --model FILE.gguf`: the OpenAI API's chat (the file's chat template and
 // vocabulary) and gRPC's text prompt answer as the same model served from its safetensors folder.
 TEST(GgufServeTest, ServesOpenAiChatAndGrpcTextWithTheFilesTokenizerAndTemplate) {

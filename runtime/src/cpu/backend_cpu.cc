@@ -18,6 +18,7 @@
 #include "moe/core/cpu_features.h"
 #include "moe/core/memory.h"
 #include "moe/core/status.h"
+#include "moe/experts/gguf_types.h"
 #include "moe/experts/kernels.h"
 #include "moe/runtime/routing.h"
 #include "oneapi/tbb/blocked_range.h"
@@ -68,7 +69,16 @@ class CpuWeight : public DeviceWeight {
     shape_ = std::move(shape);
   }
   int64_t bytes() const override {
+    if (gguf_type_ >= 0) return shape_[0] * row_bytes_;
     return packed_ ? packed_->layout.bytes() : core::NumElements(shape_) * core::DTypeSize(dtype_);
+  }
+  // Rows of GGUF blocks where they lie in the mapped file (an embedding: its rows are gathered one
+  // token at a time and dequantized as they are).
+  static std::unique_ptr<CpuWeight> GgufRows(core::Shape shape, int type_id, int64_t row_bytes, const void* data) {
+    auto w = std::unique_ptr<CpuWeight>(new CpuWeight(std::move(shape), DType::kI8, data, {}));
+    w->gguf_type_ = type_id;
+    w->row_bytes_ = row_bytes;
+    return w;
   }
   DType dtype() const { return dtype_; }
   const float* f32() const { return static_cast<const float*>(data_); }
@@ -76,12 +86,21 @@ class CpuWeight : public DeviceWeight {
   // Row r as floats: a pointer into the weight, or into `scratch` after conversion.
   const float* RowF32(int64_t r, float* scratch) const {
     const int64_t k = cols();
+    if (gguf_type_ >= 0) {
+      experts::DequantizeRow(gguf_type_, static_cast<const uint8_t*>(data_) + r * row_bytes_, k, scratch);
+      return scratch;
+    }
     if (dtype_ == DType::kF32) return f32() + r * k;
     internal::Bf16RowToF32(bf16() + r * k, k, scratch);
     return scratch;
   }
   float Dot(const float* x, int64_t r) const {
     const int64_t k = cols();
+    if (gguf_type_ >= 0) {
+      thread_local std::vector<float> row;
+      row.resize(k);
+      return internal::DotF32(x, RowF32(r, row.data()), k);
+    }
     return dtype_ == DType::kF32 ? internal::DotF32(x, f32() + r * k, k) : internal::DotBf16(x, bf16() + r * k, k);
   }
   // Packed in the expert pool's int8 or int4 form (the weight's only form then).
@@ -95,6 +114,8 @@ class CpuWeight : public DeviceWeight {
 
  private:
   std::optional<experts::PackedMatrix> packed_;
+  int gguf_type_ = -1;  // GgufRows
+  int64_t row_bytes_ = 0;
   core::AlignedBuffer owned_;
   DType dtype_;
   const void* data_;
@@ -171,7 +192,15 @@ class CpuBackend : public Backend {
   // file.
   absl::StatusOr<std::unique_ptr<DeviceWeight>> PrepareStoredWeight(const std::vector<WeightView>& parts,
                                                                     WeightUse use, TensorRole role) override {
-    if (parts.empty() || use != WeightUse::kMatrix) return absl::InvalidArgumentError("stored weights are Linears");
+    if (use == WeightUse::kEmbedding && parts.size() == 1 && parts[0].rank() == 2 &&
+        experts::FindGgufType(parts[0].format.type_id) != nullptr) {
+      const WeightView& e = parts[0];
+      return std::unique_ptr<DeviceWeight>(
+          CpuWeight::GgufRows(e.shape, e.format.type_id, e.format.RowBytes(e.shape[1]), e.data));
+    }
+    if (parts.empty() || use != WeightUse::kMatrix) {
+      return absl::InvalidArgumentError("stored weights are Linears or an embedding");
+    }
     const WeightFormat& stored = parts[0].format;
     int64_t rows = 0;
     for (const WeightView& p : parts) {

@@ -423,7 +423,12 @@ absl::StatusOr<std::unique_ptr<Model::Weights>> LoadWeights(const Checkpoint& ch
   if (last) {
     MOE_ASSIGN_OR_RETURN(weights->final_norm,
                          w.Load({I::kFinalNorm}, {h}, absl::StrCat("hidden_size=", h), WeightUse::kVector));
-    if (tied && first && vocab_rows.kind == Slice::Kind::kWhole) {
+    // A GGUF embedding kept as stored rows is gathered, not multiplied: the tied head is its own
+    // Linear then.
+    const bool embedding_rows = first && checkpoint.Get({I::kEmbedding}).ok() &&
+                                !checkpoint.Get({I::kEmbedding})->format.plain() &&
+                                backend.SupportsWeight(checkpoint.Get({I::kEmbedding})->format, WeightUse::kEmbedding);
+    if (tied && first && vocab_rows.kind == Slice::Kind::kWhole && !embedding_rows) {
       weights->lm_head = weights->embed.get();
     } else {
       MOE_ASSIGN_OR_RETURN(weights->lm_head_owned,

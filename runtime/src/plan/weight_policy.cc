@@ -1,6 +1,7 @@
 #include "moe/runtime/weight_policy.h"
 
 #include "absl/strings/str_cat.h"
+#include "moe/experts/gguf_types.h"
 
 namespace moe::runtime {
 
@@ -48,6 +49,8 @@ std::string WeightPolicy::Describe() const {
 bool SupportsStoredWeight(WeightHome home, const WeightFormat& stored, WeightUse use) {
   if (stored.kind == WeightFormat::Kind::kBlocks) {
     // The CPU backend keeps a Linear's GGUF blocks as they are, for the expert pool's kernels.
+    // An embedding's rows stay as stored and are dequantized as they are gathered.
+    if (home == WeightHome::kHost && use == WeightUse::kEmbedding) return experts::FindGgufType(stored.type_id) != nullptr;
     return home == WeightHome::kHost && use == WeightUse::kMatrix &&
            experts::FormatForGgufType(stored.type_id).ok();
   }
