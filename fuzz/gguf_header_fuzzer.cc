@@ -25,7 +25,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         MOE_FUZZ_CHECK(view.ok(), "a listed tensor does not read: %s", name.c_str());
         const auto* bytes = static_cast<const uint8_t*>(view->data);
         MOE_FUZZ_CHECK(view->bytes() <= static_cast<int64_t>(size), "tensor %s is larger than the file", name.c_str());
-        for (int64_t i = 0; i < view->bytes(); ++i) sum += bytes[i];
+        for (int64_t i = 0; i < view->bytes(); ++i) sum = sum + bytes[i];
       }
       (void)sum;
       if ((*checkpoint)->tokenizer().embedded()) {

@@ -291,6 +291,10 @@ absl::StatusOr<ModelSpec> SpecFromMetadata(const gguf::GgufFile& f, const GgufSo
     }
   }
   MOE_ASSIGN_OR_RETURN(const std::optional<int64_t> blocks, f.Int(a + "block_count"));
+  // Checked before anything loops over the layers.
+  if (*blocks < 1 || *blocks > kMaxLayers) {
+    return f.KeyError(a + "block_count", absl::StrCat("is ", *blocks, ": must be between 1 and ", kMaxLayers));
+  }
   MOE_ASSIGN_OR_RETURN(const std::optional<int64_t> nextn, f.Int(a + "nextn_predict_layers"));
   const int64_t n_nextn = nextn.value_or(0);
   if (n_nextn < 0 || n_nextn >= *blocks) {

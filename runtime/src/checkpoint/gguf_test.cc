@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "gtest/gtest.h"
+#include "moe/runtime/checkpoint.h"
 #include "moe/runtime/gguf_writer.h"
 
 namespace moe::runtime {
@@ -206,6 +207,36 @@ TEST(GgufReaderTest, KnowsEveryTypeItNamesWithTheirBlockSizes) {
   EXPECT_EQ(gguf::FindGgmlType(23)->block_bytes, 136);  // IQ4_XS
   EXPECT_EQ(gguf::FindGgmlType(14)->block_bytes, 210);  // Q6_K
   EXPECT_EQ(gguf::FindGgmlType(4), nullptr);            // removed from ggml
+}
+
+// A vocabulary whose token or merge is not UTF-8 (a byte-level BPE vocabulary is text) is refused
+// naming it; one of a pre-tokenizer moeserve does not know names that (and --tokenizer).
+TEST(GgufTokenizerTest, RefusesBrokenVocabulariesNamingWhat) {
+  TokenizerSource s;
+  s.model = "gpt2";
+  s.pre = "qwen2";
+  s.tokens = {"a", "b", "ab"};
+  s.merges = {"a b"};
+  EXPECT_TRUE(EmbeddedTokenizerJson(s).ok());
+  s.tokens[1] = "\x9e";
+  auto token = EmbeddedTokenizerJson(s);
+  ASSERT_FALSE(token.ok());
+  EXPECT_NE(token.status().message().find("tokenizer.ggml.tokens[1] is not valid UTF-8"), std::string::npos);
+  s.tokens[1] = "b";
+  s.merges[0] = "a \xc0\xaf";  // an overlong '/'
+  auto merge = EmbeddedTokenizerJson(s);
+  ASSERT_FALSE(merge.ok());
+  EXPECT_NE(merge.status().message().find("tokenizer.ggml.merges[0] is not valid UTF-8"), std::string::npos);
+  s.merges[0] = "a b";
+  s.pre = "nope";
+  auto pre = EmbeddedTokenizerJson(s);
+  ASSERT_FALSE(pre.ok());
+  EXPECT_NE(pre.status().message().find("tokenizer.ggml.pre 'nope'"), std::string::npos);
+  s.pre = "qwen2";
+  s.model = "llama";
+  auto model = EmbeddedTokenizerJson(s);
+  ASSERT_FALSE(model.ok());
+  EXPECT_NE(model.status().message().find("tokenizer.ggml.model 'llama' is not read yet"), std::string::npos);
 }
 
 }  // namespace

@@ -2,8 +2,10 @@
 // would have for it, so that one tokenizer implementation serves both: the ids equal those of the
 // model's own tokenizer.json. The split patterns are the ones the models' tokenizer.json files hold;
 // `tokenizer.ggml.pre` names which.
+#include <cstdint>
 #include <set>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -56,6 +58,28 @@ std::string KnownNames() {
   return absl::StrJoin(names, ", ");
 }
 
+// Whether `s` is well-formed UTF-8 (no overlong forms, surrogates or code points past U+10FFFF).
+bool IsUtf8(std::string_view s) {
+  size_t i = 0;
+  while (i < s.size()) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    const int n = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
+    if (n == 0 || i + n > s.size()) return false;
+    uint32_t cp = n == 1 ? c : c & (0x7F >> n);
+    for (int k = 1; k < n; ++k) {
+      const auto b = static_cast<unsigned char>(s[i + k]);
+      if ((b & 0xC0) != 0x80) return false;
+      cp = (cp << 6) | (b & 0x3F);
+    }
+    if ((n == 2 && cp < 0x80) || (n == 3 && cp < 0x800) || (n == 4 && cp < 0x10000) || cp > 0x10FFFF ||
+        (cp >= 0xD800 && cp <= 0xDFFF)) {
+      return false;
+    }
+    i += n;
+  }
+  return true;
+}
+
 // GGUF token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
 constexpr int32_t kControl = 3, kUserDefined = 4;
 
@@ -81,6 +105,17 @@ absl::StatusOr<std::string> EmbeddedTokenizerJson(const TokenizerSource& s) {
   }
   if (s.merges.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("a 'gpt2' vocabulary without tokenizer.ggml.merges", instead));
+  }
+  // A byte-level vocabulary's tokens and merges are text: bytes that are not UTF-8 are a broken file.
+  for (size_t id = 0; id < s.tokens.size(); ++id) {
+    if (!IsUtf8(s.tokens[id])) {
+      return absl::InvalidArgumentError(absl::StrCat("tokenizer.ggml.tokens[", id, "] is not valid UTF-8"));
+    }
+  }
+  for (size_t m = 0; m < s.merges.size(); ++m) {
+    if (!IsUtf8(s.merges[m])) {
+      return absl::InvalidArgumentError(absl::StrCat("tokenizer.ggml.merges[", m, "] is not valid UTF-8"));
+    }
   }
   Json j;
   j["version"] = "1.0";
