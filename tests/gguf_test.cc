@@ -551,6 +551,19 @@ TEST(GgufQuantizedTest, TiedHeadOfAQuantizedEmbedding) {
   for (float v : a.back()) ASSERT_TRUE(std::isfinite(v));
 }
 
+// `inspect` plans a GGUF model from its header: the types and bytes by role, the experts kept in
+// the pool as the file stores them, the GPU's bf16 copies said.
+TEST(GgufInspectTest, PlansFromTheHeaderWithTheFilesTypes) {
+  const std::string model = testing::TestdataDir() + "/gguf/qwen3_moe/qwen3_moe-Q4_K_M.gguf";
+  const testing::CommandResult r = testing::RunMoeserve({"inspect", "--model", model, "--cpu-moe"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("routed expert Q4_K"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("dequantized to bf16"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("native experts on the CPU"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("prefill streaming"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("routed expert CPU (--cpu-moe)"), std::string::npos) << r.out;
+}
+
 // `moeserve serve --model FILE.gguf`: the OpenAI API's chat (the file's chat template and
 // vocabulary) and gRPC's text prompt answer as the same model served from its safetensors folder.
 TEST(GgufServeTest, ServesOpenAiChatAndGrpcTextWithTheFilesTokenizerAndTemplate) {

@@ -161,7 +161,11 @@ int RunInspect(const InspectFlags& f) {
     if (!listed.ok()) return FailCommand(command, listed.status(), 1);
     tensors = std::move(*listed);
     source_note = absl::StrCat(tensors.size(), " tensors, from the checkpoint's headers");
-    if (gguf) absl::StrAppend(&source_note, " (GGUF: ", GgufTypeSummary((*checkpoint)->source()), ")");
+    if (gguf) {
+      absl::StrAppend(&source_note, " (GGUF: ", GgufTypeSummary((*checkpoint)->source()),
+                      "); on a GPU its weights other than the routed experts on the CPU are dequantized to bf16, as "
+                      "the GPU lines count them; on the CPU backend its Linears stay in their types");
+    }
   } else if (source.status().code() == absl::StatusCode::kNotFound) {
     tensors = runtime::ExpectedTensors(*spec);
     source_note =

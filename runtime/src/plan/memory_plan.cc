@@ -119,7 +119,10 @@ absl::StatusOr<MemoryPlan> PlanMemory(const ModelSpec& spec, const Placement& pl
   }
   plan.cpu_expert_layers = static_cast<int>(cpu_layers.size());
   int64_t streaming = 0;
-  if (o.prefill_streaming && !cpu_layers.empty() && spec.routing.num_experts > 0) {
+  // The GPU unpacks the pool's bf16, int8 and int4 layers; GGUF ones stay on the CPU for prefill.
+  const bool streams = o.host_format == experts::ExpertFormat::kBF16 || o.host_format == experts::ExpertFormat::kInt8 ||
+                       o.host_format == experts::ExpertFormat::kInt4;
+  if (o.prefill_streaming && streams && !cpu_layers.empty() && spec.routing.num_experts > 0) {
     const int64_t packed_layer = pool_bytes / static_cast<int64_t>(cpu_layers.size());
     const int64_t bf16_layer =
         int64_t{spec.routing.num_experts} * 3 * spec.hidden_size * spec.moe_intermediate_size * 2;
