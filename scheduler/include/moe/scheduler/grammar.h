@@ -35,7 +35,7 @@ class Grammar {
   int num_rules() const { return static_cast<int>(alternatives_.size()); }
   int num_symbols() const { return static_cast<int>(symbols_.size()); }
   // A position past the grammar's own, a byte set that takes no byte: the bottom of the stacks of
-  // GrammarMatcher::AtPosition, where they arrive when what is above it is finished.
+  // GrammarMatcher::AtStackTop, where they arrive when what is above it is finished.
   int32_t floor() const { return floor_; }
   // The bytes that may come right after the rule that holds position `pos` is finished, in any
   // context (a superset: LL(1)'s FOLLOW of that rule). A stack whose entry at `pos` is popped has
@@ -105,7 +105,7 @@ class GrammarMatcher {
   // follow them to the same ends (a cache key).
   std::string StateKey() const;
   const std::shared_ptr<const Grammar>& grammar() const { return grammar_; }
-  // Some stack has come down to the grammar's floor (AtPosition).
+  // Some stack has come down to the grammar's floor (AtStackTop).
   bool left_floor() const;
   // The top `n` entries (fewer where a stack is shorter) of each stack, distinct, and the depth of
   // the deepest stack.
