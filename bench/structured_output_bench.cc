@@ -146,6 +146,29 @@ void BM_MaskNewState(benchmark::State& state) {
 }
 BENCHMARK(BM_MaskNewState)->DenseRange(0, std::size(kStates) - 1)->Unit(benchmark::kMillisecond);
 
+// A new state whose stack tops were met before (by this state here; as well by any other whose
+// stacks end the same, e.g. the same string in another object): the tokens the tops take whatever
+// is below them are known, and only the few that go below are tried against the whole state.
+void BM_MaskNewStateKnownTops(benchmark::State& state) {
+  TokenGrammar grammar(SchemaGrammar(), Trie(), kVocab, {kVocab - 1});
+  GrammarMatcher matcher(SchemaGrammar());
+  if (!matcher.AdvanceBytes(kStates[state.range(0)])) {
+    state.SkipWithError("the state's bytes do not follow the grammar");
+    return;
+  }
+  grammar.Mask(matcher);
+  int allowed = 0;
+  for (auto _ : state) {
+    auto mask = grammar.MaskUncached(matcher);
+    allowed = mask->Count(kVocab);
+    benchmark::DoNotOptimize(mask);
+  }
+  state.SetLabel(kStateNames[state.range(0)]);
+  state.counters["allowed_tokens"] = allowed;
+  state.counters["tops"] = static_cast<double>(grammar.tops_computed());
+}
+BENCHMARK(BM_MaskNewStateKnownTops)->DenseRange(0, std::size(kStates) - 1)->Unit(benchmark::kMillisecond);
+
 // A state seen before: the cache's lookup.
 void BM_MaskCachedState(benchmark::State& state) {
   TokenGrammar grammar(SchemaGrammar(), Trie(), kVocab, {kVocab - 1});

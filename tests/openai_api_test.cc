@@ -1020,5 +1020,143 @@ TEST_F(OpenAiApiTest, GrpcResponseFormatIsEnforcedAsOverHttp) {
   refused(R"({"type": "json_object")", "response_format:1:");
 }
 
+// gRPC's tool_choice goes through the HTTP API's grammar: "required" and a named function come
+// back as whole calls in the final message whose arguments follow the tools' parameters, greedy
+// the same calls as over HTTP, and what cannot be enforced is INVALID_ARGUMENT naming it.
+TEST_F(OpenAiApiTest, GrpcToolChoiceIsEnforcedAsOverHttp) {
+  StartServer();
+  if (!ServesText()) GTEST_SKIP() << "this build has no tokenizer library";
+  auto stub = ::moeserve::v1::Generation::NewStub(grpc::CreateChannel(
+      absl::StrCat("127.0.0.1:", frontend_->port()), grpc::InsecureChannelCredentials()));
+  struct Result {
+    grpc::Status status;
+    std::string text;
+    std::vector<::moeserve::v1::ToolCallDelta> calls;
+    ::moeserve::v1::GenerateResponse last;
+  };
+  const auto run = [&](const ::moeserve::v1::GenerateRequest& request) {
+    Result r;
+    grpc::ClientContext context;
+    auto reader = stub->Generate(&context, request);
+    ::moeserve::v1::GenerateResponse response;
+    while (reader->Read(&response)) {
+      r.text += response.text();
+      for (const auto& call : response.tool_calls()) r.calls.push_back(call);
+      r.last = response;
+    }
+    r.status = reader->Finish();
+    return r;
+  };
+  const json tools = {{{"type", "function"},
+                       {"function",
+                        {{"name", "get_weather"},
+                         {"parameters",
+                          {{"type", "object"},
+                           {"properties", {{"city", {{"type", "string"}, {"maxLength", 5}}}, {"days", {{"type", "integer"}}}}},
+                           {"required", {"city"}},
+                           {"additionalProperties", false}}}}}},
+                      {{"type", "function"},
+                       {"function",
+                        {{"name", "get_time"},
+                         {"parameters",
+                          {{"type", "object"},
+                           {"properties", {{"utc", {{"type", "boolean"}}}}},
+                           {"additionalProperties", false}}}}}}};
+  // The arguments follow the named tool's parameters.
+  const auto expect_valid = [&](const std::string& name, const std::string& arguments) {
+    const json args = json::parse(arguments, nullptr, /*allow_exceptions=*/false);
+    ASSERT_TRUE(args.is_object()) << name << " " << arguments;
+    if (name == "get_weather") {
+      ASSERT_TRUE(args.contains("city") && args["city"].is_string()) << arguments;
+      EXPECT_LE(args["city"].get<std::string>().size(), 5u * 4) << arguments;
+      if (args.contains("days")) EXPECT_TRUE(args["days"].is_number_integer()) << arguments;
+      for (const auto& [key, v] : args.items()) EXPECT_TRUE(key == "city" || key == "days") << arguments;
+    } else {
+      ASSERT_EQ(name, "get_time");
+      if (args.contains("utc")) EXPECT_TRUE(args["utc"].is_boolean()) << arguments;
+      for (const auto& [key, v] : args.items()) EXPECT_EQ(key, "utc") << arguments;
+    }
+  };
+  const auto request_for = [&](const std::string& tool_choice) {
+    ::moeserve::v1::GenerateRequest request;
+    ::moeserve::v1::ChatMessage* message = request.add_messages();
+    message->set_role("user");
+    message->set_content("weather in Oslo?");
+    request.set_tools(tools.dump());
+    request.set_tool_choice(tool_choice);
+    request.mutable_stopping()->set_max_new_tokens(300);
+    return request;
+  };
+  const json named = {{"type", "function"}, {"function", {{"name", "get_time"}}}};
+  for (const std::string& choice : {std::string("\"required\""), std::string("required"), named.dump()}) {
+    for (int seed = 0; seed < 3; ++seed) {
+      ::moeserve::v1::GenerateRequest request = request_for(choice);
+      request.mutable_sampling()->set_temperature(1.0f);
+      request.mutable_sampling()->set_seed(seed);
+      const Result r = run(request);
+      ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+      EXPECT_EQ(r.last.finish_reason(), ::moeserve::v1::FINISH_REASON_EOS) << r.text;
+      EXPECT_EQ(r.text, "") << choice;
+      ASSERT_FALSE(r.calls.empty()) << choice;
+      EXPECT_EQ(r.last.tool_calls_size(), static_cast<int>(r.calls.size()));  // whole, in the final message
+      for (size_t i = 0; i < r.calls.size(); ++i) {
+        const auto& call = r.calls[i];
+        EXPECT_EQ(call.index(), static_cast<int>(i));
+        EXPECT_FALSE(call.id().empty());
+        if (choice == named.dump()) EXPECT_EQ(call.name(), "get_time");
+        expect_valid(call.name(), call.arguments());
+      }
+      if (choice == named.dump()) EXPECT_EQ(r.calls.size(), 1u);
+    }
+  }
+  // Greedy, the same calls as the HTTP API's.
+  for (const json& choice : {json("required"), named}) {
+    const Result r = run(request_for(choice.dump()));
+    ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+    const HttpResult http = Post("/v1/chat/completions", json{{"messages", {{{"role", "user"}, {"content", "weather in Oslo?"}}}},
+                                                            {"temperature", 0},
+                                                            {"max_tokens", 300},
+                                                            {"tools", tools},
+                                                            {"tool_choice", choice}});
+    ASSERT_EQ(http.status, 200) << http.body;
+    const json calls = json::parse(http.body)["choices"][0]["message"]["tool_calls"];
+    ASSERT_TRUE(calls.is_array()) << http.body;
+    ASSERT_EQ(calls.size(), r.calls.size()) << http.body;
+    for (size_t i = 0; i < r.calls.size(); ++i) {
+      EXPECT_EQ(calls[i]["function"]["name"], r.calls[i].name());
+      EXPECT_EQ(calls[i]["function"]["arguments"], r.calls[i].arguments());
+    }
+  }
+  // "auto" and "none" leave the output free (no grammar).
+  for (const std::string& choice : {std::string("auto"), std::string("\"none\"")}) {
+    ::moeserve::v1::GenerateRequest request = request_for(choice);
+    request.mutable_stopping()->set_max_new_tokens(4);
+    EXPECT_TRUE(run(request).status.ok()) << choice;
+  }
+
+  const auto refused = [&](::moeserve::v1::GenerateRequest request, const std::string& message) {
+    const Result r = run(request);
+    EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << message;
+    EXPECT_THAT(r.status.error_message(), HasSubstr(message));
+  };
+  refused(request_for("sometimes"), "tool_choice: expected auto, none, required or a named function");
+  refused(request_for(R"({"type": "function", "function": {"name": "other"}})"),
+          "tool_choice: the function 'other' is not in tools");
+  ::moeserve::v1::GenerateRequest no_tools = request_for("required");
+  no_tools.clear_tools();
+  refused(no_tools, "tool_choice: 'required' needs tools");
+  ::moeserve::v1::GenerateRequest with_format = request_for("required");
+  with_format.set_response_format(R"({"type": "json_object"})");
+  refused(with_format, "cannot go with a response_format");
+  ::moeserve::v1::GenerateRequest bad_schema = request_for("required");
+  bad_schema.set_tools(
+      R"([{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"n": {"type": "number", "multipleOf": 2}}}}}])");
+  refused(bad_schema, "tools[0].function.parameters at /properties/n: the keyword 'multipleOf'");
+  ::moeserve::v1::GenerateRequest no_messages;
+  no_messages.add_token_ids(1);
+  no_messages.set_tool_choice("required");
+  refused(no_messages, "tool_choice");
+}
+
 }  // namespace
 }  // namespace moe

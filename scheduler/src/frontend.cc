@@ -234,8 +234,11 @@ class GenerationService final : public pb::Generation::Service {
     Request request;
     request.id = id;
     request.logprobs = in.logprobs();
-    if (absl::Status s = PromptOf(in, &request.prompt); !s.ok()) return ToGrpc(s);
     if (absl::Status s = GrammarOf(in, &request.grammar); !s.ok()) return ToGrpc(s);
+    internal::ToolChoice tools;
+    if (absl::Status s = ToolsOf(in, request.grammar != nullptr, &tools); !s.ok()) return ToGrpc(s);
+    if (tools.grammar != nullptr) request.grammar = tools.grammar;
+    if (absl::Status s = PromptOf(in, tools, &request.prompt); !s.ok()) return ToGrpc(s);
     const pb::SamplingParams& sp = in.sampling();
     request.sampling.temperature = sp.temperature();
     request.sampling.top_p = sp.has_top_p() ? sp.top_p() : 1.0f;
@@ -263,9 +266,9 @@ class GenerationService final : public pb::Generation::Service {
       text_options.skip_special_tokens = !in.has_skip_special_tokens() || in.skip_special_tokens();
       text_options.prompt = request.prompt;
       if (in.messages_size() > 0) {
-        text_options.parse_reasoning = true;
-        text_options.parse_tool_calls = !in.tools().empty();
-        if (text_options.parse_tool_calls) text_options.tools = nlohmann::json::parse(in.tools(), nullptr, false);
+        text_options.parse_reasoning = tools.enforced.empty();
+        text_options.parse_tool_calls = tools.parse_tool_calls;
+        if (text_options.parse_tool_calls) text_options.tools = tools.tools;
       }
       auto made = text_.NewOutput(std::move(text_options));
       if (!made.ok()) return ToGrpc(made.status());
@@ -279,6 +282,7 @@ class GenerationService final : public pb::Generation::Service {
     if (!stream.ok()) return ToGrpc(stream.status());
     served->stream = *stream;
     bool stopped_by_string = false;
+    std::string enforced_text;  // an enforced tool_choice's output, sent as calls at the end
 
     int& completion = served->completion_tokens;
     bool aborted_by_client = false;
@@ -307,6 +311,29 @@ class GenerationService final : public pb::Generation::Service {
         out.logprobs.clear();
       }
       if (out.finished && text != nullptr) chunk.Append(text->Finish());
+      std::vector<ToolCallChunk> enforced_calls;
+      if (!tools.enforced.empty()) {
+        // An enforced tool call goes whole in the last message, once its JSON is complete, as the
+        // HTTP API sends it; cut short (max_new_tokens), what was written goes as text.
+        enforced_text += chunk.content;
+        chunk.content.clear();
+        if (out.finished) {
+          const nlohmann::json calls =
+              internal::EnforcedToolCalls(tools.enforced, tools.function, absl::StrCat("call_", id, "_"), enforced_text);
+          if (calls.is_null()) {
+            chunk.content = enforced_text;
+          } else {
+            for (size_t i = 0; i < calls.size(); ++i) {
+              ToolCallChunk c;
+              c.index = static_cast<int>(i);
+              c.id = calls[i]["id"];
+              c.name = calls[i]["function"]["name"];
+              c.arguments = calls[i]["function"]["arguments"];
+              chunk.tool_calls.push_back(std::move(c));
+            }
+          }
+        }
+      }
       completion += static_cast<int>(out.new_tokens.size());
       if (!out.new_tokens.empty() || !chunk.empty() || out.finished) {
         pb::GenerateResponse delta;
@@ -361,8 +388,32 @@ class GenerationService final : public pb::Generation::Service {
     return absl::OkStatus();
   }
 
+  // tools and tool_choice (with messages), as the HTTP API takes them: "required" and a named
+  // function bring the grammar that enforces them.
+  absl::Status ToolsOf(const pb::GenerateRequest& in, bool constrained, internal::ToolChoice* out) const {
+    if (in.messages_size() == 0) return absl::OkStatus();  // PromptOf refuses tools without messages
+    nlohmann::json tools, choice;
+    if (!in.tools().empty()) {
+      auto parsed = core::ParseJson(in.tools(), "tools");
+      if (!parsed.ok()) return parsed.status();
+      if (!parsed->is_array()) return absl::InvalidArgumentError("tools: expected a JSON list of tools");
+      tools = *std::move(parsed);
+    }
+    if (!in.tool_choice().empty()) {
+      // JSON text; a bare word (auto, none, required) is taken as that string.
+      choice = nlohmann::json::parse(in.tool_choice(), nullptr, /*allow_exceptions=*/false);
+      if (choice.is_discarded()) choice = in.tool_choice();
+    }
+    auto resolved = internal::ResolveToolChoice(tools.is_null() ? nullptr : &tools,
+                                                choice.is_null() ? nullptr : &choice, constrained, structured_());
+    if (!resolved.ok()) return resolved.status();
+    *out = *std::move(resolved);
+    return absl::OkStatus();
+  }
+
   // The prompt's token ids, from token_ids, text or messages (exactly one of them).
-  absl::Status PromptOf(const pb::GenerateRequest& in, std::vector<int32_t>* prompt) const {
+  absl::Status PromptOf(const pb::GenerateRequest& in, const internal::ToolChoice& tools,
+                        std::vector<int32_t>* prompt) const {
     const int given = (in.token_ids_size() > 0) + !in.text().empty() + (in.messages_size() > 0);
     if (given > 1) {
       return absl::InvalidArgumentError("token_ids, text, messages: send exactly one of them as the prompt");
@@ -375,8 +426,8 @@ class GenerationService final : public pb::Generation::Service {
     }
     if (in.messages_size() == 0) {
       prompt->assign(in.token_ids().begin(), in.token_ids().end());
-      if (!in.tools().empty() || !in.chat_template_kwargs().empty()) {
-        return absl::InvalidArgumentError("tools, chat_template_kwargs: only with messages");
+      if (!in.tools().empty() || !in.tool_choice().empty() || !in.chat_template_kwargs().empty()) {
+        return absl::InvalidArgumentError("tools, tool_choice, chat_template_kwargs: only with messages");
       }
       return absl::OkStatus();
     }
@@ -392,12 +443,7 @@ class GenerationService final : public pb::Generation::Service {
       }
       chat.messages.push_back(std::move(message));
     }
-    if (!in.tools().empty()) {
-      auto tools = core::ParseJson(in.tools(), "tools");
-      if (!tools.ok()) return tools.status();
-      if (!tools->is_array()) return absl::InvalidArgumentError("tools: expected a JSON list of tools");
-      chat.tools = *std::move(tools);
-    }
+    chat.tools = tools.tools;
     if (!in.chat_template_kwargs().empty()) {
       auto kwargs = core::ParseJsonObject(in.chat_template_kwargs(), "chat_template_kwargs");
       if (!kwargs.ok()) return kwargs.status();

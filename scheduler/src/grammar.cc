@@ -6,13 +6,6 @@
 #include "absl/strings/str_cat.h"
 
 namespace moe::scheduler {
-namespace {
-
-// A stack deeper than this is dropped: only a grammar nested this deep (JSON of this depth) needs
-// it, and it bounds the matcher's memory whatever the grammar.
-constexpr size_t kMaxStackDepth = 2048;
-
-}  // namespace
 
 int GrammarBuilder::NewRule() {
   rules_.emplace_back();
@@ -102,12 +95,101 @@ absl::StatusOr<std::shared_ptr<const Grammar>> GrammarBuilder::Build(int root) c
     }
   }
   g->sets_ = sets_;
+  g->sets_.emplace_back();  // the floor's: no byte
+  g->floor_ = static_cast<int32_t>(g->symbols_.size());
+  g->symbols_.push_back({Kind::kBytes, static_cast<int32_t>(g->sets_.size()) - 1});
+  g->symbols_.push_back({Kind::kEnd, 0});
+  // The rule of each position, and each rule's FOLLOW (LL(1)'s: FIRST and nullable first).
+  const int32_t rules = static_cast<int32_t>(rules_.size());
+  g->rule_of_.assign(g->symbols_.size(), rules);
+  for (int32_t r = 0; r < rules; ++r) {
+    for (int32_t a : g->alternatives_[r]) {
+      for (int32_t p = a; g->symbols_[p].kind != Kind::kEnd; ++p) g->rule_of_[p] = r;
+    }
+  }
+  std::vector<bool> nullable(rules, false);
+  std::vector<ByteSet> first(rules);
+  // FIRST of the sequence from position p to its alternative's end; whether all of it is nullable.
+  auto first_from = [&](int32_t p, ByteSet* out) {
+    for (; g->symbols_[p].kind != Kind::kEnd; ++p) {
+      const Grammar::Symbol& sym = g->symbols_[p];
+      if (sym.kind == Kind::kBytes) {
+        *out |= g->sets_[sym.arg];
+        return false;
+      }
+      *out |= first[sym.arg];
+      if (!nullable[sym.arg]) return false;
+    }
+    return true;
+  };
+  for (bool changed = true; changed;) {
+    changed = false;
+    for (int32_t r = 0; r < rules; ++r) {
+      for (int32_t a : g->alternatives_[r]) {
+        ByteSet f = first[r];
+        const bool n = first_from(a, &f);
+        if (f != first[r] || (n && !nullable[r])) {
+          first[r] = f;
+          nullable[r] = nullable[r] || n;
+          changed = true;
+        }
+      }
+    }
+  }
+  g->follow_.assign(rules + 1, ByteSet());
+  for (bool changed = true; changed;) {
+    changed = false;
+    for (int32_t r = 0; r < rules; ++r) {
+      for (int32_t a : g->alternatives_[r]) {
+        for (int32_t p = a; g->symbols_[p].kind != Kind::kEnd; ++p) {
+          if (g->symbols_[p].kind != Kind::kRule) continue;
+          ByteSet f = g->follow_[g->symbols_[p].arg];
+          if (first_from(p + 1, &f)) f |= g->follow_[r];
+          if (f != g->follow_[g->symbols_[p].arg]) {
+            g->follow_[g->symbols_[p].arg] = f;
+            changed = true;
+          }
+        }
+      }
+    }
+  }
   return std::shared_ptr<const Grammar>(std::move(g));
 }
 
 GrammarMatcher::GrammarMatcher(std::shared_ptr<const Grammar> grammar) : grammar_(std::move(grammar)) {
   Expand(Stack{0}, &stacks_);
   Normalize(&stacks_);
+}
+
+GrammarMatcher GrammarMatcher::AtStackTop(std::shared_ptr<const Grammar> grammar, const std::vector<int32_t>& top) {
+  GrammarMatcher m(std::move(grammar));
+  Stack stack = {m.grammar_->floor_};
+  stack.insert(stack.end(), top.begin(), top.end());
+  m.stacks_.assign(1, std::move(stack));
+  return m;
+}
+
+bool GrammarMatcher::left_floor() const {
+  for (const Stack& s : stacks_) {
+    if (!s.empty() && s.back() == grammar_->floor_) return true;
+  }
+  return false;
+}
+
+std::vector<std::vector<int32_t>> GrammarMatcher::StackTops(size_t n) const {
+  std::vector<std::vector<int32_t>> tops;
+  for (const Stack& s : stacks_) {
+    if (!s.empty()) tops.emplace_back(s.end() - std::min(n, s.size()), s.end());
+  }
+  std::sort(tops.begin(), tops.end());
+  tops.erase(std::unique(tops.begin(), tops.end()), tops.end());
+  return tops;
+}
+
+size_t GrammarMatcher::max_depth() const {
+  size_t depth = 0;
+  for (const Stack& s : stacks_) depth = std::max(depth, s.size());
+  return depth;
 }
 
 void GrammarMatcher::Normalize(std::vector<Stack>* stacks) {

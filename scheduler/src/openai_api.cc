@@ -428,16 +428,36 @@ std::optional<ApiError> ParseCompletion(const json& body, const TextModel& text,
   return std::nullopt;
 }
 
-std::optional<ApiError> ParseTools(const json& body, StructuredOutputs* structured, Parsed* p, ChatPrompt* chat,
-                                   bool* parse_tools) {
-  const json* tools = Field(body, "tools");
+}  // namespace
+
+json EnforcedToolCalls(const std::string& enforced, const std::string& function, const std::string& id_prefix,
+                       const std::string& text) {
+  const json parsed = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (parsed.is_discarded()) return json();
+  json calls = json::array();
+  auto add = [&](const std::string& name, const json& arguments) {
+    calls.push_back({{"id", absl::StrCat(id_prefix, calls.size())},
+                     {"type", "function"},
+                     {"function", {{"name", name}, {"arguments", arguments.dump()}}}});
+  };
+  if (enforced == "named") {
+    add(function, parsed);
+  } else {
+    if (!parsed.is_array()) return json();
+    for (const json& call : parsed) add(call.value("name", ""), call.value("parameters", json::object()));
+  }
+  return calls;
+}
+
+absl::StatusOr<ToolChoice> ResolveToolChoice(const json* tools, const json* tool_choice, bool constrained,
+                                             StructuredOutputs* structured) {
   if (tools != nullptr) {
-    if (!tools->is_array()) return BadParam("tools", "tools: expected a list of tools");
+    if (!tools->is_array()) return absl::InvalidArgumentError("tools: expected a list of tools");
     for (size_t i = 0; i < tools->size(); ++i) {
       const json& t = (*tools)[i];
       if (!t.is_object() || t.value("type", "function") != "function" || !t.contains("function") ||
           !t["function"].is_object() || !t["function"].contains("name") || !t["function"]["name"].is_string()) {
-        return BadParam("tools", absl::StrCat("tools[", i,
+        return absl::InvalidArgumentError(absl::StrCat("tools[", i,
                                               "]: expected {\"type\": \"function\", \"function\": {\"name\": ...}}"));
       }
     }
@@ -445,11 +465,11 @@ std::optional<ApiError> ParseTools(const json& body, StructuredOutputs* structur
   const bool has_tools = tools != nullptr && !tools->empty();
   std::string choice = has_tools ? "auto" : "none";
   json selected = has_tools ? *tools : json();
-  if (const json* tool_choice = Field(body, "tool_choice")) {
+  if (tool_choice != nullptr) {
     if (tool_choice->is_string()) {
       choice = tool_choice->get<std::string>();
       if (choice != "auto" && choice != "none" && choice != "required") {
-        return BadParam("tool_choice", "tool_choice: expected auto, none, required or a named function");
+        return absl::InvalidArgumentError("tool_choice: expected auto, none, required or a named function");
       }
     } else if (tool_choice->is_object() && tool_choice->value("type", "") == "function" &&
                tool_choice->contains("function") && (*tool_choice)["function"].is_object() &&
@@ -463,46 +483,68 @@ std::optional<ApiError> ParseTools(const json& body, StructuredOutputs* structur
         }
       }
       if (selected.empty()) {
-        return BadParam("tool_choice", absl::StrCat("tool_choice: the function '", name, "' is not in tools"));
+        return absl::InvalidArgumentError(absl::StrCat("tool_choice: the function '", name, "' is not in tools"));
       }
     } else {
-      return BadParam("tool_choice", "tool_choice: expected auto, none, required or a named function");
+      return absl::InvalidArgumentError("tool_choice: expected auto, none, required or a named function");
     }
     if (choice != "none" && !has_tools) {
-      return BadParam("tool_choice", absl::StrCat("tool_choice: '", choice == "named" ? "a named function" : choice,
+      return absl::InvalidArgumentError(absl::StrCat("tool_choice: '", choice == "named" ? "a named function" : choice,
                                                   "' needs tools"));
     }
   }
+  ToolChoice result;
   if (choice != "none") {
-    chat->tools = selected;
-    p->text.tools = selected;
-    *parse_tools = true;
+    result.tools = selected;
+    result.parse_tool_calls = true;
   }
   // "required" and a named function are enforced by a grammar: a list of calls to the tools, or
   // the named function's arguments; the output becomes the response's tool calls.
   if (choice == "required" || choice == "named") {
-    if (p->request.grammar != nullptr) {
-      return BadParam("tool_choice", absl::StrCat("tool_choice: '", choice == "named" ? "a named function" : choice,
+    if (constrained) {
+      return absl::InvalidArgumentError(absl::StrCat("tool_choice: '", choice == "named" ? "a named function" : choice,
                                                   "' cannot go with a response_format that constrains the output"));
     }
     if (structured == nullptr) {
-      return BadParam("tool_choice", "tool_choice: enforcing a tool call needs the model's tokenizer (tokenizer.json)");
+      return absl::InvalidArgumentError("tool_choice: enforcing a tool call needs the model's tokenizer (tokenizer.json)");
     }
     if (choice == "required") {
-      if (auto e = UseGrammar("tools", structured->ForToolCalls(selected), p)) return e;
-      p->enforced_tools = "required";
+      auto grammar = structured->ForToolCalls(selected);
+      if (!grammar.ok()) return absl::InvalidArgumentError(grammar.status().message());
+      result.grammar = *std::move(grammar);
+      result.enforced = "required";
     } else {
       const json& function = selected[0]["function"];
-      if (auto e = UseGrammar("tools", structured->ForJsonSchema(function.value("parameters", json::object()),
-                                                                 "tools[].function.parameters"),
-                              p)) {
-        return e;
-      }
-      p->enforced_tools = "named";
-      p->enforced_function = function["name"];
+      auto grammar = structured->ForJsonSchema(function.value("parameters", json::object()),
+                                               "tools[].function.parameters");
+      if (!grammar.ok()) return absl::InvalidArgumentError(grammar.status().message());
+      result.grammar = *std::move(grammar);
+      result.enforced = "named";
+      result.function = function["name"];
     }
-    *parse_tools = false;
+    result.parse_tool_calls = false;
   }
+  return result;
+}
+
+namespace {
+
+std::optional<ApiError> ParseTools(const json& body, StructuredOutputs* structured, Parsed* p, ChatPrompt* chat,
+                                   bool* parse_tools) {
+  absl::StatusOr<ToolChoice> choice =
+      ResolveToolChoice(Field(body, "tools"), Field(body, "tool_choice"), p->request.grammar != nullptr, structured);
+  if (!choice.ok()) {
+    const std::string message(choice.status().message());
+    return BadParam(absl::StartsWith(message, "tool_choice") ? "tool_choice" : "tools", message);
+  }
+  if (!choice->tools.is_null()) {
+    chat->tools = choice->tools;
+    p->text.tools = choice->tools;
+  }
+  *parse_tools = choice->parse_tool_calls;
+  if (choice->grammar != nullptr) p->request.grammar = choice->grammar;
+  p->enforced_tools = choice->enforced;
+  p->enforced_function = choice->function;
   return std::nullopt;
 }
 
@@ -794,24 +836,8 @@ class ResponseWriter {
     return body;
   }
 
-  // The tool calls an enforced tool_choice's output holds (OpenAI's message.tool_calls), or null
-  // when it is not whole (the request was cut short).
   json EnforcedCalls(const std::string& text) const {
-    const json parsed = json::parse(text, nullptr, /*allow_exceptions=*/false);
-    if (parsed.is_discarded()) return json();
-    json calls = json::array();
-    auto add = [&](const std::string& name, const json& arguments) {
-      calls.push_back({{"id", absl::StrCat("call_", id_, "_", calls.size())},
-                       {"type", "function"},
-                       {"function", {{"name", name}, {"arguments", arguments.dump()}}}});
-    };
-    if (enforced_tools_ == "named") {
-      add(enforced_function_, parsed);
-    } else {
-      if (!parsed.is_array()) return json();
-      for (const json& call : parsed) add(call.value("name", ""), call.value("parameters", json::object()));
-    }
-    return calls;
+    return EnforcedToolCalls(enforced_tools_, enforced_function_, absl::StrCat("call_", id_, "_"), text);
   }
 
  private:

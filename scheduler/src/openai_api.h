@@ -15,6 +15,7 @@
 #include <memory>
 #include <string>
 
+#include "absl/status/statusor.h"
 #include "nlohmann/json.hpp"
 
 #include "moe/scheduler/engine.h"
@@ -54,5 +55,27 @@ class OpenAiApi : public std::enable_shared_from_this<OpenAiApi> {
   std::atomic<int64_t> next_id_{1};
   const StructuredOutputsFn structured_;
 };
+
+// tool_choice over tools, OpenAI's values, as both APIs take them.
+struct ToolChoice {
+  nlohmann::json tools;           // the tools the chat template sees; null: none ("none")
+  bool parse_tool_calls = false;  // the server's parser looks for calls in the output text
+  // "required" and a named function are enforced by `grammar`: the output is JSON (a list of
+  // {"name", "parameters"}, or the named function's arguments) that EnforcedToolCalls turns into calls.
+  std::string enforced;  // "", "required" or "named"
+  std::string function;  // with "named"
+  std::shared_ptr<const TokenGrammar> grammar;
+};
+
+// `tools` and `tool_choice` as the request's JSON (null pointers: absent); `constrained`: the
+// request has another grammar (response_format). INVALID_ARGUMENT's message starts with the field
+// at fault ("tools..." or "tool_choice: ...").
+absl::StatusOr<ToolChoice> ResolveToolChoice(const nlohmann::json* tools, const nlohmann::json* tool_choice,
+                                             bool constrained, StructuredOutputs* structured);
+
+// The calls an enforced tool choice's output holds, as OpenAI's message.tool_calls (ids
+// `id_prefix` + index), or null when the output is not whole (cut short).
+nlohmann::json EnforcedToolCalls(const std::string& enforced, const std::string& function,
+                                 const std::string& id_prefix, const std::string& text);
 
 }  // namespace moe::scheduler::internal

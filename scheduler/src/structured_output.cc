@@ -13,6 +13,8 @@ namespace {
 
 // Masks kept per grammar; past it the cache starts again (a mask is vocab/8 bytes).
 constexpr size_t kMaxCachedMasks = 1024;
+// Stack tops whose tokens are kept per grammar (each a bit per token id, and a list).
+constexpr size_t kMaxCachedTops = 512;
 // Grammars kept per StructuredOutputs.
 constexpr size_t kMaxGrammars = 256;
 
@@ -72,14 +74,20 @@ VocabularyTrie::VocabularyTrie(std::vector<std::string> token_bytes) : bytes_(st
   }
   child_begin_.push_back(static_cast<uint32_t>(child_node_.size()));
   token_begin_.push_back(static_cast<uint32_t>(token_ids_.size()));
+  // Depth-first: a subtree ends where its last child's does, or right after the node.
+  subtree_end_.resize(order.size());
+  for (int32_t n = static_cast<int32_t>(order.size()) - 1; n >= 0; --n) {
+    subtree_end_[n] = child_begin_[n] < child_begin_[n + 1] ? subtree_end_[child_node_[child_begin_[n + 1] - 1]] : n + 1;
+  }
 }
 
 TokenGrammar::TokenGrammar(std::shared_ptr<const Grammar> grammar, std::shared_ptr<const VocabularyTrie> vocabulary,
-                           int vocab_size, std::vector<int> eos_token_ids)
+                           int vocab_size, std::vector<int> eos_token_ids, size_t top_entries)
     : grammar_(std::move(grammar)),
       vocabulary_(std::move(vocabulary)),
       vocab_size_(vocab_size),
-      eos_token_ids_(std::move(eos_token_ids)) {}
+      eos_token_ids_(std::move(eos_token_ids)),
+      top_entries_(std::max<size_t>(1, top_entries)) {}
 
 bool TokenGrammar::IsEos(int32_t token) const {
   return std::find(eos_token_ids_.begin(), eos_token_ids_.end(), token) != eos_token_ids_.end();
@@ -99,6 +107,9 @@ class TokenGrammar::WalkStates {
   static constexpr int32_t kDead = -1;
 
   explicit WalkStates(const GrammarMatcher& start) { Intern(start); }
+
+  bool left_floor(int32_t state) const { return left_floor_[state]; }
+  size_t max_depth() const { return max_depth_; }
 
   // The state after `byte` from `state`, or kDead.
   int32_t Next(int32_t state, uint8_t byte) {
@@ -127,12 +138,16 @@ class TokenGrammar::WalkStates {
   int32_t Intern(GrammarMatcher matcher) {
     auto [it, added] = ids_.emplace(matcher.StateKey(), static_cast<int32_t>(states_.size()));
     if (!added) return it->second;
+    left_floor_.push_back(matcher.left_floor());
+    max_depth_ = std::max(max_depth_, matcher.max_depth());
     states_.push_back(std::move(matcher));
     if (it->second < kTabled) table_.resize(table_.size() + 256, kUnknown);
     return it->second;
   }
 
   std::vector<GrammarMatcher> states_;
+  std::vector<bool> left_floor_;
+  size_t max_depth_ = 0;
   absl::flat_hash_map<std::string, int32_t> ids_;
   std::vector<int32_t> table_;  // [state * 256 + byte]: the next state, kDead or kUnknown
   absl::flat_hash_map<uint64_t, int32_t> spill_;
@@ -158,14 +173,101 @@ std::shared_ptr<const runtime::TokenMask> TokenGrammar::CachedMask(const Grammar
   return it == cache_.end() ? nullptr : it->second;
 }
 
+void TokenGrammar::WalkPosition(int32_t node, int32_t state, bool uncertain_below, const ByteSet& follow,
+                                WalkStates& states, PositionTokens* out) const {
+  const VocabularyTrie& trie = *vocabulary_;
+  // A parse that has finished the position's rule here may go on below it with a byte of FOLLOW.
+  const bool may_leave = !uncertain_below && states.left_floor(state);
+  for (uint32_t c = trie.child_begin_[node]; c < trie.child_begin_[node + 1]; ++c) {
+    const int32_t child = trie.child_node_[c];
+    if (may_leave && follow.test(trie.child_byte_[c])) {
+      // Every token of the child's subtree goes to the whole state (those also accepted here are
+      // left out when the mask is made).
+      for (uint32_t t = trie.token_begin_[child]; t < trie.token_begin_[trie.subtree_end_[child]]; ++t) {
+        if (trie.token_ids_[t] < vocab_size_) out->uncertain.push_back(trie.token_ids_[t]);
+      }
+      const int32_t next = states.Next(state, trie.child_byte_[c]);
+      if (next == WalkStates::kDead) continue;
+      for (uint32_t t = trie.token_begin_[child]; t < trie.token_begin_[child + 1]; ++t) {
+        if (trie.token_ids_[t] < vocab_size_) Allow(trie.token_ids_[t], &out->accepted);
+      }
+      if (trie.child_begin_[child] < trie.child_begin_[child + 1]) {
+        WalkPosition(child, next, /*uncertain_below=*/true, follow, states, out);
+      }
+      continue;
+    }
+    const int32_t next = states.Next(state, trie.child_byte_[c]);
+    if (next == WalkStates::kDead) continue;
+    for (uint32_t t = trie.token_begin_[child]; t < trie.token_begin_[child + 1]; ++t) {
+      if (trie.token_ids_[t] < vocab_size_) Allow(trie.token_ids_[t], &out->accepted);
+    }
+    if (trie.child_begin_[child] < trie.child_begin_[child + 1]) {
+      WalkPosition(child, next, uncertain_below, follow, states, out);
+    }
+  }
+}
+
+std::shared_ptr<const TokenGrammar::PositionTokens> TokenGrammar::ComputeTokensAt(
+    const std::vector<int32_t>& top) const {
+  auto tokens = std::make_shared<PositionTokens>();
+  tokens->accepted.assign((static_cast<size_t>(vocab_size_) + 31) / 32, 0);
+  WalkStates states(GrammarMatcher::AtStackTop(grammar_, top));
+  WalkPosition(0, 0, /*uncertain_below=*/false, grammar_->FollowOfRuleAt(top.front()), states, tokens.get());
+  tokens->max_depth = states.max_depth();
+  ++tops_computed_;
+  if (!tokens->uncertain.empty()) ++tops_uncertain_;
+  return tokens;
+}
+
+std::shared_ptr<const TokenGrammar::PositionTokens> TokenGrammar::TokensAt(const std::vector<int32_t>& top) const {
+  {
+    absl::MutexLock lock(&mu_);
+    if (auto it = tops_.find(top); it != tops_.end()) return it->second;
+  }
+  auto tokens = ComputeTokensAt(top);
+  absl::MutexLock lock(&mu_);
+  if (tops_.size() >= kMaxCachedTops) tops_.clear();
+  return tops_.emplace(top, std::move(tokens)).first->second;
+}
+
+std::shared_ptr<const runtime::TokenMask> TokenGrammar::ComputeMask(const GrammarMatcher& matcher) const {
+  std::vector<uint32_t> words((static_cast<size_t>(vocab_size_) + 31) / 32, 0);
+  std::vector<std::shared_ptr<const PositionTokens>> tops;
+  size_t above = 0;
+  for (const std::vector<int32_t>& top : matcher.StackTops(top_entries_)) {
+    tops.push_back(TokensAt(top));
+    above = std::max(above, tops.back()->max_depth);
+  }
+  WalkStates states(matcher);
+  if (matcher.max_depth() + above > GrammarMatcher::kMaxStackDepth) {
+    // Deep enough that the matcher's depth limit may drop a parse: the whole walk.
+    Walk(0, 0, states, &words);
+  } else {
+    // What the tops accept whatever is below them, then the few tokens that go below, each
+    // against the whole state.
+    for (const auto& top : tops) {
+      for (size_t i = 0; i < words.size(); ++i) words[i] |= top->accepted[i];
+    }
+    for (const auto& top : tops) {
+      for (const int32_t id : top->uncertain) {
+        if ((words[id / 32] >> (id % 32)) & 1u) continue;
+        int32_t state = 0;
+        for (const char c : vocabulary_->bytes(id)) {
+          state = states.Next(state, static_cast<uint8_t>(c));
+          if (state == WalkStates::kDead) break;
+        }
+        if (state != WalkStates::kDead) Allow(id, &words);
+      }
+    }
+  }
+  AllowEos(matcher, &words);
+  return std::make_shared<const runtime::TokenMask>(std::move(words));
+}
+
 std::shared_ptr<const runtime::TokenMask> TokenGrammar::Mask(const GrammarMatcher& matcher) const {
   if (auto cached = CachedMask(matcher)) return cached;
   const auto start = std::chrono::steady_clock::now();
-  std::vector<uint32_t> words((static_cast<size_t>(vocab_size_) + 31) / 32, 0);
-  WalkStates states(matcher);
-  Walk(0, 0, states, &words);
-  AllowEos(matcher, &words);
-  auto mask = std::make_shared<const runtime::TokenMask>(std::move(words));
+  auto mask = ComputeMask(matcher);
   mask_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
   ++computed_;
   absl::MutexLock lock(&mu_);

@@ -4,6 +4,7 @@
 #include <map>
 #include <random>
 #include <regex>
+#include <set>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -215,6 +216,76 @@ TEST_P(MaskTest, TheTrieMaskIsEveryTokenThatCanFollow) {
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, MaskTest, ::testing::Values("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"),
                          [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
+
+// A vocabulary made to cross the grammar's rules inside one token (`"},{"`, `a",`, `1]}`, ...):
+// the masks made from the stack tops' tokens, whatever lies below them, and the few tokens that go
+// below, are the brute-force ones, in every context the walks meet (the tops' tokens computed in
+// one context serve the next).
+TEST(MaskTest, TokensAcrossRulesInAnyContextAreTheBruteForceOnes) {
+  std::mt19937 rng(38);
+  std::vector<std::string> vocabulary;
+  std::set<std::string> seen;
+  auto add = [&](const std::string& t) {
+    if (!t.empty() && seen.insert(t).second) vocabulary.push_back(t);
+  };
+  for (int b = 1; b < 128; ++b) add(std::string(1, static_cast<char>(b)));
+  for (const char* t : {"{\"", "\":\"", "\",", "\",\"", "\"}", "\":", "},{\"", "\"]", "[\"", "\":{\"", "\":[", "null",
+                        "true", "false", "\\n", "\\\"", "\\u", "\"},\"", "]}", "}]", "\"}}", "1,", "0]", "2}"}) {
+    add(t);
+  }
+  const std::string pool = "{}[]\",:0123456789abcdefnrstuxyz -.\\eE+";
+  for (int i = 0; i < 4000; ++i) {
+    std::string t;
+    const int n = 2 + static_cast<int>(rng() % 6);
+    for (int k = 0; k < n; ++k) t += pool[rng() % pool.size()];
+    add(t);
+  }
+  const int vocab = static_cast<int>(vocabulary.size()) + 1;  // the last id: the end of sequence
+  vocabulary.emplace_back();
+  auto trie = std::make_shared<const VocabularyTrie>(vocabulary);
+  std::vector<nlohmann::json> schemas = SchemaTable();
+  schemas.push_back(nlohmann::json::parse(R"({"type": "object", "properties": {"a": {"type": "array", "items":
+      {"type": "object", "properties": {"b": {"type": "array", "items": {"type": "object", "properties":
+      {"c": {"type": "string"}, "d": {"type": "integer"}, "e": {"type": "array", "items": {"type": "string"}}}}}},
+      "required": ["b"]}}}, "required": ["a"]})"));
+  schemas.push_back(nlohmann::json::parse(R"({"type": "object"})"));  // any JSON object, nested
+  int checked = 0;
+  int uncertain_tops = 0;
+  for (size_t s = 0; s < schemas.size(); ++s) {
+    auto g = CompileJsonSchema(schemas[s], "schema");
+    ASSERT_TRUE(g.ok()) << g.status();
+    // One entry of each stack's top (most tokens leave it), two, and the default.
+    for (size_t entries : {size_t{1}, size_t{2}, TokenGrammar::kDefaultTopEntries}) {
+      TokenGrammar grammar(*g, trie, vocab, {vocab - 1}, entries);
+      for (int walk = 0; walk < 3; ++walk) {
+      GrammarMatcher m = grammar.NewMatcher();
+      for (int step = 0; step < 40 && m.can_continue(); ++step) {
+        const auto mask = grammar.MaskUncached(m);
+        const auto brute = grammar.MaskByEveryToken(m);
+        ASSERT_EQ(mask->words(), brute->words()) << "schema " << s << " entries " << entries << " step " << step;
+        ++checked;
+        std::vector<int32_t> allowed;
+        for (int32_t id = 0; id < vocab; ++id) {
+          if (mask->allows(id) && !grammar.IsEos(id)) allowed.push_back(id);
+        }
+        if (allowed.empty()) break;
+        // Long tokens first half the time: they cross the most rules.
+        int32_t pick = allowed[rng() % allowed.size()];
+        if (rng() % 2 == 0) {
+          for (int k = 0; k < 8; ++k) {
+            const int32_t other = allowed[rng() % allowed.size()];
+            if (trie->bytes(other).size() > trie->bytes(pick).size()) pick = other;
+          }
+        }
+        ASSERT_TRUE(grammar.Accept(&m, pick));
+      }
+      }
+      uncertain_tops += grammar.tops_with_uncertain_tokens();
+    }
+  }
+  EXPECT_GT(checked, 1000);
+  EXPECT_GT(uncertain_tops, 50);  // the tokens that go below the top were tried, not only the rest
+}
 
 // What a request's tokens write.
 std::string BytesOf(const VocabularyTrie& trie, const std::vector<int32_t>& tokens) {

@@ -34,6 +34,13 @@ class Grammar {
   };
   int num_rules() const { return static_cast<int>(alternatives_.size()); }
   int num_symbols() const { return static_cast<int>(symbols_.size()); }
+  // A position past the grammar's own, a byte set that takes no byte: the bottom of the stacks of
+  // GrammarMatcher::AtStackTop, where they arrive when what is above it is finished.
+  int32_t floor() const { return floor_; }
+  // The bytes that may come right after the rule that holds position `pos` is finished, in any
+  // context (a superset: LL(1)'s FOLLOW of that rule). A stack whose entry at `pos` is popped has
+  // finished that rule.
+  const ByteSet& FollowOfRuleAt(int32_t pos) const { return follow_[rule_of_[pos]]; }
 
  private:
   friend class GrammarBuilder;
@@ -41,6 +48,9 @@ class Grammar {
   std::vector<Symbol> symbols_;                    // every alternative, each ended by kEnd; 0: the start
   std::vector<std::vector<int32_t>> alternatives_;  // per rule: where each alternative starts
   std::vector<ByteSet> sets_;
+  int32_t floor_ = 0;
+  std::vector<int32_t> rule_of_;  // per position: its rule (the start's and the floor's: an extra one)
+  std::vector<ByteSet> follow_;   // per rule, and last the extra one's (empty)
 };
 
 class GrammarBuilder {
@@ -76,6 +86,10 @@ class GrammarBuilder {
 class GrammarMatcher {
  public:
   explicit GrammarMatcher(std::shared_ptr<const Grammar> grammar);
+  // A matcher whose one stack is the floor and `top` (the top of some matcher's stack, a byte set's
+  // position last): it follows what may come from there without knowing the stack below;
+  // left_floor() tells when a parse has finished `top` and needs that stack.
+  static GrammarMatcher AtStackTop(std::shared_ptr<const Grammar> grammar, const std::vector<int32_t>& top);
 
   // Takes one more byte; false (and the state unchanged) when it cannot follow.
   bool Advance(uint8_t byte);
@@ -91,6 +105,15 @@ class GrammarMatcher {
   // follow them to the same ends (a cache key).
   std::string StateKey() const;
   const std::shared_ptr<const Grammar>& grammar() const { return grammar_; }
+  // Some stack has come down to the grammar's floor (AtStackTop).
+  bool left_floor() const;
+  // The top `n` entries (fewer where a stack is shorter) of each stack, distinct, and the depth of
+  // the deepest stack.
+  std::vector<std::vector<int32_t>> StackTops(size_t n) const;
+  size_t max_depth() const;
+  // A stack deeper than this is dropped: only a grammar nested this deep (JSON of this depth)
+  // needs it, and it bounds the matcher's memory whatever the grammar.
+  static constexpr size_t kMaxStackDepth = 2048;
 
  private:
   using Stack = std::vector<int32_t>;

@@ -6,6 +6,11 @@
 // The matcher states the walk meets are few (inside a JSON string, after any ordinary character
 // it is the same state again), so the walk numbers them and keeps each one's transitions by byte:
 // most trie nodes cost a table lookup, not a matcher's copy and advance.
+// That walk is done once per stack top (a stack's top entries, over a floor standing for whatever
+// is below): the tokens the top takes whatever is below it are kept as bits, and the few that may
+// finish the top's rule and go on below it (their next byte in its FOLLOW) as a list. A state's
+// mask is the OR of its tops' bits, with the listed tokens tried against the whole state, so a new
+// state whose tops were met before, in any context, costs a pass over the vocabulary's bits.
 // Masks are cached by matcher state, shared by every request with the same grammar (inside a JSON
 // string most steps are the same state). The end-of-sequence ids are allowed exactly when the
 // bytes so far are a whole sentence; special tokens never are.
@@ -17,6 +22,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -51,23 +57,38 @@ class VocabularyTrie {
   std::vector<int32_t> child_node_;
   std::vector<uint32_t> token_begin_;
   std::vector<int32_t> token_ids_;
+  std::vector<int32_t> subtree_end_;  // node n's subtree is nodes [n, subtree_end_[n])
 };
 
 class TokenGrammar {
  public:
+  // The entries of a stack's top whose tokens are computed whatever lies below them (PositionTokens):
+  // enough that inside a JSON string the top reaches the closing quote (a byte's rule, the
+  // string's rest, the quote), so that only tokens that close the string depend on the stack below.
+  static constexpr size_t kDefaultTopEntries = 4;
+
   TokenGrammar(std::shared_ptr<const Grammar> grammar, std::shared_ptr<const VocabularyTrie> vocabulary,
-               int vocab_size, std::vector<int> eos_token_ids);
+               int vocab_size, std::vector<int> eos_token_ids, size_t top_entries = kDefaultTopEntries);
 
   GrammarMatcher NewMatcher() const { return GrammarMatcher(grammar_); }
   // The tokens that may follow `matcher`'s bytes (cached by state).
   std::shared_ptr<const runtime::TokenMask> Mask(const GrammarMatcher& matcher) const;
   // The cached mask of this state, or null.
   std::shared_ptr<const runtime::TokenMask> CachedMask(const GrammarMatcher& matcher) const;
+  // The mask computed again, the cache neither read nor written (for tests and benchmarks).
+  std::shared_ptr<const runtime::TokenMask> MaskUncached(const GrammarMatcher& matcher) const {
+    return ComputeMask(matcher);
+  }
   // The same mask by trying every token of the vocabulary in turn (for tests).
   std::shared_ptr<const runtime::TokenMask> MaskByEveryToken(const GrammarMatcher& matcher) const;
   // Advances `matcher` by the bytes of `token`; false (unchanged) when they cannot follow.
   bool Accept(GrammarMatcher* matcher, int32_t token) const;
   bool IsEos(int32_t token) const;
+
+  // Stack tops whose tokens were computed (each the first time a state had it).
+  int64_t tops_computed() const { return tops_computed_.load(); }
+  // Of those, the ones with tokens that may go below them (tried against the whole state).
+  int64_t tops_with_uncertain_tokens() const { return tops_uncertain_.load(); }
 
   // Masks computed (not found in the cache) and the seconds they took, over the grammar's life.
   int64_t masks_computed() const { return computed_.load(); }
@@ -75,15 +96,34 @@ class TokenGrammar {
 
  private:
   class WalkStates;
+  // What a stack's top entries (top_entries_ of them) allow whatever the stack below them:
+  // `accepted`, the tokens all of whose bytes they take before their bottom entry's rule is
+  // finished (or exactly as it is); `uncertain`, those that may finish it and go on into the stack
+  // below (their next byte in that rule's FOLLOW), to be tried against the whole state. The rest
+  // never follow that stack.
+  struct PositionTokens {
+    std::vector<uint32_t> accepted;  // a bit per token id
+    std::vector<int32_t> uncertain;
+    size_t max_depth = 0;  // the deepest stack the walk met, above the floor
+  };
+  std::shared_ptr<const PositionTokens> TokensAt(const std::vector<int32_t>& top) const;
+  std::shared_ptr<const PositionTokens> ComputeTokensAt(const std::vector<int32_t>& top) const;
+  void WalkPosition(int32_t node, int32_t state, bool uncertain_below, const ByteSet& follow, WalkStates& states,
+                    PositionTokens* out) const;
   void Walk(int32_t node, int32_t state, WalkStates& states, std::vector<uint32_t>* words) const;
+  std::shared_ptr<const runtime::TokenMask> ComputeMask(const GrammarMatcher& matcher) const;
   void AllowEos(const GrammarMatcher& matcher, std::vector<uint32_t>* words) const;
 
   const std::shared_ptr<const Grammar> grammar_;
   const std::shared_ptr<const VocabularyTrie> vocabulary_;
   const int vocab_size_;
   const std::vector<int> eos_token_ids_;
+  const size_t top_entries_;
   mutable absl::Mutex mu_;
   mutable std::unordered_map<std::string, std::shared_ptr<const runtime::TokenMask>> cache_ ABSL_GUARDED_BY(mu_);
+  mutable std::map<std::vector<int32_t>, std::shared_ptr<const PositionTokens>> tops_ ABSL_GUARDED_BY(mu_);
+  mutable std::atomic<int64_t> tops_computed_{0};
+  mutable std::atomic<int64_t> tops_uncertain_{0};
   mutable std::atomic<int64_t> computed_{0};
   mutable std::atomic<int64_t> mask_ns_{0};
 };
