@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "gguf_blocks.h"
+#include "transpose_avx512.h"
 #include "moe/core/dtype.h"
 #include "moe/experts/gguf_types.h"
 #include "moe/experts/kernels.h"
@@ -449,29 +450,6 @@ MOE_GGUF_VNNI void DecodeIQ1_M(const uint8_t* blk, int r, int col, DecodedSpan& 
   (void)col;
 }
 
-// Transposes 16 x 16 dwords: v[i] holds row i; afterwards v[j] holds column j (as packed.cc).
-MOE_GGUF_VNNI inline void Transpose16x16(__m512i v[16]) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {
-    const __m512i x0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), x1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
-    const __m512i y0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
-    const __m512i y1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
-    v[c] = _mm512_shuffle_i32x4(x0, y0, 0x88);
-    v[4 + c] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
-    v[8 + c] = _mm512_shuffle_i32x4(x1, y1, 0x88);
-    v[12 + c] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
-  }
-}
 
 MOE_GGUF_VNNI inline __m512i Dpbusd(__m512i acc, __m512i a, __m512i b) {
   asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));  // as kernels_avx512.cc: named accumulators

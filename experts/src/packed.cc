@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "moe/core/cpu_features.h"
+#include "transpose_avx512.h"
 #include "absl/strings/ascii.h"
 #include "gguf_blocks.h"
 #include "moe/core/dtype.h"
@@ -229,31 +230,6 @@ void PackBlockPlain(const MatrixLayout& l, const float* tile, int64_t b, uint8_t
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 
-// Transposes 16 x 16 dwords: v[i] holds row i; afterwards v[j] holds column j.
-MOE_PACK_AVX512 inline void Transpose16x16(__m512i v[16]) {
-  __m512i t[16], u[16];
-  // Within each 128-bit lane L (columns 4L .. 4L+3): pairs of rows, then quads of rows.
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);      // rows i, i+1 of columns 4L, 4L+1
-    t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);  // of columns 4L+2, 4L+3
-  }
-  for (int i = 0; i < 16; i += 4) {
-    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);  // lane L: column 4L of rows i .. i+3
-    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  // Column 4L + c is lane L of u[c], u[4 + c], u[8 + c], u[12 + c].
-  for (int c = 0; c < 4; ++c) {
-    const __m512i x0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), x1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
-    const __m512i y0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
-    const __m512i y1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
-    v[c] = _mm512_shuffle_i32x4(x0, y0, 0x88);
-    v[4 + c] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
-    v[8 + c] = _mm512_shuffle_i32x4(x1, y1, 0x88);
-    v[12 + c] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
-  }
-}
 
 // bf16 of 16 floats as FloatToBf16 rounds them (to nearest even; NaN kept quiet), in the low
 // halves of 16 dwords.
@@ -352,7 +328,7 @@ MOE_PACK_AVX512 void PackBlockIntAvx512(const MatrixLayout& l, const Src& src, i
       // each; put them back in order.
       v[r] = _mm512_permutexvar_epi32(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), bytes);
     }
-    Transpose16x16(v);
+    internal::Transpose16x16(v);
     for (int j = 0; j < 16; ++j) {
       const int64_t line = k0 / 4 + j;
       if (int8) {
@@ -388,7 +364,7 @@ MOE_PACK_AVX512 void PackBlockAvx512(const MatrixLayout& l, const float* tile, i
                                                        30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0),
                                       even_odd_hi);
       }
-      Transpose16x16(v);
+      internal::Transpose16x16(v);
       for (int j = 0; j < 16; ++j) _mm512_stream_si512(reinterpret_cast<__m512i*>(block + (k0 / 2 + j) * 64), v[j]);
     }
     return;
@@ -415,7 +391,7 @@ MOE_PACK_AVX512 void PackBlockBf16Bits(const MatrixLayout& l, const uint16_t* co
                                                    _mm512_set1_epi16(0x7f80));
       v[r] = _mm512_or_si512(x, _mm512_maskz_mov_epi16(nan, _mm512_set1_epi16(0x40)));
     }
-    Transpose16x16(v);
+    internal::Transpose16x16(v);
     for (int j = 0; j < 16; ++j) _mm512_stream_si512(reinterpret_cast<__m512i*>(block + (k0 / 2 + j) * 64), v[j]);
   }
 }
