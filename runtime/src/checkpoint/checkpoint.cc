@@ -12,10 +12,12 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "checkpoint/fp8_source.h"
 #include "checkpoint/gguf_checkpoint.h"
 #include "moe/experts/gguf_types.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_replace.h"
+#include "moe/core/file.h"
 #include "moe/core/files_fingerprint.h"
 #include "moe/core/status.h"
 
@@ -52,6 +54,13 @@ bool MatchTemplate(std::string_view tmpl, std::string_view name, int* layer, int
     tmpl.remove_prefix(literal);
   }
   return name.empty();
+}
+
+// config.json's quantization_config (LoadModelSpec has read the file once already).
+absl::StatusOr<internal::WeightQuantization> ReadQuantization(const fs::path& dir) {
+  const std::string path = (dir / "config.json").string();
+  MOE_ASSIGN_OR_RETURN(const std::string text, core::ReadBoundedFile(path, kMaxConfigBytes, "config.json"));
+  return internal::ReadQuantizationConfig(text, path);
 }
 
 class HuggingFaceCheckpoint final : public Checkpoint {
@@ -142,13 +151,35 @@ WeightView WeightView::Of(const core::TensorView& t) {
   return v;
 }
 
+float WeightView::Scale(int64_t i) const {
+  if (format.scale_dtype == core::DType::kBF16) return core::Bf16ToFloat(static_cast<const uint16_t*>(scales)[i]);
+  return static_cast<const float*>(scales)[i];
+}
+
 absl::StatusOr<core::TensorView> ExpandToFloats(const WeightView& stored, std::vector<float>* storage) {
   const WeightFormat& f = stored.format;
   if (f.plain()) {
     if (f.element == core::DType::kBF16 || f.element == core::DType::kF16 || f.element == core::DType::kF32) {
       return stored.AsTensor();
     }
+    if (f.element == core::DType::kF8E4M3) {
+      return absl::InvalidArgumentError(
+          "an F8_E4M3 weight without scales (its config.json has no quantization_config with quant_method fp8)");
+    }
     return absl::InvalidArgumentError(absl::StrCat("dtype ", f.Name(), " is not a weight type (BF16, F16 or F32 are)"));
+  }
+  if (f.kind == WeightFormat::Kind::kBlockScaled && f.element == core::DType::kF8E4M3 && stored.rank() == 2) {
+    const int64_t rows = stored.shape[0], cols = stored.shape[1];
+    const int64_t scale_cols = stored.scale_shape.size() == 2 ? stored.scale_shape[1] : 1;
+    storage->resize(static_cast<size_t>(rows * cols));
+    const auto* codes = static_cast<const uint8_t*>(stored.data);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) {
+        const int64_t s = (r / f.scale_rows) * scale_cols + c / f.scale_cols;
+        (*storage)[r * cols + c] = core::F8E4M3ToFloat(codes[r * cols + c]) * stored.Scale(s);
+      }
+    }
+    return core::TensorView{storage->data(), core::DType::kF32, stored.shape};
   }
   const experts::GgufType* type = f.kind == WeightFormat::Kind::kBlocks ? experts::FindGgufType(f.type_id) : nullptr;
   if (type == nullptr) {
@@ -477,6 +508,11 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> HuggingFaceCheckpoint::Open(const fs
   auto c = std::unique_ptr<HuggingFaceCheckpoint>(new HuggingFaceCheckpoint());
   MOE_ASSIGN_OR_RETURN(c->spec_, LoadModelSpec(dir.string()));
   MOE_ASSIGN_OR_RETURN(c->source_, OpenSafetensors(dir.string()));
+  MOE_ASSIGN_OR_RETURN(const internal::WeightQuantization q, ReadQuantization(dir));
+  if (q.method == internal::WeightQuantization::Method::kFp8) {
+    MOE_ASSIGN_OR_RETURN(c->source_, internal::WrapFp8Source(std::move(c->source_), q));
+  }
+  c->quantization_ = q.Describe();
   c->path_ = opened;
   c->names_ = &TensorNames::For(c->spec_.arch, Container::kSafetensors);
   c->id_ = core::WeightFilesFingerprint(dir.string());
@@ -520,8 +556,30 @@ bool ExpertsAreBlockQuantized(const Checkpoint& checkpoint) {
   return false;
 }
 
+int Fp8ExpertGroup(const Checkpoint& checkpoint) {
+  const ModelSpec& s = checkpoint.spec();
+  for (int l = 0; l < s.num_layers; ++l) {
+    if (!s.IsMoeLayer(l)) continue;
+    int group = 0;
+    for (TensorId id : {TensorId::kExpertGate, TensorId::kExpertUp, TensorId::kExpertDown}) {
+      auto w = checkpoint.Get({id, l, 0});
+      if (!w.ok() || w->format.kind != WeightFormat::Kind::kBlockScaled || w->format.element != core::DType::kF8E4M3) {
+        return 0;
+      }
+      // The largest group of the pool's (32, 64, 128) inside one scale block of every matrix.
+      int g = 128;
+      while (g >= 32 && w->format.scale_cols % g != 0) g /= 2;
+      if (g < 32) return 0;
+      group = group == 0 ? g : std::min(group, g);
+    }
+    return group;
+  }
+  return 0;
+}
+
 experts::ExpertFormat AutoPoolFormat(const Checkpoint& checkpoint) {
-  return ExpertsAreBlockQuantized(checkpoint) ? experts::ExpertFormat::kNative : experts::ExpertFormat::kBF16;
+  if (ExpertsAreBlockQuantized(checkpoint)) return experts::ExpertFormat::kNative;
+  return Fp8ExpertGroup(checkpoint) > 0 ? experts::ExpertFormat::kFp8 : experts::ExpertFormat::kBF16;
 }
 
 bool IsGgufCheckpoint(const std::string& path) {
@@ -554,7 +612,9 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> OpenCheckpoint(const std::string& pa
 absl::StatusOr<ModelSpec> ReadCheckpointSpec(const std::string& path) {
   if (IsGgufCheckpoint(path)) return internal::ReadGgufSpec(path);
   MOE_ASSIGN_OR_RETURN(const fs::path dir, HuggingFaceFolder(path));
-  return LoadModelSpec(dir.string());
+  MOE_ASSIGN_OR_RETURN(ModelSpec spec, LoadModelSpec(dir.string()));
+  MOE_RETURN_IF_ERROR(ReadQuantization(dir).status());
+  return spec;
 }
 
 }  // namespace moe::runtime

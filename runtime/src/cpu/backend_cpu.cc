@@ -210,6 +210,35 @@ class CpuBackend : public Backend {
       rows += p.shape[0];
     }
     const int64_t cols = parts[0].shape[1];
+    // Row r of the stacked parts: its part and its row there.
+    const auto part_row = [&](int64_t r) -> std::pair<const WeightView*, int64_t> {
+      for (const WeightView& p : parts) {
+        if (r < p.shape[0]) return {&p, r};
+        r -= p.shape[0];
+      }
+      return {nullptr, 0};
+    };
+    if (stored.kind == WeightFormat::Kind::kBlockScaled) {
+      // fp8 codes and their block scales as they are (SupportsStoredWeight: a group fits the blocks).
+      const int group = Fp8Group(stored);
+      if (group == 0) return absl::InvalidArgumentError(absl::StrCat("no fp8 layout for ", stored.Name()));
+      MOE_ASSIGN_OR_RETURN(const experts::MatrixLayout layout,
+                           experts::MakeLayout(experts::ExpertFormat::kFp8, rows, cols, group));
+      MOE_ASSIGN_OR_RETURN(auto data, core::AlignedBuffer::Allocate(layout.bytes()));
+      experts::PackFp8Rows(
+          layout,
+          [&](int64_t r) {
+            const auto [p, pr] = part_row(r);
+            return p == nullptr ? nullptr : static_cast<const uint8_t*>(p->data) + pr * cols;
+          },
+          [&](int64_t r, int64_t g) {
+            const auto [p, pr] = part_row(r);
+            const int64_t scale_cols = p->scale_shape.size() == 2 ? p->scale_shape[1] : 1;
+            return p->Scale((pr / stored.scale_rows) * scale_cols + g * group / stored.scale_cols);
+          },
+          data.as<uint8_t>());
+      return std::unique_ptr<DeviceWeight>(CpuWeight::Packed(core::Shape{rows, cols}, layout, std::move(data)));
+    }
     MOE_ASSIGN_OR_RETURN(const experts::ExpertFormat format, experts::FormatForGgufType(stored.type_id));
     MOE_ASSIGN_OR_RETURN(const experts::MatrixLayout layout, experts::MakeLayout(format, rows, cols));
     MOE_ASSIGN_OR_RETURN(auto data, core::AlignedBuffer::Allocate(layout.bytes()));
@@ -217,11 +246,8 @@ class CpuBackend : public Backend {
     experts::PackGgufRows(
         layout,
         [&](int64_t r) -> const uint8_t* {
-          for (const WeightView& p : parts) {
-            if (r < p.shape[0]) return static_cast<const uint8_t*>(p.data) + r * row_bytes;
-            r -= p.shape[0];
-          }
-          return nullptr;
+          const auto [p, pr] = part_row(r);
+          return p == nullptr ? nullptr : static_cast<const uint8_t*>(p->data) + pr * row_bytes;
         },
         data.as<uint8_t>());
     return std::unique_ptr<DeviceWeight>(CpuWeight::Packed(core::Shape{rows, cols}, layout, std::move(data)));
@@ -621,6 +647,7 @@ class CpuBackend : public Backend {
     auto exists = [&](experts::KernelKind kind) { return experts::GetKernel(kind, f) != nullptr && usable(kind); };
     const experts::KernelKind kind = rows >= 16 && exists(experts::KernelKind::kAmx) ? experts::KernelKind::kAmx
                                      : exists(experts::KernelKind::kVnni)            ? experts::KernelKind::kVnni
+                                     : exists(experts::KernelKind::kAvx512Bf16)      ? experts::KernelKind::kAvx512Bf16
                                                                                      : experts::KernelKind::kPortable;
     // GGUF blocks group their scales by 16 or 32 columns; their kernels read sums per 16.
     const int sum_group = w.layout.gguf_type >= 0                  ? 16

@@ -245,6 +245,11 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, cons
   if (pool) {
     experts::ExpertPoolOptions pool_options = options.pool;
     if (options.pool_format_auto) pool_options.format = AutoPoolFormat(*model->checkpoint_);
+    // fp8 experts keep the checkpoint's scale groups (an explicit --expert-format fp8 of another
+    // checkpoint quantizes with --int4-group's).
+    if (pool_options.format == experts::ExpertFormat::kFp8 && Fp8ExpertGroup(*model->checkpoint_) > 0) {
+      pool_options.group = Fp8ExpertGroup(*model->checkpoint_);
+    }
     pool_options.linger_us = options.expert_linger_us.value_or(b.ComputesOnHostCores() ? 0 : pool_options.linger_us);
     MOE_ASSIGN_OR_RETURN(model->pool_, internal::CreatePool(*model->checkpoint_, pool_options, pool_layers));
     if (b.ComputesOnHostCores() && options.share_host_threads) b.UseHostThreads(&model->pool_->host_threads());

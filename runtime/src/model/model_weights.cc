@@ -172,10 +172,13 @@ class WeightLoader {
     }
     if (const WeightFormat& f = view->format; f.plain() && f.element != core::DType::kBF16 &&
                                               f.element != core::DType::kF16 && f.element != core::DType::kF32) {
-      return absl::InvalidArgumentError(absl::StrCat(name, ": dtype ", f.Name(), " in ",
-                                                     checkpoint_.source().FileOf(name), ", expected BF16, F16 or F32"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": dtype ", f.Name(), " in ", checkpoint_.source().FileOf(name),
+                       f.element == core::DType::kF8E4M3
+                           ? ", without scales (config.json has no quantization_config with quant_method fp8)"
+                           : ", expected BF16, F16 or F32"));
     }
-    if (const WeightFormat& f = view->format; !f.plain() && experts::FindGgufType(f.type_id) == nullptr) {
+    if (const WeightFormat& f = view->format; f.kind == WeightFormat::Kind::kBlocks && experts::FindGgufType(f.type_id) == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat(name, " in ", checkpoint_.source().FileOf(name), " is ", f.Name(),
                                                      ", a type moeserve does not read (types read: ",
                                                      experts::SupportedGgufTypeNames(), ")"));
