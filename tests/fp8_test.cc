@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <optional>
@@ -387,6 +388,33 @@ TEST(Fp8RefusalTest, MissingOrMisshapenScalesAndOtherMethods) {
     ASSERT_FALSE(spec.ok());
     EXPECT_THAT(spec.status().message(), HasSubstr(k.want));
   }
+}
+
+// make-model --fp8 writes an FP8 release (for benchmarks at real shapes): every projection and
+// expert F8_E4M3 with its scales in the same shard, quantization_config in config.json; it opens,
+// keeps its experts fp8 and generates.
+TEST(Fp8MakeModelTest, WritesAnFp8ReleaseThatServes) {
+  testing::ScratchDir dir;
+  const testing::CommandResult made =
+      testing::RunMoeserve({"make-model", "--arch", "glm4_moe", "--preset", "tiny", "--fp8", "--max-shard-mb", "1",
+                            "--quiet", "--out", dir / "m"});
+  ASSERT_EQ(made.exit_code, 0) << made.err;
+  EXPECT_TRUE(std::filesystem::exists(dir / "m/model.safetensors.index.json"));  // several shards
+  auto c = runtime::OpenCheckpoint(dir / "m");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ((*c)->quantization(), "fp8 e4m3, scale per 128x128 block");
+  auto down = (*c)->Get({runtime::TensorId::kExpertDown, 1, 3});
+  ASSERT_TRUE(down.ok()) << down.status();
+  EXPECT_EQ(down->format.kind, runtime::WeightFormat::Kind::kBlockScaled);
+  auto norm = (*c)->Get({runtime::TensorId::kAttnNorm, 1});
+  ASSERT_TRUE(norm.ok());
+  EXPECT_TRUE(norm->format.plain());
+  EXPECT_EQ(runtime::AutoPoolFormat(**c), experts::ExpertFormat::kFp8);
+  const testing::CommandResult gen = testing::RunMoeserve(
+      {"generate", "--model", dir / "m", "--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--device", "cpu"});
+  ASSERT_EQ(gen.exit_code, 0) << gen.err;
+  EXPECT_THAT(gen.out, HasSubstr("fp8 experts"));
+  EXPECT_THAT(gen.out, HasSubstr("generated 4 tokens"));
 }
 
 // The command line: generate and inspect take an FP8 folder.

@@ -380,12 +380,36 @@ Json ModelConfig(const Shape& s) {
   return c;
 }
 
+bool EndsWith(const std::string& s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// FP8 checkpoints (--fp8): the scale block, and the tensors an FP8 release quantizes (the
+// projections and experts; not the embedding, head, norms or router).
+constexpr int64_t kFp8Block = 128;
+constexpr std::string_view kScaleSuffix = "_scale_inv";
+
+bool Fp8Quantized(const std::string& name, const core::Shape& shape) {
+  if (shape.size() != 2) return false;
+  for (std::string_view kept : {"embed_tokens", "lm_head", "norm", "mlp.gate.weight", "shared_expert_gate"}) {
+    if (name.find(kept) != std::string::npos) return false;
+  }
+  return true;
+}
+
 // Every tensor the loader reads for `spec`, in the order of a Hugging Face checkpoint: the
-// loader's own list (ExpectedTensors), so that what is written is what is read.
-std::vector<TensorEntry> ModelTensors(const runtime::ModelSpec& spec) {
+// loader's own list (ExpectedTensors), so that what is written is what is read; with `fp8`, the
+// quantized ones in F8_E4M3 followed by their scales.
+std::vector<TensorEntry> ModelTensors(const runtime::ModelSpec& spec, bool fp8) {
   std::vector<TensorEntry> t;
   for (const runtime::TensorInfo& info : runtime::ExpectedTensors(spec)) {
     core::Shape shape = info.rank == 1 ? core::Shape{info.rows} : core::Shape{info.rows, info.elements / info.rows};
+    if (fp8 && Fp8Quantized(info.name, shape)) {
+      const core::Shape scales = {(shape[0] + kFp8Block - 1) / kFp8Block, (shape[1] + kFp8Block - 1) / kFp8Block};
+      t.push_back({info.name, core::DType::kF8E4M3, std::move(shape)});
+      t.push_back({info.name + std::string(kScaleSuffix), core::DType::kF32, scales});
+      continue;
+    }
     t.push_back({info.name, core::DType::kBF16, std::move(shape)});
   }
   return t;
@@ -408,7 +432,14 @@ constexpr int64_t kBytesPerFile = 64 * 1024;
 absl::StatusOr<CheckpointPlan> PlanCheckpoint(const MakeModelOptions& o) {
   MOE_ASSIGN_OR_RETURN(Shape shape, ResolveShape(o));
   CheckpointPlan plan;
-  plan.config = ModelConfig(shape).dump(2) + "\n";
+  nlohmann::json config = ModelConfig(shape);
+  if (o.fp8) {
+    config["quantization_config"] = {{"activation_scheme", "dynamic"},
+                                     {"fmt", "e4m3"},
+                                     {"quant_method", "fp8"},
+                                     {"weight_block_size", {kFp8Block, kFp8Block}}};
+  }
+  plan.config = config.dump(2) + "\n";
   // The loader's own checks on what would be written: a config it refuses is never written.
   const absl::StatusOr<runtime::ModelSpec> spec = runtime::ParseModelSpec(plan.config, "config.json");
   if (!spec.ok()) {
@@ -419,8 +450,9 @@ absl::StatusOr<CheckpointPlan> PlanCheckpoint(const MakeModelOptions& o) {
   // Hugging Face's max_shard_size does.
   plan.shards.emplace_back();
   int64_t in_shard = 0, headers = 0;
-  for (TensorEntry& t : ModelTensors(*spec)) {
-    if (in_shard > 0 && in_shard + t.bytes() > o.max_shard_bytes) {
+  for (TensorEntry& t : ModelTensors(*spec, o.fp8)) {
+    // An fp8 matrix's scales stay in its shard (FillChunk reads the matrix's width there).
+    if (in_shard > 0 && in_shard + t.bytes() > o.max_shard_bytes && !EndsWith(t.name, kScaleSuffix)) {
       plan.shards.emplace_back();
       in_shard = 0;
     }
@@ -499,24 +531,31 @@ uint64_t SplitMix(uint64_t& state) {
   return z ^ (z >> 31);
 }
 
-bool EndsWith(const std::string& s, std::string_view suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
 // Norm weights are 1 and biases 0 (as a fresh model starts); matrices are uniform with variance
 // 1/fan_in, so activations keep their scale through the layers and the logits are not
-// degenerate.
-void FillChunk(const TensorEntry& t, uint16_t* data, int64_t begin, int64_t end, uint64_t seed) {
+// degenerate. An fp8 matrix holds the codes of such values with one scale (bound / 448) in every
+// block, which its scale tensor holds; the scale tensor knows its matrix's width from `fan_in`.
+void FillChunk(const TensorEntry& t, void* data, int64_t begin, int64_t end, uint64_t seed, int64_t fan_in) {
+  if (t.dtype == core::DType::kF32) {  // an fp8 matrix's scales
+    const float scale = std::sqrt(3.0f / static_cast<float>(fan_in)) / core::kF8E4M3Max;
+    std::fill(static_cast<float*>(data) + begin, static_cast<float*>(data) + end, scale);
+    return;
+  }
+  auto* bf16 = static_cast<uint16_t*>(data);
   if (t.shape.size() == 1) {
     const float value = EndsWith(t.name, "norm.weight") ? 1.0f : 0.0f;
-    std::fill(data + begin, data + end, core::FloatToBf16(value));
+    std::fill(bf16 + begin, bf16 + end, core::FloatToBf16(value));
     return;
   }
   const float bound = std::sqrt(3.0f / static_cast<float>(t.shape[1]));
   uint64_t state = seed;
   for (int64_t i = begin; i < end; ++i) {
-    const float u = static_cast<float>(SplitMix(state) >> 40) * (1.0f / 16777216.0f);
-    data[i] = core::FloatToBf16((2.0f * u - 1.0f) * bound);
+    const float v = (2.0f * (static_cast<float>(SplitMix(state) >> 40) * (1.0f / 16777216.0f)) - 1.0f) * bound;
+    if (t.dtype == core::DType::kF8E4M3) {
+      static_cast<uint8_t*>(data)[i] = core::FloatToF8E4M3(v / bound * core::kF8E4M3Max);
+    } else {
+      bf16[i] = core::FloatToBf16(v);
+    }
   }
 }
 
@@ -537,8 +576,11 @@ absl::Status WriteShard(const std::string& path, std::vector<TensorEntry> tensor
     const Work& job = work[w];
     const TensorEntry& t = writer.tensors()[job.tensor];
     uint64_t chunk_seed = seed ^ ((first_index + job.tensor) * 0x100000001b3ull) ^ (job.begin * 0x9e3779b1ull);
-    FillChunk(t, static_cast<uint16_t*>(writer.data(job.tensor)), job.begin, job.end, chunk_seed);
-    progress.Add((job.end - job.begin) * 2);
+    // A scale tensor follows its matrix (ModelTensors): the matrix's width sets the scale.
+    const int64_t fan_in =
+        t.dtype == core::DType::kF32 && job.tensor > 0 ? writer.tensors()[job.tensor - 1].shape.back() : 1;
+    FillChunk(t, writer.data(job.tensor), job.begin, job.end, chunk_seed, fan_in);
+    progress.Add((job.end - job.begin) * core::DTypeSize(t.dtype));
   });
   return writer.Finish();
 }

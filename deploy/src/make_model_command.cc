@@ -54,6 +54,10 @@ void AddMakeModelCommand(CLI::App& root, CommandRun* selected) {
   app->add_option("--out", o->out, "output directory")->required();
   app->add_flag("--overwrite", o->overwrite,
                 "replace an existing non-empty --out (only once the new checkpoint is complete)");
+  app->add_flag("--fp8", o->fp8,
+                "write the projections and routed experts as an FP8 release does (F8_E4M3 with one fp32 "
+                "weight_scale_inv per 128 x 128 block, quantization_config in config.json); norms, router and "
+                "embedding stay bf16");
   app->add_flag("--quiet", *quiet, "no progress lines");
 }
 
