@@ -300,9 +300,9 @@ TEST(CliBenchTest, ExpertBenchPrintsRowsAgainstTheMeasuredBandwidth) {
     EXPECT_NEAR(row["ratio"].get<double>(), row["weight_gbps"].get<double>() / row["read_gbps"].get<double>(), 1e-9);
   }
   EXPECT_THAT(r.err, HasSubstr("read bandwidth"));  // the human-readable log goes to stderr with --json
-  r = testing::RunMoeserve({"bench", "experts", "--formats", "fp8"});
+  r = testing::RunMoeserve({"bench", "experts", "--formats", "fp4"});
   EXPECT_EQ(r.exit_code, 1);
-  EXPECT_THAT(r.err, HasSubstr("expert format 'fp8' is not one of bf16, int8, int4"));
+  EXPECT_THAT(r.err, HasSubstr("expert format 'fp4' is not one of bf16, int8, int4"));
   r = testing::RunMoeserve({"bench", "experts", "--batches", "0"});
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_THAT(r.err, HasSubstr("--batches: '0' is not an integer in [1, 65536]"));
