@@ -306,10 +306,11 @@ class Backend {
   // Whether the backend's attention reads a KV cache of `dtype`: its activation dtype, and on a GPU
   // fp8 e4m3 too (--kv-cache-dtype fp8).
   virtual bool SupportsKvDtype(core::DType dtype) const { return dtype == activation_dtype(); }
-  // The cache `plan` describes (PlanCache: its one kPagedKv group's K and V, fp8's scales too), with
-  // `num_blocks` blocks and a scratch block. kInvalidArgument for a non-positive size or a dtype
-  // SupportsKvDtype refuses; kUnimplemented for a plan of other kinds or of several groups;
-  // kResourceExhausted when it does not fit.
+  // The cache `plan` describes (PlanCache: its one paged group: a kPagedKv group's K and V, fp8's
+  // scales too; a kPagedLatent group's rows alone), with `num_blocks` blocks and a scratch block.
+  // kInvalidArgument for a non-positive size, a dtype SupportsKvDtype refuses or an fp8 latent;
+  // kUnimplemented for a plan of a recurrent group or of several groups; kResourceExhausted when it
+  // does not fit.
   absl::StatusOr<std::unique_ptr<KvCache>> CreateKvCache(const CachePlan& plan, int num_blocks);
   // ---- Step contexts: one per model on this backend ----
   // A new context (its arena unreserved). The backend starts in a default context of its own.
