@@ -62,7 +62,7 @@ const char* GgufArch(Architecture a) {
 }
 
 // The model's metadata as llama.cpp's converter writes it.
-void WriteMetadata(const runtime::ModelSpec& s, GgufWriter& w, const std::string& arch = "") {
+void WriteMetadata(const runtime::ModelSpec& s, GgufWriter& w, const std::string& arch = "", int gating_func = 2) {
   const std::string a = arch.empty() ? GgufArch(s.arch) : arch;
   w.String("general.architecture", a);
   w.String("general.name", "fixture");
@@ -105,7 +105,7 @@ void WriteMetadata(const runtime::ModelSpec& s, GgufWriter& w, const std::string
     w.U32(a + ".expert_group_used_count", s.routing.topk_group);
     w.F32(a + ".expert_weights_scale", s.routing.routed_scaling_factor);
     w.Bool(a + ".expert_weights_norm", s.routing.normalize_top_k);
-    w.U32(a + ".expert_gating_func", 2);
+    w.U32(a + ".expert_gating_func", gating_func);
     w.U32(a + ".nextn_predict_layers", s.num_nextn_layers);
   }
 }
@@ -295,7 +295,7 @@ TEST_P(GgufFixtureTest, EmbeddedVocabularyGivesTheTokenizerJsonIds) {
 
 // deepseek2's YaRN as llama.cpp writes DeepSeek-V3's (factor 40 over 4096 positions, mscale_all_dim
 // 1 as a log multiplier of 0.1): the spec config.json gives, and the softmax scale with mscale^2.
-TEST(GgufDeepseek2Test, YarnMetadataBecomesTheConfigsRopeScaling) {
+TEST(GgufDeepseek2Test, YarnMetadataBecomesTheConfigsRopeScalingAndSoftmaxRoutingIsRefused) {
   testing::ScratchDir dir;
   const std::string path = dir / "yarn.gguf";
   auto c = runtime::OpenCheckpoint(testing::FixtureDir("deepseek_v3"));
@@ -321,6 +321,19 @@ TEST(GgufDeepseek2Test, YarnMetadataBecomesTheConfigsRopeScaling) {
   EXPECT_NEAR(s.attention_scale(), m * m / std::sqrt(48.0), 1e-6);
   EXPECT_EQ(s.mla.qk_nope_head_dim, 32);
   EXPECT_EQ(s.mla.v_head_dim, 32);
+
+  // DeepSeek-V2's softmax routing (expert_gating_func 1) is refused naming the key.
+  GgufWriter v2;
+  WriteMetadata((*c)->spec(), v2, "", /*gating_func=*/1);
+  WriteVocabulary(testing::FixtureDir("deepseek_v3"), "qwen2", v2);
+  WriteTensors(**c, v2);
+  ASSERT_TRUE(v2.Write(dir / "v2.gguf").ok());
+  auto softmax = runtime::OpenCheckpoint(dir / "v2.gguf");
+  ASSERT_FALSE(softmax.ok());
+  EXPECT_NE(softmax.status().message().find("deepseek2.expert_gating_func"), std::string::npos) << softmax.status();
+  EXPECT_NE(softmax.status().message().find("is 1; deepseek2 is read with sigmoid routing (2) only"),
+            std::string::npos)
+      << softmax.status();
 }
 
 INSTANTIATE_TEST_SUITE_P(Archs, GgufFixtureTest,
