@@ -64,9 +64,9 @@ TEST(CliTest, DeepseekV3GeneratesOnTheCpuAndInspectCountsItsLatentCache) {
   const auto golden = testing::LoadGolden("deepseek_v3")["cases"][2];
   const std::vector<int> prompt = golden["prompt_ids"];
   const std::vector<int> want = golden["greedy_ids"];
-  auto r = testing::RunMoeserve({"generate", "--model", testing::FixtureDir("deepseek_v3"), "--prompt-ids",
-                                 Join(prompt), "--max-new-tokens", std::to_string(want.size()), "--temperature", "0",
-                                 "--json"});
+  auto r =
+      testing::RunMoeserve({"generate", "--model", testing::FixtureDir("deepseek_v3"), "--prompt-ids", Join(prompt),
+                            "--max-new-tokens", std::to_string(want.size()), "--temperature", "0", "--json"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.err.find("device cpu"), std::string::npos) << r.err;
   EXPECT_EQ(LastJsonLine(r.out)["generated_ids"].get<std::vector<int>>(), want);

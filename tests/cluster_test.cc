@@ -101,8 +101,7 @@ TEST_P(ClusterSplitTest, TensorAndLayerSplitsServeTheGoldensGreedyTokens) {
     testing::ScratchDir dir;
     const std::string shm =
         "moeserve-test-" + std::to_string(::getpid()) + "-" + GetParam() + "-" + std::to_string(parallel.size());
-    testing::ServeProcess serve(
-        {"--config", WriteConfig(dir, "cluster.yaml", Deployment(parallel, shm, GetParam()))});
+    testing::ServeProcess serve({"--config", WriteConfig(dir, "cluster.yaml", Deployment(parallel, shm, GetParam()))});
     ASSERT_GT(serve.port(), 0) << parallel << ": " << serve.err();
     auto stub = Connect(serve.port());
     for (size_t c = 0; c < golden["cases"].size(); ++c) {

@@ -331,8 +331,7 @@ TEST(GgufDeepseek2Test, YarnMetadataBecomesTheConfigsRopeScalingAndSoftmaxRoutin
   auto softmax = runtime::OpenCheckpoint(dir / "v2.gguf");
   ASSERT_FALSE(softmax.ok());
   EXPECT_NE(softmax.status().message().find("deepseek2.expert_gating_func"), std::string::npos) << softmax.status();
-  EXPECT_NE(softmax.status().message().find("is 1; deepseek2 is read with sigmoid routing (2) only"),
-            std::string::npos)
+  EXPECT_NE(softmax.status().message().find("is 1; deepseek2 is read with sigmoid routing (2) only"), std::string::npos)
       << softmax.status();
 }
 

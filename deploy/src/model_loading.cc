@@ -142,8 +142,9 @@ absl::StatusOr<runtime::Device> ResolveDevice(const DeviceFlags& flags, const st
   }
   MOE_ASSIGN_OR_RETURN(const runtime::ModelSpec spec, runtime::ReadCheckpointSpec(model_dir));
   if (spec.uses_mla()) {
-    *why = absl::StrCat(spec.model_type,
-                        "'s multi-head latent attention runs on the CPU backend in this build (no GPU MLA kernels yet)");
+    *why =
+        absl::StrCat(spec.model_type,
+                     "'s multi-head latent attention runs on the CPU backend in this build (no GPU MLA kernels yet)");
     return runtime::Device{runtime::Device::Kind::kCpu, 0};
   }
   MOE_ASSIGN_OR_RETURN(const int64_t all_weights, GpuWeightBytes(model_dir));

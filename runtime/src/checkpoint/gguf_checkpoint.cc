@@ -172,8 +172,8 @@ class GgufSource final : public WeightSource {
     std::vector<std::string> names;
     for (const auto& [name, e] : entries_) {
       const bool half = name.ends_with(".attn_k_b.weight") || name.ends_with(".attn_v_b.weight");
-      if (half && joined_.count(name.substr(0, name.size() - std::string(".attn_k_b.weight").size()) +
-                                ".attn_kv_b.weight")) {
+      if (half &&
+          joined_.count(name.substr(0, name.size() - std::string(".attn_k_b.weight").size()) + ".attn_kv_b.weight")) {
         continue;
       }
       names.push_back(name);
@@ -319,7 +319,8 @@ std::string ReplaceWords(const std::string& text, const std::vector<std::pair<st
 // older files as key_length / value_length; YaRN's mscale_all_dim as 0.1 x it (yarn_log_multiplier).
 absl::Status MlaFromMetadata(const gguf::GgufFile& f, const std::string& a, const std::optional<std::string>& scaling,
                              Json& c, std::vector<std::pair<std::string, std::string>>& keys) {
-  const auto int_of = [&](const std::string& key, const std::string& config_key) -> absl::StatusOr<std::optional<int64_t>> {
+  const auto int_of = [&](const std::string& key,
+                          const std::string& config_key) -> absl::StatusOr<std::optional<int64_t>> {
     MOE_ASSIGN_OR_RETURN(const std::optional<int64_t> v, f.Int(a + key));
     keys.emplace_back(config_key, a + key);
     return v;
@@ -482,9 +483,10 @@ absl::StatusOr<ModelSpec> SpecFromMetadata(const gguf::GgufFile& f, const GgufSo
     c["num_nextn_predict_layers"] = n_nextn;
     keys.emplace_back("num_nextn_predict_layers", a + "nextn_predict_layers");
     if (const gguf::Value* fn = f.Find(a + "expert_gating_func"); fn != nullptr && fn->is_integer() && fn->i != 2) {
-      return f.KeyError(a + "expert_gating_func",
-                        absl::StrCat("is ", fn->i, "; ", *arch_key, " is read with sigmoid routing (2) only",
-                                     ai.arch == Architecture::kDeepseekV3 ? " (DeepSeek-V3; V2's softmax is not)" : ""));
+      return f.KeyError(
+          a + "expert_gating_func",
+          absl::StrCat("is ", fn->i, "; ", *arch_key, " is read with sigmoid routing (2) only",
+                       ai.arch == Architecture::kDeepseekV3 ? " (DeepSeek-V3; V2's softmax is not)" : ""));
     }
   }
   if (ai.arch != Architecture::kMixtral) {

@@ -472,7 +472,7 @@ class CpuBackend : public Backend {
       std::memcpy(rows + (static_cast<int64_t>(block) * bs + p % bs) * width, kv, width * sizeof(float));
     });
     const internal::PagedLatent latent{rows, bs};
-    const internal::MlaQueries queries{a.q.as<float>(),     a.out.as<float>(),     a.scale,       in.positions.data(),
+    const internal::MlaQueries queries{a.q.as<float>(),     a.out.as<float>(),     a.scale,      in.positions.data(),
                                        in.seq_start.data(), in.block_table.data(), in.max_blocks};
     auto loop = [this](int64_t n, int64_t grain, absl::FunctionRef<void(int64_t, int64_t)> body) {
       ParallelFor(n, grain, body);

@@ -12,8 +12,8 @@ namespace {
 // The latent row of position p of a sequence whose block table row is `table`.
 const float* LatentRow(const MlaDims& d, const PagedLatent& cache, const int32_t* table, int64_t p) {
   const int64_t width = d.latent();
-  return cache.rows + (static_cast<int64_t>(table[p / cache.block_size]) * cache.block_size + p % cache.block_size) *
-                          width;
+  return cache.rows +
+         (static_cast<int64_t>(table[p / cache.block_size]) * cache.block_size + p % cache.block_size) * width;
 }
 
 // scores[0..n) -> softmax weights in place (max subtracted first), with std::exp.
@@ -98,7 +98,7 @@ void MlaAttendAbsorbed(const MlaDims& d, const float* kv_b, const PagedLatent& c
       const int h = static_cast<int>(i % d.heads);
       const int64_t n = q.positions[r] + 1;
       const float* qh = q.q + r * q_width + static_cast<int64_t>(h) * d.qk();
-      const float* w_uk = kv_b + h * per_head * d.lora;  // [nope x lora]
+      const float* w_uk = kv_b + h * per_head * d.lora;                  // [nope x lora]
       const float* w_uv = w_uk + static_cast<int64_t>(d.nope) * d.lora;  // [v x lora]
       // The query in latent space: q_nope . W_UK[h].
       std::fill(q_latent.begin(), q_latent.end(), 0.0f);

@@ -39,8 +39,8 @@ struct MlaCase {
   }
   MlaQueries Queries(std::vector<float>* out, float scale) const {
     out->assign(static_cast<size_t>(rows) * d.heads * d.v, 0.0f);
-    return MlaQueries{q.data(), out->data(), scale, positions.data(), seq_start.data(), table.data(),
-                      static_cast<int>(table.size())};
+    return MlaQueries{
+        q.data(), out->data(), scale, positions.data(), seq_start.data(), table.data(), static_cast<int>(table.size())};
   }
   PagedLatent Cache() const { return PagedLatent{cache.data(), block_size}; }
 

@@ -179,8 +179,8 @@ std::vector<float> RopeInverseFrequencies(const ModelSpec& spec) {
   // interpolated (divided by the factor), those that turn more than beta_fast times are kept, and a
   // linear ramp blends the ones between (transformers' _compute_yarn_parameters).
   const double dim = spec.rotary_dim, base = spec.rope_theta;
-  const double original = y.original_max_position_embeddings > 0 ? y.original_max_position_embeddings
-                                                                  : spec.max_position_embeddings;
+  const double original =
+      y.original_max_position_embeddings > 0 ? y.original_max_position_embeddings : spec.max_position_embeddings;
   auto correction_dim = [&](double rotations) {
     return dim * std::log(original / (rotations * 2 * M_PI)) / (2 * std::log(base));
   };
@@ -193,8 +193,8 @@ std::vector<float> RopeInverseFrequencies(const ModelSpec& spec) {
   high = std::min(high, dim - 1);
   if (low == high) high += 0.001;
   for (int i = 0; i < half; ++i) {
-    const float ramp = std::clamp((static_cast<float>(i) - static_cast<float>(low)) / static_cast<float>(high - low),
-                                  0.0f, 1.0f);
+    const float ramp =
+        std::clamp((static_cast<float>(i) - static_cast<float>(low)) / static_cast<float>(high - low), 0.0f, 1.0f);
     const float keep = 1.0f - ramp;  // the share of the original (extrapolated) frequency
     const float interpolated = inv_freq[i] / y.factor;
     inv_freq[i] = interpolated * (1.0f - keep) + inv_freq[i] * keep;

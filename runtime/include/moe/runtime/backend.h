@@ -187,9 +187,9 @@ enum class MlaForm { kAuto, kExpanded, kAbsorbed };
 // Multi-head latent attention of one layer (MlaSpec in model_spec.h): the q projection's and the
 // compressed KV projection's outputs in, the heads' values out (o_proj's input).
 struct MlaAttentionArgs {
-  Tensor q;    // [T x H * (nope + rope)] activation dtype; each head's rope half is rotated in place
-  Tensor kv;   // [T x (kv_lora + rope)] kv_a_proj_with_mqa's output; normed and rotated in place
-  Tensor out;  // [T x H * v_head_dim] activation dtype
+  Tensor q;           // [T x H * (nope + rope)] activation dtype; each head's rope half is rotated in place
+  Tensor kv;          // [T x (kv_lora + rope)] kv_a_proj_with_mqa's output; normed and rotated in place
+  Tensor out;         // [T x H * v_head_dim] activation dtype
   int num_heads = 0;  // this rank's heads (a tensor split's share); the latent is every rank's
   MlaSpec mla;
   float scale = 1.0f;                  // the softmax scale (ModelSpec::attention_scale)

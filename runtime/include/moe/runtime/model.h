@@ -293,8 +293,8 @@ class Model {
   // b.attn's first values, it returns).
   void RunGqa(const StepTensors& step, const StepBuffers& b, const internal::LayerWeights& lw, const Tensor& inv_freq,
               KvCache& cache, int layer);
-  Tensor RunMla(const StepTensors& step, const StepBuffers& b, const internal::LayerWeights& lw,
-                const Tensor& inv_freq, KvCache& cache, int layer);
+  Tensor RunMla(const StepTensors& step, const StepBuffers& b, const internal::LayerWeights& lw, const Tensor& inv_freq,
+                KvCache& cache, int layer);
 
   ModelSpec spec_;
   // This rank's share of the model (a split's local head counts and FFN widths), the full spec

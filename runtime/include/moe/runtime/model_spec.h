@@ -59,8 +59,8 @@ struct RopeScaling {
   int original_max_position_embeddings = 0;
   float beta_fast = 32.0f;
   float beta_slow = 1.0f;
-  float mscale = 0.0f;          // 0: not given
-  float mscale_all_dim = 0.0f;  // 0: not given
+  float mscale = 0.0f;            // 0: not given
+  float mscale_all_dim = 0.0f;    // 0: not given
   float attention_factor = 1.0f;  // the multiplier of cos and sin, as transformers derives it
   bool truncate = true;           // the correction range rounded outwards to whole dimensions
 };
