@@ -231,6 +231,12 @@ TEST(ModelSpecTest, ReadsDeepseekV3MlaYarnAndGroupRouting) {
   EXPECT_FALSE(s->IsMoeLayer(2));
   EXPECT_TRUE(s->IsMoeLayer(3));
   EXPECT_EQ(s->shared_expert_intermediate_size, 2048);
+  Json kimi = DeepseekV3Config();  // Kimi-K2's checkpoints name their type kimi_k2: the same layers
+  kimi["model_type"] = "kimi_k2";
+  auto k = Parse(kimi);
+  ASSERT_TRUE(k.ok()) << k.status();
+  EXPECT_EQ(k->arch, Architecture::kDeepseekV3);
+  EXPECT_EQ(k->model_type, "kimi_k2");
 }
 
 // YaRN's frequencies for DeepSeek-V3 (rope 64, theta 1e4, x40 over 4096 positions), as transformers
