@@ -478,14 +478,21 @@ class CpuBackend : public Backend {
       ParallelFor(n, grain, body);
     };
     const float* kv_b = AsCpu(*a.kv_b).f32();
-    for (int s = 0; s < in.num_seqs(); ++s) {
+    auto absorb = [&](int s) {
       const bool one_token = in.seq_start[s + 1] - in.seq_start[s] == 1;
-      const bool absorb = a.form == MlaForm::kAbsorbed || (a.form == MlaForm::kAuto && one_token);
-      if (absorb) {
-        internal::MlaAttendAbsorbed(d, kv_b, latent, queries, s, loop);
-      } else {
-        internal::MlaAttendExpanded(d, kv_b, latent, queries, s, loop);
+      return a.form == MlaForm::kAbsorbed || (a.form == MlaForm::kAuto && one_token);
+    };
+    // Runs of absorbed sequences (a decode batch is one) go to the blocked kernel together.
+    for (int s = 0; s < in.num_seqs();) {
+      if (!absorb(s)) {
+        internal::MlaAttendExpanded(d, kv_b, latent, queries, s++, loop);
+        continue;
       }
+      int end = s + 1;
+      while (end < in.num_seqs() && absorb(end)) ++end;
+      internal::MlaAttendAbsorbed(d, kv_b, latent, queries, s, end - s, attention_isa_, loop, attention_scratch_,
+                                  &mla_queries_, &mla_outputs_);
+      s = end;
     }
   }
 
@@ -747,6 +754,8 @@ class CpuBackend : public Backend {
   const WeightPolicy policy_;
   const internal::AttentionIsa attention_isa_ = internal::BestAttentionIsa();
   internal::AttentionScratch attention_scratch_;
+  // MLA's absorbed queries and latent outputs, [rows x heads x (kv_lora + rope)], grown to the largest step.
+  std::vector<float> mla_queries_, mla_outputs_;
 };
 
 }  // namespace

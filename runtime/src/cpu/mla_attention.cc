@@ -85,35 +85,48 @@ void MlaAttendExpanded(const MlaDims& d, const float* kv_b, const PagedLatent& c
   });
 }
 
-void MlaAttendAbsorbed(const MlaDims& d, const float* kv_b, const PagedLatent& cache, const MlaQueries& q, int seq,
-                       ParallelLoop parallel) {
-  const int32_t first = q.seq_start[seq], last = q.seq_start[seq + 1];
-  const int32_t* table = q.block_table + static_cast<int64_t>(seq) * q.max_blocks;
-  const int64_t per_head = d.nope + d.v;
+void MlaAttendAbsorbed(const MlaDims& d, const float* kv_b, const PagedLatent& cache, const MlaQueries& q,
+                       int first_seq, int num_seqs, AttentionIsa isa, ParallelLoop parallel, AttentionScratch& scratch,
+                       std::vector<float>* q_abs, std::vector<float>* o_abs) {
+  const int32_t first = q.seq_start[first_seq], last = q.seq_start[first_seq + num_seqs];
+  if (first == last) return;
+  const int64_t per_head = d.nope + d.v, width = d.latent();
   const int64_t q_width = static_cast<int64_t>(d.heads) * d.qk(), out_width = static_cast<int64_t>(d.heads) * d.v;
+  // Rows are indexed as in the step (the kernel reads row r at r), so the buffers hold rows [0, last).
+  const size_t need = static_cast<size_t>(last) * d.heads * width;
+  if (q_abs->size() < need) q_abs->resize(need);
+  if (o_abs->size() < need) o_abs->resize(need);
+  float* qa = q_abs->data();
+  float* oa = o_abs->data();
+  // Each head's query in latent space, q_nope . W_UK[h], beside its rotated q_rope.
   parallel(static_cast<int64_t>(last - first) * d.heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, q_latent(d.lora), o_latent(d.lora);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = first + i / d.heads;
       const int h = static_cast<int>(i % d.heads);
-      const int64_t n = q.positions[r] + 1;
       const float* qh = q.q + r * q_width + static_cast<int64_t>(h) * d.qk();
-      const float* w_uk = kv_b + h * per_head * d.lora;                  // [nope x lora]
-      const float* w_uv = w_uk + static_cast<int64_t>(d.nope) * d.lora;  // [v x lora]
-      // The query in latent space: q_nope . W_UK[h].
-      std::fill(q_latent.begin(), q_latent.end(), 0.0f);
-      for (int c = 0; c < d.nope; ++c) Axpy(qh[c], w_uk + static_cast<int64_t>(c) * d.lora, d.lora, q_latent.data());
-      scores.resize(n);
-      for (int64_t p = 0; p < n; ++p) {
-        const float* row = LatentRow(d, cache, table, p);
-        scores[p] = (DotF32(q_latent.data(), row, d.lora) + DotF32(qh + d.nope, row + d.lora, d.rope)) * q.scale;
-      }
-      Softmax(scores.data(), n);
-      std::fill(o_latent.begin(), o_latent.end(), 0.0f);
-      for (int64_t p = 0; p < n; ++p) Axpy(scores[p], LatentRow(d, cache, table, p), d.lora, o_latent.data());
-      // Back from latent space: W_UV[h] . o_latent.
+      const float* w_uk = kv_b + h * per_head * d.lora;  // [nope x lora]
+      float* out = qa + (r * d.heads + h) * width;
+      std::fill(out, out + d.lora, 0.0f);
+      for (int c = 0; c < d.nope; ++c) Axpy(qh[c], w_uk + static_cast<int64_t>(c) * d.lora, d.lora, out);
+      std::copy(qh + d.nope, qh + d.qk(), out + d.lora);
+    }
+  });
+  const PagedKv kv{cache.rows, cache.rows, cache.block_size, 1, d.latent()};
+  const AttentionQueries queries{qa,          oa,
+                                 d.heads,     q.scale,
+                                 q.positions, q.seq_start + first_seq,
+                                 num_seqs,    q.block_table + static_cast<int64_t>(first_seq) * q.max_blocks,
+                                 q.max_blocks};
+  PagedAttention(kv, queries, isa, parallel, scratch);
+  // Back from latent space: W_UV[h] . o_latent (the output's first kv_lora values).
+  parallel(static_cast<int64_t>(last - first) * d.heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = first + i / d.heads;
+      const int h = static_cast<int>(i % d.heads);
+      const float* w_uv = kv_b + (h * per_head + d.nope) * d.lora;  // [v x lora]
+      const float* o_latent = oa + (r * d.heads + h) * width;
       float* o = q.out + r * out_width + static_cast<int64_t>(h) * d.v;
-      for (int j = 0; j < d.v; ++j) o[j] = DotF32(w_uv + static_cast<int64_t>(j) * d.lora, o_latent.data(), d.lora);
+      for (int j = 0; j < d.v; ++j) o[j] = DotF32(w_uv + static_cast<int64_t>(j) * d.lora, o_latent, d.lora);
     }
   });
 }

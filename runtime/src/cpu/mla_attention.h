@@ -6,8 +6,9 @@
 //   prefill chunk, whose rows share the expansion);
 // - absorbed: kv_b_proj's K half is folded into each head's query (q_nope . W_UK[h] gives a
 //   kv_lora-wide query) and its V half applied to the attention output, so every head attends over
-//   the latent rows themselves (one head of kv_lora + rope keys, kv_lora values): a decode row reads
-//   each cached row once for all heads instead of expanding the context.
+//   the latent rows themselves (one KV head of kv_lora + rope keys and, sharing them, values), in
+//   the blocked GQA kernel: a decode row reads each cached row once for 16 heads instead of
+//   expanding the context.
 // The two agree within fp32 rounding (mla_attention_test.cc).
 //
 // A row's result depends only on its own sequence, position and form: never on the rows it is
@@ -15,6 +16,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "cpu/attention.h"
 
@@ -52,9 +54,14 @@ struct MlaQueries {
 // fp32 (per head: nope rows of W_UK, then v rows of W_UV).
 void MlaAttendExpanded(const MlaDims& d, const float* kv_b, const PagedLatent& cache, const MlaQueries& q, int seq,
                        ParallelLoop parallel);
-// The rows of sequence `seq`, in the absorbed form.
-void MlaAttendAbsorbed(const MlaDims& d, const float* kv_b, const PagedLatent& cache, const MlaQueries& q, int seq,
-                       ParallelLoop parallel);
+// The rows of sequences [first_seq, first_seq + num_seqs), in the absorbed form: each head's query
+// folded into latent space, then the blocked kernel of attention.h over the latent rows as one KV
+// head of kv_lora + rope values (keys and values alike: the output's rope columns are dropped), so
+// that each cached row is read once for up to 16 heads, and a long decode row's keys are split
+// across the threads. `q_abs` and `o_abs` hold its queries and outputs, grown as needed.
+void MlaAttendAbsorbed(const MlaDims& d, const float* kv_b, const PagedLatent& cache, const MlaQueries& q,
+                       int first_seq, int num_seqs, AttentionIsa isa, ParallelLoop parallel, AttentionScratch& scratch,
+                       std::vector<float>* q_abs, std::vector<float>* o_abs);
 
 // RoPE of one vector of `rope` values by position * inv_freq[i], cos and sin scaled by
 // `attention_factor` (YaRN's): neighbouring pairs (2i, 2i + 1) when `interleave` (DeepSeek-V3's
