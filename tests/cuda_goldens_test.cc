@@ -695,5 +695,23 @@ TEST_P(CudaGoldensTest, Fp8CheckpointOnTheGpuAndHybridIsNearItsValues) {
 INSTANTIATE_TEST_SUITE_P(Fixtures, CudaGoldensTest, ::testing::Values("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"),
                          [](const auto& info) { return info.param; });
 
+// The CUDA backend has no MLA kernels yet: a deepseek_v3 model is refused at load, naming the CPU
+// backend, rather than run half-wired.
+TEST(CudaMlaTest, DeepseekV3IsRefusedAtLoadNamingTheCpuBackend) {
+  if (runtime::CudaDeviceCount() == 0) GTEST_SKIP() << "no GPU visible";
+  auto backend = runtime::CreateBackend(runtime::Device{runtime::Device::Kind::kCuda, 0});
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  EXPECT_FALSE((*backend)->SupportsAttention(runtime::AttentionKind::kMla));
+  runtime::ModelOptions options;
+  options.pool.progress = false;
+  auto model =
+      Model::Load(testing::FixtureDir("deepseek_v3"), options, std::shared_ptr<runtime::Backend>(std::move(*backend)));
+  ASSERT_FALSE(model.ok());
+  EXPECT_EQ(model.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(model.status().message().find("runs on the CPU backend in this build"), std::string::npos)
+      << model.status();
+  EXPECT_NE(model.status().message().find("--device cpu"), std::string::npos) << model.status();
+}
+
 }  // namespace
 }  // namespace moe

@@ -32,6 +32,14 @@
 namespace moe::deploy {
 namespace {
 
+// What an MLA model's plan means in this build: its cache is the latent, and it runs on the CPU.
+std::string MlaNote(const runtime::ModelSpec& spec) {
+  return absl::StrCat("MLA caches ", spec.mla.latent_width(), " values a position per layer (kv_lora_rank ",
+                      spec.mla.kv_lora_rank, " + qk_rope_head_dim ", spec.mla.qk_rope_head_dim,
+                      "); it runs on the CPU backend in this build (--device cpu), so the GPU plan above is for "
+                      "when GPU MLA kernels land");
+}
+
 struct InspectFlags {
   std::string model;
   ExpertFlags experts;
@@ -272,6 +280,7 @@ int RunInspect(const InspectFlags& f) {
                    {"host_read_measured_as", read_what},
                    {"bound_tokens_per_s", bound}};
     j["kv_bytes_per_token"] = plan->kv_bytes_per_token;
+    if (spec->uses_mla()) j["mla_note"] = MlaNote(*spec);
     j["refusal"] = plan->refusal;
     std::cout << j.dump() << std::endl;
   } else {
@@ -292,6 +301,7 @@ int RunInspect(const InspectFlags& f) {
     PrintDevice(plan->gpu, "GPU: " + gpu_what);
     PrintDevice(plan->host, "host");
     std::cout << "  KV cache: " << plan->kv_bytes_per_token << " bytes a position\n";
+    if (spec->uses_mla()) std::cout << "note: " << MlaNote(*spec) << "\n";
     std::cout << "decode at batch 1, per token: " << MiB(plan->gpu_read_per_token) << " of weights read on the GPU";
     if (plan->host_read_per_token > 0) {
       std::cout << ", " << MiB(plan->host_read_per_token) << " of routed experts from host memory ("

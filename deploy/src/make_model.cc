@@ -50,6 +50,10 @@ struct Shape {
   double partial_rotary = 1.0;
   int64_t vocab = 0, max_pos = 4096;
   double rope_theta = 1e6, rms_eps = 1e-6;
+  // deepseek_v3: MLA's widths (q_lora 0: a plain q_proj) and YaRN (factor 0: none).
+  int64_t q_lora = 0, kv_lora = 0, qk_nope = 0, qk_rope = 0, v_head = 0;
+  double yarn_factor = 0, yarn_beta_fast = 32, yarn_beta_slow = 1;
+  int64_t yarn_original = 0;
 };
 
 struct Preset {
@@ -246,14 +250,87 @@ const std::vector<Preset>& Presets() {
         .vocab = 151552,
         .max_pos = 131072,
         .rms_eps = 1e-5}},
+      {"tiny",
+       {.arch = Architecture::kDeepseekV3,
+        .hidden = 128,
+        .layers = 4,
+        .heads = 4,
+        .kv_heads = 4,
+        .experts = 16,
+        .top_k = 4,
+        .moe_inter = 64,
+        .inter = 256,
+        .n_shared = 1,
+        .first_dense = 1,
+        .n_group = 4,
+        .topk_group = 2,
+        .routed_scaling = 2.5,
+        .vocab = 512,
+        .max_pos = 2048,
+        .rope_theta = 1e4,
+        .q_lora = 64,
+        .kv_lora = 32,
+        .qk_nope = 32,
+        .qk_rope = 16,
+        .v_head = 32}},
+      {"deepseek-v3",  // DeepSeek-V3 and R1 (671B, 37B active)
+       {.arch = Architecture::kDeepseekV3,
+        .hidden = 7168,
+        .layers = 61,
+        .heads = 128,
+        .kv_heads = 128,
+        .experts = 256,
+        .top_k = 8,
+        .moe_inter = 2048,
+        .inter = 18432,
+        .n_shared = 1,
+        .first_dense = 3,
+        .n_group = 8,
+        .topk_group = 4,
+        .routed_scaling = 2.5,
+        .vocab = 129280,
+        .max_pos = 163840,
+        .rope_theta = 1e4,
+        .q_lora = 1536,
+        .kv_lora = 512,
+        .qk_nope = 128,
+        .qk_rope = 64,
+        .v_head = 128,
+        .yarn_factor = 40,
+        .yarn_original = 4096}},
+      {"kimi-k2",  // Kimi-K2 (1T, 32B active): DeepSeek-V3's layers, 384 experts, 64 heads
+       {.arch = Architecture::kDeepseekV3,
+        .hidden = 7168,
+        .layers = 61,
+        .heads = 64,
+        .kv_heads = 64,
+        .experts = 384,
+        .top_k = 8,
+        .moe_inter = 2048,
+        .inter = 18432,
+        .n_shared = 1,
+        .first_dense = 1,
+        .routed_scaling = 2.827,
+        .vocab = 163840,
+        .max_pos = 131072,
+        .rope_theta = 5e4,
+        .q_lora = 1536,
+        .kv_lora = 512,
+        .qk_nope = 128,
+        .qk_rope = 64,
+        .v_head = 128,
+        .yarn_factor = 32,
+        .yarn_beta_fast = 1,
+        .yarn_beta_slow = 1,
+        .yarn_original = 4096}},
   };
   return presets;
 }
 
 absl::StatusOr<Architecture> ParseArch(const std::string& arch) {
   const std::vector<std::string>& types = runtime::SupportedModelTypes();
-  for (Architecture a :
-       {Architecture::kQwen3Moe, Architecture::kQwen2Moe, Architecture::kMixtral, Architecture::kGlm4Moe}) {
+  for (Architecture a : {Architecture::kQwen3Moe, Architecture::kQwen2Moe, Architecture::kMixtral,
+                         Architecture::kGlm4Moe, Architecture::kDeepseekV3}) {
     if (runtime::ArchitectureName(a) == arch) return a;
   }
   return absl::InvalidArgumentError(
@@ -325,12 +402,33 @@ Json ModelConfig(const Shape& s) {
     case Architecture::kGlm4Moe:
       c = {{"architectures", {"Glm4MoeForCausalLM"}}, {"model_type", "glm4_moe"}};
       break;
+    case Architecture::kDeepseekV3:
+      c = {{"architectures", {"DeepseekV3ForCausalLM"}}, {"model_type", "deepseek_v3"}};
+      break;
   }
   c["hidden_size"] = s.hidden;
   c["num_hidden_layers"] = s.layers;
   c["num_attention_heads"] = s.heads;
   c["num_key_value_heads"] = s.kv_heads;
-  c["head_dim"] = s.head_dim;
+  if (s.arch == Architecture::kDeepseekV3) {
+    c["q_lora_rank"] = s.q_lora > 0 ? Json(s.q_lora) : Json(nullptr);
+    c["kv_lora_rank"] = s.kv_lora;
+    c["qk_nope_head_dim"] = s.qk_nope;
+    c["qk_rope_head_dim"] = s.qk_rope;
+    c["v_head_dim"] = s.v_head;
+    c["rope_interleave"] = true;
+    if (s.yarn_factor > 0) {
+      c["rope_scaling"] = {{"type", "yarn"},
+                           {"factor", s.yarn_factor},
+                           {"original_max_position_embeddings", s.yarn_original},
+                           {"beta_fast", s.yarn_beta_fast},
+                           {"beta_slow", s.yarn_beta_slow},
+                           {"mscale", 1.0},
+                           {"mscale_all_dim", 1.0}};
+    }
+  } else {
+    c["head_dim"] = s.head_dim;
+  }
   c["num_experts_per_tok"] = s.top_k;
   c["intermediate_size"] = s.inter;
   switch (s.arch) {
@@ -353,6 +451,7 @@ Json ModelConfig(const Shape& s) {
       c["sliding_window"] = nullptr;
       break;
     case Architecture::kGlm4Moe:
+    case Architecture::kDeepseekV3:
       c["n_routed_experts"] = s.experts;
       c["n_shared_experts"] = s.n_shared;
       c["moe_intermediate_size"] = s.moe_inter;
@@ -361,9 +460,11 @@ Json ModelConfig(const Shape& s) {
       c["topk_group"] = s.topk_group;
       c["routed_scaling_factor"] = s.routed_scaling;
       c["norm_topk_prob"] = s.norm_topk;
-      c["partial_rotary_factor"] = s.partial_rotary;
+      if (s.arch == Architecture::kGlm4Moe) {
+        c["partial_rotary_factor"] = s.partial_rotary;
+        c["use_qk_norm"] = s.qk_norm;
+      }
       c["attention_bias"] = s.qkv_bias;
-      c["use_qk_norm"] = s.qk_norm;
       c["num_nextn_predict_layers"] = 0;  // no multi-token-prediction layer is written
       break;
   }

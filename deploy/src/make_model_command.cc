@@ -32,6 +32,7 @@ void AddMakeModelCommand(CLI::App& root, CommandRun* selected) {
           "\n  qwen2_moe: " + absl::StrJoin(MakeModelPresets("qwen2_moe"), ", ") +
           "\n  mixtral: " + absl::StrJoin(MakeModelPresets("mixtral"), ", ") +
           "\n  glm4_moe: " + absl::StrJoin(MakeModelPresets("glm4_moe"), ", ") +
+          "\n  deepseek_v3: " + absl::StrJoin(MakeModelPresets("deepseek_v3"), ", ") +
           "\nqwen3-30b-a3b has hidden 2048, 128 experts top-8 of width 768, 32 query and 4 KV heads of 128.\n"
           "The checkpoint is written beside --out under a temporary name and renamed at the end; free space is\n"
           "checked first, and nothing is left behind on an error.",

@@ -296,6 +296,8 @@ TensorRole RoleOf(TensorId id) {
     case TensorId::kFfnNorm:
     case TensorId::kAttnQNorm:
     case TensorId::kAttnKNorm:
+    case TensorId::kMlaQANorm:
+    case TensorId::kMlaKvANorm:
       return TensorRole::kNorm;
     case TensorId::kRouter:
     case TensorId::kRouterBias:
@@ -368,7 +370,15 @@ TensorNames::TensorNames(Architecture arch, Container container) : arch_(arch), 
       Set(I::kDenseUp, l + "mlp.up_proj.weight");
       Set(I::kDenseDown, l + "mlp.down_proj.weight");
     }
-    if (arch == Architecture::kGlm4Moe) {  // the MTP layer after the model's own
+    if (arch == Architecture::kDeepseekV3) {  // MLA in place of q/k/v
+      Set(I::kMlaQA, a + "q_a_proj.weight");
+      Set(I::kMlaQANorm, a + "q_a_layernorm.weight");
+      Set(I::kMlaQB, a + "q_b_proj.weight");
+      Set(I::kMlaKvA, a + "kv_a_proj_with_mqa.weight");
+      Set(I::kMlaKvANorm, a + "kv_a_layernorm.weight");
+      Set(I::kMlaKvB, a + "kv_b_proj.weight");
+    }
+    if (arch == Architecture::kGlm4Moe || arch == Architecture::kDeepseekV3) {  // the MTP layers after the model's own
       Set(I::kNextnEmbedNorm, l + "enorm.weight");
       Set(I::kNextnHiddenNorm, l + "hnorm.weight");
       Set(I::kNextnProj, l + "eh_proj.weight");
@@ -406,7 +416,17 @@ TensorNames::TensorNames(Architecture arch, Container container) : arch_(arch), 
   Set(I::kDenseGate, l + "ffn_gate.weight");
   Set(I::kDenseUp, l + "ffn_up.weight");
   Set(I::kDenseDown, l + "ffn_down.weight");
-  if (arch == Architecture::kGlm4Moe) {
+  if (arch == Architecture::kDeepseekV3) {  // llama.cpp's deepseek2: kv_b split into per-head K (transposed) and V
+    Set(I::kMlaQA, l + "attn_q_a.weight");
+    Set(I::kMlaQANorm, l + "attn_q_a_norm.weight");
+    Set(I::kMlaQB, l + "attn_q_b.weight");
+    Set(I::kMlaKvA, l + "attn_kv_a_mqa.weight");
+    Set(I::kMlaKvANorm, l + "attn_kv_a_norm.weight");
+    Set(I::kMlaKvB, l + "attn_kv_b.weight");
+    Set(I::kMlaKB, l + "attn_k_b.weight");
+    Set(I::kMlaVB, l + "attn_v_b.weight");
+  }
+  if (arch == Architecture::kGlm4Moe || arch == Architecture::kDeepseekV3) {
     Set(I::kNextnEmbedNorm, l + "nextn.enorm.weight");
     Set(I::kNextnHiddenNorm, l + "nextn.hnorm.weight");
     Set(I::kNextnProj, l + "nextn.eh_proj.weight");
@@ -424,8 +444,8 @@ void TensorNames::Set(TensorId id, std::string name_template, bool stacked) {
 const TensorNames& TensorNames::For(Architecture arch, Container container) {
   static const auto* tables = [] {
     auto* t = new std::vector<TensorNames>();
-    for (Architecture a :
-         {Architecture::kQwen3Moe, Architecture::kQwen2Moe, Architecture::kMixtral, Architecture::kGlm4Moe}) {
+    for (Architecture a : {Architecture::kQwen3Moe, Architecture::kQwen2Moe, Architecture::kMixtral,
+                           Architecture::kGlm4Moe, Architecture::kDeepseekV3}) {
       for (Container c : {Container::kSafetensors, Container::kGguf}) t->push_back(TensorNames(a, c));
     }
     return t;
@@ -454,9 +474,9 @@ std::optional<TensorKey> TensorNames::Parse(std::string_view name) const {
 TensorKind ClassifyTensor(std::string_view name) {
   // The GLM table first: it names everything the others do (shared experts as DeepSeek spells
   // them, the correction bias, the nextn tensors); qwen2's shared_expert and Mixtral's
-  // block_sparse_moe come after.
-  for (Architecture arch :
-       {Architecture::kGlm4Moe, Architecture::kQwen2Moe, Architecture::kMixtral, Architecture::kQwen3Moe}) {
+  // block_sparse_moe come after, and DeepSeek-V3's MLA projections last.
+  for (Architecture arch : {Architecture::kGlm4Moe, Architecture::kQwen2Moe, Architecture::kMixtral,
+                            Architecture::kQwen3Moe, Architecture::kDeepseekV3}) {
     for (Container c : {Container::kSafetensors, Container::kGguf}) {
       if (const std::optional<TensorKey> key = TensorNames::For(arch, c).Parse(name)) {
         return TensorKind{RoleOf(key->id), key->layer, key->expert};
