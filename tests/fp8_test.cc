@@ -115,7 +115,8 @@ TEST_P(Fp8FixtureTest, LogitsAreThoseOfItsValuesAsF32) {
   ExpectCloseLogits(**fp8, **f32, GetParam());
 }
 
-INSTANTIATE_TEST_SUITE_P(Archs, Fp8FixtureTest, ::testing::Values("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"));
+INSTANTIATE_TEST_SUITE_P(Archs, Fp8FixtureTest,
+                         ::testing::Values("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3"));
 
 // DeepSeek's 128 x 128 blocks (larger than the fixture's matrices: one scale each) with bf16
 // scales, as some Qwen3 FP8 releases store them, and the experts in the pool in every format.

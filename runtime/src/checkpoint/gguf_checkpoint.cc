@@ -628,7 +628,7 @@ class GgufCheckpoint final : public Checkpoint {
     auto c = std::unique_ptr<GgufCheckpoint>(new GgufCheckpoint());
     MOE_ASSIGN_OR_RETURN(c->spec_, SpecFromMetadata(first, *source));
     MOE_ASSIGN_OR_RETURN(c->tokenizer_, TokenizerFromMetadata(first));
-    if (c->spec_.arch == Architecture::kMixtral && !getenv("NOPERM")) source->UnpermuteQk(c->spec_.num_heads, c->spec_.num_kv_heads);
+    if (c->spec_.arch == Architecture::kMixtral) source->UnpermuteQk(c->spec_.num_heads, c->spec_.num_kv_heads);
     if (c->spec_.arch == Architecture::kQwen2Moe) source->AsRow(".ffn_gate_inp_shexp.weight");
     if (c->spec_.arch == Architecture::kDeepseekV3) source->JoinKvB();
     c->names_ = &TensorNames::For(c->spec_.arch, Container::kGguf);
