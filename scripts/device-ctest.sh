@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs bundled test binaries under CTest on a machine without this build tree (the GPU machine):
 #   scripts/device-ctest.sh BUNDLE_DIR [ctest args, e.g. -L gpu]
-# BUNDLE_DIR comes from ../shared/tools/device-bundle.sh with moeserve and the *_test binaries.
+# BUNDLE_DIR holds moeserve and the *_test binaries with the libraries they need (a device bundle).
 # Test binaries whose name holds "cuda" get the label gpu, the others cpu.
 set -euo pipefail
 bundle=$(cd "$1" && pwd); shift

@@ -11,7 +11,7 @@ not committed) and OUTDIR/fixtures/<arch>/{config.json, tokenizer.json, tokenize
 golden.json}; OUTDIR/fixtures/golden_tokenize.json; OUTDIR/imatrix.txt (text for llama-imatrix);
 OUTDIR/prompts.txt (the golden prompts, one per line, token ids).
 
-Follows /work/shared/fixtures/gen_fixtures.py: the same byte-level BPE tokenizer construction
+Follows the fixtures' own generator: the same byte-level BPE tokenizer construction
 (by default the already-trained testdata/tokenizer/tokenizer.json is reused, so that ids agree
 with moeserve's other fixtures), the same golden.json format and prompts, and the same "every
 parameter far from its default" initialisation.
