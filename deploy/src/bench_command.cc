@@ -184,6 +184,7 @@ struct ServeBenchFlags {
   std::string response_format;  // a file: a response_format object or a bare JSON schema
   ExpertFlags experts;
   DeviceFlags device;
+  SpecFlags spec;
   bool json = false;
 };
 
@@ -214,6 +215,14 @@ int BenchServe(const ServeBenchFlags& flags) {
   }
   std::unique_ptr<runtime::Model> model;
   std::unique_ptr<scheduler::Frontend> frontend;
+  auto spec_config = flags.spec.Config();
+  if (!spec_config.ok()) return Fail(spec_config.status(), 2);
+  const runtime::SpeculativeConfig speculative = *spec_config;
+  if (speculative.type != runtime::SpecType::kOff && flags.model.empty()) {
+    return Fail(absl::InvalidArgumentError("--spec-type sets the speculative decoding of the server --model starts; "
+                                           "a --target server takes it from its own serve flags"),
+                2);
+  }
   // With --model, a server in this process: the prefix cache on or off.
   auto start_server = [&](bool prefix_cache) -> absl::Status {
     if (frontend) frontend->Shutdown();
@@ -225,6 +234,9 @@ int BenchServe(const ServeBenchFlags& flags) {
     fo.scheduler.max_seqs = 64;
     fo.scheduler.context = model->spec().max_position_embeddings;
     fo.scheduler.prefix_cache = prefix_cache;
+    fo.scheduler.max_draft = speculative.max_draft();
+    fo.scheduler.draft_type = speculative.type;
+    fo.scheduler.draft_adaptive = speculative.adaptive;
     auto executor = runtime::ModelExecutor::Create(*model, /*num_blocks=*/4096, fo.scheduler.block_size);
     if (!executor.ok()) return executor.status();
     auto started = scheduler::Frontend::Start(*std::move(executor), fo);
@@ -238,7 +250,7 @@ int BenchServe(const ServeBenchFlags& flags) {
     runtime::ModelOptions model_options;
     model_options.pool.progress = false;
     model_options.max_step_tokens = flags.max_batch_tokens;
-    model_options.max_logit_rows = 64;  // the scheduler's max_seqs below
+    model_options.max_logit_rows = MaxLogitRows(64, flags.max_batch_tokens, speculative);  // max_seqs below
     auto loaded = LoadModelForCommand(flags.model, flags.device, flags.experts, model_options, 0, "bench serve");
     if (!loaded.ok()) return Fail(loaded.status(), 1);
     model = std::move(*loaded);
@@ -353,6 +365,7 @@ void AddBenchServe(CLI::App& bench, CommandRun* selected) {
   app->add_option("--csv", f->options.csv, "append one row per request");
   f->experts.Add(app);
   f->device.Add(app);
+  f->spec.Add(app);
   app->add_flag("--json", f->json, "print one JSON array of rows");
 }
 

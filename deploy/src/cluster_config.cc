@@ -236,6 +236,27 @@ absl::Status ReadScheduler(const Reader& r, const YAML::Node& s, ClusterConfig* 
   return absl::OkStatus();
 }
 
+absl::Status ReadSpeculative(const Reader& r, const YAML::Node& s, ClusterConfig* c) {
+  if (!s.IsDefined() || s.IsNull()) return absl::OkStatus();
+  const std::string w = "speculative";
+  MOE_RETURN_IF_ERROR(r.Keys(s, w, {"type", "n_max", "adaptive", "model", "device"}));
+  runtime::SpeculativeConfig& spec = c->speculative;
+  std::string type = "off";
+  MOE_RETURN_IF_ERROR(r.Get(s, w, "type", &type));
+  auto parsed = runtime::ParseSpecType(type);
+  if (!parsed.ok()) return r.Error(s["type"], w + ".type", std::string(parsed.status().message()));
+  spec.type = *parsed;
+  MOE_RETURN_IF_ERROR(r.GetIn(s, w, "n_max", &spec.n_max, 1, runtime::kMaxDraftTokens));
+  MOE_RETURN_IF_ERROR(r.Get(s, w, "adaptive", &spec.adaptive));
+  MOE_RETURN_IF_ERROR(r.Get(s, w, "model", &spec.draft_model));
+  MOE_RETURN_IF_ERROR(r.Get(s, w, "device", &spec.draft_device));
+  if (absl::Status v = spec.Validate(); !v.ok()) {
+    const YAML::Node at = s[v.message().find("n_max") == 0 ? "n_max" : "type"];
+    return r.Error(at.IsDefined() ? at : s, w, std::string(v.message()));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ReadServer(const Reader& r, const YAML::Node& s, ClusterConfig* c) {
   if (!s.IsDefined() || s.IsNull()) return absl::OkStatus();
   MOE_RETURN_IF_ERROR(r.Keys(s, "server",
@@ -458,11 +479,8 @@ absl::StatusOr<ClusterConfig> LoadClusterConfig(const std::string& path) {
                                 : root.IsSequence() ? "a list"
                                                     : absl::StrCat("'", root.Scalar(), "'")));
   }
-  if (root["speculative"].IsDefined()) {
-    return r.Error(root["speculative"], "speculative", "speculative decoding is not built yet; remove the key");
-  }
-  MOE_RETURN_IF_ERROR(
-      r.Keys(root, "", {"model", "nodes", "parallel", "experts", "scheduler", "server", "comm", "supervisor"}));
+  MOE_RETURN_IF_ERROR(r.Keys(
+      root, "", {"model", "nodes", "parallel", "experts", "scheduler", "speculative", "server", "comm", "supervisor"}));
   if (!root["model"].IsDefined()) {
     return r.Error(root, "model", "missing: the model every worker loads (a Hugging Face folder or a GGUF file)");
   }
@@ -474,6 +492,7 @@ absl::StatusOr<ClusterConfig> LoadClusterConfig(const std::string& path) {
   MOE_RETURN_IF_ERROR(ReadParallel(r, root["parallel"], &c));
   MOE_RETURN_IF_ERROR(ReadExperts(r, root["experts"], &c));
   MOE_RETURN_IF_ERROR(ReadScheduler(r, root["scheduler"], &c));
+  MOE_RETURN_IF_ERROR(ReadSpeculative(r, root["speculative"], &c));
   MOE_RETURN_IF_ERROR(ReadServer(r, root["server"], &c));
   MOE_RETURN_IF_ERROR(ReadControl(r, root["comm"], root["supervisor"], &c));
   MOE_RETURN_IF_ERROR(CheckPlan(r, root, &c));

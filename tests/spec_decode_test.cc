@@ -1,0 +1,549 @@
+// Speculative decoding changes nothing but the steps: n-gram drafts verified by the target's own
+// sampler give the tokens of decoding without drafts, greedy and seeded (temperature, top-p,
+// penalties), on every fixture architecture, alone and in batches of speculating and plain
+// sequences, through Generate, the scheduler, gRPC, the OpenAI API, `moeserve generate` and
+// `serve --config` with a tensor split over Gloo workers. The prompts repeat themselves, so drafts
+// are both kept and rejected, and every test checks that both happened. Rejected drafts and
+// cancelled requests leave no KV block held.
+#include <grpcpp/grpcpp.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <map>
+#include <regex>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "moe/experts/arena.h"
+#include "moe/runtime/generate.h"
+#include "moe/runtime/model_executor.h"
+#include "moe/scheduler/frontend.h"
+#include "moe/scheduler/http_server.h"
+#include "moe/scheduler/scheduler.h"
+#include "moeserve/v1/generation.grpc.pb.h"
+#include "nlohmann/json.hpp"
+#include "test_util.h"
+
+namespace moe {
+namespace {
+
+namespace pb = ::moeserve::v1;
+using ::nlohmann::json;
+using ::testing::HasSubstr;
+
+const char* const kArchitectures[] = {"qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"};
+
+std::unique_ptr<runtime::Model> LoadFixture(const std::string& arch) {
+  runtime::ModelOptions options;
+  options.pool.progress = false;
+  options.threads = 2;
+  options.pool.threads = 2;
+  auto model = runtime::Model::Load(testing::FixtureDir(arch), options);
+  EXPECT_TRUE(model.ok()) << arch << ": " << model.status();
+  return model.ok() ? *std::move(model) : nullptr;
+}
+
+// The goldens' prompts, and one that repeats itself (the first prompt three times), where n-grams
+// find matches from the first step.
+std::vector<std::vector<int32_t>> Prompts(const std::string& arch) {
+  const json golden = testing::LoadGolden(arch);
+  std::vector<std::vector<int32_t>> prompts;
+  for (const json& c : golden["cases"]) prompts.push_back(c["prompt_ids"].get<std::vector<int32_t>>());
+  std::vector<int32_t> repeated;
+  for (int i = 0; i < 3; ++i) repeated.insert(repeated.end(), prompts[0].begin(), prompts[0].end());
+  prompts.push_back(repeated);
+  return prompts;
+}
+
+// Seeded sampling with every filter and penalty the sampler has.
+runtime::SamplingParams Seeded(uint64_t seed) {
+  runtime::SamplingParams s;
+  s.temperature = 0.7f;
+  s.top_p = 0.9f;
+  s.repetition_penalty = 1.1f;
+  s.presence_penalty = 0.2f;
+  s.frequency_penalty = 0.1f;
+  s.seed = seed;
+  return s;
+}
+
+runtime::SamplingParams Greedy() {
+  runtime::SamplingParams s;
+  s.seed = 1;
+  return s;
+}
+
+TEST(SpecDecodeTest, GenerateWithNgramDraftsChangesNothingOnEveryArchitecture) {
+  for (const std::string arch : kArchitectures) {
+    auto model = LoadFixture(arch);
+    ASSERT_NE(model, nullptr);
+    int drafted = 0, accepted = 0;
+    for (const std::vector<int32_t>& prompt : Prompts(arch)) {
+      for (const runtime::SamplingParams& sampling : {Greedy(), Seeded(11)}) {
+        runtime::GenerateOptions plain;
+        plain.max_new_tokens = 40;
+        plain.stop_at_eos = false;
+        plain.sampling = sampling;
+        auto want = runtime::Generate(*model, prompt, plain);
+        ASSERT_TRUE(want.ok()) << want.status();
+        for (const bool adaptive : {false, true}) {
+          runtime::GenerateOptions spec = plain;
+          spec.speculative.type = runtime::SpecType::kNgram;
+          spec.speculative.n_max = adaptive ? 4 : 3;
+          spec.speculative.adaptive = adaptive;
+          auto got = runtime::Generate(*model, prompt, spec);
+          ASSERT_TRUE(got.ok()) << got.status();
+          EXPECT_EQ(got->generated_ids, want->generated_ids)
+              << arch << " temperature " << sampling.temperature << (adaptive ? " adaptive" : "");
+          drafted += got->draft_tokens;
+          accepted += got->accepted_draft_tokens;
+          if (!adaptive) EXPECT_EQ(got->decode_steps + got->accepted_draft_tokens, 39) << arch;
+        }
+      }
+    }
+    EXPECT_GT(accepted, 0) << arch << ": no draft was ever kept";
+    EXPECT_GT(drafted, accepted) << arch << ": no draft was ever rejected";
+  }
+}
+
+struct Served {
+  std::map<std::string, std::vector<int32_t>> tokens;
+  std::map<std::string, scheduler::FinishReason> reasons;
+  std::map<std::string, scheduler::DraftCounts> drafts;
+  int max_blocks_used = 0;
+};
+
+// Steps `s` until idle; aborts `cancel` once it has `cancel_after` tokens.
+Served RunToEnd(scheduler::Scheduler& s, runtime::Executor& e, const std::string& cancel = "", int cancel_after = 0) {
+  Served served;
+  for (int step = 0; step < 4000 && !s.idle(); ++step) {
+    for (const scheduler::Output& o : s.Step(e)) {
+      std::vector<int32_t>& t = served.tokens[o.id];
+      t.insert(t.end(), o.new_tokens.begin(), o.new_tokens.end());
+      if (o.finished) {
+        served.reasons[o.id] = *o.finished;
+        served.drafts[o.id] = o.drafts;
+      }
+      if (o.id == cancel && static_cast<int>(t.size()) >= cancel_after && !o.finished) s.Abort(cancel);
+    }
+    served.max_blocks_used = std::max(served.max_blocks_used, s.stats().blocks_used);
+  }
+  EXPECT_TRUE(s.idle());
+  return served;
+}
+
+// A batch of speculating and plain sequences (greedy and seeded, one cancelled on the way) through
+// the scheduler gives each request the tokens it gets with speculation off, and leaves no block held.
+TEST(SpecDecodeTest, MixedBatchesThroughTheSchedulerChangeNothingAndFreeEveryBlock) {
+  for (const std::string arch : kArchitectures) {
+    auto model = LoadFixture(arch);
+    ASSERT_NE(model, nullptr);
+    const std::vector<std::vector<int32_t>> prompts = Prompts(arch);
+    auto requests = [&] {
+      std::vector<scheduler::Request> r;
+      for (size_t i = 0; i < prompts.size(); ++i) {
+        for (const bool seeded : {false, true}) {
+          scheduler::Request q;
+          q.id = absl::StrCat(seeded ? "s" : "g", i);
+          q.prompt = prompts[i];
+          q.sampling = seeded ? Seeded(100 + i) : Greedy();
+          q.stopping.max_new_tokens = 24;
+          q.stopping.ignore_eos = true;
+          if (i == 1) q.max_draft = 0;  // plain, beside the speculating ones
+          if (i == 2) q.max_draft = 1;
+          r.push_back(q);
+        }
+      }
+      return r;
+    };
+    for (const bool prefix_cache : {true, false}) {
+      auto run = [&](int max_draft, bool adaptive, const std::string& cancel) {
+        scheduler::SchedulerConfig c;
+        c.num_blocks = 256;
+        c.block_size = 4;
+        c.max_batch_tokens = 96;
+        c.max_seqs = 6;  // some wait, and start while others speculate
+        c.vocab_size = model->spec().vocab_size;
+        c.context = 512;
+        c.prefix_cache = prefix_cache;
+        c.max_draft = max_draft;
+        c.draft_type = max_draft > 0 ? runtime::SpecType::kNgram : runtime::SpecType::kOff;
+        c.draft_adaptive = adaptive;
+        auto executor = runtime::ModelExecutor::Create(*model, c.num_blocks, c.block_size);
+        EXPECT_TRUE(executor.ok()) << executor.status();
+        scheduler::Scheduler s(c);
+        for (scheduler::Request& r : requests()) EXPECT_TRUE(s.Add(std::move(r)).ok());
+        Served served = RunToEnd(s, **executor, cancel, 5);
+        EXPECT_EQ(s.stats().blocks_used, 0) << arch;
+        return served;
+      };
+      const Served want = run(0, false, "");
+      for (const bool adaptive : {false, true}) {
+        const Served got = run(3, adaptive, "g0");
+        int drafted = 0, accepted = 0;
+        for (const auto& [id, tokens] : want.tokens) {
+          if (id == "g0") {
+            // Cancelled once it had 5 tokens: what it got is where the whole run starts.
+            EXPECT_EQ(got.reasons.at(id), scheduler::FinishReason::kAborted);
+            ASSERT_GE(got.tokens.at(id).size(), 5u);
+            EXPECT_TRUE(std::equal(got.tokens.at(id).begin(), got.tokens.at(id).end(), tokens.begin())) << arch;
+            continue;
+          }
+          EXPECT_EQ(got.tokens.at(id), tokens) << arch << " " << id << (adaptive ? " adaptive" : "");
+          EXPECT_EQ(got.reasons.at(id), scheduler::FinishReason::kLength) << arch << " " << id;
+          const scheduler::DraftCounts& d = got.drafts.at(id);
+          if (id == "g1" || id == "s1") EXPECT_EQ(d.draft_tokens, 0) << id << " asked for no drafts";
+          if (id == "g2" || id == "s2") EXPECT_LE(d.draft_tokens, d.drafts) << id << " asked for 1 draft a step";
+          drafted += d.draft_tokens;
+          accepted += d.accepted;
+        }
+        EXPECT_GT(accepted, 0) << arch << ": no draft was ever kept";
+        EXPECT_GT(drafted, accepted) << arch << ": no draft was ever rejected";
+      }
+    }
+  }
+}
+
+// The scheduler gives back the blocks it took for rejected drafts in the step that rejects them.
+TEST(SpecDecodeTest, RejectedDraftsBlocksGoBackTheSameStep) {
+  auto model = LoadFixture("qwen3_moe");
+  ASSERT_NE(model, nullptr);
+  // Drafts always wrong and long enough to need blocks of their own.
+  class Wrong : public scheduler::DraftProposer {
+   public:
+    void Propose(const std::string&, std::span<const int32_t> tokens, int max_draft,
+                 std::vector<int32_t>* draft) override {
+      for (int i = 0; i < max_draft; ++i) draft->push_back((tokens.back() + 1 + i) % 512);
+    }
+  } wrong;
+  scheduler::SchedulerConfig c;
+  c.num_blocks = 64;
+  c.block_size = 4;
+  c.vocab_size = model->spec().vocab_size;
+  c.context = 256;
+  c.prefix_cache = false;
+  c.max_draft = 8;
+  auto executor = runtime::ModelExecutor::Create(*model, c.num_blocks, c.block_size);
+  ASSERT_TRUE(executor.ok());
+  scheduler::Scheduler s(c);
+  s.set_proposer(&wrong);
+  scheduler::Request r;
+  r.id = "a";
+  r.prompt = {1, 2, 3};
+  r.stopping.max_new_tokens = 30;
+  r.stopping.ignore_eos = true;
+  r.sampling = Greedy();
+  ASSERT_TRUE(s.Add(r).ok());
+  int tokens = 3;
+  while (!s.idle()) {
+    for (const scheduler::Output& o : s.Step(**executor)) tokens += static_cast<int>(o.new_tokens.size());
+    if (s.idle()) break;
+    // Blocks for the tokens so far, and none for the 8 rejected drafts of the step.
+    EXPECT_EQ(s.stats().blocks_used, (tokens + 3) / 4) << "after " << tokens << " tokens";
+  }
+  EXPECT_EQ(s.stats().blocks_used, 0);
+}
+
+// gRPC and the OpenAI API of one server with n-gram speculation: the same tokens with the
+// request's speculation on and off, the counts in the final message, the usage, the request log and
+// the metrics.
+class SpecServerTest : public ::testing::Test {
+ protected:
+  void Start(const std::string& arch) {
+    model_ = LoadFixture(arch);
+    ASSERT_NE(model_, nullptr);
+    scheduler::FrontendOptions options;
+    options.listen = "127.0.0.1:0";
+    options.http_listen = "127.0.0.1:0";
+    options.scheduler.max_seqs = 8;
+    options.scheduler.max_batch_tokens = 128;
+    options.scheduler.context = 1024;
+    options.scheduler.max_draft = 3;
+    options.scheduler.draft_type = runtime::SpecType::kNgram;
+    options.scheduler.draft_adaptive = false;
+    options.placement = "test";
+    options.model_dir = testing::FixtureDir(arch);
+    options.request_log = true;
+    auto executor = runtime::ModelExecutor::Create(*model_, /*num_blocks=*/512);
+    ASSERT_TRUE(executor.ok()) << executor.status();
+    auto frontend = scheduler::Frontend::Start(*std::move(executor), options);
+    ASSERT_TRUE(frontend.ok()) << frontend.status();
+    frontend_ = std::move(*frontend);
+    stub_ = pb::Generation::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", frontend_->port()),
+                                                        grpc::InsecureChannelCredentials()));
+    http_ = std::make_unique<httplib::Client>("127.0.0.1", frontend_->http_port());
+    http_->set_read_timeout(std::chrono::seconds(60));
+  }
+  void TearDown() override {
+    http_.reset();
+    if (frontend_) frontend_->Shutdown();
+  }
+
+  struct Stream {
+    std::vector<int32_t> tokens;
+    pb::Usage usage;
+    grpc::Status status;
+  };
+  Stream Generate(const std::vector<int32_t>& prompt, bool seeded, std::optional<int> n_max) {
+    pb::GenerateRequest r;
+    r.mutable_token_ids()->Add(prompt.begin(), prompt.end());
+    r.mutable_stopping()->set_max_new_tokens(32);
+    r.mutable_stopping()->set_ignore_eos(true);
+    if (seeded) {
+      pb::SamplingParams* s = r.mutable_sampling();
+      s->set_temperature(0.7f);
+      s->set_top_p(0.9f);
+      s->set_repetition_penalty(1.1f);
+      s->set_presence_penalty(0.2f);
+      s->set_frequency_penalty(0.1f);
+      s->set_seed(21);
+    }
+    if (n_max) {
+      if (*n_max == 0) {
+        r.mutable_speculative()->set_off(true);
+      } else {
+        r.mutable_speculative()->set_n_max(*n_max);
+      }
+    }
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    auto reader = stub_->Generate(&ctx, r);
+    Stream s;
+    pb::GenerateResponse msg;
+    while (reader->Read(&msg)) {
+      s.tokens.insert(s.tokens.end(), msg.token_ids().begin(), msg.token_ids().end());
+      if (msg.has_usage()) s.usage = msg.usage();
+    }
+    s.status = reader->Finish();
+    return s;
+  }
+
+  std::pair<int, json> Post(const std::string& path, const json& body) {
+    auto response = http_->Post(path.c_str(), body.dump(), "application/json");
+    if (!response) return {-1, json()};
+    return {response->status, json::parse(response->body, nullptr, false)};
+  }
+
+  std::unique_ptr<runtime::Model> model_;
+  std::unique_ptr<scheduler::Frontend> frontend_;
+  std::unique_ptr<pb::Generation::Stub> stub_;
+  std::unique_ptr<httplib::Client> http_;
+};
+
+TEST_F(SpecServerTest, GrpcAndOpenAiServeTheSameTokensAndReportTheDrafts) {
+  Start("qwen3_moe");
+  ::testing::internal::CaptureStderr();
+  int drafted = 0, accepted = 0;
+  for (const std::vector<int32_t>& prompt : Prompts("qwen3_moe")) {
+    for (const bool seeded : {false, true}) {
+      const Stream off = Generate(prompt, seeded, 0);
+      ASSERT_TRUE(off.status.ok()) << off.status.error_message();
+      EXPECT_EQ(off.usage.draft_tokens(), 0);
+      // Concurrent requests, each speculating, so the verify rows share steps.
+      std::vector<std::thread> threads;
+      std::vector<Stream> on(3);
+      for (int i = 0; i < 3; ++i) {
+        threads.emplace_back([&, i] { on[i] = Generate(prompt, seeded, i == 0 ? std::nullopt : std::optional(i)); });
+      }
+      for (std::thread& t : threads) t.join();
+      for (int i = 0; i < 3; ++i) {
+        ASSERT_TRUE(on[i].status.ok()) << on[i].status.error_message();
+        EXPECT_EQ(on[i].tokens, off.tokens) << (seeded ? "seeded" : "greedy") << " n_max " << i;
+        EXPECT_LE(on[i].usage.accepted_draft_tokens(), on[i].usage.draft_tokens());
+        if (i > 0) EXPECT_LE(on[i].usage.draft_tokens(), i * on[i].usage.spec_drafts());
+        drafted += on[i].usage.draft_tokens();
+        accepted += on[i].usage.accepted_draft_tokens();
+      }
+      // The OpenAI API, with the request's speculation on and off.
+      json body = {{"prompt", prompt}, {"max_tokens", 32}, {"ignore_eos", true},
+                   {"return_token_ids", true}};
+      if (seeded) {
+        body.update({{"temperature", 0.7}, {"top_p", 0.9}, {"repetition_penalty", 1.1}, {"presence_penalty", 0.2},
+                     {"frequency_penalty", 0.1}, {"seed", 21}});
+      } else {
+        body["temperature"] = 0;
+      }
+      const auto [status, plain] = Post("/v1/completions", body);
+      ASSERT_EQ(status, 200) << plain;
+      body["speculative"] = "off";
+      const auto [status_off, none] = Post("/v1/completions", body);
+      ASSERT_EQ(status_off, 200) << none;
+      EXPECT_EQ(plain["choices"][0]["token_ids"].get<std::vector<int32_t>>(), off.tokens);
+      EXPECT_EQ(none["choices"][0]["token_ids"].get<std::vector<int32_t>>(), off.tokens);
+      const json& details = plain["usage"]["completion_tokens_details"];
+      EXPECT_EQ(none["usage"]["completion_tokens_details"]["accepted_prediction_tokens"], 0);
+      EXPECT_EQ(none["usage"]["completion_tokens_details"]["rejected_prediction_tokens"], 0);
+      drafted += details["accepted_prediction_tokens"].get<int>() + details["rejected_prediction_tokens"].get<int>();
+      accepted += details["accepted_prediction_tokens"].get<int>();
+    }
+  }
+  EXPECT_GT(accepted, 0) << "no draft was ever kept";
+  EXPECT_GT(drafted, accepted) << "no draft was ever rejected";
+
+  // Bad overrides name the field.
+  const auto [bad_status, bad] = Post("/v1/completions", json{{"prompt", {1, 2}}, {"speculative", {{"n_max", 17}}}});
+  EXPECT_EQ(bad_status, 400);
+  EXPECT_EQ(bad["error"]["param"], "speculative");
+  EXPECT_THAT(bad["error"]["message"].get<std::string>(), HasSubstr("speculative.n_max: 17 is not an integer in 0..16"));
+  const auto [shape_status, shape] = Post("/v1/completions", json{{"prompt", {1, 2}}, {"speculative", "on"}});
+  EXPECT_EQ(shape_status, 400);
+  EXPECT_THAT(shape["error"]["message"].get<std::string>(), HasSubstr("expected \"off\" or {\"n_max\": N}"));
+  const Stream too_many = Generate({1, 2, 3}, false, 17);
+  EXPECT_EQ(too_many.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(too_many.status.error_message(), HasSubstr("speculative.n_max: must be between 0 and 16, got 17"));
+
+  // The request log and the metrics count what the responses reported.
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_THAT(log, HasSubstr("\"accepted_draft_tokens\":"));
+  EXPECT_THAT(log, HasSubstr("\"draft_tokens\":"));
+  auto metrics = http_->Get("/metrics");
+  ASSERT_TRUE(metrics);
+  auto counter = [&](const std::string& name) -> int64_t {
+    std::smatch m;
+    const std::regex line("\n" + std::regex_replace(name, std::regex(R"([{}"])"), R"(\$&)") + " ([0-9]+)\n");
+    return std::regex_search(metrics->body, m, line) ? std::stoll(m[1]) : -1;
+  };
+  EXPECT_EQ(counter("moeserve_spec_decode_num_draft_tokens"), drafted) << metrics->body;
+  EXPECT_EQ(counter("moeserve_spec_decode_num_accepted_tokens"), accepted);
+  EXPECT_GT(counter("moeserve_spec_decode_num_drafts"), 0);
+  const int64_t first = counter("moeserve_spec_decode_num_accepted_tokens_per_pos{position=\"0\"}");
+  const int64_t second = counter("moeserve_spec_decode_num_accepted_tokens_per_pos{position=\"1\"}");
+  const int64_t third = counter("moeserve_spec_decode_num_accepted_tokens_per_pos{position=\"2\"}");
+  EXPECT_GT(first, 0);
+  EXPECT_GE(first, second);
+  EXPECT_GE(second, third);
+  EXPECT_EQ(first + second + third, accepted);
+  EXPECT_EQ(counter("moeserve_spec_decode_num_accepted_tokens_per_pos{position=\"3\"}"), -1);
+}
+
+// `moeserve generate --spec-type ngram` prints the tokens of --spec-type off, with its counts.
+TEST(SpecDecodeCliTest, GenerateWithNgramDraftsPrintsTheSameTokens) {
+  const std::vector<int32_t> prompt = Prompts("mixtral").back();
+  for (const std::vector<std::string>& sampling :
+       {std::vector<std::string>{}, std::vector<std::string>{"--temperature", "0.7", "--top-p", "0.9", "--seed", "5"}}) {
+    std::vector<std::string> args = {"generate", "--model", testing::FixtureDir("mixtral"), "--prompt-ids",
+                                     absl::StrJoin(prompt, ","), "--max-new-tokens", "40", "--ignore-eos", "--json",
+                                     "--threads", "2"};
+    args.insert(args.end(), sampling.begin(), sampling.end());
+    const testing::CommandResult off = testing::RunMoeserve(args);
+    ASSERT_EQ(off.exit_code, 0) << off.err;
+    args.insert(args.end(), {"--spec-type", "ngram", "--spec-n-max", "4", "--spec-adaptive", "off"});
+    const testing::CommandResult on = testing::RunMoeserve(args);
+    ASSERT_EQ(on.exit_code, 0) << on.err;
+    const json a = json::parse(off.out), b = json::parse(on.out);
+    EXPECT_EQ(a["generated_ids"], b["generated_ids"]);
+    EXPECT_EQ(a["draft_tokens"], 0);
+    EXPECT_GT(b["accepted_draft_tokens"].get<int>(), 0) << on.out;
+    EXPECT_GT(b["draft_tokens"].get<int>(), b["accepted_draft_tokens"].get<int>()) << on.out;
+    EXPECT_LT(b["decode_steps"].get<int>(), a["decode_steps"].get<int>());
+  }
+}
+
+TEST(SpecDecodeCliTest, MethodsNotBuiltAndBadValuesAreRefusedNamingTheFlag) {
+  const std::string model = testing::FixtureDir("glm4_moe");
+  struct Case {
+    std::vector<std::string> args;
+    const char* message;
+  };
+  for (const Case& c : std::vector<Case>{
+           {{"generate", "--model", model, "--prompt-ids", "1,2", "--spec-type", "mtp"},
+            "--spec-type mtp: type mtp: drafting with the checkpoint's nextn (MTP) layers is not built yet"},
+           {{"generate", "--model", model, "--prompt-ids", "1,2", "--spec-type", "draft"},
+            "type draft needs a draft model (--draft-model DIR)"},
+           {{"serve", "--model", model, "--spec-type", "draft", "--draft-model", model},
+            "drafting with a second model is not built yet"},
+           {{"generate", "--model", model, "--prompt-ids", "1,2", "--draft-model", model},
+            "--draft-model needs --spec-type draft (got --spec-type off)"},
+           {{"generate", "--model", model, "--prompt-ids", "1,2", "--spec-type", "eagle"}, "--spec-type"},
+           {{"serve", "--model", model, "--spec-type", "ngram", "--spec-n-max", "17"}, "--spec-n-max"},
+           {{"bench", "serve", "--target", "127.0.0.1:1", "--spec-type", "ngram"},
+            "--spec-type sets the speculative decoding of the server --model starts"},
+       }) {
+    const testing::CommandResult r = testing::RunMoeserve(c.args);
+    EXPECT_EQ(r.exit_code, 2) << absl::StrJoin(c.args, " ") << "\n" << r.err;
+    EXPECT_THAT(r.err, HasSubstr(c.message)) << absl::StrJoin(c.args, " ");
+  }
+}
+
+// `serve --config` with a tensor split over two Gloo workers and the file's speculative key: the
+// frontend drafts, both workers verify the rows the plan carries.
+TEST(SpecDecodeClusterTest, ATensorSplitServesTheSameTokensWithNgramDrafts) {
+  testing::ScratchDir dir;
+  const std::string shm = "moeserve-spec-test-" + std::to_string(::getpid());
+  const std::string path = dir / "cluster.yaml";
+  std::ofstream(path) << "model: " << testing::FixtureDir("qwen3_moe") << "\n"
+                      << "nodes:\n  - {host: 127.0.0.1, workers: 2}\n"
+                      << "parallel: {mode: tensor, size: 2}\n"
+                      << "experts:\n  cpu_pool: {dtype: bf16, shm: " << shm << "}\n"
+                      << "scheduler: {max_seqs: 8, kv_cache_mb: 64, drain_seconds: 2}\n"
+                      << "speculative: {type: ngram, n_max: 3, adaptive: false}\n"
+                      << "server: {listen: 127.0.0.1:0, http: 'off'}\n";
+  testing::ServeProcess serve({"--config", path});
+  ASSERT_GT(serve.port(), 0) << serve.err();
+  auto stub = pb::Generation::NewStub(
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", serve.port()), grpc::InsecureChannelCredentials()));
+  int drafted = 0, accepted = 0;
+  const std::vector<std::vector<int32_t>> prompts = Prompts("qwen3_moe");
+  for (const std::vector<int32_t>& prompt : {prompts[0], prompts[1], prompts.back()}) {
+    for (const bool seeded : {false, true}) {
+      std::vector<int32_t> tokens[2];
+      for (const bool off : {true, false}) {
+        pb::GenerateRequest r;
+        r.mutable_token_ids()->Add(prompt.begin(), prompt.end());
+        r.mutable_stopping()->set_max_new_tokens(32);
+        r.mutable_stopping()->set_ignore_eos(true);
+        if (seeded) {
+          r.mutable_sampling()->set_temperature(0.7f);
+          r.mutable_sampling()->set_top_p(0.9f);
+          r.mutable_sampling()->set_repetition_penalty(1.1f);
+          r.mutable_sampling()->set_frequency_penalty(0.1f);
+          r.mutable_sampling()->set_seed(3);
+        }
+        if (off) r.mutable_speculative()->set_off(true);
+        grpc::ClientContext ctx;
+        ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+        auto reader = stub->Generate(&ctx, r);
+        pb::GenerateResponse msg;
+        while (reader->Read(&msg)) {
+          tokens[off].insert(tokens[off].end(), msg.token_ids().begin(), msg.token_ids().end());
+          if (msg.has_usage() && !off) {
+            drafted += msg.usage().draft_tokens();
+            accepted += msg.usage().accepted_draft_tokens();
+          }
+        }
+        const grpc::Status status = reader->Finish();
+        ASSERT_TRUE(status.ok()) << status.error_message() << "\n" << serve.err();
+      }
+      EXPECT_EQ(tokens[0], tokens[1]) << (seeded ? "seeded" : "greedy");
+      EXPECT_EQ(tokens[1].size(), 32u);
+    }
+  }
+  EXPECT_GT(accepted, 0) << "no draft was ever kept";
+  EXPECT_GT(drafted, accepted) << "no draft was ever rejected";
+  EXPECT_EQ(serve.Stop(SIGTERM), 0) << serve.err();
+  for (const std::string& name : {shm, shm + "-s0", shm + "-s1"}) (void)experts::HostArena::Unlink(name);
+}
+
+TEST(SpecDecodeClusterTest, BadSpeculativeKeysNameTheLineAndKey) {
+  testing::ScratchDir dir;
+  const std::string head = "model: " + testing::FixtureDir("qwen3_moe") + "\nnodes:\n  - {host: 127.0.0.1, workers: 1}\n";
+  for (const auto& [body, message] : std::vector<std::pair<std::string, std::string>>{
+           {"speculative: {type: eagle}\n", "speculative.type: 'eagle' is not a speculative method"},
+           {"speculative: {type: ngram, n_max: 40}\n", "speculative.n_max: 40 is outside [1, 16]"},
+           {"speculative: {type: ngram, depth: 2}\n", "speculative.depth: unknown key; speculative takes"},
+           {"speculative: {type: mtp}\n", "not built yet"},
+           {"speculative: {type: ngram, model: /m}\n", "only read with type draft"},
+       }) {
+    const std::string path = dir / "c.yaml";
+    std::ofstream(path) << head << body;
+    const testing::CommandResult r = testing::RunMoeserve({"serve", "--config", path});
+    EXPECT_EQ(r.exit_code, 2) << body << r.err;
+    EXPECT_THAT(r.err, HasSubstr(message)) << body;
+  }
+}
+
+}  // namespace
+}  // namespace moe
