@@ -213,8 +213,11 @@ int BenchServe(const ServeBenchFlags& flags) {
     if (absl::Status s = CheckListenAddress(flags.target, "target"); !s.ok()) return Fail(s, 2);
     o.target = flags.target;
   }
-  std::unique_ptr<runtime::Model> model;
+  std::unique_ptr<runtime::Model> model, draft_model;
   std::unique_ptr<scheduler::Frontend> frontend;
+  if (flags.spec.type == "mtp" && !flags.model.empty()) {
+    return Fail(CheckMtpHead(flags.model, "--spec-type mtp"), 2);
+  }
   auto spec_config = flags.spec.Config();
   if (!spec_config.ok()) return Fail(spec_config.status(), 2);
   const runtime::SpeculativeConfig speculative = *spec_config;
@@ -223,6 +226,10 @@ int BenchServe(const ServeBenchFlags& flags) {
                                            "a --target server takes it from its own serve flags"),
                 2);
   }
+  if (speculative.type == runtime::SpecType::kDraft) {
+    if (absl::Status s = CheckDraftVocabulary(flags.model, speculative.draft_model); !s.ok()) return Fail(s, 2);
+  }
+  runtime::ModelOptions model_options;
   // With --model, a server in this process: the prefix cache on or off.
   auto start_server = [&](bool prefix_cache) -> absl::Status {
     if (frontend) frontend->Shutdown();
@@ -239,7 +246,13 @@ int BenchServe(const ServeBenchFlags& flags) {
     fo.scheduler.draft_adaptive = speculative.adaptive;
     auto executor = runtime::ModelExecutor::Create(*model, /*num_blocks=*/4096, fo.scheduler.block_size);
     if (!executor.ok()) return executor.status();
-    auto started = scheduler::Frontend::Start(*std::move(executor), fo);
+    std::unique_ptr<runtime::Executor> serving = *std::move(executor);
+    if (speculative.type == runtime::SpecType::kDraft) {
+      auto drafting = WithDraftModel(std::move(serving), speculative, model_options, fo.scheduler.max_seqs, &draft_model);
+      if (!drafting.ok()) return drafting.status();
+      serving = *std::move(drafting);
+    }
+    auto started = scheduler::Frontend::Start(std::move(serving), fo);
     if (!started.ok()) return started.status();
     frontend = std::move(*started);
     o.target = absl::StrCat("127.0.0.1:", frontend->port());
@@ -247,7 +260,6 @@ int BenchServe(const ServeBenchFlags& flags) {
   };
   if (!flags.model.empty()) {
     if (absl::Status s = CheckModelFlags(flags.device, flags.experts, "bench serve"); !s.ok()) return Fail(s, 2);
-    runtime::ModelOptions model_options;
     model_options.pool.progress = false;
     model_options.max_step_tokens = flags.max_batch_tokens;
     model_options.max_logit_rows = MaxLogitRows(64, flags.max_batch_tokens, speculative);  // max_seqs below

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "flags.h"
+#include "model_loading.h"
 #include "moe/comm/tcp_socket.h"
 #include "moe/core/status.h"
 #include "moe/experts/packed.h"
@@ -250,6 +251,14 @@ absl::Status ReadSpeculative(const Reader& r, const YAML::Node& s, ClusterConfig
   MOE_RETURN_IF_ERROR(r.Get(s, w, "adaptive", &spec.adaptive));
   MOE_RETURN_IF_ERROR(r.Get(s, w, "model", &spec.draft_model));
   MOE_RETURN_IF_ERROR(r.Get(s, w, "device", &spec.draft_device));
+  if (spec.type == runtime::SpecType::kMtp) {
+    return r.Error(s["type"], w + ".type", std::string(CheckMtpHead(c->model, "type mtp").message()));
+  }
+  if (spec.type == runtime::SpecType::kDraft) {
+    return r.Error(s["type"], w + ".type",
+                   "a draft model is served by one process (serve --model DIR --spec-type draft --draft-model DIR) "
+                   "for now, not by a deployment; use ngram here");
+  }
   if (absl::Status v = spec.Validate(); !v.ok()) {
     const YAML::Node at = s[v.message().find("n_max") == 0 ? "n_max" : "type"];
     return r.Error(at.IsDefined() ? at : s, w, std::string(v.message()));

@@ -250,8 +250,14 @@ int RunServe(const ServeFlags& flags) {
   model_options.threads = flags.threads;
   WarnIfMoreThreadsThanCores(flags.threads, "threads", "serve");
   if (absl::Status s = CheckModelFlags(flags.device, flags.experts, "serve"); !s.ok()) return Fail(s, 2);
+  if (flags.spec.type == "mtp") return Fail(CheckMtpHead(flags.model, "--spec-type mtp"), 2);
   auto speculative = flags.spec.Config();
   if (!speculative.ok()) return Fail(speculative.status(), 2);
+  if (speculative->type == runtime::SpecType::kDraft) {
+    if (absl::Status s = CheckDraftVocabulary(flags.model, speculative->draft_model); !s.ok()) return Fail(s, 2);
+  }
+  // Declared before the frontend, which ends the executor that reads it.
+  std::unique_ptr<runtime::Model> draft_model;
   // The largest step: the token budget, and a logit row for each sequence and draft at most.
   model_options.max_step_tokens = flags.max_batch_tokens;
   model_options.max_logit_rows = MaxLogitRows(flags.max_seqs, flags.max_batch_tokens, *speculative);
@@ -317,9 +323,15 @@ int RunServe(const ServeFlags& flags) {
   // outlives it: Drain below ends the engine, and the executor with it.
   auto executor = runtime::ModelExecutor::Create(**model, sc.num_blocks, sc.block_size);
   if (!executor.ok()) return Fail(executor.status(), 1);
-  const runtime::KvCapacity kv = (*executor)->kv_capacity();
+  std::unique_ptr<runtime::Executor> serving = *std::move(executor);
+  if (speculative->type == runtime::SpecType::kDraft) {
+    auto drafting = WithDraftModel(std::move(serving), *speculative, model_options, flags.max_seqs, &draft_model);
+    if (!drafting.ok()) return Fail(drafting.status(), 1);
+    serving = *std::move(drafting);
+  }
+  const runtime::KvCapacity kv = serving->kv_capacity();
   (*frontend)->set_scheduler(sc, options.placement);
-  if (absl::Status s = (*frontend)->Serve(*std::move(executor)); !s.ok()) {
+  if (absl::Status s = (*frontend)->Serve(std::move(serving)); !s.ok()) {
     return Fail(s, s.code() == absl::StatusCode::kInvalidArgument ? 2 : 1);
   }
   std::cerr << absl::StrFormat(

@@ -47,8 +47,11 @@ absl::Status SpeculativeConfig::Validate() const {
           "type mtp: drafting with the checkpoint's nextn (MTP) layers is not built yet; use ngram, or off");
     case SpecType::kDraft:
       if (draft_model.empty()) return absl::InvalidArgumentError("type draft needs a draft model (--draft-model DIR)");
-      return absl::FailedPreconditionError(
-          "type draft: drafting with a second model is not built yet; use ngram, or off");
+      if (!draft_device.empty() && draft_device != "cpu") {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "type draft: the draft model runs on the CPU backend for now (device cpu), not '", draft_device, "'"));
+      }
+      return absl::OkStatus();
   }
   return absl::OkStatus();
 }
