@@ -100,8 +100,11 @@ TEST(SpecDecodeTest, GenerateWithNgramDraftsChangesNothingOnEveryArchitecture) {
           ASSERT_TRUE(got.ok()) << got.status();
           EXPECT_EQ(got->generated_ids, want->generated_ids)
               << arch << " temperature " << sampling.temperature << (adaptive ? " adaptive" : "");
-          drafted += got->draft_tokens;
-          accepted += got->accepted_draft_tokens;
+          // The adaptive length depends on this machine's step times: only the fixed one is counted.
+          if (!adaptive) {
+            drafted += got->draft_tokens;
+            accepted += got->accepted_draft_tokens;
+          }
           EXPECT_EQ(got->decode_steps + got->accepted_draft_tokens, 39) << arch;
         }
       }
@@ -206,8 +209,11 @@ TEST(SpecDecodeTest, MixedBatchesThroughTheSchedulerChangeNothingAndFreeEveryBlo
           drafted += d.draft_tokens;
           accepted += d.accepted;
         }
-        EXPECT_GT(accepted, 0) << arch << ": no draft was ever kept";
-        EXPECT_GT(drafted, accepted) << arch << ": no draft was ever rejected";
+        // The adaptive length depends on this machine's step times: it may draft little or nothing.
+        if (!adaptive) {
+          EXPECT_GT(accepted, 0) << arch << ": no draft was ever kept";
+          EXPECT_GT(drafted, accepted) << arch << ": no draft was ever rejected";
+        }
       }
     }
   }
@@ -531,6 +537,22 @@ TEST(SpecDecodeCliTest, GenerateWithNgramDraftsPrintsTheSameTokens) {
   }
   EXPECT_GT(accepted, 0) << "no draft was ever kept";
   EXPECT_GT(drafted, accepted) << "no draft was ever rejected";
+}
+
+// `bench serve --model DIR --spec-type ngram` starts its server with speculation and reports what
+// the drafts were worth, from the final messages.
+TEST(SpecDecodeCliTest, BenchServeReportsTheDrafts) {
+  const testing::CommandResult r = testing::RunMoeserve(
+      {"bench", "serve", "--model", testing::FixtureDir("qwen3_moe"), "--spec-type", "ngram", "--spec-adaptive", "off",
+       "--concurrency", "2", "--requests", "4", "--prompt-len", "24", "--prompt-period", "6", "--output-len", "24",
+       "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const json rows = json::parse(r.out.substr(r.out.find('[')));
+  ASSERT_EQ(rows.size(), 1u) << r.out;
+  EXPECT_EQ(rows[0]["failed"], 0);
+  EXPECT_GT(rows[0]["draft_tokens"].get<int>(), 0) << r.out;
+  EXPECT_GT(rows[0]["spec_drafts"].get<int>(), 0);
+  EXPECT_LE(rows[0]["accepted_draft_tokens"].get<int>(), rows[0]["draft_tokens"].get<int>());
 }
 
 TEST(SpecDecodeCliTest, MethodsNotBuiltAndBadValuesAreRefusedNamingTheFlag) {

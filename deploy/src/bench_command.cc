@@ -355,6 +355,11 @@ void AddBenchServe(CLI::App& bench, CommandRun* selected) {
   app->add_option("--prompt-len", f->options.prompt_len, "prompt tokens (random ids)")
       ->check(IntIn(1, 1 << 20))
       ->capture_default_str();
+  app->add_option("--prompt-period", f->options.prompt_period,
+                  "prompts that repeat a random run of this many tokens (text that repeats itself, where "
+                  "--spec-type ngram pays); 0: random throughout")
+      ->check(IntIn(0, 1 << 20))
+      ->capture_default_str();
   app->add_option("--output-len", f->options.output_len, "tokens generated per request")
       ->check(IntIn(1, 1 << 20))
       ->capture_default_str();
