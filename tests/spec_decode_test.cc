@@ -338,6 +338,54 @@ TEST(SpecDecodeTest, DraftModelsChangeNothing) {
   }
 }
 
+// With the KV cache nearly full, drafts never cost a preemption: a sequence that always carries 16
+// (wrong) drafts beside one that ends early gets its drafts only from blocks the other does not
+// need, and both decode as they would without drafts.
+TEST(SpecDecodeTest, DraftsNeverPreemptASequence) {
+  auto model = LoadFixture("qwen3_moe");
+  ASSERT_NE(model, nullptr);
+  class Longest : public scheduler::DraftProposer {
+   public:
+    void Propose(const std::string&, std::span<const int32_t> tokens, int max_draft,
+                 std::vector<int32_t>* draft) override {
+      for (int i = 0; i < max_draft; ++i) draft->push_back((tokens.back() + 7 * i + 1) % 512);
+    }
+  } longest;
+  auto run = [&](int max_draft) {
+    scheduler::SchedulerConfig c;
+    // r0 needs 10 blocks at the end and r1 5; r1 ends first, so without drafts they fit in 10.
+    c.num_blocks = 10;
+    c.block_size = 4;
+    c.vocab_size = model->spec().vocab_size;
+    c.context = 64;
+    c.prefix_cache = false;
+    c.max_draft = max_draft;
+    auto executor = runtime::ModelExecutor::Create(*model, c.num_blocks, c.block_size);
+    EXPECT_TRUE(executor.ok());
+    scheduler::Scheduler s(c);
+    s.set_proposer(&longest);
+    for (int i = 0; i < 2; ++i) {
+      scheduler::Request q;
+      q.id = absl::StrCat("r", i);
+      q.prompt = {1, 2, 3};
+      q.sampling = Greedy();
+      q.stopping.max_new_tokens = i == 0 ? 36 : 14;
+      q.stopping.ignore_eos = true;
+      EXPECT_TRUE(s.Add(q).ok());
+    }
+    Served served = RunToEnd(s, **executor);
+    EXPECT_EQ(s.stats().preemptions, 0) << "max_draft " << max_draft;
+    EXPECT_EQ(s.stats().blocks_used, 0);
+    return served;
+  };
+  const Served want = run(0);
+  const Served got = run(16);
+  EXPECT_EQ(got.tokens, want.tokens);
+  int drafted = 0;
+  for (const auto& [id, d] : got.drafts) drafted += d.draft_tokens;
+  EXPECT_GT(drafted, 0);
+}
+
 // gRPC and the OpenAI API of one server with n-gram speculation: the same tokens with the
 // request's speculation on and off, the counts in the final message, the usage, the request log and
 // the metrics.

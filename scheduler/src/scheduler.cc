@@ -376,13 +376,31 @@ std::vector<Scheduler::Scheduled> Scheduler::Schedule(std::vector<Output>* outpu
   // For the draft-length controller: the step's rows and served tokens without drafts are about
   // the rows planned so far and one for each running sequence not yet planned.
   int unplanned = static_cast<int>(running_.size());
-  auto schedule = [&](Sequence* seq, bool may_preempt) {
+  // Blocks the running sequences from index i on need for their own pending tokens: drafts take
+  // only the free blocks beyond those, so that they never cost another sequence its step or its
+  // place (a preemption).
+  std::vector<int> own_need(running_.size() + 1, 0);
+  for (size_t i = running_.size(); i-- > 0;) {
+    const Sequence* r = running_[i];
+    const int need = runtime::BlocksFor(static_cast<int64_t>(r->tokens.size()), config_.block_size) -
+                     static_cast<int>(r->blocks.size());
+    own_need[i] = own_need[i + 1] + std::max(need, 0);
+  }
+  auto schedule = [&](Sequence* seq, bool may_preempt, int reserve) {
     const int64_t pending = static_cast<int64_t>(seq->tokens.size()) - seq->computed;
     const int32_t count = static_cast<int32_t>(std::min<int64_t>(pending, budget));
     if (count <= 0) return false;
     const int rows = config_.max_batch_tokens - budget + std::max(unplanned, 1);
-    const int num_draft =
+    int num_draft =
         count == pending ? ProposeDrafts(seq, budget, rows, std::max(static_cast<int>(running_.size()), 1)) : 0;
+    if (num_draft > 0) {
+      const int need = runtime::BlocksFor(seq->computed + count + num_draft, config_.block_size) -
+                       static_cast<int>(seq->blocks.size());
+      if (need > blocks_.num_free() - reserve) {
+        seq->draft.clear();
+        num_draft = 0;
+      }
+    }
     if (!EnsureBlocks(seq, seq->computed + count + num_draft, may_preempt)) {
       seq->draft.clear();
       return false;
@@ -394,14 +412,14 @@ std::vector<Scheduler::Scheduled> Scheduler::Schedule(std::vector<Output>* outpu
   // Running sequences first (decode tokens, then unfinished prefills), oldest first; a sequence
   // preempted on the way drops out of this step.
   for (size_t i = 0; i < running_.size() && budget > 0; ++i) {
-    schedule(running_[i], /*may_preempt=*/true);
+    schedule(running_[i], /*may_preempt=*/true, own_need[std::min(i + 1, running_.size())]);
     --unplanned;
   }
   // Then new requests, first come first served, while blocks and slots last (no preemption).
   while (!waiting_.empty() && budget > 0 && static_cast<int>(running_.size()) < config_.max_seqs) {
     Sequence* seq = waiting_.front();
     TakeCachedPrefix(seq);
-    if (!schedule(seq, /*may_preempt=*/false)) {
+    if (!schedule(seq, /*may_preempt=*/false, /*reserve=*/0)) {
       // It waits on: the cached blocks it took go back (still cached) until it can start.
       blocks_.Release(&seq->blocks);
       seq->computed = 0;

@@ -16,7 +16,9 @@
 // sequence carries up to max_draft drafts a step; the executor keeps those its sampler agrees with
 // (executor.h: SequenceResult), the stop conditions are checked after each token kept, and the
 // next step starts after the kept ones (the rejected positions are written again, and blocks
-// taken for rejected drafts go back the same step). With draft_type kNgram and no DraftProposer
+// taken for rejected drafts go back the same step). Drafts take only the free blocks beyond those
+// the other running sequences need for their own tokens: a sequence without room for its drafts
+// decodes without them rather than cost another a preemption. With draft_type kNgram and no DraftProposer
 // set, the scheduler drafts from n-grams of each sequence's prompt and output itself; with
 // draft_adaptive, a DraftController (moe/runtime/speculative.h) picks each sequence's draft length
 // per step from the measured step times and the sequence's acceptance, down to none.
