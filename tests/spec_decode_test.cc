@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <regex>
@@ -22,6 +23,7 @@
 #include "moe/runtime/draft_model_executor.h"
 #include "moe/runtime/generate.h"
 #include "moe/runtime/model_executor.h"
+#include "moe/runtime/weight_source.h"
 #include "moe/scheduler/frontend.h"
 #include "moe/scheduler/http_server.h"
 #include "moe/scheduler/scheduler.h"
@@ -724,6 +726,62 @@ TEST(SpecDecodeCliTest, ADraftModelWithAnotherVocabularyIsRefused) {
       {"serve", "--model", testing::FixtureDir("qwen3_moe"), "--spec-type", "draft", "--draft-model", draft});
   EXPECT_EQ(none.exit_code, 2) << none.err;
   EXPECT_THAT(none.err, HasSubstr("--draft-model: the vocabularies cannot be compared"));
+}
+
+// A copy of the glm4_moe fixture with the nextn layer its config declares (layer 4: the last
+// decoder layer's tensors under its id, and the head's norms and projection, zero): the head is
+// found, and drafting with it is refused as not built.
+TEST(SpecDecodeCliTest, AnMtpHeadThatIsPresentIsRefusedAsNotBuilt) {
+  testing::ScratchDir dir;
+  const std::string model = dir / "glm";
+  testing::CopyFixture("glm4_moe", model);
+  std::vector<runtime::TensorEntry> added;
+  testing::RewriteWeights(model, [&](runtime::TensorEntry& e) {
+    const std::string layer3 = "model.layers.3.";
+    if (e.name.rfind(layer3, 0) == 0) {
+      runtime::TensorEntry copy = e;
+      copy.name = "model.layers.4." + e.name.substr(layer3.size());
+      added.push_back(copy);
+    }
+    if (e.name == "model.norm.weight") {
+      for (const char* name : {"enorm", "hnorm", "shared_head.norm"}) {
+        runtime::TensorEntry norm = e;
+        norm.name = std::string("model.layers.4.") + name + ".weight";
+        added.push_back(norm);
+      }
+      runtime::TensorEntry proj = e;
+      proj.name = "model.layers.4.eh_proj.weight";
+      proj.shape = core::Shape({e.shape[0], 2 * e.shape[0]});
+      added.push_back(proj);
+    }
+    return true;
+  });
+  ASSERT_FALSE(added.empty());
+  // Write the fixture's tensors again with the new ones (zero) beside them.
+  {
+    auto source = runtime::OpenSafetensorsFile(model + "/model.safetensors");
+    ASSERT_TRUE(source.ok()) << source.status();
+    std::vector<runtime::TensorEntry> entries;
+    std::vector<std::string> bytes;
+    for (const std::string& name : (*source)->Names()) {
+      auto view = (*source)->Get(name);
+      entries.push_back(runtime::TensorEntry{name, view->dtype, view->shape});
+      bytes.emplace_back(static_cast<const char*>(view->data), view->bytes());
+    }
+    for (const runtime::TensorEntry& e : added) {
+      entries.push_back(e);
+      bytes.emplace_back(e.bytes(), '\0');
+    }
+    source->reset();
+    auto writer = runtime::SafetensorsWriter::Create(model + "/model.safetensors", entries);
+    ASSERT_TRUE(writer.ok()) << writer.status();
+    for (size_t i = 0; i < entries.size(); ++i) std::memcpy(writer->data(i), bytes[i].data(), bytes[i].size());
+    ASSERT_TRUE(writer->Finish().ok());
+  }
+  const testing::CommandResult r = testing::RunMoeserve({"generate", "--model", model, "--prompt-ids", "1,2",
+                                                         "--spec-type", "mtp"});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("has its MTP (nextn) layer, but drafting with it is not built yet")) << r.err;
 }
 
 TEST(SpecDecodeClusterTest, BadSpeculativeKeysNameTheLineAndKey) {
