@@ -636,15 +636,18 @@ TEST(SpecDecodeCliTest, MethodsNotBuiltAndBadValuesAreRefusedNamingTheFlag) {
   }
 }
 
-// `serve --config` with a tensor split over two Gloo workers and the file's speculative key: the
-// frontend drafts, both workers verify the rows the plan carries.
-TEST(SpecDecodeClusterTest, ATensorSplitServesTheSameTokensWithNgramDrafts) {
+// `serve --config` with a tensor split (and a layer split) over two Gloo workers and the file's
+// speculative key: the frontend drafts, both workers verify the rows the plan carries.
+class SpecDecodeClusterSplitTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(SpecDecodeClusterSplitTest, ServesTheSameTokensWithNgramDrafts) {
   testing::ScratchDir dir;
-  const std::string shm = "moeserve-spec-test-" + std::to_string(::getpid());
+  const std::string shm = "moeserve-spec-test-" + std::to_string(::getpid()) + "-" + GetParam();
   const std::string path = dir / "cluster.yaml";
   std::ofstream(path) << "model: " << testing::FixtureDir("qwen3_moe") << "\n"
                       << "nodes:\n  - {host: 127.0.0.1, workers: 2}\n"
-                      << "parallel: {mode: tensor, size: 2}\n"
+                      << "parallel: "
+                      << (GetParam() == "tensor" ? "{mode: tensor, size: 2}" : "{mode: layer, stages: 2}") << "\n"
                       << "experts:\n  cpu_pool: {dtype: bf16, shm: " << shm << "}\n"
                       << "scheduler: {max_seqs: 8, kv_cache_mb: 64, drain_seconds: 2}\n"
                       << "speculative: {type: ngram, n_max: 3, adaptive: false}\n"
@@ -694,6 +697,9 @@ TEST(SpecDecodeClusterTest, ATensorSplitServesTheSameTokensWithNgramDrafts) {
   EXPECT_EQ(serve.Stop(SIGTERM), 0) << serve.err();
   for (const std::string& name : {shm, shm + "-s0", shm + "-s1"}) (void)experts::HostArena::Unlink(name);
 }
+
+INSTANTIATE_TEST_SUITE_P(Splits, SpecDecodeClusterSplitTest, ::testing::Values("tensor", "layer"),
+                         [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
 
 // A draft model whose tokenizer differs from the target's is refused at start, naming the first id
 // that differs; `serve --spec-type draft` with the fixture as its own draft serves the same tokens.
