@@ -55,8 +55,12 @@ absl::StatusOr<StepResult> DraftModelExecutor::Execute(const StepPlan& plan) {
     c.want_drafts = 0;
   }
   mirror.released = plan.released;
-  MOE_RETURN_IF_ERROR(core::Annotate(draft_->Execute(mirror).status(), "draft model"));
-  MOE_RETURN_IF_ERROR(Propose(plan, &result));
+  // The target's tokens stand whatever happens to the draft (a position past its context, say):
+  // a step it cannot follow proposes nothing, and only later drafts may be worse for it.
+  if (!draft_->Execute(mirror).ok()) return result;
+  if (absl::Status s = Propose(plan, &result); !s.ok()) {
+    for (SequenceResult& r : result.sequences) r.drafts.clear();
+  }
   return result;
 }
 

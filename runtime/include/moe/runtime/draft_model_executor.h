@@ -6,7 +6,8 @@
 // step to verify. The target's sampler checks every draft, so the tokens served do not depend on
 // the draft model; a draft that agrees with the target only makes steps serve more tokens.
 //
-// The draft's cache holds the target's blocks plus scratch blocks for the chained proposals
+// The draft model never fails a step: one it cannot run (a position past its context) proposes
+// nothing. The draft's cache holds the target's blocks plus scratch blocks for the chained proposals
 // (positions past a sequence's block table), so a proposal never writes a block the scheduler gave
 // another sequence. The caller checks that the two models share a vocabulary (the tokenizer's
 // token texts) before pairing them.
