@@ -701,6 +701,49 @@ TEST_P(SpecDecodeClusterSplitTest, ServesTheSameTokensWithNgramDrafts) {
 INSTANTIATE_TEST_SUITE_P(Splits, SpecDecodeClusterSplitTest, ::testing::Values("tensor", "layer"),
                          [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
 
+// A draft model with a shorter context than the sequences reach stops proposing there; the target's
+// tokens are served all the same.
+TEST(SpecDecodeTest, ADraftModelPastItsContextProposesNothingAndFailsNothing) {
+  testing::ScratchDir dir;
+  const std::string short_dir = dir / "short";
+  testing::CopyFixture("qwen3_moe", short_dir);
+  testing::EditConfig(short_dir, [](json& c) { c["max_position_embeddings"] = 24; });
+  auto target = LoadFixture("qwen3_moe");
+  runtime::ModelOptions options;
+  options.pool.progress = false;
+  options.threads = 2;
+  options.pool.threads = 2;
+  auto draft = runtime::Model::Load(short_dir, options);
+  ASSERT_TRUE(draft.ok()) << draft.status();
+  auto run = [&](bool drafting) {
+    scheduler::SchedulerConfig c;
+    c.num_blocks = 64;
+    c.block_size = 4;
+    c.vocab_size = target->spec().vocab_size;
+    c.context = 128;
+    c.max_draft = drafting ? 3 : 0;
+    c.draft_type = drafting ? runtime::SpecType::kDraft : runtime::SpecType::kOff;
+    auto executor = runtime::ModelExecutor::Create(*target, c.num_blocks, c.block_size);
+    EXPECT_TRUE(executor.ok());
+    std::unique_ptr<runtime::Executor> serving = *std::move(executor);
+    if (drafting) serving = *runtime::DraftModelExecutor::Create(std::move(serving), **draft, 4);
+    scheduler::Scheduler s(c);
+    scheduler::Request q;
+    q.id = "r";
+    q.prompt = Prompts("qwen3_moe")[0];  // 8 tokens, then 40 more: past the draft's 24 positions
+    q.sampling = Greedy();
+    q.stopping.max_new_tokens = 40;
+    q.stopping.ignore_eos = true;
+    EXPECT_TRUE(s.Add(q).ok());
+    Served served = RunToEnd(s, *serving);
+    EXPECT_EQ(served.reasons.at("r"), scheduler::FinishReason::kLength);
+    return served;
+  };
+  const Served want = run(false), got = run(true);
+  EXPECT_EQ(got.tokens, want.tokens);
+  EXPECT_GT(got.drafts.at("r").accepted, 0);  // it drafted while it could
+}
+
 // A draft model whose tokenizer differs from the target's is refused at start, naming the first id
 // that differs; `serve --spec-type draft` with the fixture as its own draft serves the same tokens.
 TEST(SpecDecodeCliTest, ADraftModelWithAnotherVocabularyIsRefused) {
