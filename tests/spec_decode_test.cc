@@ -744,6 +744,20 @@ TEST(SpecDecodeTest, ADraftModelPastItsContextProposesNothingAndFailsNothing) {
   EXPECT_GT(got.drafts.at("r").accepted, 0);  // it drafted while it could
 }
 
+// `inspect --draft-model` plans the draft beside the target: its weights and KV cache in host
+// memory, after its vocabulary is checked.
+TEST(SpecDecodeCliTest, InspectPlansTheDraftModel) {
+  const testing::CommandResult r =
+      testing::RunMoeserve({"inspect", "--model", testing::FixtureDir("qwen3_moe"), "--draft-model",
+                            testing::FixtureDir("mixtral"), "--gpu-memory-gb", "8", "--read-gbps", "10", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const json j = json::parse(r.out);
+  ASSERT_TRUE(j.contains("draft_model")) << r.out;
+  EXPECT_GT(j["draft_model"]["host_weight_bytes"].get<int64_t>(), 0);
+  EXPECT_GT(j["draft_model"]["kv_bytes_per_token"].get<int64_t>(), 0);
+  EXPECT_EQ(j["draft_model"]["kv_bytes"].get<int64_t>(), j["draft_model"]["kv_bytes_per_token"].get<int64_t>() * 2048);
+}
+
 // A draft model whose tokenizer differs from the target's is refused at start, naming the first id
 // that differs; `serve --spec-type draft` with the fixture as its own draft serves the same tokens.
 TEST(SpecDecodeCliTest, ADraftModelWithAnotherVocabularyIsRefused) {
