@@ -25,10 +25,26 @@ std::string FlopRate(double tflops) {
   return tflops >= 1 ? absl::StrFormat("%.1f TFLOP/s", tflops) : absl::StrFormat("%.1f GFLOP/s", tflops * 1e3);
 }
 
+// Parameters of one layer's attention: q, k, v and o (MLA: the q LoRA or q_proj, the compressed KV
+// projection, kv_b_proj and o, with their norms).
+double AttentionParams(const runtime::ModelSpec& s, int layer) {
+  const double h = s.hidden_size, heads = s.num_heads;
+  if (s.attention(layer) == runtime::AttentionKind::kMla) {
+    const runtime::MlaSpec& m = s.mla;
+    const double q = m.q_lora_rank > 0
+                         ? h * m.q_lora_rank + m.q_lora_rank + double(m.q_lora_rank) * heads * m.qk_head_dim()
+                         : h * heads * m.qk_head_dim();
+    return q + h * m.latent_width() + m.kv_lora_rank +
+           double(m.kv_lora_rank) * heads * (m.qk_nope_head_dim + m.v_head_dim) + heads * m.v_head_dim * h;
+  }
+  const double qw = heads * s.head_dim, kvw = double(s.num_kv_heads) * s.head_dim;
+  return (qw + 2 * kvw) * h + h * qw;
+}
+
 // Parameters of one layer that every token reads, routed experts aside.
 double DenseLayerParams(const runtime::ModelSpec& s, int layer) {
-  const double h = s.hidden_size, qw = double(s.num_heads) * s.head_dim, kvw = double(s.num_kv_heads) * s.head_dim;
-  double p = (qw + 2 * kvw) * h + h * qw + 2 * h;
+  const double h = s.hidden_size;
+  double p = AttentionParams(s, layer) + 2 * h;
   if (s.IsMoeLayer(layer)) {
     p += double(s.routing.num_experts) * h + 3.0 * h * s.shared_expert_intermediate_size;
     if (s.shared_expert_gate) p += h;
@@ -73,8 +89,11 @@ double PrefillFlops(const runtime::ModelSpec& s, int tokens) {
   for (int l = 0; l < s.num_layers; ++l) {
     per_token += DenseLayerParams(s, l);
     if (s.IsMoeLayer(l)) per_token += s.routing.top_k * ExpertParams(s);
-    // QK^T and PV over the causal triangle.
-    attention += 2.0 * 2.0 * s.num_heads * s.head_dim * double(tokens) * (tokens + 1) / 2;
+    // QK^T and PV over the causal triangle (MLA's prefill expands: keys of qk_head_dim, values of
+    // v_head_dim; its expansion of the latent through kv_b_proj is one more Linear of every token).
+    const bool mla = s.attention(l) == runtime::AttentionKind::kMla;
+    const double kv_width = mla ? s.mla.qk_head_dim() + s.mla.v_head_dim : 2.0 * s.head_dim;
+    attention += 2.0 * s.num_heads * kv_width * double(tokens) * (tokens + 1) / 2;
   }
   return 2.0 * per_token * tokens + attention + 2.0 * s.vocab_size * s.hidden_size;
 }

@@ -1,12 +1,14 @@
-// Fuzz target: config.json text to ParseModelSpec. An error is a fine answer if it names the
-// file; a crash, a hang or an unbounded allocation is a finding, and so is an accepted spec that
-// the forward pass could not run (a shape that is not positive, heads that do not group, a top-k
-// beyond the experts, a layer list of the wrong length).
+// Fuzz target: config.json text to ParseModelSpec and to the FP8 reader's quantization_config. An
+// error is a fine answer if it names the file; a crash, a hang or an unbounded allocation is a
+// finding, and so is an accepted spec that the forward pass could not run (a shape that is not
+// positive, heads that do not group, a top-k beyond the experts, a layer list of the wrong
+// length), or an fp8 scale block outside [1, 4096].
 #include <cstddef>
 #include <cstdint>
 #include <string>
 #include <string_view>
 
+#include "checkpoint/fp8_source.h"
 #include "fuzz_util.h"
 #include "moe/runtime/model_spec.h"
 
@@ -48,6 +50,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     CheckAccepted(*spec);
   } else {
     const std::string message(spec.status().message());
+    MOE_FUZZ_CHECK(message.find(kSource) != std::string::npos, "the error does not name the file: %s", message.c_str());
+  }
+  auto q = moe::runtime::internal::ReadQuantizationConfig(text, std::string(kSource));
+  if (q.ok()) {
+    const bool none = q->method == moe::runtime::internal::WeightQuantization::Method::kNone;
+    MOE_FUZZ_CHECK(none ? q->block_rows == 0 && q->block_cols == 0
+                        : (q->block_rows == 0 && q->block_cols == 0) ||
+                              (q->block_rows >= 1 && q->block_rows <= 4096 && q->block_cols >= 1 && q->block_cols <= 4096),
+                   "scale block %d x %d", q->block_rows, q->block_cols);
+  } else {
+    const std::string message(q.status().message());
     MOE_FUZZ_CHECK(message.find(kSource) != std::string::npos, "the error does not name the file: %s", message.c_str());
   }
   return 0;

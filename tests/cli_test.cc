@@ -57,6 +57,28 @@ TEST(CliTest, GenerateJsonAndLogitsMatchTheGoldens) {
   EXPECT_LT(worst, 1e-3f);
 }
 
+// deepseek_v3 (MLA) through the command: --device auto takes the CPU backend (no GPU here, or MLA's
+// CPU-only kernels), and the greedy tokens are transformers'. inspect counts its cache as the
+// latent: 4 layers x (32 + 16) values x 2 bytes (the GPU plan's bf16) = 384 bytes a position.
+TEST(CliTest, DeepseekV3GeneratesOnTheCpuAndInspectCountsItsLatentCache) {
+  const auto golden = testing::LoadGolden("deepseek_v3")["cases"][2];
+  const std::vector<int> prompt = golden["prompt_ids"];
+  const std::vector<int> want = golden["greedy_ids"];
+  auto r =
+      testing::RunMoeserve({"generate", "--model", testing::FixtureDir("deepseek_v3"), "--prompt-ids", Join(prompt),
+                            "--max-new-tokens", std::to_string(want.size()), "--temperature", "0", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("device cpu"), std::string::npos) << r.err;
+  EXPECT_EQ(LastJsonLine(r.out)["generated_ids"].get<std::vector<int>>(), want);
+
+  auto inspect = testing::RunMoeserve({"inspect", "--model", testing::FixtureDir("deepseek_v3"), "--gpu-memory-gb",
+                                       "24", "--read-gbps", "100", "--json"});
+  ASSERT_EQ(inspect.exit_code, 0) << inspect.err;
+  const nlohmann::json j = nlohmann::json::parse(inspect.out);
+  EXPECT_EQ(j["kv_bytes_per_token"], 4 * (32 + 16) * 2);
+  EXPECT_NE(j["mla_note"].get<std::string>().find("MLA caches 48 values a position per layer"), std::string::npos);
+}
+
 TEST(CliTest, BrokenModelsExitNonZeroWithTheMessage) {
   struct Case {
     const char* what;
@@ -300,9 +322,9 @@ TEST(CliBenchTest, ExpertBenchPrintsRowsAgainstTheMeasuredBandwidth) {
     EXPECT_NEAR(row["ratio"].get<double>(), row["weight_gbps"].get<double>() / row["read_gbps"].get<double>(), 1e-9);
   }
   EXPECT_THAT(r.err, HasSubstr("read bandwidth"));  // the human-readable log goes to stderr with --json
-  r = testing::RunMoeserve({"bench", "experts", "--formats", "fp8"});
+  r = testing::RunMoeserve({"bench", "experts", "--formats", "fp4"});
   EXPECT_EQ(r.exit_code, 1);
-  EXPECT_THAT(r.err, HasSubstr("expert format 'fp8' is not one of bf16, int8, int4"));
+  EXPECT_THAT(r.err, HasSubstr("expert format 'fp4' is not one of bf16, int8, int4"));
   r = testing::RunMoeserve({"bench", "experts", "--batches", "0"});
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_THAT(r.err, HasSubstr("--batches: '0' is not an integer in [1, 65536]"));

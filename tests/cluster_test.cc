@@ -40,8 +40,8 @@ std::string WriteConfig(const testing::ScratchDir& dir, const std::string& name,
   return path;
 }
 
-std::string Deployment(const std::string& parallel, const std::string& shm) {
-  return "model: " + testing::FixtureDir("qwen3_moe") +
+std::string Deployment(const std::string& parallel, const std::string& shm, const std::string& arch = "qwen3_moe") {
+  return "model: " + testing::FixtureDir(arch) +
          "\n"
          "nodes:\n"
          "  - {host: 127.0.0.1, workers: 2}\n"
@@ -91,13 +91,17 @@ std::unique_ptr<pb::Generation::Stub> Connect(int port) {
 
 // A tensor split of 2 and a layer split of 2 serve the goldens' greedy continuations, as one
 // process does, the second time from the frontend's prefix cache (the workers follow its block
-// tables), and stop cleanly on SIGTERM.
-TEST(ClusterTest, TensorAndLayerSplitsServeTheGoldensGreedyTokens) {
-  const nlohmann::json golden = testing::LoadGolden("qwen3_moe");
+// tables), and stop cleanly on SIGTERM. deepseek_v3's tensor split halves its query heads and
+// keeps the whole latent cache on each rank.
+class ClusterSplitTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ClusterSplitTest, TensorAndLayerSplitsServeTheGoldensGreedyTokens) {
+  const nlohmann::json golden = testing::LoadGolden(GetParam());
   for (const std::string parallel : {"{mode: tensor, size: 2}", "{mode: layer, stages: 2}"}) {
     testing::ScratchDir dir;
-    const std::string shm = "moeserve-test-" + std::to_string(::getpid()) + "-" + std::to_string(parallel.size());
-    testing::ServeProcess serve({"--config", WriteConfig(dir, "cluster.yaml", Deployment(parallel, shm))});
+    const std::string shm =
+        "moeserve-test-" + std::to_string(::getpid()) + "-" + GetParam() + "-" + std::to_string(parallel.size());
+    testing::ServeProcess serve({"--config", WriteConfig(dir, "cluster.yaml", Deployment(parallel, shm, GetParam()))});
     ASSERT_GT(serve.port(), 0) << parallel << ": " << serve.err();
     auto stub = Connect(serve.port());
     for (size_t c = 0; c < golden["cases"].size(); ++c) {
@@ -123,6 +127,9 @@ TEST(ClusterTest, TensorAndLayerSplitsServeTheGoldensGreedyTokens) {
                                        " split, Gloo)"));
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, ClusterSplitTest, ::testing::Values("qwen3_moe", "deepseek_v3"),
+                         [](const auto& info) { return info.param; });
 
 // Killing a worker while four streams run: each gets UNAVAILABLE within 5 s; the group restarts
 // with the shared expert arena attached (not reloaded), and the next request gets its tokens.

@@ -173,7 +173,7 @@ TEST_P(SplitTest, SameLogitsAndGreedyTokensAsOneProcess) {
 
 std::vector<SplitCase> SplitCases() {
   std::vector<SplitCase> cases;
-  for (const char* arch : {"qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"}) {
+  for (const char* arch : {"qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3"}) {
     cases.push_back({arch, ParallelMode::kTensor, runtime::RoutedExpertsMode::kPool, absl::StrCat(arch, "_tensor2")});
     cases.push_back({arch, ParallelMode::kTensor, runtime::RoutedExpertsMode::kBackend,
                      absl::StrCat(arch, "_tensor2_reference_experts")});

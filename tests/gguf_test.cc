@@ -55,12 +55,14 @@ const char* GgufArch(Architecture a) {
       return "llama";
     case Architecture::kGlm4Moe:
       return "glm4moe";
+    case Architecture::kDeepseekV3:
+      return "deepseek2";
   }
   return "?";
 }
 
 // The model's metadata as llama.cpp's converter writes it.
-void WriteMetadata(const runtime::ModelSpec& s, GgufWriter& w, const std::string& arch = "") {
+void WriteMetadata(const runtime::ModelSpec& s, GgufWriter& w, const std::string& arch = "", int gating_func = 2) {
   const std::string a = arch.empty() ? GgufArch(s.arch) : arch;
   w.String("general.architecture", a);
   w.String("general.name", "fixture");
@@ -69,11 +71,13 @@ void WriteMetadata(const runtime::ModelSpec& s, GgufWriter& w, const std::string
   w.U32(a + ".embedding_length", s.hidden_size);
   w.U32(a + ".feed_forward_length", s.arch == Architecture::kMixtral ? s.moe_intermediate_size : s.intermediate_size);
   w.U32(a + ".attention.head_count", s.num_heads);
-  w.U32(a + ".attention.head_count_kv", s.num_kv_heads);
-  w.U32(a + ".attention.key_length", s.head_dim);
-  w.U32(a + ".attention.value_length", s.head_dim);
   w.F32(a + ".rope.freq_base", s.rope_theta);
-  w.U32(a + ".rope.dimension_count", s.rotary_dim);
+  if (s.arch != Architecture::kDeepseekV3) {
+    w.U32(a + ".attention.head_count_kv", s.num_kv_heads);
+    w.U32(a + ".attention.key_length", s.head_dim);
+    w.U32(a + ".attention.value_length", s.head_dim);
+    w.U32(a + ".rope.dimension_count", s.rotary_dim);
+  }
   w.F32(a + ".attention.layer_norm_rms_epsilon", s.rms_norm_eps);
   w.U32(a + ".expert_count", s.routing.num_experts);
   w.U32(a + ".expert_used_count", s.routing.top_k);
@@ -81,7 +85,18 @@ void WriteMetadata(const runtime::ModelSpec& s, GgufWriter& w, const std::string
   if (s.arch == Architecture::kQwen2Moe) {
     w.U32(a + ".expert_shared_feed_forward_length", s.shared_expert_intermediate_size);
   }
-  if (s.arch == Architecture::kGlm4Moe) {
+  if (s.arch == Architecture::kDeepseekV3) {  // MLA as llama.cpp's converter writes it, kv_b split
+    const runtime::MlaSpec& m = s.mla;
+    w.U32(a + ".attention.head_count_kv", 1);
+    w.U32(a + ".attention.q_lora_rank", m.q_lora_rank);
+    w.U32(a + ".attention.kv_lora_rank", m.kv_lora_rank);
+    w.U32(a + ".attention.key_length", m.kv_lora_rank + m.qk_rope_head_dim);
+    w.U32(a + ".attention.value_length", m.kv_lora_rank);
+    w.U32(a + ".attention.key_length_mla", m.qk_head_dim());
+    w.U32(a + ".attention.value_length_mla", m.v_head_dim);
+    w.U32(a + ".rope.dimension_count", m.qk_rope_head_dim);
+  }
+  if (s.arch == Architecture::kGlm4Moe || s.arch == Architecture::kDeepseekV3) {
     int dense = 0;
     while (dense < s.num_layers && !s.layer_is_moe[dense]) ++dense;
     w.U32(a + ".leading_dense_block_count", dense);
@@ -90,7 +105,7 @@ void WriteMetadata(const runtime::ModelSpec& s, GgufWriter& w, const std::string
     w.U32(a + ".expert_group_used_count", s.routing.topk_group);
     w.F32(a + ".expert_weights_scale", s.routing.routed_scaling_factor);
     w.Bool(a + ".expert_weights_norm", s.routing.normalize_top_k);
-    w.U32(a + ".expert_gating_func", 2);
+    w.U32(a + ".expert_gating_func", gating_func);
     w.U32(a + ".nextn_predict_layers", s.num_nextn_layers);
   }
 }
@@ -170,6 +185,24 @@ void WriteTensors(const Checkpoint& c, GgufWriter& w, const TensorEdit& edit = n
       bytes = permuted;
     }
     if (key->id == TensorId::kSharedExpertGate) ne = {v.shape[1]};
+    if (key->id == TensorId::kMlaKvB) {  // per head: K's nope rows transposed into attn_k_b, V's into attn_v_b
+      const runtime::MlaSpec& m = s.mla;
+      const int64_t heads = s.num_heads, lora = m.kv_lora_rank, nope = m.qk_nope_head_dim, vd = m.v_head_dim;
+      const int64_t elem = core::DTypeSize(v.format.element);
+      std::string k_b(heads * lora * nope * elem, '\0'), v_b(heads * vd * lora * elem, '\0');
+      for (int64_t h = 0; h < heads; ++h) {
+        const char* rows = bytes.data() + h * (nope + vd) * lora * elem;
+        for (int64_t i = 0; i < nope; ++i) {
+          for (int64_t c = 0; c < lora; ++c) {
+            std::memcpy(&k_b[((h * lora + c) * nope + i) * elem], rows + (i * lora + c) * elem, elem);
+          }
+        }
+        std::memcpy(&v_b[h * vd * lora * elem], rows + nope * lora * elem, vd * lora * elem);
+      }
+      put(gguf.Name({TensorId::kMlaKB, key->layer}), {nope, lora, heads}, GgmlTypeOf(v.format.element), k_b);
+      put(gguf.Name({TensorId::kMlaVB, key->layer}), {lora, vd, heads}, GgmlTypeOf(v.format.element), v_b);
+      continue;
+    }
     put(gguf.Name(*key), ne, GgmlTypeOf(v.format.element), bytes);
   }
   for (auto& [name, experts] : stacked) {
@@ -219,6 +252,9 @@ TEST_P(GgufFixtureTest, SameSpecAndBitIdenticalLogitsAsTheSafetensors) {
   EXPECT_EQ(a.shared_expert_intermediate_size, b.shared_expert_intermediate_size);
   EXPECT_EQ(a.shared_expert_gate, b.shared_expert_gate);
   EXPECT_EQ(a.num_nextn_layers, b.num_nextn_layers);
+  EXPECT_EQ(a.mla.latent_width(), b.mla.latent_width());
+  EXPECT_EQ(a.mla.rope_interleave, b.mla.rope_interleave);
+  EXPECT_EQ(a.uses_mla(), b.uses_mla());
   EXPECT_TRUE((*gguf)->tokenizer().embedded());
 
   runtime::ModelOptions options;
@@ -257,7 +293,50 @@ TEST_P(GgufFixtureTest, EmbeddedVocabularyGivesTheTokenizerJsonIds) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Archs, GgufFixtureTest, ::testing::Values("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"));
+// deepseek2's YaRN as llama.cpp writes DeepSeek-V3's (factor 40 over 4096 positions, mscale_all_dim
+// 1 as a log multiplier of 0.1): the spec config.json gives, and the softmax scale with mscale^2.
+TEST(GgufDeepseek2Test, YarnMetadataBecomesTheConfigsRopeScalingAndSoftmaxRoutingIsRefused) {
+  testing::ScratchDir dir;
+  const std::string path = dir / "yarn.gguf";
+  auto c = runtime::OpenCheckpoint(testing::FixtureDir("deepseek_v3"));
+  ASSERT_TRUE(c.ok()) << c.status();
+  GgufWriter w;
+  WriteMetadata((*c)->spec(), w);
+  w.String("deepseek2.rope.scaling.type", "yarn");
+  w.F32("deepseek2.rope.scaling.factor", 40.0f);
+  w.U32("deepseek2.rope.scaling.original_context_length", 4096);
+  w.F32("deepseek2.rope.scaling.yarn_log_multiplier", 0.1f);
+  WriteVocabulary(testing::FixtureDir("deepseek_v3"), "qwen2", w);
+  WriteTensors(**c, w);
+  ASSERT_TRUE(w.Write(path).ok());
+  auto gguf = runtime::OpenCheckpoint(path);
+  ASSERT_TRUE(gguf.ok()) << gguf.status();
+  const runtime::ModelSpec& s = (*gguf)->spec();
+  EXPECT_EQ(s.rope_scaling.type, runtime::RopeType::kYarn);
+  EXPECT_FLOAT_EQ(s.rope_scaling.factor, 40.0f);
+  EXPECT_EQ(s.rope_scaling.original_max_position_embeddings, 4096);
+  EXPECT_NEAR(s.rope_scaling.mscale_all_dim, 1.0f, 1e-6);
+  EXPECT_NEAR(s.rope_scaling.attention_factor, 1.0f, 1e-6);
+  const double m = 0.1 * std::log(40.0) + 1;
+  EXPECT_NEAR(s.attention_scale(), m * m / std::sqrt(48.0), 1e-6);
+  EXPECT_EQ(s.mla.qk_nope_head_dim, 32);
+  EXPECT_EQ(s.mla.v_head_dim, 32);
+
+  // DeepSeek-V2's softmax routing (expert_gating_func 1) is refused naming the key.
+  GgufWriter v2;
+  WriteMetadata((*c)->spec(), v2, "", /*gating_func=*/1);
+  WriteVocabulary(testing::FixtureDir("deepseek_v3"), "qwen2", v2);
+  WriteTensors(**c, v2);
+  ASSERT_TRUE(v2.Write(dir / "v2.gguf").ok());
+  auto softmax = runtime::OpenCheckpoint(dir / "v2.gguf");
+  ASSERT_FALSE(softmax.ok());
+  EXPECT_NE(softmax.status().message().find("deepseek2.expert_gating_func"), std::string::npos) << softmax.status();
+  EXPECT_NE(softmax.status().message().find("is 1; deepseek2 is read with sigmoid routing (2) only"), std::string::npos)
+      << softmax.status();
+}
+
+INSTANTIATE_TEST_SUITE_P(Archs, GgufFixtureTest,
+                         ::testing::Values("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3"));
 
 // Split parts: the model from its first part equals the model from one file; a folder of the
 // parts (with a projector beside them) opens the same model.

@@ -298,7 +298,8 @@ TEST_P(GoldensTest, TheBackendOnThePoolsThreadsGivesTheSameBits) {
   EXPECT_EQ(a->step_logits, b->step_logits);
 }
 
-INSTANTIATE_TEST_SUITE_P(Fixtures, GoldensTest, ::testing::Values("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"),
+INSTANTIATE_TEST_SUITE_P(Fixtures, GoldensTest,
+                         ::testing::Values("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3"),
                          [](const auto& info) { return info.param; });
 
 // Quantized experts: the worst logit error over every golden row, and greedy agreement with
@@ -578,28 +579,46 @@ TEST(ForwardTest, MalformedBatchesAreRejectedWithoutTouchingTheCache) {
   EXPECT_TRUE(model->Forward(batch, **cache, &logits).ok());
 }
 
+// MLA's two forms, each used for every step (prefill and decode): both give transformers' logits and
+// greedy tokens, and the absorbed decode stays within fp32 rounding of the expanded one.
+TEST(MlaFormTest, ExpandedAndAbsorbedEachMatchTransformers) {
+  std::vector<std::vector<float>> last;
+  for (const runtime::MlaForm form : {runtime::MlaForm::kExpanded, runtime::MlaForm::kAbsorbed}) {
+    runtime::ModelOptions options;
+    options.mla_form = form;
+    auto model = LoadFixture("deepseek_v3", options);
+    ASSERT_NE(model, nullptr);
+    ExpectGoldenGreedyDecode(*model, "deepseek_v3", 5e-5f);
+    const std::vector<int32_t> prompt = testing::LoadGolden("deepseek_v3")["cases"][2]["prompt_ids"];
+    last.push_back(FullForward(*model, prompt).back());
+  }
+  EXPECT_LT(MaxAbsDiff(last[0], last[1]), 1e-5f);
+}
+
 // A prompt longer than the largest step is prefilled in chunks, with the logits of one step.
 TEST(ForwardTest, ChunkedPrefillGivesTheGoldens) {
-  runtime::ModelOptions options;
-  options.max_step_tokens = 5;
-  options.max_logit_rows = 3;
-  auto model = LoadFixture("qwen3_moe", options);
-  ASSERT_NE(model, nullptr);
-  const nlohmann::json golden = testing::LoadGolden("qwen3_moe");
-  for (const auto& gc : golden["cases"]) {
-    const std::vector<int32_t> prompt = gc["prompt_ids"];
-    const std::vector<int32_t> want = gc["greedy_ids"];
-    runtime::GenerateOptions g;
-    g.max_new_tokens = static_cast<int>(want.size());
-    g.prompt_logits = true;
-    g.stop_at_eos = false;
-    auto result = runtime::Generate(*model, prompt, g);
-    ASSERT_TRUE(result.ok()) << result.status();
-    EXPECT_EQ(result->generated_ids, want);
-    ASSERT_EQ(result->prompt_logits.size(), prompt.size());
-    const size_t from = gc["logits_from_position"];
-    for (size_t r = 0; r < gc["logits"].size(); ++r) {
-      EXPECT_LT(MaxAbsDiff(result->prompt_logits[from + r], gc["logits"][r]), 5e-5f);
+  for (const char* arch : {"qwen3_moe", "deepseek_v3"}) {  // K/V and MLA's latent cache
+    runtime::ModelOptions options;
+    options.max_step_tokens = 5;
+    options.max_logit_rows = 3;
+    auto model = LoadFixture(arch, options);
+    ASSERT_NE(model, nullptr);
+    const nlohmann::json golden = testing::LoadGolden(arch);
+    for (const auto& gc : golden["cases"]) {
+      const std::vector<int32_t> prompt = gc["prompt_ids"];
+      const std::vector<int32_t> want = gc["greedy_ids"];
+      runtime::GenerateOptions g;
+      g.max_new_tokens = static_cast<int>(want.size());
+      g.prompt_logits = true;
+      g.stop_at_eos = false;
+      auto result = runtime::Generate(*model, prompt, g);
+      ASSERT_TRUE(result.ok()) << result.status();
+      EXPECT_EQ(result->generated_ids, want) << arch;
+      ASSERT_EQ(result->prompt_logits.size(), prompt.size());
+      const size_t from = gc["logits_from_position"];
+      for (size_t r = 0; r < gc["logits"].size(); ++r) {
+        EXPECT_LT(MaxAbsDiff(result->prompt_logits[from + r], gc["logits"][r]), 5e-5f) << arch;
+      }
     }
   }
 }

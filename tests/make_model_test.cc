@@ -131,6 +131,46 @@ TEST(MakeModelTest, RealPresetsHaveThePublishedSizes) {
   }
 }
 
+// DeepSeek-V3 (671B total, 37B active, its MTP layer aside) and Kimi-K2 (1.03T, 32B active), worked
+// out by hand from their configs: per layer, MLA is q_a 7168x1536, q_b 1536 x heads*192, kv_a
+// 7168x576, kv_b 512 x heads*256, o heads*128 x 7168 (DeepSeek-V3's 128 heads: 187.1M; Kimi's 64:
+// 101.1M); a dense layer 3x7168x18432 = 396.4M; an expert (routed or shared) 3x7168x2048 = 44.04M;
+// a router experts x 7168; embedding and head vocab x 7168 each. Active: every expert of a token's
+// top-8 and the shared one, nothing of the other experts.
+TEST(MakeModelTest, MlaPresetsHaveThePublishedSizes) {
+  struct Case {
+    const char* preset;
+    int64_t experts, moe_layers;
+    double total_billions, active_billions;
+  };
+  const int64_t expert = int64_t{3} * 7168 * 2048;
+  for (const Case& c : {Case{"deepseek-v3", 256, 58, 671.0, 37.5}, Case{"kimi-k2", 384, 60, 1026.5, 32.9}}) {
+    deploy::MakeModelOptions o;
+    o.arch = "deepseek_v3";
+    o.preset = c.preset;
+    o.out = "unused";
+    auto bytes = deploy::MakeModelCheckpointBytes(o);
+    ASSERT_TRUE(bytes.ok()) << bytes.status();
+    const double total = *bytes / 2e9;
+    const double active = total - static_cast<double>((c.experts - 8) * expert * c.moe_layers) / 1e9;
+    EXPECT_NEAR(total, c.total_billions, c.total_billions * 0.005) << c.preset;
+    EXPECT_NEAR(active, c.active_billions, c.active_billions * 0.02) << c.preset;
+  }
+  // A --layers cut keeps the dense layers it can: 16 layers of DeepSeek-V3 are 3 dense and 13 MoE.
+  deploy::MakeModelOptions cut;
+  cut.arch = "deepseek_v3";
+  cut.preset = "deepseek-v3";
+  cut.layers = 16;
+  cut.out = "unused";
+  auto bytes = deploy::MakeModelCheckpointBytes(cut);
+  ASSERT_TRUE(bytes.ok()) << bytes.status();
+  const double layer_attention = 7168.0 * 1536 + 1536.0 * 128 * 192 + 7168.0 * 576 + 512.0 * 128 * 256 +
+                                 128.0 * 128 * 7168 + 1536 + 512 + 2 * 7168;
+  const double moe_layer = 257.0 * expert + 256.0 * 7168 + 256;
+  const double want = 16 * layer_attention + 3 * 3 * 7168.0 * 18432 + 13 * moe_layer + 2 * 129280.0 * 7168 + 7168;
+  EXPECT_NEAR(*bytes / 2.0, want, want * 0.001);
+}
+
 }  // namespace
 }  // namespace moe
 
@@ -176,8 +216,9 @@ TEST(MakeModelTest, OptionOutOfRangeNamesTheOption) {
       {[](auto& o) { o.max_shard_bytes = 0; },
        "make-model: --max-shard-mb gives 0 bytes per shard; give 1 to 1048576 MB"},
       {[](auto& o) { o.max_shard_bytes = int64_t{1} << 50; }, "make-model: --max-shard-mb gives"},
-      {[](auto& o) { o.arch = "deepseek_v3"; },
-       "make-model: --arch 'deepseek_v3' is not supported; supported: qwen3_moe, qwen2_moe, mixtral, glm4_moe"},
+      {[](auto& o) { o.arch = "qwen3_next"; },
+       "make-model: --arch 'qwen3_next' is not supported; supported: qwen3_moe, qwen2_moe, mixtral, glm4_moe, "
+       "deepseek_v3"},
       {[](auto& o) { o.preset = "huge"; },
        "make-model: unknown preset 'huge'; presets: tiny, qwen3-30b-a3b, qwen3-235b-a22b (for --arch qwen3_moe)"},
       {[](auto& o) {

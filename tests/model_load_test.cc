@@ -17,7 +17,7 @@ using ::testing::HasSubstr;
 absl::Status LoadStatus(const std::string& dir) { return runtime::Model::Load(dir).status(); }
 
 TEST(ModelLoadTest, EveryFixtureLoads) {
-  for (const char* arch : {"qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"}) {
+  for (const char* arch : {"qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3"}) {
     EXPECT_TRUE(LoadStatus(testing::FixtureDir(arch)).ok()) << arch;
   }
 }

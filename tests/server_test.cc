@@ -165,7 +165,7 @@ TEST_P(ServerArchTest, ConcurrentGreedyStreamsMatchGenerate) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, ServerArchTest,
-                         ::testing::Values("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"),
+                         ::testing::Values("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3"),
                          [](const auto& info) { return info.param; });
 
 TEST_F(ServerTest, CancellingAStreamFreesItsBlocksWhileOthersFinish) {

@@ -84,7 +84,9 @@ void AddBenchExperts(CLI::App& bench, CommandRun* selected) {
       ->check(IntIn(1, 1024))
       ->capture_default_str();
   app->add_option("--batches", f->batches, "tokens per call")->check(IntListIn(1, 1 << 16))->capture_default_str();
-  app->add_option("--formats", f->formats, "bf16, int8, int4")->capture_default_str();
+  app->add_option("--formats", f->formats,
+                  "expert formats, comma-separated: bf16, int8, int4, fp8, or GGUF types (q8_0, q4_k, iq3_xxs, ...)")
+      ->capture_default_str();
   app->add_option("--kernels", f->kernels, "only these kernels (portable, avx512, avx512bf16, vnni, amx); default all");
   app->add_option("--read-mb", f->read_mb, "buffer for the read-bandwidth roofline, in MiB")
       ->check(IntIn(1, 1 << 20))

@@ -191,11 +191,14 @@ void ExpertFlags::Add(CLI::App* app) {
       ->check(CLI::IsMember({"bf16", "int8", "int4"}))
       ->capture_default_str();
   app->add_option("--expert-format", format,
-                  "format of the expert pool's weights: auto (a GGUF file's own types, kept as stored; bf16 for a "
-                  "Hugging Face checkpoint), native (a GGUF file's types), bf16, int8 or int4 (packed from the "
-                  "checkpoint's values), or one GGUF type for every expert (q4_k, q8_0, iq3_xxs, ...)")
+                  "format of the expert pool's weights: auto (a GGUF file's own types, kept as stored; an FP8 "
+                  "checkpoint's e4m3 codes and block scales, kept as stored (fp8); bf16 for other Hugging Face "
+                  "checkpoints), native (a GGUF file's types), bf16, int8 or int4 (packed from the checkpoint's "
+                  "values), fp8 (e4m3 with a scale per row and --expert-group columns: an FP8 checkpoint's as stored, "
+                  "other values quantized), or one GGUF type for every expert (q4_k, q8_0, iq3_xxs, ...)")
       ->capture_default_str();
-  app->add_option("--expert-group", group, "int4 scale group size: 32, 64 or 128")
+  app->add_option("--expert-group", group,
+                  "int4 and fp8 scale group size: 32, 64 or 128 (an FP8 checkpoint's experts keep its own blocks')")
       ->check(CLI::IsMember({32, 64, 128}))
       ->capture_default_str();
   app->add_option("--expert-kernel", kernel,

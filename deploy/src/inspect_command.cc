@@ -33,6 +33,14 @@
 namespace moe::deploy {
 namespace {
 
+// What an MLA model's plan means in this build: its cache is the latent, and it runs on the CPU.
+std::string MlaNote(const runtime::ModelSpec& spec) {
+  return absl::StrCat("MLA caches ", spec.mla.latent_width(), " values a position per layer (kv_lora_rank ",
+                      spec.mla.kv_lora_rank, " + qk_rope_head_dim ", spec.mla.qk_rope_head_dim,
+                      "); it runs on the CPU backend in this build (--device cpu), so the GPU plan above is for "
+                      "when GPU MLA kernels land");
+}
+
 struct InspectFlags {
   std::string model;
   ExpertFlags experts;
@@ -115,8 +123,9 @@ std::vector<LayerGroup> GroupLayers(const runtime::Placement& placement, int num
 
 std::string MiB(double bytes) { return absl::StrFormat("%.1f MiB", bytes / (1 << 20)); }
 
-// A GGUF file's storage by role: "routed expert Q4_K 812.0 MiB + Q6_K 96.0 MiB; attention ...".
-std::string GgufTypeSummary(const runtime::WeightSource& source) {
+// A quantized checkpoint's storage by role: "routed expert Q4_K 812.0 MiB + Q6_K 96.0 MiB;
+// attention ...".
+std::string StorageSummary(const runtime::WeightSource& source) {
   std::map<std::string, std::map<std::string, int64_t>> by_role;
   for (const std::string& name : source.Names()) {
     auto view = source.GetStored(name);
@@ -178,26 +187,28 @@ int RunInspect(const InspectFlags& f) {
   std::vector<runtime::TensorInfo> tensors;
   std::string source_note;
   const bool gguf = runtime::IsGgufCheckpoint(f.model);
-  absl::StatusOr<std::unique_ptr<runtime::Checkpoint>> checkpoint =
-      gguf ? runtime::OpenCheckpoint(f.model) : absl::StatusOr<std::unique_ptr<runtime::Checkpoint>>(nullptr);
-  if (!checkpoint.ok()) return FailCommand(command, checkpoint.status(), 1);
-  auto source = gguf ? absl::StatusOr<std::unique_ptr<runtime::WeightSource>>(nullptr) : runtime::OpenSafetensors(f.model);
-  if (gguf || source.ok()) {
-    auto listed = runtime::CheckpointTensors(gguf ? (*checkpoint)->source() : **source);
+  // Opened as serve opens it: a GGUF file's types, an FP8 checkpoint's weights with their scales.
+  absl::StatusOr<std::unique_ptr<runtime::Checkpoint>> checkpoint = runtime::OpenCheckpoint(f.model);
+  if (checkpoint.ok()) {
+    auto listed = runtime::CheckpointTensors((*checkpoint)->source());
     if (!listed.ok()) return FailCommand(command, listed.status(), 1);
     tensors = std::move(*listed);
     source_note = absl::StrCat(tensors.size(), " tensors, from the checkpoint's headers");
     if (gguf) {
-      absl::StrAppend(&source_note, " (GGUF: ", GgufTypeSummary((*checkpoint)->source()),
+      absl::StrAppend(&source_note, " (GGUF: ", StorageSummary((*checkpoint)->source()),
                       "); on a GPU its weights other than the routed experts on the CPU are dequantized to bf16, as "
                       "the GPU lines count them; on the CPU backend its Linears stay in their types");
+    } else if (!(*checkpoint)->quantization().empty()) {
+      absl::StrAppend(&source_note, " (", (*checkpoint)->quantization(), ": ", StorageSummary((*checkpoint)->source()),
+                      "); on a GPU its weights other than the routed experts on the CPU are dequantized to bf16, as "
+                      "the GPU lines count them");
     }
-  } else if (source.status().code() == absl::StatusCode::kNotFound) {
+  } else if (!gguf && checkpoint.status().code() == absl::StatusCode::kNotFound) {
     tensors = runtime::ExpectedTensors(*spec);
     source_note =
         absl::StrCat(tensors.size(), " tensors expected from config.json (no weights in ", f.model, "), at bf16");
   } else {
-    return FailCommand(command, source.status(), 1);
+    return FailCommand(command, checkpoint.status(), 1);
   }
 
   runtime::PlacementOptions placement_options;
@@ -221,14 +232,17 @@ int RunInspect(const InspectFlags& f) {
   plan_options.kv_dtype = ParseKvCacheDtype(f.kv_cache_dtype).value_or(core::DType::kBF16);
   if (f.experts.format == "auto") {
     // A GGUF file's experts are kept as stored; the plan reads their types from the header.
-    plan_options.host_format =
-        gguf ? runtime::AutoPoolFormat(**checkpoint) : experts::ExpertFormat::kBF16;
+    plan_options.host_format = checkpoint.ok() ? runtime::AutoPoolFormat(**checkpoint) : experts::ExpertFormat::kBF16;
   } else {
     auto format = experts::ParseFormat(f.experts.format);
     if (!format.ok()) return FailCommand(command, core::Annotate(format.status(), "--expert-format"), 2);
     plan_options.host_format = *format;
   }
   plan_options.host_group = f.experts.group;
+  if (plan_options.host_format == experts::ExpertFormat::kFp8 && checkpoint.ok() &&
+      runtime::Fp8ExpertGroup(**checkpoint) > 0) {
+    plan_options.host_group = runtime::Fp8ExpertGroup(**checkpoint);
+  }
   plan_options.gpu_experts_per_layer = f.experts.gpu_experts_per_layer;
   plan_options.prefill_streaming = f.experts.prefill_offload_tokens.value_or(-1) != 0;
   std::string share_note;
@@ -298,6 +312,7 @@ int RunInspect(const InspectFlags& f) {
                    {"host_read_measured_as", read_what},
                    {"bound_tokens_per_s", bound}};
     j["kv_bytes_per_token"] = plan->kv_bytes_per_token;
+    if (spec->uses_mla()) j["mla_note"] = MlaNote(*spec);
     if (draft.has_value()) {
       j["draft_model"] = {{"model", draft->summary},
                           {"host_weight_bytes", draft->weight_bytes},
@@ -324,6 +339,7 @@ int RunInspect(const InspectFlags& f) {
     PrintDevice(plan->gpu, "GPU: " + gpu_what);
     PrintDevice(plan->host, "host");
     std::cout << "  KV cache: " << plan->kv_bytes_per_token << " bytes a position\n";
+    if (spec->uses_mla()) std::cout << "note: " << MlaNote(*spec) << "\n";
     if (draft.has_value()) {
       std::cout << "draft model (--spec-type draft, on the CPU backend): " << draft->summary << "\n"
                 << "  host: weights " << MiB(draft->weight_bytes) << " as stored, KV cache "

@@ -50,6 +50,10 @@ struct Shape {
   double partial_rotary = 1.0;
   int64_t vocab = 0, max_pos = 4096;
   double rope_theta = 1e6, rms_eps = 1e-6;
+  // deepseek_v3: MLA's widths (q_lora 0: a plain q_proj) and YaRN (factor 0: none).
+  int64_t q_lora = 0, kv_lora = 0, qk_nope = 0, qk_rope = 0, v_head = 0;
+  double yarn_factor = 0, yarn_beta_fast = 32, yarn_beta_slow = 1;
+  int64_t yarn_original = 0;
 };
 
 struct Preset {
@@ -246,14 +250,87 @@ const std::vector<Preset>& Presets() {
         .vocab = 151552,
         .max_pos = 131072,
         .rms_eps = 1e-5}},
+      {"tiny",
+       {.arch = Architecture::kDeepseekV3,
+        .hidden = 128,
+        .layers = 4,
+        .heads = 4,
+        .kv_heads = 4,
+        .experts = 16,
+        .top_k = 4,
+        .moe_inter = 64,
+        .inter = 256,
+        .n_shared = 1,
+        .first_dense = 1,
+        .n_group = 4,
+        .topk_group = 2,
+        .routed_scaling = 2.5,
+        .vocab = 512,
+        .max_pos = 2048,
+        .rope_theta = 1e4,
+        .q_lora = 64,
+        .kv_lora = 32,
+        .qk_nope = 32,
+        .qk_rope = 16,
+        .v_head = 32}},
+      {"deepseek-v3",  // DeepSeek-V3 and R1 (671B, 37B active)
+       {.arch = Architecture::kDeepseekV3,
+        .hidden = 7168,
+        .layers = 61,
+        .heads = 128,
+        .kv_heads = 128,
+        .experts = 256,
+        .top_k = 8,
+        .moe_inter = 2048,
+        .inter = 18432,
+        .n_shared = 1,
+        .first_dense = 3,
+        .n_group = 8,
+        .topk_group = 4,
+        .routed_scaling = 2.5,
+        .vocab = 129280,
+        .max_pos = 163840,
+        .rope_theta = 1e4,
+        .q_lora = 1536,
+        .kv_lora = 512,
+        .qk_nope = 128,
+        .qk_rope = 64,
+        .v_head = 128,
+        .yarn_factor = 40,
+        .yarn_original = 4096}},
+      {"kimi-k2",  // Kimi-K2 (1T, 32B active): DeepSeek-V3's layers, 384 experts, 64 heads
+       {.arch = Architecture::kDeepseekV3,
+        .hidden = 7168,
+        .layers = 61,
+        .heads = 64,
+        .kv_heads = 64,
+        .experts = 384,
+        .top_k = 8,
+        .moe_inter = 2048,
+        .inter = 18432,
+        .n_shared = 1,
+        .first_dense = 1,
+        .routed_scaling = 2.827,
+        .vocab = 163840,
+        .max_pos = 131072,
+        .rope_theta = 5e4,
+        .q_lora = 1536,
+        .kv_lora = 512,
+        .qk_nope = 128,
+        .qk_rope = 64,
+        .v_head = 128,
+        .yarn_factor = 32,
+        .yarn_beta_fast = 1,
+        .yarn_beta_slow = 1,
+        .yarn_original = 4096}},
   };
   return presets;
 }
 
 absl::StatusOr<Architecture> ParseArch(const std::string& arch) {
   const std::vector<std::string>& types = runtime::SupportedModelTypes();
-  for (Architecture a :
-       {Architecture::kQwen3Moe, Architecture::kQwen2Moe, Architecture::kMixtral, Architecture::kGlm4Moe}) {
+  for (Architecture a : {Architecture::kQwen3Moe, Architecture::kQwen2Moe, Architecture::kMixtral,
+                         Architecture::kGlm4Moe, Architecture::kDeepseekV3}) {
     if (runtime::ArchitectureName(a) == arch) return a;
   }
   return absl::InvalidArgumentError(
@@ -325,12 +402,33 @@ Json ModelConfig(const Shape& s) {
     case Architecture::kGlm4Moe:
       c = {{"architectures", {"Glm4MoeForCausalLM"}}, {"model_type", "glm4_moe"}};
       break;
+    case Architecture::kDeepseekV3:
+      c = {{"architectures", {"DeepseekV3ForCausalLM"}}, {"model_type", "deepseek_v3"}};
+      break;
   }
   c["hidden_size"] = s.hidden;
   c["num_hidden_layers"] = s.layers;
   c["num_attention_heads"] = s.heads;
   c["num_key_value_heads"] = s.kv_heads;
-  c["head_dim"] = s.head_dim;
+  if (s.arch == Architecture::kDeepseekV3) {
+    c["q_lora_rank"] = s.q_lora > 0 ? Json(s.q_lora) : Json(nullptr);
+    c["kv_lora_rank"] = s.kv_lora;
+    c["qk_nope_head_dim"] = s.qk_nope;
+    c["qk_rope_head_dim"] = s.qk_rope;
+    c["v_head_dim"] = s.v_head;
+    c["rope_interleave"] = true;
+    if (s.yarn_factor > 0) {
+      c["rope_scaling"] = {{"type", "yarn"},
+                           {"factor", s.yarn_factor},
+                           {"original_max_position_embeddings", s.yarn_original},
+                           {"beta_fast", s.yarn_beta_fast},
+                           {"beta_slow", s.yarn_beta_slow},
+                           {"mscale", 1.0},
+                           {"mscale_all_dim", 1.0}};
+    }
+  } else {
+    c["head_dim"] = s.head_dim;
+  }
   c["num_experts_per_tok"] = s.top_k;
   c["intermediate_size"] = s.inter;
   switch (s.arch) {
@@ -353,6 +451,7 @@ Json ModelConfig(const Shape& s) {
       c["sliding_window"] = nullptr;
       break;
     case Architecture::kGlm4Moe:
+    case Architecture::kDeepseekV3:
       c["n_routed_experts"] = s.experts;
       c["n_shared_experts"] = s.n_shared;
       c["moe_intermediate_size"] = s.moe_inter;
@@ -361,9 +460,11 @@ Json ModelConfig(const Shape& s) {
       c["topk_group"] = s.topk_group;
       c["routed_scaling_factor"] = s.routed_scaling;
       c["norm_topk_prob"] = s.norm_topk;
-      c["partial_rotary_factor"] = s.partial_rotary;
+      if (s.arch == Architecture::kGlm4Moe) {
+        c["partial_rotary_factor"] = s.partial_rotary;
+        c["use_qk_norm"] = s.qk_norm;
+      }
       c["attention_bias"] = s.qkv_bias;
-      c["use_qk_norm"] = s.qk_norm;
       c["num_nextn_predict_layers"] = 0;  // no multi-token-prediction layer is written
       break;
   }
@@ -380,12 +481,36 @@ Json ModelConfig(const Shape& s) {
   return c;
 }
 
+bool EndsWith(const std::string& s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// FP8 checkpoints (--fp8): the scale block, and the tensors an FP8 release quantizes (the
+// projections and experts; not the embedding, head, norms or router).
+constexpr int64_t kFp8Block = 128;
+constexpr std::string_view kScaleSuffix = "_scale_inv";
+
+bool Fp8Quantized(const std::string& name, const core::Shape& shape) {
+  if (shape.size() != 2) return false;
+  for (std::string_view kept : {"embed_tokens", "lm_head", "norm", "mlp.gate.weight", "shared_expert_gate"}) {
+    if (name.find(kept) != std::string::npos) return false;
+  }
+  return true;
+}
+
 // Every tensor the loader reads for `spec`, in the order of a Hugging Face checkpoint: the
-// loader's own list (ExpectedTensors), so that what is written is what is read.
-std::vector<TensorEntry> ModelTensors(const runtime::ModelSpec& spec) {
+// loader's own list (ExpectedTensors), so that what is written is what is read; with `fp8`, the
+// quantized ones in F8_E4M3 followed by their scales.
+std::vector<TensorEntry> ModelTensors(const runtime::ModelSpec& spec, bool fp8) {
   std::vector<TensorEntry> t;
   for (const runtime::TensorInfo& info : runtime::ExpectedTensors(spec)) {
     core::Shape shape = info.rank == 1 ? core::Shape{info.rows} : core::Shape{info.rows, info.elements / info.rows};
+    if (fp8 && Fp8Quantized(info.name, shape)) {
+      const core::Shape scales = {(shape[0] + kFp8Block - 1) / kFp8Block, (shape[1] + kFp8Block - 1) / kFp8Block};
+      t.push_back({info.name, core::DType::kF8E4M3, std::move(shape)});
+      t.push_back({info.name + std::string(kScaleSuffix), core::DType::kF32, scales});
+      continue;
+    }
     t.push_back({info.name, core::DType::kBF16, std::move(shape)});
   }
   return t;
@@ -408,7 +533,14 @@ constexpr int64_t kBytesPerFile = 64 * 1024;
 absl::StatusOr<CheckpointPlan> PlanCheckpoint(const MakeModelOptions& o) {
   MOE_ASSIGN_OR_RETURN(Shape shape, ResolveShape(o));
   CheckpointPlan plan;
-  plan.config = ModelConfig(shape).dump(2) + "\n";
+  nlohmann::json config = ModelConfig(shape);
+  if (o.fp8) {
+    config["quantization_config"] = {{"activation_scheme", "dynamic"},
+                                     {"fmt", "e4m3"},
+                                     {"quant_method", "fp8"},
+                                     {"weight_block_size", {kFp8Block, kFp8Block}}};
+  }
+  plan.config = config.dump(2) + "\n";
   // The loader's own checks on what would be written: a config it refuses is never written.
   const absl::StatusOr<runtime::ModelSpec> spec = runtime::ParseModelSpec(plan.config, "config.json");
   if (!spec.ok()) {
@@ -419,8 +551,9 @@ absl::StatusOr<CheckpointPlan> PlanCheckpoint(const MakeModelOptions& o) {
   // Hugging Face's max_shard_size does.
   plan.shards.emplace_back();
   int64_t in_shard = 0, headers = 0;
-  for (TensorEntry& t : ModelTensors(*spec)) {
-    if (in_shard > 0 && in_shard + t.bytes() > o.max_shard_bytes) {
+  for (TensorEntry& t : ModelTensors(*spec, o.fp8)) {
+    // An fp8 matrix's scales stay in its shard (FillChunk reads the matrix's width there).
+    if (in_shard > 0 && in_shard + t.bytes() > o.max_shard_bytes && !EndsWith(t.name, kScaleSuffix)) {
       plan.shards.emplace_back();
       in_shard = 0;
     }
@@ -499,24 +632,31 @@ uint64_t SplitMix(uint64_t& state) {
   return z ^ (z >> 31);
 }
 
-bool EndsWith(const std::string& s, std::string_view suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
 // Norm weights are 1 and biases 0 (as a fresh model starts); matrices are uniform with variance
 // 1/fan_in, so activations keep their scale through the layers and the logits are not
-// degenerate.
-void FillChunk(const TensorEntry& t, uint16_t* data, int64_t begin, int64_t end, uint64_t seed) {
+// degenerate. An fp8 matrix holds the codes of such values with one scale (bound / 448) in every
+// block, which its scale tensor holds; the scale tensor knows its matrix's width from `fan_in`.
+void FillChunk(const TensorEntry& t, void* data, int64_t begin, int64_t end, uint64_t seed, int64_t fan_in) {
+  if (t.dtype == core::DType::kF32) {  // an fp8 matrix's scales
+    const float scale = std::sqrt(3.0f / static_cast<float>(fan_in)) / core::kF8E4M3Max;
+    std::fill(static_cast<float*>(data) + begin, static_cast<float*>(data) + end, scale);
+    return;
+  }
+  auto* bf16 = static_cast<uint16_t*>(data);
   if (t.shape.size() == 1) {
     const float value = EndsWith(t.name, "norm.weight") ? 1.0f : 0.0f;
-    std::fill(data + begin, data + end, core::FloatToBf16(value));
+    std::fill(bf16 + begin, bf16 + end, core::FloatToBf16(value));
     return;
   }
   const float bound = std::sqrt(3.0f / static_cast<float>(t.shape[1]));
   uint64_t state = seed;
   for (int64_t i = begin; i < end; ++i) {
-    const float u = static_cast<float>(SplitMix(state) >> 40) * (1.0f / 16777216.0f);
-    data[i] = core::FloatToBf16((2.0f * u - 1.0f) * bound);
+    const float v = (2.0f * (static_cast<float>(SplitMix(state) >> 40) * (1.0f / 16777216.0f)) - 1.0f) * bound;
+    if (t.dtype == core::DType::kF8E4M3) {
+      static_cast<uint8_t*>(data)[i] = core::FloatToF8E4M3(v / bound * core::kF8E4M3Max);
+    } else {
+      bf16[i] = core::FloatToBf16(v);
+    }
   }
 }
 
@@ -537,8 +677,11 @@ absl::Status WriteShard(const std::string& path, std::vector<TensorEntry> tensor
     const Work& job = work[w];
     const TensorEntry& t = writer.tensors()[job.tensor];
     uint64_t chunk_seed = seed ^ ((first_index + job.tensor) * 0x100000001b3ull) ^ (job.begin * 0x9e3779b1ull);
-    FillChunk(t, static_cast<uint16_t*>(writer.data(job.tensor)), job.begin, job.end, chunk_seed);
-    progress.Add((job.end - job.begin) * 2);
+    // A scale tensor follows its matrix (ModelTensors): the matrix's width sets the scale.
+    const int64_t fan_in =
+        t.dtype == core::DType::kF32 && job.tensor > 0 ? writer.tensors()[job.tensor - 1].shape.back() : 1;
+    FillChunk(t, writer.data(job.tensor), job.begin, job.end, chunk_seed, fan_in);
+    progress.Add((job.end - job.begin) * core::DTypeSize(t.dtype));
   });
   return writer.Finish();
 }

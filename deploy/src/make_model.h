@@ -34,6 +34,9 @@ struct MakeModelOptions {
   std::string out;         // the model directory to create
   bool overwrite = false;  // replace a non-empty `out` (only once the new one is complete)
   bool progress = true;    // progress lines on stderr
+  // Write the projections and experts as an FP8 release does: F8_E4M3 with a weight_scale_inv of
+  // one fp32 scale per 128 x 128 block, and quantization_config in config.json.
+  bool fp8 = false;
 };
 
 // Every preset name, over all architectures (for help text).

@@ -32,6 +32,7 @@ void AddMakeModelCommand(CLI::App& root, CommandRun* selected) {
           "\n  qwen2_moe: " + absl::StrJoin(MakeModelPresets("qwen2_moe"), ", ") +
           "\n  mixtral: " + absl::StrJoin(MakeModelPresets("mixtral"), ", ") +
           "\n  glm4_moe: " + absl::StrJoin(MakeModelPresets("glm4_moe"), ", ") +
+          "\n  deepseek_v3: " + absl::StrJoin(MakeModelPresets("deepseek_v3"), ", ") +
           "\nqwen3-30b-a3b has hidden 2048, 128 experts top-8 of width 768, 32 query and 4 KV heads of 128.\n"
           "The checkpoint is written beside --out under a temporary name and renamed at the end; free space is\n"
           "checked first, and nothing is left behind on an error.",
@@ -54,6 +55,10 @@ void AddMakeModelCommand(CLI::App& root, CommandRun* selected) {
   app->add_option("--out", o->out, "output directory")->required();
   app->add_flag("--overwrite", o->overwrite,
                 "replace an existing non-empty --out (only once the new checkpoint is complete)");
+  app->add_flag("--fp8", o->fp8,
+                "write the projections and routed experts as an FP8 release does (F8_E4M3 with one fp32 "
+                "weight_scale_inv per 128 x 128 block, quantization_config in config.json); norms, router and "
+                "embedding stay bf16");
   app->add_flag("--quiet", *quiet, "no progress lines");
 }
 

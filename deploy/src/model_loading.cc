@@ -144,6 +144,13 @@ absl::StatusOr<runtime::Device> ResolveDevice(const DeviceFlags& flags, const st
     *why = "no GPU is visible";
     return runtime::Device{runtime::Device::Kind::kCpu, 0};
   }
+  MOE_ASSIGN_OR_RETURN(const runtime::ModelSpec spec, runtime::ReadCheckpointSpec(model_dir));
+  if (spec.uses_mla()) {
+    *why =
+        absl::StrCat(spec.model_type,
+                     "'s multi-head latent attention runs on the CPU backend in this build (no GPU MLA kernels yet)");
+    return runtime::Device{runtime::Device::Kind::kCpu, 0};
+  }
   MOE_ASSIGN_OR_RETURN(const int64_t all_weights, GpuWeightBytes(model_dir));
   // The routed experts in the CPU pool are bf16 in the checkpoint's count too.
   const int64_t weights = std::max<int64_t>(all_weights - host_bytes, 0);

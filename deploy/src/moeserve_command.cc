@@ -56,8 +56,9 @@ bool UnknownCommand(const CLI::App& app, const std::string& word) {
 
 int RunMoeserve(int argc, char** argv) {
   CLI::App root(absl::StrCat("moeserve ", kVersion,
-                             ": serves Mixture-of-Experts language models (qwen3_moe, qwen2_moe, mixtral, glm4_moe)\n"
-                             "from Hugging Face checkpoints. `moeserve COMMAND --help` explains each command."),
+                             ": serves Mixture-of-Experts language models (qwen3_moe, qwen2_moe, mixtral, glm4_moe,\n"
+                             "deepseek_v3) from Hugging Face checkpoints. `moeserve COMMAND --help` explains each "
+                             "command."),
                 "moeserve");
   root.get_formatter()->column_width(36);  // subcommands share the root's formatter
   root.require_subcommand(0, 1);

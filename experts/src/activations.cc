@@ -74,9 +74,10 @@ absl::Status Activations::Reset(int64_t m, int64_t k, int64_t k_pad, KernelKind 
   format_ = format;
   sum_group_ = sum_group;
   const int64_t rows = std::max<int64_t>(m_pad_, 1), ld = stride();
-  if (format == ExpertFormat::kBF16) {
+  if (TakesFloatActivations(format)) {
     with_bf16_ = kind == KernelKind::kAvx512Bf16 || amx;
-    with_lo_ = amx;
+    // fp8's avx512bf16 kernel takes the split activations too (kernels_fp8.cc).
+    with_lo_ = amx || (format == ExpertFormat::kFp8 && kind == KernelKind::kAvx512Bf16);
     if (absl::Status s = Grow(f32_, rows * ld * sizeof(float)); !s.ok()) return s;
     if (with_bf16_) {
       if (absl::Status s = Grow(bf16_, rows * ld * 2); !s.ok()) return s;
@@ -105,7 +106,7 @@ absl::Status Activations::Reset(int64_t m, int64_t k, int64_t k_pad, KernelKind 
 
 void Activations::FillRows(const float* const* x, int64_t r0, int64_t r1) {
   const int64_t ld = stride();
-  if (format_ == ExpertFormat::kBF16) {
+  if (TakesFloatActivations(format_)) {
     for (int64_t r = r0; r < r1; ++r) {
       float* row = f32_.as<float>() + r * ld;
       std::memcpy(row, x[r], k_ * sizeof(float));
@@ -157,8 +158,8 @@ void Activations::FillRows(const float* const* x, int64_t r0, int64_t r1) {
 }
 
 absl::Status Activations::Gather(const Activations& src, const int32_t* rows, int64_t m, KernelKind kind) {
-  if (src.format_ == ExpertFormat::kBF16) {
-    return absl::InvalidArgumentError("Activations::Gather: bf16 rows are prepared from the floats");
+  if (TakesFloatActivations(src.format_)) {
+    return absl::InvalidArgumentError("Activations::Gather: bf16 and fp8 rows are prepared from the floats");
   }
   if (absl::Status s = Reset(m, src.k_, src.k_pad_, kind, src.format_, src.sum_group_); !s.ok()) return s;
   const int64_t ld = stride();

@@ -70,8 +70,39 @@ void RowAsFloats(const ExpertMatrix& m, int64_t n, float* dst) {
     DequantizeRow(m.gguf_type, static_cast<const uint8_t*>(m.tensor.data) + n * GgufRowBytes(t, cols), cols, dst);
     return;
   }
+  if (m.is_fp8()) {
+    const uint8_t* codes = static_cast<const uint8_t*>(m.tensor.data) + n * cols;
+    for (int64_t c0 = 0; c0 < cols; c0 += m.scale_cols) {
+      const float scale = m.Fp8Scale(n, c0);
+      for (int64_t c = c0; c < std::min(cols, c0 + m.scale_cols); ++c) dst[c] = core::F8E4M3ToFloat(codes[c]) * scale;
+    }
+    return;
+  }
   const int64_t elem = core::DTypeSize(m.tensor.dtype);
   core::ConvertToFloat(static_cast<const uint8_t*>(m.tensor.data) + n * cols * elem, m.tensor.dtype, dst, cols);
+}
+
+// Whether `m`'s fp8 codes go into an fp8 layout as they are: each of the layout's scale groups
+// lies within one of the matrix's scale blocks.
+bool KeepsFp8(const ExpertMatrix& m, const MatrixLayout& l) {
+  return l.format == ExpertFormat::kFp8 && m.is_fp8() && m.scale_cols % l.group == 0;
+}
+
+// Packs an fp8 matrix's codes and scales as they are (KeepsFp8); `row(n)` maps a layout row to
+// the matrix and its row (null: zeros).
+void PackFp8(const MatrixLayout& l, const std::function<std::pair<const ExpertMatrix*, int64_t>(int64_t)>& row,
+             uint8_t* out) {
+  PackFp8Rows(
+      l,
+      [&](int64_t n) -> const uint8_t* {
+        const auto [m, r] = row(n);
+        return m == nullptr ? nullptr : static_cast<const uint8_t*>(m->tensor.data) + r * m->tensor.dim(1);
+      },
+      [&](int64_t n, int64_t g) {
+        const auto [m, r] = row(n);
+        return m == nullptr ? 0.0f : m->Fp8Scale(r, g * l.group);
+      },
+      out);
 }
 
 const uint8_t* GgufRow(const ExpertMatrix& m, int64_t n) {
@@ -104,6 +135,19 @@ absl::Status PackExpert(const ExpertWeights& w, const PackedExperts& experts, bo
     PackGgufRows(d.layout, [&](int64_t n) { return GgufRow(w.down, n); }, const_cast<uint8_t*>(d.data));
     return absl::OkStatus();
   }
+  if (KeepsFp8(w.gate, gu.layout) && KeepsFp8(w.up, gu.layout) && KeepsFp8(w.down, d.layout)) {
+    // fp8 codes and their scales as they are.
+    PackFp8(
+        gu.layout,
+        [&](int64_t n) -> std::pair<const ExpertMatrix*, int64_t> {
+          const auto [src, unit] = gate_up_row(n);
+          return {unit < inter ? src : nullptr, unit};
+        },
+        const_cast<uint8_t*>(gu.data));
+    PackFp8(d.layout, [&](int64_t n) { return std::pair<const ExpertMatrix*, int64_t>{&w.down, n}; },
+            const_cast<uint8_t*>(d.data));
+    return absl::OkStatus();
+  }
   if (!w.gate.is_gguf() && !w.up.is_gguf() && w.gate.tensor.dtype == core::DType::kBF16 &&
       w.up.tensor.dtype == core::DType::kBF16) {
     // bf16 rows go in as they are, without a row of floats in between.
@@ -127,7 +171,7 @@ absl::Status PackExpert(const ExpertWeights& w, const PackedExperts& experts, bo
         },
         const_cast<uint8_t*>(gu.data));
   }
-  if (!w.down.is_gguf()) return PackMatrix(w.down.tensor, d.layout, const_cast<uint8_t*>(d.data));
+  if (!w.down.is_gguf() && !w.down.is_fp8()) return PackMatrix(w.down.tensor, d.layout, const_cast<uint8_t*>(d.data));
   PackRows(d.layout, [&](int64_t n, float* dst) { RowAsFloats(w.down, n, dst); }, const_cast<uint8_t*>(d.data));
   return absl::OkStatus();
 }
@@ -159,7 +203,8 @@ absl::StatusOr<LoadedExperts> LoadExperts(const ExpertShape& shape, const Expert
 
   const int64_t h = shape.hidden, inter = shape.intermediate;
   core::ProgressReporter progress(absl::StrCat("loading ", FormatName(options.format), " experts"),
-                                  IsGgufFormat(options.format) || options.format == ExpertFormat::kNative
+                                  IsGgufFormat(options.format) || options.format == ExpertFormat::kNative ||
+                                          options.format == ExpertFormat::kFp8
                                       ? layout.TotalBytes(shape.num_layers)
                                       : jobs * 3 * h * inter * 2,
                                   options.progress);

@@ -21,7 +21,18 @@
 
 namespace moe::experts {
 
+float ExpertMatrix::Fp8Scale(int64_t row, int64_t col) const {
+  const int64_t scale_cols_n = (tensor.dim(1) + scale_cols - 1) / scale_cols;
+  const int64_t i = (row / scale_rows) * scale_cols_n + col / scale_cols;
+  if (scale_dtype == core::DType::kBF16) return core::Bf16ToFloat(static_cast<const uint16_t*>(scales)[i]);
+  return static_cast<const float*>(scales)[i];
+}
+
 int64_t ExpertMatrix::bytes() const {
+  if (is_fp8()) {
+    const int64_t blocks = ((tensor.dim(0) + scale_rows - 1) / scale_rows) * ((tensor.dim(1) + scale_cols - 1) / scale_cols);
+    return tensor.bytes() + blocks * core::DTypeSize(scale_dtype);
+  }
   if (!is_gguf()) return tensor.bytes();
   const GgufType* t = FindGgufType(gguf_type);
   return t == nullptr || tensor.rank() != 2 ? 0 : tensor.dim(0) * GgufRowBytes(*t, tensor.dim(1));
@@ -173,6 +184,8 @@ KernelKind ExpertPool::KernelFor(int64_t tokens) const {
       if (tokens >= amx_from && usable(KernelKind::kAmx)) return KernelKind::kAmx;
       return usable(KernelKind::kVnni) ? KernelKind::kVnni : KernelKind::kPortable;
     }
+    case ExpertFormat::kFp8:
+      return usable(KernelKind::kAvx512Bf16) ? KernelKind::kAvx512Bf16 : KernelKind::kPortable;
     default:  // GGUF formats and native: VNNI for every token count (it decodes each span once per call)
       return usable(KernelKind::kVnni) ? KernelKind::kVnni : KernelKind::kPortable;
   }

@@ -160,7 +160,10 @@ INSTANTIATE_TEST_SUITE_P(Kernels, ExpertPoolTest,
                                            PoolCase{ExpertFormat::kInt4, std::nullopt, 0.2},
                                            PoolCase{ExpertFormat::kInt4, KernelKind::kPortable, 0.2},
                                            PoolCase{ExpertFormat::kInt4, KernelKind::kVnni, 0.2},
-                                           PoolCase{ExpertFormat::kInt4, KernelKind::kAmx, 0.2}),
+                                           PoolCase{ExpertFormat::kInt4, KernelKind::kAmx, 0.2},
+                                           PoolCase{ExpertFormat::kFp8, std::nullopt, 5e-2},
+                                           PoolCase{ExpertFormat::kFp8, KernelKind::kPortable, 5e-2},
+                                           PoolCase{ExpertFormat::kFp8, KernelKind::kAvx512Bf16, 5e-2}),
                          PoolCaseName);
 
 class ExpertPoolBehaviour : public ::testing::Test {

@@ -46,7 +46,7 @@ absl::Status ExpertCall::SetUp(bool batch) {
   out_rows = s.expert_out.as<float>();
   // Batch schedule with int8/int4: every token's input row is quantized once (while the slots
   // are counted), and each expert's rows are gathered from there.
-  const bool gather = batch && experts.gate_up.format != ExpertFormat::kBF16;
+  const bool gather = batch && !TakesFloatActivations(experts.gate_up.format);
   if (absl::Status st = grouping.SetUp(pool.threads(), gather, experts.gate_up); !st.ok()) return st;
   in_state.reset(new std::atomic<int64_t>[num_experts]);
   for (int e = 0; e < num_experts; ++e) in_state[e].store(0, std::memory_order_relaxed);

@@ -42,6 +42,8 @@ const std::vector<KernelEntry>& KernelTable() {
       {K::kVnni, F::kInt4, internal::MatmulVnniInt4, nullptr},
       {K::kAmx, F::kInt4, internal::MatmulAmxInt4, internal::SwiGluAmxInt4},
     };
+    t.push_back({K::kPortable, F::kFp8, internal::MatmulFp8Portable, nullptr});
+    t.push_back({K::kAvx512Bf16, F::kFp8, internal::MatmulFp8Avx512Bf16, nullptr});
     for (const FormatDescriptor& d : PackedFormats()) {
       if (!IsGgufFormat(d.format)) continue;
       t.push_back({K::kPortable, d.format, internal::MatmulGgufPortable, nullptr});
@@ -80,7 +82,9 @@ std::string KernelUnsupportedReason(KernelKind kind, ExpertFormat format, const 
   switch (kind) {
     case KernelKind::kPortable: return "";
     case KernelKind::kAvx512: return avx512 ? "" : "needs AVX-512 (F, BW, VL)";
-    case KernelKind::kAvx512Bf16: return avx512 && cpu.avx512_bf16 ? "" : "needs AVX-512 BF16";
+    case KernelKind::kAvx512Bf16:
+      if (format == ExpertFormat::kFp8 && !cpu.avx512_vbmi) return "needs AVX-512 VBMI";
+      return avx512 && cpu.avx512_bf16 ? "" : "needs AVX-512 BF16";
     case KernelKind::kVnni: return avx512 && cpu.avx512_vnni ? "" : "needs AVX-512 VNNI";
     case KernelKind::kAmx:
       if (!cpu.amx_tile) return "needs AMX tiles";

@@ -24,15 +24,17 @@ struct KernelCase {
 
 std::string CaseName(const ::testing::TestParamInfo<KernelCase>& info) {
   std::string s = std::string(FormatName(info.param.format)) + "_" + KernelName(info.param.kind);
-  if (info.param.format == ExpertFormat::kInt4) s += "_g" + std::to_string(info.param.group);
+  if (info.param.format == ExpertFormat::kInt4 || info.param.format == ExpertFormat::kFp8) {
+    s += "_g" + std::to_string(info.param.group);
+  }
   return s;
 }
 
 std::vector<KernelCase> AllCases() {
   std::vector<KernelCase> cases;
-  for (ExpertFormat f : {ExpertFormat::kBF16, ExpertFormat::kInt8, ExpertFormat::kInt4}) {
+  for (ExpertFormat f : {ExpertFormat::kBF16, ExpertFormat::kInt8, ExpertFormat::kInt4, ExpertFormat::kFp8}) {
     for (KernelKind k : KernelsFor(f)) {
-      if (f == ExpertFormat::kInt4) {
+      if (f == ExpertFormat::kInt4 || f == ExpertFormat::kFp8) {
         for (int g : {32, 64, 128}) cases.push_back({f, k, g});
       } else {
         cases.push_back({f, k, 32});
@@ -53,7 +55,10 @@ class KernelTest : public ::testing::TestWithParam<KernelCase> {
 
 // The activation value the kernel multiplies by (fp32, bf16-rounded, or int8-dequantized).
 double ActivationValue(const KernelCase& c, const Activations& a, int64_t m, int64_t k) {
-  if (c.format != ExpertFormat::kBF16) return a.i8(m)[k] * static_cast<double>(a.i8_scale(m));
+  if (!TakesFloatActivations(c.format)) return a.i8(m)[k] * static_cast<double>(a.i8_scale(m));
+  if (c.kind == KernelKind::kAvx512Bf16 && c.format == ExpertFormat::kFp8) {
+    return double(core::Bf16ToFloat(a.bf16(m)[k])) + core::Bf16ToFloat(a.bf16_lo(m)[k]);
+  }
   if (c.kind == KernelKind::kAvx512Bf16) return core::Bf16ToFloat(a.bf16(m)[k]);
   if (c.kind == KernelKind::kAmx) return double(core::Bf16ToFloat(a.bf16(m)[k])) + core::Bf16ToFloat(a.bf16_lo(m)[k]);
   return a.f32(m)[k];
@@ -121,7 +126,7 @@ TEST(PackedTest, QuantizationStaysCloseToTheWeights) {
   std::vector<float> w(n * k);
   for (float& v : w) v = dist(rng);
   for (auto [format, tol] : {std::pair<ExpertFormat, double>{ExpertFormat::kBF16, 0.005}, {ExpertFormat::kInt8, 0.01},
-                             {ExpertFormat::kInt4, 0.2}}) {
+                             {ExpertFormat::kInt4, 0.2}, {ExpertFormat::kFp8, 0.04}}) {
     auto layout = MakeLayout(format, n, k, 32);
     ASSERT_TRUE(layout.ok());
     auto storage = core::AlignedBuffer::Allocate(layout->bytes(), 64);
@@ -428,7 +433,8 @@ TEST(PackedTest, RejectsBadShapesAndGroups) {
   uint8_t out[64];
   absl::Status s = PackMatrix({w.data(), core::DType::kF32, {2, 5}}, *layout, out);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_FALSE(ParseFormat("fp8").ok());
+  EXPECT_FALSE(ParseFormat("fp4").ok());
+  EXPECT_FALSE(MakeLayout(ExpertFormat::kFp8, 16, 64, 48).ok());
   EXPECT_FALSE(ParseKernel("neon").ok());
 }
 
@@ -440,7 +446,7 @@ namespace {
 
 // Each format's descriptor says what the layout and the kernels assume of it.
 TEST(FormatDescriptorTest, DescribesEveryPackedFormatAsTheLayoutSizesIt) {
-  ASSERT_EQ(PackedFormats().size(), 23u);  // bf16, int8, int4, 19 GGUF types, native
+  ASSERT_EQ(PackedFormats().size(), 24u);  // bf16, int8, int4, 19 GGUF types, fp8, native
   for (const FormatDescriptor& d : PackedFormats()) {
     SCOPED_TRACE(d.name);
     EXPECT_EQ(&Describe(d.format), &d);
@@ -478,6 +484,37 @@ TEST(FormatDescriptorTest, KernelsRegisterAgainstFormats) {
     EXPECT_EQ(GetSwiGluKernel(e.kind, e.format), e.swiglu);
   }
   EXPECT_EQ(GetKernel(KernelKind::kVnni, ExpertFormat::kBF16), nullptr);
+}
+
+// An FP8 checkpoint's codes and scales go in as they are: every value the kernels compute with is
+// code * its scale, bit for bit, and the arena holds one byte a value plus a 1/32 of scales.
+TEST(PackedTest, Fp8CodesAndScalesAreKeptAsStored) {
+  const int64_t n = 40, k = 384;
+  const int group = 128;
+  std::mt19937 rng(11);
+  std::vector<uint8_t> codes(n * k);
+  for (uint8_t& c : codes) {
+    c = static_cast<uint8_t>(rng() & 0xff);
+    if ((c & 0x7f) == 0x7f) c = 0;  // not NaN
+  }
+  std::vector<float> scales(n * (k / group));
+  for (float& s : scales) s = std::ldexp(1.0f + static_cast<float>(rng() % 1000) / 1000.0f, -7);
+  auto layout = MakeLayout(ExpertFormat::kFp8, n, k, group);
+  ASSERT_TRUE(layout.ok());
+  EXPECT_EQ(layout->weight_bytes(), 48 * k);
+  EXPECT_EQ(layout->scale_bytes(), 48 * (k / group) * 4);
+  auto storage = core::AlignedBuffer::Allocate(layout->bytes(), 64);
+  ASSERT_TRUE(storage.ok());
+  PackFp8Rows(
+      *layout, [&](int64_t r) { return codes.data() + r * k; },
+      [&](int64_t r, int64_t g) { return scales[r * (k / group) + g]; }, storage->as<uint8_t>());
+  const PackedMatrix packed{*layout, storage->as<uint8_t>()};
+  for (int64_t r = 0; r < layout->n_pad; ++r) {
+    for (int64_t j = 0; j < k; ++j) {
+      const float want = r < n ? core::F8E4M3ToFloat(codes[r * k + j]) * scales[r * (k / group) + j / group] : 0.0f;
+      ASSERT_EQ(UnpackValue(packed, r, j), want) << r << "," << j;
+    }
+  }
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include "moe/core/cpu_features.h"
 #include "transpose_avx512.h"
 #include "absl/strings/ascii.h"
+#include "fp8_lines.h"
 #include "gguf_blocks.h"
 #include "moe/core/dtype.h"
 #include "moe/experts/gguf_types.h"
@@ -58,6 +59,7 @@ const std::vector<FormatDescriptor>& PackedFormats() {
       d.gguf_type = id;
       f.push_back(d);
     }
+    f.push_back({ExpertFormat::kFp8, "fp8", 8, S::kPerGroup, true, 0, nullptr});
     f.push_back({ExpertFormat::kNative, "native", 8, S::kNone, true, 0, nullptr});
     return f;
   }();
@@ -130,7 +132,7 @@ absl::StatusOr<MatrixLayout> MakeLayout(ExpertFormat format, int64_t n, int64_t 
     return l;
   }
   if (group != 32 && group != 64 && group != 128) {
-    return absl::InvalidArgumentError(absl::StrCat("int4 group size ", group, " is not 32, 64 or 128"));
+    return absl::InvalidArgumentError(absl::StrCat(FormatName(format), " group size ", group, " is not 32, 64 or 128"));
   }
   if (n <= 0 || k <= 0) return absl::InvalidArgumentError(absl::StrCat("bad matrix shape [", n, ", ", k, "]"));
   MatrixLayout l;
@@ -212,6 +214,19 @@ void PackBlockPlain(const MatrixLayout& l, const float* tile, int64_t b, uint8_t
             const uint8_t nibble = static_cast<uint8_t>(q + 8);
             byte = (i % 64) < 32 ? static_cast<uint8_t>((byte & 0xF0) | nibble)
                                  : static_cast<uint8_t>((byte & 0x0F) | (nibble << 4));
+          }
+        }
+        break;
+      }
+      case ExpertFormat::kFp8: {
+        float* scales = reinterpret_cast<float*>(out + l.weight_bytes());
+        for (int64_t g = 0; g < l.groups(); ++g) {
+          float amax = 0;
+          for (int64_t k = g * l.group; k < (g + 1) * l.group; ++k) amax = std::max(amax, std::abs(row[k]));
+          const float scale = amax > 0 ? amax / core::kF8E4M3Max : 1.0f;
+          scales[(b * l.groups() + g) * 16 + r] = scale;
+          for (int64_t k = g * l.group; k < (g + 1) * l.group; ++k) {
+            block[internal::Fp8Index(r, k)] = core::FloatToF8E4M3(row[k] / scale);
           }
         }
         break;
@@ -405,7 +420,7 @@ namespace internal {
 void PackRowsWith(const MatrixLayout& l, const std::function<void(int64_t n, float* dst)>& source, uint8_t* out,
                   bool vector) {
   const core::CpuFeatures& cpu = core::GetCpuFeatures();
-  vector = vector && cpu.avx512f && cpu.avx512bw;
+  vector = vector && cpu.avx512f && cpu.avx512bw && l.format != ExpertFormat::kFp8;  // fp8: the plain packer
   // Every weight byte is written below; the scales' tail (to 64 bytes) is not.
   std::memset(out + l.weight_bytes(), 0, l.scale_bytes());
   std::vector<float> tile(16 * l.k_pad, 0.0f);  // the padding columns stay zero
@@ -435,7 +450,7 @@ void PackRows(const MatrixLayout& l, const std::function<void(int64_t n, float* 
 
 void PackRowsBf16(const MatrixLayout& l, const std::function<const uint16_t*(int64_t n)>& source, uint8_t* out) {
   const core::CpuFeatures& cpu = core::GetCpuFeatures();
-  if (!cpu.avx512f || !cpu.avx512bw) {
+  if (!cpu.avx512f || !cpu.avx512bw || l.format == ExpertFormat::kFp8) {
     PackRows(
         l,
         [&](int64_t n, float* dst) {
@@ -467,6 +482,22 @@ void PackRowsBf16(const MatrixLayout& l, const std::function<const uint16_t*(int
     }
   }
   _mm_sfence();  // as PackRowsWith
+}
+
+void PackFp8Rows(const MatrixLayout& l, const std::function<const uint8_t*(int64_t n)>& codes,
+                 const std::function<float(int64_t n, int64_t g)>& scale, uint8_t* out) {
+  std::memset(out, 0, l.bytes());
+  float* scales = reinterpret_cast<float*>(out + l.weight_bytes());
+  for (int64_t b = 0; b < l.blocks(); ++b) {
+    uint8_t* block = out + b * l.block_bytes();
+    for (int64_t r = 0; r < 16; ++r) {
+      const int64_t n = b * 16 + r;
+      const uint8_t* src = n < l.n ? codes(n) : nullptr;
+      if (src == nullptr) continue;  // zeros, with zero scales
+      for (int64_t k = 0; k < l.k; ++k) block[internal::Fp8Index(r, k)] = src[k];
+      for (int64_t g = 0; g < l.groups(); ++g) scales[(b * l.groups() + g) * 16 + r] = scale(n, g);
+    }
+  }
 }
 
 void PackGgufRows(const MatrixLayout& l, const std::function<const uint8_t*(int64_t n)>& row, uint8_t* out) {
@@ -518,6 +549,8 @@ float UnpackValue(const PackedMatrix& m, int64_t n, int64_t k) {
       const int q = ((i % 64) < 32 ? (byte & 0x0F) : (byte >> 4)) - 8;
       return q * m.block_scales(n / 16, k / l.group)[r];
     }
+    case ExpertFormat::kFp8:
+      return core::F8E4M3ToFloat(block[internal::Fp8Index(r, k)]) * m.block_scales(n / 16, k / l.group)[r];
     default:
       return 0.0f;
   }

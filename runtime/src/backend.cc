@@ -16,8 +16,8 @@ int64_t AlignUp(int64_t n) { return (n + kArenaAlignment - 1) / kArenaAlignment 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<KvCache>> Backend::CreateKvCache(const CachePlan& plan, int num_blocks) {
-  if (plan.groups.size() != 1 || plan.groups[0].kind != CacheKind::kPagedKv) {
-    return absl::UnimplementedError(absl::StrCat(name(), " keeps one paged K/V cache group; this plan has ",
+  if (plan.groups.size() != 1 || !plan.groups[0].paged()) {
+    return absl::UnimplementedError(absl::StrCat(name(), " keeps one paged cache group; this plan has ",
                                                  plan.groups.size(), " groups, the first ",
                                                  plan.groups.empty() ? "none" : CacheKindName(plan.groups[0].kind)));
   }
@@ -31,13 +31,20 @@ absl::StatusOr<std::unique_ptr<KvCache>> Backend::CreateKvCache(const CachePlan&
     return absl::InvalidArgumentError(absl::StrCat(
         name(), " keeps its KV cache in ", core::DTypeName(activation_dtype()), ", not ", core::DTypeName(dtype)));
   }
+  const bool latent = group.kind == CacheKind::kPagedLatent;
+  if (latent && dtype == core::DType::kF8E4M3) {
+    return absl::InvalidArgumentError("an MLA latent cache is kept in the activation dtype; fp8 is not supported");
+  }
   const KvCacheShape shape = KvShapeOf(group, num_blocks);
   const int64_t rows = static_cast<int64_t>(shape.num_layers) * (shape.num_blocks + 1);
   const int64_t scales =
       dtype == core::DType::kF8E4M3 ? static_cast<int64_t>(shape.block_size) * shape.num_kv_heads : 0;
   auto allocate = [&]() -> absl::StatusOr<std::unique_ptr<KvCache>> {
     MOE_ASSIGN_OR_RETURN(auto k, Allocate(dtype, rows, shape.elements_per_block_layer()));
-    MOE_ASSIGN_OR_RETURN(auto v, Allocate(dtype, rows, shape.elements_per_block_layer()));
+    std::unique_ptr<DeviceBuffer> v;  // a latent cache has no V
+    if (!latent) {
+      MOE_ASSIGN_OR_RETURN(v, Allocate(dtype, rows, shape.elements_per_block_layer()));
+    }
     std::unique_ptr<DeviceBuffer> k_scale, v_scale;
     if (scales > 0) {
       MOE_ASSIGN_OR_RETURN(k_scale, Allocate(core::DType::kF32, rows, scales));

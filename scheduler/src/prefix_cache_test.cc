@@ -212,7 +212,7 @@ TEST_P(PrefixCacheTest, AWholePromptHitRecomputesItsLastToken) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, PrefixCacheTest,
-                         ::testing::Values("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"),
+                         ::testing::Values("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3"),
                          [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
 
 class PrefixCacheQwen3Test : public PrefixCacheTest {};

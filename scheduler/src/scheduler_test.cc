@@ -30,10 +30,10 @@ class SchedulerTest : public ::testing::Test {
     options.pool.progress = false;
     options.threads = 2;
     options.pool.threads = 2;
-    auto model = runtime::Model::Load(FixtureDir("qwen3_moe"), options);
+    auto model = runtime::Model::Load(FixtureDir(arch_), options);
     ASSERT_TRUE(model.ok()) << model.status();
     model_ = std::move(*model);
-    std::ifstream in(FixtureDir("qwen3_moe") + "/golden.json");
+    std::ifstream in(FixtureDir(arch_) + "/golden.json");
     const nlohmann::json golden = nlohmann::json::parse(in);
     for (const auto& c : golden["cases"]) prompts_.push_back(c["prompt_ids"]);
   }
@@ -101,8 +101,18 @@ class SchedulerTest : public ::testing::Test {
     return reasons;
   }
 
+  std::string arch_ = "qwen3_moe";
   std::unique_ptr<runtime::Model> model_;
   std::vector<std::vector<int32_t>> prompts_;
+};
+
+// DeepSeek-V3's paged latent cache (MLA) under the same batching, chunking and preemption.
+class MlaSchedulerTest : public SchedulerTest {
+ protected:
+  void SetUp() override {
+    arch_ = "deepseek_v3";
+    SchedulerTest::SetUp();
+  }
 };
 
 TEST_F(SchedulerTest, BatchingAndChunkedPrefillChangeNothing) {
@@ -116,6 +126,21 @@ TEST_F(SchedulerTest, BatchingAndChunkedPrefillChangeNothing) {
 TEST_F(SchedulerTest, RunningOutOfBlocksPreemptsAndRecomputes) {
   // 26 blocks of 4 positions: enough for the longest request (101 positions) alone; the three
   // admitted first (8, 36 and 38 prompt tokens) outgrow the cache while they decode.
+  auto executor = NewExecutor(26);
+  Scheduler scheduler(Config(26, 64));
+  RunEveryPromptAndCompare(scheduler, *executor);
+  EXPECT_GT(scheduler.stats().preemptions, 0);
+  EXPECT_EQ(scheduler.stats().blocks_used, 0);
+}
+
+TEST_F(MlaSchedulerTest, BatchingAndChunkedPrefillChangeNothing) {
+  auto executor = NewExecutor(128);
+  Scheduler scheduler(Config(128, /*max_batch_tokens=*/24));
+  RunEveryPromptAndCompare(scheduler, *executor);
+  EXPECT_EQ(scheduler.stats().blocks_used, 0);
+}
+
+TEST_F(MlaSchedulerTest, RunningOutOfBlocksPreemptsAndRecomputes) {
   auto executor = NewExecutor(26);
   Scheduler scheduler(Config(26, 64));
   RunEveryPromptAndCompare(scheduler, *executor);

@@ -37,6 +37,7 @@ CpuFeatures Detect() {
   f.avx512bw = os_avx512 && ((b >> 30) & 1);
   f.avx512vl = os_avx512 && ((b >> 31) & 1);
   f.avx512_vnni = os_avx512 && ((c >> 11) & 1);
+  f.avx512_vbmi = os_avx512 && ((c >> 1) & 1);
   f.amx_bf16 = os_amx && ((d >> 22) & 1);
   f.amx_tile = os_amx && ((d >> 24) & 1);
   f.amx_int8 = os_amx && ((d >> 25) & 1);
@@ -63,6 +64,7 @@ std::string CpuFeatures::ToString() const {
   add(avx512bw, "avx512bw");
   add(avx512vl, "avx512vl");
   add(avx512_vnni, "avx512_vnni");
+  add(avx512_vbmi, "avx512_vbmi");
   add(avx512_bf16, "avx512_bf16");
   add(amx_tile, "amx_tile");
   add(amx_int8, "amx_int8");

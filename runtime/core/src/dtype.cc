@@ -32,6 +32,7 @@ std::optional<DType> DTypeFromName(std::string_view name) {
   if (name == "I8") return DType::kI8;
   if (name == "I32") return DType::kI32;
   if (name == "I64") return DType::kI64;
+  if (name == "F8_E4M3") return DType::kF8E4M3;
   return std::nullopt;
 }
 

@@ -57,10 +57,10 @@ TEST(DTypeTest, F8E4M3EveryCodeRoundTripsAndRoundingIsToNearestEven) {
 }
 
 TEST(DTypeTest, NamesRoundTrip) {
-  for (DType t : {DType::kBF16, DType::kF16, DType::kF32, DType::kI8, DType::kI32, DType::kI64}) {
+  for (DType t : {DType::kBF16, DType::kF16, DType::kF32, DType::kI8, DType::kI32, DType::kI64, DType::kF8E4M3}) {
     EXPECT_EQ(DTypeFromName(DTypeName(t)), t);
   }
-  EXPECT_FALSE(DTypeFromName("F8_E4M3").has_value());
+  EXPECT_FALSE(DTypeFromName("F8_E5M2").has_value());
 }
 
 TEST(CpuFeaturesTest, DescribesTheMachine) {

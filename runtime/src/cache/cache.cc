@@ -56,13 +56,20 @@ int CachePlan::Find(CacheKind kind) const {
 
 CachePlan PlanCache(const ModelSpec& local_spec, Range layers, const CacheOptions& options) {
   CacheGroup g;
-  g.kind = CacheKind::kPagedKv;
+  g.kind = local_spec.uses_mla() ? CacheKind::kPagedLatent : CacheKind::kPagedKv;
   for (int64_t layer = layers.begin; layer < layers.end; ++layer) g.layers.push_back(static_cast<int>(layer));
   g.dtype = options.dtype;
   g.block_size = options.block_size;
-  g.heads = local_spec.num_kv_heads;
-  g.head_dim = local_spec.head_dim;
-  g.bytes_per_block_layer = KvBytesPerPositionLayer(g.heads, g.head_dim, g.dtype) * g.block_size;
+  if (g.kind == CacheKind::kPagedLatent) {
+    // One row a position, whatever the heads (a tensor split replicates it on every rank).
+    g.heads = 1;
+    g.head_dim = local_spec.mla.latent_width();
+    g.bytes_per_block_layer = LatentBytesPerPositionLayer(g.head_dim, g.dtype) * g.block_size;
+  } else {
+    g.heads = local_spec.num_kv_heads;
+    g.head_dim = local_spec.head_dim;
+    g.bytes_per_block_layer = KvBytesPerPositionLayer(g.heads, g.head_dim, g.dtype) * g.block_size;
+  }
   CachePlan plan;
   plan.groups.push_back(std::move(g));
   return plan;
@@ -100,7 +107,10 @@ KvCache::KvCache(const KvCacheShape& shape, core::DType dtype, std::unique_ptr<D
 KvCache::~KvCache() = default;
 
 void* KvCache::k(int layer) const { return LayerAt(*k_, shape_, layer, shape_.elements_per_block_layer(), dtype_); }
-void* KvCache::v(int layer) const { return LayerAt(*v_, shape_, layer, shape_.elements_per_block_layer(), dtype_); }
+void* KvCache::v(int layer) const {
+  if (v_ == nullptr) return nullptr;
+  return LayerAt(*v_, shape_, layer, shape_.elements_per_block_layer(), dtype_);
+}
 
 float* KvCache::k_scale(int layer) const {
   if (k_scale_ == nullptr) return nullptr;

@@ -12,10 +12,12 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "checkpoint/fp8_source.h"
 #include "checkpoint/gguf_checkpoint.h"
 #include "moe/experts/gguf_types.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_replace.h"
+#include "moe/core/file.h"
 #include "moe/core/files_fingerprint.h"
 #include "moe/core/status.h"
 
@@ -52,6 +54,13 @@ bool MatchTemplate(std::string_view tmpl, std::string_view name, int* layer, int
     tmpl.remove_prefix(literal);
   }
   return name.empty();
+}
+
+// config.json's quantization_config (LoadModelSpec has read the file once already).
+absl::StatusOr<internal::WeightQuantization> ReadQuantization(const fs::path& dir) {
+  const std::string path = (dir / "config.json").string();
+  MOE_ASSIGN_OR_RETURN(const std::string text, core::ReadBoundedFile(path, kMaxConfigBytes, "config.json"));
+  return internal::ReadQuantizationConfig(text, path);
 }
 
 class HuggingFaceCheckpoint final : public Checkpoint {
@@ -142,13 +151,35 @@ WeightView WeightView::Of(const core::TensorView& t) {
   return v;
 }
 
+float WeightView::Scale(int64_t i) const {
+  if (format.scale_dtype == core::DType::kBF16) return core::Bf16ToFloat(static_cast<const uint16_t*>(scales)[i]);
+  return static_cast<const float*>(scales)[i];
+}
+
 absl::StatusOr<core::TensorView> ExpandToFloats(const WeightView& stored, std::vector<float>* storage) {
   const WeightFormat& f = stored.format;
   if (f.plain()) {
     if (f.element == core::DType::kBF16 || f.element == core::DType::kF16 || f.element == core::DType::kF32) {
       return stored.AsTensor();
     }
+    if (f.element == core::DType::kF8E4M3) {
+      return absl::InvalidArgumentError(
+          "an F8_E4M3 weight without scales (its config.json has no quantization_config with quant_method fp8)");
+    }
     return absl::InvalidArgumentError(absl::StrCat("dtype ", f.Name(), " is not a weight type (BF16, F16 or F32 are)"));
+  }
+  if (f.kind == WeightFormat::Kind::kBlockScaled && f.element == core::DType::kF8E4M3 && stored.rank() == 2) {
+    const int64_t rows = stored.shape[0], cols = stored.shape[1];
+    const int64_t scale_cols = stored.scale_shape.size() == 2 ? stored.scale_shape[1] : 1;
+    storage->resize(static_cast<size_t>(rows * cols));
+    const auto* codes = static_cast<const uint8_t*>(stored.data);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) {
+        const int64_t s = (r / f.scale_rows) * scale_cols + c / f.scale_cols;
+        (*storage)[r * cols + c] = core::F8E4M3ToFloat(codes[r * cols + c]) * stored.Scale(s);
+      }
+    }
+    return core::TensorView{storage->data(), core::DType::kF32, stored.shape};
   }
   const experts::GgufType* type = f.kind == WeightFormat::Kind::kBlocks ? experts::FindGgufType(f.type_id) : nullptr;
   if (type == nullptr) {
@@ -265,6 +296,8 @@ TensorRole RoleOf(TensorId id) {
     case TensorId::kFfnNorm:
     case TensorId::kAttnQNorm:
     case TensorId::kAttnKNorm:
+    case TensorId::kMlaQANorm:
+    case TensorId::kMlaKvANorm:
       return TensorRole::kNorm;
     case TensorId::kRouter:
     case TensorId::kRouterBias:
@@ -337,7 +370,15 @@ TensorNames::TensorNames(Architecture arch, Container container) : arch_(arch), 
       Set(I::kDenseUp, l + "mlp.up_proj.weight");
       Set(I::kDenseDown, l + "mlp.down_proj.weight");
     }
-    if (arch == Architecture::kGlm4Moe) {  // the MTP layer after the model's own
+    if (arch == Architecture::kDeepseekV3) {  // MLA in place of q/k/v
+      Set(I::kMlaQA, a + "q_a_proj.weight");
+      Set(I::kMlaQANorm, a + "q_a_layernorm.weight");
+      Set(I::kMlaQB, a + "q_b_proj.weight");
+      Set(I::kMlaKvA, a + "kv_a_proj_with_mqa.weight");
+      Set(I::kMlaKvANorm, a + "kv_a_layernorm.weight");
+      Set(I::kMlaKvB, a + "kv_b_proj.weight");
+    }
+    if (arch == Architecture::kGlm4Moe || arch == Architecture::kDeepseekV3) {  // the MTP layers after the model's own
       Set(I::kNextnEmbedNorm, l + "enorm.weight");
       Set(I::kNextnHiddenNorm, l + "hnorm.weight");
       Set(I::kNextnProj, l + "eh_proj.weight");
@@ -375,7 +416,17 @@ TensorNames::TensorNames(Architecture arch, Container container) : arch_(arch), 
   Set(I::kDenseGate, l + "ffn_gate.weight");
   Set(I::kDenseUp, l + "ffn_up.weight");
   Set(I::kDenseDown, l + "ffn_down.weight");
-  if (arch == Architecture::kGlm4Moe) {
+  if (arch == Architecture::kDeepseekV3) {  // llama.cpp's deepseek2: kv_b split into per-head K (transposed) and V
+    Set(I::kMlaQA, l + "attn_q_a.weight");
+    Set(I::kMlaQANorm, l + "attn_q_a_norm.weight");
+    Set(I::kMlaQB, l + "attn_q_b.weight");
+    Set(I::kMlaKvA, l + "attn_kv_a_mqa.weight");
+    Set(I::kMlaKvANorm, l + "attn_kv_a_norm.weight");
+    Set(I::kMlaKvB, l + "attn_kv_b.weight");
+    Set(I::kMlaKB, l + "attn_k_b.weight");
+    Set(I::kMlaVB, l + "attn_v_b.weight");
+  }
+  if (arch == Architecture::kGlm4Moe || arch == Architecture::kDeepseekV3) {
     Set(I::kNextnEmbedNorm, l + "nextn.enorm.weight");
     Set(I::kNextnHiddenNorm, l + "nextn.hnorm.weight");
     Set(I::kNextnProj, l + "nextn.eh_proj.weight");
@@ -393,8 +444,8 @@ void TensorNames::Set(TensorId id, std::string name_template, bool stacked) {
 const TensorNames& TensorNames::For(Architecture arch, Container container) {
   static const auto* tables = [] {
     auto* t = new std::vector<TensorNames>();
-    for (Architecture a :
-         {Architecture::kQwen3Moe, Architecture::kQwen2Moe, Architecture::kMixtral, Architecture::kGlm4Moe}) {
+    for (Architecture a : {Architecture::kQwen3Moe, Architecture::kQwen2Moe, Architecture::kMixtral,
+                           Architecture::kGlm4Moe, Architecture::kDeepseekV3}) {
       for (Container c : {Container::kSafetensors, Container::kGguf}) t->push_back(TensorNames(a, c));
     }
     return t;
@@ -423,9 +474,9 @@ std::optional<TensorKey> TensorNames::Parse(std::string_view name) const {
 TensorKind ClassifyTensor(std::string_view name) {
   // The GLM table first: it names everything the others do (shared experts as DeepSeek spells
   // them, the correction bias, the nextn tensors); qwen2's shared_expert and Mixtral's
-  // block_sparse_moe come after.
-  for (Architecture arch :
-       {Architecture::kGlm4Moe, Architecture::kQwen2Moe, Architecture::kMixtral, Architecture::kQwen3Moe}) {
+  // block_sparse_moe come after, and DeepSeek-V3's MLA projections last.
+  for (Architecture arch : {Architecture::kGlm4Moe, Architecture::kQwen2Moe, Architecture::kMixtral,
+                            Architecture::kQwen3Moe, Architecture::kDeepseekV3}) {
     for (Container c : {Container::kSafetensors, Container::kGguf}) {
       if (const std::optional<TensorKey> key = TensorNames::For(arch, c).Parse(name)) {
         return TensorKind{RoleOf(key->id), key->layer, key->expert};
@@ -477,6 +528,11 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> HuggingFaceCheckpoint::Open(const fs
   auto c = std::unique_ptr<HuggingFaceCheckpoint>(new HuggingFaceCheckpoint());
   MOE_ASSIGN_OR_RETURN(c->spec_, LoadModelSpec(dir.string()));
   MOE_ASSIGN_OR_RETURN(c->source_, OpenSafetensors(dir.string()));
+  MOE_ASSIGN_OR_RETURN(const internal::WeightQuantization q, ReadQuantization(dir));
+  if (q.method == internal::WeightQuantization::Method::kFp8) {
+    MOE_ASSIGN_OR_RETURN(c->source_, internal::WrapFp8Source(std::move(c->source_), q));
+  }
+  c->quantization_ = q.Describe();
   c->path_ = opened;
   c->names_ = &TensorNames::For(c->spec_.arch, Container::kSafetensors);
   c->id_ = core::WeightFilesFingerprint(dir.string());
@@ -520,8 +576,30 @@ bool ExpertsAreBlockQuantized(const Checkpoint& checkpoint) {
   return false;
 }
 
+int Fp8ExpertGroup(const Checkpoint& checkpoint) {
+  const ModelSpec& s = checkpoint.spec();
+  for (int l = 0; l < s.num_layers; ++l) {
+    if (!s.IsMoeLayer(l)) continue;
+    int group = 0;
+    for (TensorId id : {TensorId::kExpertGate, TensorId::kExpertUp, TensorId::kExpertDown}) {
+      auto w = checkpoint.Get({id, l, 0});
+      if (!w.ok() || w->format.kind != WeightFormat::Kind::kBlockScaled || w->format.element != core::DType::kF8E4M3) {
+        return 0;
+      }
+      // The largest group of the pool's (32, 64, 128) inside one scale block of every matrix.
+      int g = 128;
+      while (g >= 32 && w->format.scale_cols % g != 0) g /= 2;
+      if (g < 32) return 0;
+      group = group == 0 ? g : std::min(group, g);
+    }
+    return group;
+  }
+  return 0;
+}
+
 experts::ExpertFormat AutoPoolFormat(const Checkpoint& checkpoint) {
-  return ExpertsAreBlockQuantized(checkpoint) ? experts::ExpertFormat::kNative : experts::ExpertFormat::kBF16;
+  if (ExpertsAreBlockQuantized(checkpoint)) return experts::ExpertFormat::kNative;
+  return Fp8ExpertGroup(checkpoint) > 0 ? experts::ExpertFormat::kFp8 : experts::ExpertFormat::kBF16;
 }
 
 bool IsGgufCheckpoint(const std::string& path) {
@@ -554,7 +632,9 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> OpenCheckpoint(const std::string& pa
 absl::StatusOr<ModelSpec> ReadCheckpointSpec(const std::string& path) {
   if (IsGgufCheckpoint(path)) return internal::ReadGgufSpec(path);
   MOE_ASSIGN_OR_RETURN(const fs::path dir, HuggingFaceFolder(path));
-  return LoadModelSpec(dir.string());
+  MOE_ASSIGN_OR_RETURN(ModelSpec spec, LoadModelSpec(dir.string()));
+  MOE_RETURN_IF_ERROR(ReadQuantization(dir).status());
+  return spec;
 }
 
 }  // namespace moe::runtime

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <mutex>
@@ -12,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "checkpoint/gguf.h"
+#include "moe/core/dtype.h"
 #include "moe/core/file.h"
 #include "moe/core/files_fingerprint.h"
 #include "moe/core/logging.h"
@@ -129,8 +131,21 @@ class GgufSource final : public WeightSource {
   }
   // A 1-D tensor the loader reads as one row (qwen2_moe's shared expert gate).
   void AsRow(const std::string& name_suffix) { as_row_suffix_ = name_suffix; }
+  // deepseek2 files written with llama.cpp's split of kv_b_proj (attn_k_b [H][kv_lora][nope], the
+  // K half transposed, and attn_v_b [H][v][kv_lora]) show one attn_kv_b in Hugging Face's layout,
+  // [H * (nope + v) x kv_lora] in f32, made once on first use; the halves are not listed.
+  void JoinKvB() {
+    for (const auto& [name, e] : entries_) {
+      if (!name.ends_with(".attn_k_b.weight")) continue;
+      const std::string stem = name.substr(0, name.size() - std::string(".attn_k_b.weight").size());
+      if (entries_.count(stem + ".attn_v_b.weight") && !entries_.count(stem + ".attn_kv_b.weight")) {
+        joined_.insert(stem + ".attn_kv_b.weight");
+      }
+    }
+  }
 
   absl::StatusOr<WeightView> GetStored(const std::string& name) const override {
+    if (joined_.count(name)) return JoinedKvB(name);
     auto it = entries_.find(name);
     if (it == entries_.end()) return absl::NotFoundError(absl::StrCat("tensor ", name, " is missing from ", Where()));
     WeightView v = it->second.view;
@@ -148,14 +163,22 @@ class GgufSource final : public WeightSource {
     }
     return v.AsTensor();
   }
-  bool Has(const std::string& name) const override { return entries_.count(name) > 0; }
+  bool Has(const std::string& name) const override { return entries_.count(name) > 0 || joined_.count(name) > 0; }
   std::string FileOf(const std::string& name) const override {
-    auto it = entries_.find(name);
+    auto it = entries_.find(joined_.count(name) ? KvBHalf(name, "k") : name);
     return it == entries_.end() ? "" : fs::path(files_[it->second.file].path()).filename().string();
   }
   std::vector<std::string> Names() const override {
     std::vector<std::string> names;
-    for (const auto& [name, e] : entries_) names.push_back(name);
+    for (const auto& [name, e] : entries_) {
+      const bool half = name.ends_with(".attn_k_b.weight") || name.ends_with(".attn_v_b.weight");
+      if (half &&
+          joined_.count(name.substr(0, name.size() - std::string(".attn_k_b.weight").size()) + ".attn_kv_b.weight")) {
+        continue;
+      }
+      names.push_back(name);
+    }
+    for (const std::string& name : joined_) names.push_back(name);
     return names;
   }
   const std::vector<gguf::GgufFile>& files() const { return files_; }
@@ -164,6 +187,48 @@ class GgufSource final : public WeightSource {
   std::string Where() const {
     if (files_.size() == 1) return files_[0].path();
     return absl::StrCat(files_.size(), " parts of ", files_[0].path());
+  }
+
+  // blk.N.attn_k_b.weight (half "k") or attn_v_b (half "v") of a joined blk.N.attn_kv_b.weight.
+  static std::string KvBHalf(const std::string& kv_b, const char* half) {
+    return kv_b.substr(0, kv_b.size() - std::string(".attn_kv_b.weight").size()) + ".attn_" + half + "_b.weight";
+  }
+
+  absl::StatusOr<WeightView> JoinedKvB(const std::string& name) const {
+    const std::string k_name = KvBHalf(name, "k"), v_name = KvBHalf(name, "v");
+    const WeightView k = entries_.at(k_name).view, v = entries_.at(v_name).view;
+    // k: [H][lora][nope], v: [H][v][lora] (their GGUF dimensions reversed).
+    if (k.rank() != 3 || v.rank() != 3 || k.shape[0] != v.shape[0] || k.shape[1] != v.shape[2]) {
+      return absl::InvalidArgumentError(absl::StrCat(k_name, " ", core::ShapeString(k.shape), " and ", v_name, " ",
+                                                     core::ShapeString(v.shape), " in ", FileOf(k_name),
+                                                     " are not [heads, kv_lora, nope] and [heads, v, kv_lora]"));
+    }
+    const int64_t heads = k.shape[0], lora = k.shape[1], nope = k.shape[2], v_dim = v.shape[1];
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = unpermuted_.find(name);
+    if (it == unpermuted_.end()) {
+      std::vector<float> k_values, v_values;
+      MOE_ASSIGN_OR_RETURN(const core::TensorView kf, ExpandToFloats(k, &k_values));
+      MOE_ASSIGN_OR_RETURN(const core::TensorView vf, ExpandToFloats(v, &v_values));
+      std::vector<float> kvals(kf.numel()), vvals(vf.numel());
+      core::ConvertToFloat(kf.data, kf.dtype, kvals.data(), kf.numel());
+      core::ConvertToFloat(vf.data, vf.dtype, vvals.data(), vf.numel());
+      std::vector<uint8_t> out(static_cast<size_t>(heads * (nope + v_dim) * lora) * sizeof(float));
+      float* kv_b = reinterpret_cast<float*>(out.data());
+      for (int64_t h = 0; h < heads; ++h) {
+        float* rows = kv_b + h * (nope + v_dim) * lora;
+        for (int64_t i = 0; i < nope; ++i) {
+          for (int64_t c = 0; c < lora; ++c) rows[i * lora + c] = kvals[(h * lora + c) * nope + i];
+        }
+        std::memcpy(rows + nope * lora, vvals.data() + h * v_dim * lora, sizeof(float) * v_dim * lora);
+      }
+      it = unpermuted_.emplace(name, std::move(out)).first;
+    }
+    WeightView joined;
+    joined.data = it->second.data();
+    joined.shape = {heads * (nope + v_dim), lora};
+    joined.format = WeightFormat::Plain(core::DType::kF32);
+    return joined;
   }
 
   absl::StatusOr<WeightView> Unpermuted(const std::string& name, WeightView v, int heads) const {
@@ -193,6 +258,7 @@ class GgufSource final : public WeightSource {
   std::vector<gguf::GgufFile> files_;
   std::map<std::string, Entry> entries_;
   int q_heads_ = 0, kv_heads_ = 0;
+  std::set<std::string> joined_;  // attn_kv_b names made from attn_k_b and attn_v_b
   std::string as_row_suffix_;
   mutable std::mutex mu_;
   mutable std::map<std::string, std::vector<uint8_t>> unpermuted_;
@@ -211,20 +277,21 @@ absl::StatusOr<ArchInfo> ArchOf(const gguf::GgufFile& f) {
   if (*a == "qwen3moe") return ArchInfo{Architecture::kQwen3Moe, "qwen3_moe"};
   if (*a == "qwen2moe") return ArchInfo{Architecture::kQwen2Moe, "qwen2_moe"};
   if (*a == "glm4moe") return ArchInfo{Architecture::kGlm4Moe, "glm4_moe"};
+  if (*a == "deepseek2") return ArchInfo{Architecture::kDeepseekV3, "deepseek_v3"};
   if (*a == "llama" || *a == "mixtral") {
     MOE_ASSIGN_OR_RETURN(const std::optional<int64_t> experts, f.Int(*a + ".expert_count"));
     if (!experts || *experts == 0) {
       return absl::InvalidArgumentError(absl::StrCat(f.path(), ": general.architecture '", *a,
                                                      "' without experts is a dense model; moeserve serves "
                                                      "Mixture-of-Experts models (qwen3moe, qwen2moe, llama with "
-                                                     "experts as Mixtral, glm4moe)"));
+                                                     "experts as Mixtral, glm4moe, deepseek2)"));
     }
     return ArchInfo{Architecture::kMixtral, "mixtral"};
   }
   const std::string shown = a->size() > 60 ? a->substr(0, 60) + "..." : *a;
   return absl::InvalidArgumentError(absl::StrCat(f.path(), ": general.architecture '", shown,
                                                  "' is not supported; supported: qwen3moe, qwen2moe, llama (with "
-                                                 "experts: Mixtral), glm4moe"));
+                                                 "experts: Mixtral), glm4moe, deepseek2"));
 }
 
 // Replaces whole words (config keys) in `text`.
@@ -245,6 +312,50 @@ std::string ReplaceWords(const std::string& text, const std::vector<std::pair<st
     i = j;
   }
   return out;
+}
+
+// deepseek2's MLA widths and YaRN as config.json keys. llama.cpp writes the MLA-converted head
+// widths as key_length_mla / value_length_mla (key_length and value_length are then the latent's),
+// older files as key_length / value_length; YaRN's mscale_all_dim as 0.1 x it (yarn_log_multiplier).
+absl::Status MlaFromMetadata(const gguf::GgufFile& f, const std::string& a, const std::optional<std::string>& scaling,
+                             Json& c, std::vector<std::pair<std::string, std::string>>& keys) {
+  const auto int_of = [&](const std::string& key,
+                          const std::string& config_key) -> absl::StatusOr<std::optional<int64_t>> {
+    MOE_ASSIGN_OR_RETURN(const std::optional<int64_t> v, f.Int(a + key));
+    keys.emplace_back(config_key, a + key);
+    return v;
+  };
+  MOE_ASSIGN_OR_RETURN(const std::optional<int64_t> q_lora, int_of("attention.q_lora_rank", "q_lora_rank"));
+  if (q_lora) c["q_lora_rank"] = *q_lora;
+  MOE_ASSIGN_OR_RETURN(const std::optional<int64_t> kv_lora, int_of("attention.kv_lora_rank", "kv_lora_rank"));
+  if (kv_lora) c["kv_lora_rank"] = *kv_lora;
+  MOE_ASSIGN_OR_RETURN(const std::optional<int64_t> rope, int_of("rope.dimension_count", "qk_rope_head_dim"));
+  if (rope) c["qk_rope_head_dim"] = *rope;
+  MOE_ASSIGN_OR_RETURN(std::optional<int64_t> key, int_of("attention.key_length_mla", "qk_nope_head_dim"));
+  if (!key) {
+    MOE_ASSIGN_OR_RETURN(key, int_of("attention.key_length", "qk_nope_head_dim"));
+  }
+  if (key && rope) c["qk_nope_head_dim"] = *key - *rope;
+  MOE_ASSIGN_OR_RETURN(std::optional<int64_t> value, int_of("attention.value_length_mla", "v_head_dim"));
+  if (!value) {
+    MOE_ASSIGN_OR_RETURN(value, int_of("attention.value_length", "v_head_dim"));
+  }
+  if (value) c["v_head_dim"] = *value;
+  c["rope_interleave"] = true;  // llama.cpp's deepseek2 rotates neighbouring pairs
+  c.erase("head_dim");
+  c.erase("partial_rotary_factor");
+  if (!scaling || *scaling != "yarn") return absl::OkStatus();
+  Json y = {{"type", "yarn"}};
+  MOE_ASSIGN_OR_RETURN(const std::optional<double> factor, f.Float(a + "rope.scaling.factor"));
+  if (factor) y["factor"] = *factor;
+  keys.emplace_back("factor", a + "rope.scaling.factor");
+  MOE_ASSIGN_OR_RETURN(const std::optional<int64_t> original, f.Int(a + "rope.scaling.original_context_length"));
+  if (original) y["original_max_position_embeddings"] = *original;
+  keys.emplace_back("original_max_position_embeddings", a + "rope.scaling.original_context_length");
+  MOE_ASSIGN_OR_RETURN(const std::optional<double> log_mul, f.Float(a + "rope.scaling.yarn_log_multiplier"));
+  if (log_mul && *log_mul > 0) y["mscale"] = y["mscale_all_dim"] = *log_mul / 0.1;
+  c["rope_scaling"] = y;
+  return absl::OkStatus();
 }
 
 // The spec through the same checks as a config.json: the metadata is written as the config keys it
@@ -309,9 +420,10 @@ absl::StatusOr<ModelSpec> SpecFromMetadata(const gguf::GgufFile& f, const GgufSo
   MOE_RETURN_IF_ERROR(take_float("attention.layer_norm_rms_epsilon", "rms_norm_eps"));
   MOE_RETURN_IF_ERROR(take_int("context_length", "max_position_embeddings"));
   MOE_RETURN_IF_ERROR(take_int("expert_used_count", "num_experts_per_tok"));
-  const char* experts_key = ai.arch == Architecture::kMixtral  ? "num_local_experts"
-                            : ai.arch == Architecture::kGlm4Moe ? "n_routed_experts"
-                                                                : "num_experts";
+  const bool glm_like = ai.arch == Architecture::kGlm4Moe || ai.arch == Architecture::kDeepseekV3;
+  const char* experts_key = ai.arch == Architecture::kMixtral ? "num_local_experts"
+                            : glm_like                        ? "n_routed_experts"
+                                                              : "num_experts";
   MOE_RETURN_IF_ERROR(take_int("expert_count", experts_key));
   // Dense layers' width, and the experts' (Mixtral's experts use feed_forward_length).
   MOE_RETURN_IF_ERROR(take_int("feed_forward_length", "intermediate_size"));
@@ -336,9 +448,10 @@ absl::StatusOr<ModelSpec> SpecFromMetadata(const gguf::GgufFile& f, const GgufSo
   }
   keys.emplace_back("partial_rotary_factor", a + "rope.dimension_count");
   MOE_ASSIGN_OR_RETURN(const std::optional<std::string> scaling, f.String(a + "rope.scaling.type"));
-  if (scaling && *scaling != "none") {
+  if (scaling && *scaling != "none" && !(ai.arch == Architecture::kDeepseekV3 && *scaling == "yarn")) {
     return f.KeyError(a + "rope.scaling.type", absl::StrCat("is '", *scaling, "': RoPE scaling is not supported yet"));
   }
+  if (ai.arch == Architecture::kDeepseekV3) MOE_RETURN_IF_ERROR(MlaFromMetadata(f, a, scaling, c, keys));
   // What the tensors say: biases, q/k norms, tied embeddings, dense layers.
   const auto has = [&](const std::string& name) { return source.Has(name); };
   c["tie_word_embeddings"] = !has("output.weight");
@@ -350,6 +463,7 @@ absl::StatusOr<ModelSpec> SpecFromMetadata(const gguf::GgufFile& f, const GgufSo
   if (ai.arch == Architecture::kQwen3Moe || ai.arch == Architecture::kGlm4Moe) {
     c["attention_bias"] = has("blk.0.attn_q.bias");
   }
+  if (ai.arch == Architecture::kDeepseekV3) c["q_lora_rank"] = c.value("q_lora_rank", Json(nullptr));
   if (ai.arch == Architecture::kQwen3Moe || ai.arch == Architecture::kQwen2Moe) {
     // Layers without a router are dense (Qwen's mlp_only_layers).
     Json dense = Json::array();
@@ -359,8 +473,8 @@ absl::StatusOr<ModelSpec> SpecFromMetadata(const gguf::GgufFile& f, const GgufSo
     c["mlp_only_layers"] = dense;
     if (ai.arch == Architecture::kQwen3Moe) c["norm_topk_prob"] = true;  // llama.cpp's qwen3moe normalizes
   }
-  if (ai.arch == Architecture::kGlm4Moe) {
-    c["use_qk_norm"] = has("blk.0.attn_q_norm.weight");
+  if (glm_like) {
+    if (ai.arch == Architecture::kGlm4Moe) c["use_qk_norm"] = has("blk.0.attn_q_norm.weight");
     MOE_RETURN_IF_ERROR(take_int("leading_dense_block_count", "first_k_dense_replace"));
     MOE_RETURN_IF_ERROR(take_int("expert_shared_count", "n_shared_experts"));
     MOE_RETURN_IF_ERROR(take_int("expert_group_count", "n_group"));
@@ -369,7 +483,10 @@ absl::StatusOr<ModelSpec> SpecFromMetadata(const gguf::GgufFile& f, const GgufSo
     c["num_nextn_predict_layers"] = n_nextn;
     keys.emplace_back("num_nextn_predict_layers", a + "nextn_predict_layers");
     if (const gguf::Value* fn = f.Find(a + "expert_gating_func"); fn != nullptr && fn->is_integer() && fn->i != 2) {
-      return f.KeyError(a + "expert_gating_func", absl::StrCat("is ", fn->i, "; glm4moe routes with sigmoid (2)"));
+      return f.KeyError(
+          a + "expert_gating_func",
+          absl::StrCat("is ", fn->i, "; ", *arch_key, " is read with sigmoid routing (2) only",
+                       ai.arch == Architecture::kDeepseekV3 ? " (DeepSeek-V3; V2's softmax is not)" : ""));
     }
   }
   if (ai.arch != Architecture::kMixtral) {
@@ -513,6 +630,7 @@ class GgufCheckpoint final : public Checkpoint {
     MOE_ASSIGN_OR_RETURN(c->tokenizer_, TokenizerFromMetadata(first));
     if (c->spec_.arch == Architecture::kMixtral && !getenv("NOPERM")) source->UnpermuteQk(c->spec_.num_heads, c->spec_.num_kv_heads);
     if (c->spec_.arch == Architecture::kQwen2Moe) source->AsRow(".ffn_gate_inp_shexp.weight");
+    if (c->spec_.arch == Architecture::kDeepseekV3) source->JoinKvB();
     c->names_ = &TensorNames::For(c->spec_.arch, Container::kGguf);
     c->path_ = path;
     c->id_ = absl::StrCat(core::WeightFilesFingerprint(fs::path(files[0]).parent_path().string()), "-",

@@ -159,6 +159,7 @@ absl::StatusOr<Architecture> ArchitectureFromType(const std::string& model_type,
   if (model_type == "qwen2_moe") return Architecture::kQwen2Moe;
   if (model_type == "mixtral") return Architecture::kMixtral;
   if (model_type == "glm4_moe") return Architecture::kGlm4Moe;
+  if (model_type == "deepseek_v3" || model_type == "kimi_k2") return Architecture::kDeepseekV3;
   const std::string shown = model_type.size() > 60 ? absl::StrCat(model_type.substr(0, 60), "...") : model_type;
   return absl::InvalidArgumentError(absl::StrCat(
       source, ": model_type '", shown, "' is not supported; supported: ", absl::StrJoin(SupportedModelTypes(), ", ")));
@@ -166,6 +167,73 @@ absl::StatusOr<Architecture> ArchitectureFromType(const std::string& model_type,
 
 // transformers' per-architecture default for rope_theta when the config omits it.
 double DefaultRopeTheta(Architecture arch) { return arch == Architecture::kMixtral ? 1e6 : 1e4; }
+
+// rope_scaling / rope_parameters: "default" (or none), or "yarn" with its factor and corrections.
+// Any other type is refused naming the key it was found under.
+absl::Status ReadRopeScaling(const ConfigReader& c, ModelSpec& s) {
+  const Found type = c.Find({"rope_type", "type"});
+  if (type.value == nullptr) return absl::OkStatus();
+  if (!type.value->is_string()) return c.WrongType(type.key, "a string", *type.value);
+  const std::string name = type.value->get<std::string>();
+  if (name == "default") return absl::OkStatus();
+  if (name != "yarn") {
+    return c.Error(absl::StrCat(type.key, " '", name.size() > 40 ? name.substr(0, 40) + "..." : name,
+                                "' is not supported (supported: 'default', 'yarn')"));
+  }
+  if (s.arch != Architecture::kDeepseekV3) {
+    return c.Error(absl::StrCat(type.key, " 'yarn' is supported for deepseek_v3 only; ",
+                                std::string(ArchitectureName(s.arch)), " takes 'default'"));
+  }
+  RopeScaling& r = s.rope_scaling;
+  r.type = RopeType::kYarn;
+  if (!c.Has({"factor"})) return c.Error(absl::StrCat(type.key, " 'yarn' needs a factor"));
+  MOE_ASSIGN_OR_RETURN(r.factor, c.Positive({"factor"}, 1.0, 1e4));
+  MOE_ASSIGN_OR_RETURN(r.original_max_position_embeddings,
+                       c.Int({"original_max_position_embeddings"}, 0, 0, kMaxPositions));
+  MOE_ASSIGN_OR_RETURN(r.beta_fast, c.Positive({"beta_fast"}, 32.0, 1e4));
+  MOE_ASSIGN_OR_RETURN(r.beta_slow, c.Positive({"beta_slow"}, 1.0, 1e4));
+  if (c.Has({"mscale"})) {
+    MOE_ASSIGN_OR_RETURN(r.mscale, c.Positive({"mscale"}, 1.0, 1e3));
+  }
+  if (c.Has({"mscale_all_dim"})) {
+    MOE_ASSIGN_OR_RETURN(r.mscale_all_dim, c.Positive({"mscale_all_dim"}, 1.0, 1e3));
+  }
+  MOE_ASSIGN_OR_RETURN(r.truncate, c.Bool({"truncate"}, true));
+  if (c.Has({"attention_factor"})) {
+    MOE_ASSIGN_OR_RETURN(r.attention_factor, c.Positive({"attention_factor"}, 1.0, 1e3));
+  } else if (r.mscale != 0.0f && r.mscale_all_dim != 0.0f) {
+    r.attention_factor = YarnMscale(r.factor, r.mscale) / YarnMscale(r.factor, r.mscale_all_dim);
+  } else {
+    r.attention_factor = YarnMscale(r.factor, 1.0f);
+  }
+  return absl::OkStatus();
+}
+
+// deepseek_v3's attention: every MLA width, q_lora_rank null or absent for a plain q_proj.
+absl::Status ReadMla(const ConfigReader& c, ModelSpec& s) {
+  MlaSpec& m = s.mla;
+  if (const Found q = c.Find({"q_lora_rank"}); q.value != nullptr) {
+    MOE_ASSIGN_OR_RETURN(m.q_lora_rank, c.Int({"q_lora_rank"}, 1, kMaxHidden));
+  }
+  MOE_ASSIGN_OR_RETURN(m.kv_lora_rank, c.Int({"kv_lora_rank"}, 1, kMaxHidden));
+  MOE_ASSIGN_OR_RETURN(m.qk_nope_head_dim, c.Int({"qk_nope_head_dim"}, 1, kMaxHeadDim));
+  MOE_ASSIGN_OR_RETURN(m.qk_rope_head_dim, c.Int({"qk_rope_head_dim"}, 2, kMaxHeadDim));
+  MOE_ASSIGN_OR_RETURN(m.v_head_dim, c.Int({"v_head_dim"}, 1, kMaxHeadDim));
+  MOE_ASSIGN_OR_RETURN(m.rope_interleave, c.Bool({"rope_interleave"}, true));
+  if (m.qk_rope_head_dim % 2 != 0) {
+    return c.Error(absl::StrCat("qk_rope_head_dim=", m.qk_rope_head_dim, " must be even (RoPE rotates pairs)"));
+  }
+  // One KV head in the cache; the heads' K and V come from it.
+  s.num_kv_heads = s.num_heads;
+  s.head_dim = m.qk_head_dim();
+  s.rotary_dim = m.qk_rope_head_dim;
+  MOE_ASSIGN_OR_RETURN(s.rms_norm_eps, c.Positive({"rms_norm_eps"}, 1e-6, 1.0));
+  MOE_ASSIGN_OR_RETURN(s.max_position_embeddings, c.Int({"max_position_embeddings"}, 4096, 1, kMaxPositions));
+  MOE_ASSIGN_OR_RETURN(s.tie_word_embeddings, c.Bool({"tie_word_embeddings"}, false));
+  MOE_ASSIGN_OR_RETURN(const bool bias, c.Bool({"attention_bias"}, false));
+  if (bias) return c.Error("attention_bias=true is not supported for deepseek_v3 (its projections carry no bias)");
+  return absl::OkStatus();
+}
 
 absl::Status ReadAttention(const ConfigReader& c, ModelSpec& s) {
   MOE_ASSIGN_OR_RETURN(s.vocab_size, c.Int({"vocab_size"}, 1, kMaxVocab));
@@ -177,7 +245,9 @@ absl::Status ReadAttention(const ConfigReader& c, ModelSpec& s) {
     return c.Error(absl::StrCat("num_attention_heads=", s.num_heads,
                                 " is not a multiple of num_key_value_heads=", s.num_kv_heads));
   }
-  if (c.Has({"head_dim"})) {
+  if (s.arch == Architecture::kDeepseekV3) {
+    s.head_dim = 2;  // ReadMla sets it from the MLA widths (transformers' head_dim is the rope half)
+  } else if (c.Has({"head_dim"})) {
     MOE_ASSIGN_OR_RETURN(s.head_dim, c.Int({"head_dim"}, 2, kMaxHeadDim));
   } else {
     if (s.hidden_size % s.num_heads != 0) {
@@ -192,13 +262,8 @@ absl::Status ReadAttention(const ConfigReader& c, ModelSpec& s) {
   // Above 1, every RoPE frequency 1/theta^(2i/d) lies in (1/theta, 1]; below it they grow
   // without bound and positions times them overflow fp32.
   MOE_ASSIGN_OR_RETURN(s.rope_theta, c.Positive({"rope_theta"}, DefaultRopeTheta(s.arch), 1e12, /*min_inclusive=*/1));
-  if (const Found type = c.Find({"rope_type", "type"}); type.value != nullptr) {
-    if (!type.value->is_string()) return c.WrongType(type.key, "a string", *type.value);
-    if (type.value->get<std::string>() != "default") {
-      return c.Error(
-          absl::StrCat("rope_type '", type.value->get<std::string>(), "' is not supported yet (only 'default')"));
-    }
-  }
+  MOE_RETURN_IF_ERROR(ReadRopeScaling(c, s));
+  if (s.arch == Architecture::kDeepseekV3) return ReadMla(c, s);
   const double default_partial = s.arch == Architecture::kGlm4Moe ? 0.5 : 1.0;
   MOE_ASSIGN_OR_RETURN(float partial, c.Positive({"partial_rotary_factor"}, default_partial, 1.0));
   s.rotary_dim = static_cast<int>(s.head_dim * static_cast<double>(partial));
@@ -227,6 +292,8 @@ absl::Status ReadAttention(const ConfigReader& c, ModelSpec& s) {
       MOE_ASSIGN_OR_RETURN(s.qk_norm, c.Bool({"use_qk_norm"}, false));
       break;
     }
+    case Architecture::kDeepseekV3:
+      break;
   }
   return absl::OkStatus();
 }
@@ -265,7 +332,8 @@ absl::Status ReadExperts(const ConfigReader& c, ModelSpec& s) {
       s.moe_intermediate_size = s.intermediate_size;  // Mixtral's experts use intermediate_size
       r.normalize_top_k = true;
       break;
-    case Architecture::kGlm4Moe: {
+    case Architecture::kGlm4Moe:
+    case Architecture::kDeepseekV3: {
       MOE_ASSIGN_OR_RETURN(int first_dense, c.Int({"first_k_dense_replace"}, 1, 0, s.num_layers, layers));
       for (int l = 0; l < s.num_layers; ++l) s.layer_is_moe[l] = l >= first_dense;
       r.scoring = ScoringFunction::kSigmoid;
@@ -282,7 +350,7 @@ absl::Status ReadExperts(const ConfigReader& c, ModelSpec& s) {
                                     " is more than ", kMaxIntermediate, " columns of shared experts"));
       }
       s.shared_expert_intermediate_size = static_cast<int>(shared);
-      // GLM-4.5's MTP layers follow the model's own; each has routed experts.
+      // GLM-4.5's and DeepSeek-V3's MTP layers follow the model's own; each has routed experts.
       MOE_ASSIGN_OR_RETURN(s.num_nextn_layers, c.Int({"num_nextn_predict_layers"}, 0, 0, kMaxNextnLayers));
       s.nextn_is_moe = true;
       break;
@@ -312,7 +380,7 @@ absl::Status ReadTokenIds(const ConfigReader& c, ModelSpec& s) {
 }  // namespace
 
 const std::vector<std::string>& SupportedModelTypes() {
-  static const std::vector<std::string> types = {"qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"};
+  static const std::vector<std::string> types = {"qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3"};
   return types;
 }
 
@@ -326,6 +394,8 @@ std::string_view ArchitectureName(Architecture arch) {
       return "mixtral";
     case Architecture::kGlm4Moe:
       return "glm4_moe";
+    case Architecture::kDeepseekV3:
+      return "deepseek_v3";
   }
   return "?";
 }
@@ -342,6 +412,24 @@ std::string_view AttentionKindName(AttentionKind kind) {
   return "?";
 }
 
+float YarnMscale(float scale, float mscale) {
+  if (scale <= 1.0f) return 1.0f;
+  return 0.1f * mscale * std::log(scale) + 1.0f;
+}
+
+bool ModelSpec::uses_mla() const {
+  return std::find(layer_attention.begin(), layer_attention.end(), AttentionKind::kMla) != layer_attention.end();
+}
+
+float ModelSpec::attention_scale() const {
+  float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+  if (uses_mla() && rope_scaling.type == RopeType::kYarn && rope_scaling.mscale_all_dim != 0.0f) {
+    const float m = YarnMscale(rope_scaling.factor, rope_scaling.mscale_all_dim);
+    scale *= m * m;
+  }
+  return scale;
+}
+
 int ModelSpec::num_moe_layers() const {
   return static_cast<int>(std::count(layer_is_moe.begin(), layer_is_moe.end(), true));
 }
@@ -352,6 +440,11 @@ std::string ModelSpec::Summary() const {
                    ", heads ", num_heads, "/", num_kv_heads, " x ", head_dim, ", ", routing.num_experts,
                    " experts top-", routing.top_k, " x ", moe_intermediate_size, ", vocab ", vocab_size);
   if (shared_expert_intermediate_size > 0) absl::StrAppend(&s, ", shared expert ", shared_expert_intermediate_size);
+  if (uses_mla()) {
+    absl::StrAppend(&s, ", MLA q_lora ", mla.q_lora_rank, " kv_lora ", mla.kv_lora_rank, " nope/rope/v ",
+                    mla.qk_nope_head_dim, "/", mla.qk_rope_head_dim, "/", mla.v_head_dim);
+  }
+  if (rope_scaling.type == RopeType::kYarn) absl::StrAppend(&s, ", YaRN x", rope_scaling.factor);
   return s;
 }
 
@@ -374,7 +467,8 @@ absl::StatusOr<ModelSpec> ParseModelSpec(std::string_view config_json, std::stri
   MOE_RETURN_IF_ERROR(ReadAttention(c, s));
   MOE_RETURN_IF_ERROR(ReadExperts(c, s));
   MOE_RETURN_IF_ERROR(ReadTokenIds(c, s));
-  s.layer_attention.assign(s.num_all_layers(), AttentionKind::kGqa);
+  s.layer_attention.assign(s.num_all_layers(),
+                           s.arch == Architecture::kDeepseekV3 ? AttentionKind::kMla : AttentionKind::kGqa);
   return s;
 }
 

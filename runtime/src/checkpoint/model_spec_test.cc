@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -10,6 +11,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "moe/runtime/model.h"
 #include "nlohmann/json.hpp"
 
 namespace moe::runtime {
@@ -177,7 +179,122 @@ TEST(ModelSpecTest, RejectsUnsupportedRopeScaling) {
   Json j = Qwen3Config();
   j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}};
   auto s = Parse(j);
-  EXPECT_THAT(s.status().message(), HasSubstr("rope_type 'yarn' is not supported yet"));
+  EXPECT_THAT(s.status().message(),
+              HasSubstr("rope_scaling.rope_type 'yarn' is supported for deepseek_v3 only; qwen3_moe takes 'default'"));
+  j["rope_scaling"] = {{"type", "longrope"}, {"factor", 4.0}};
+  EXPECT_THAT(Parse(j).status().message(),
+              HasSubstr("test/config.json: rope_scaling.type 'longrope' is not supported (supported: 'default', "
+                        "'yarn')"));
+}
+
+// DeepSeek-V3's published config.json (the 671B model): MLA, YaRN x40, 3 dense layers, 8 groups.
+Json DeepseekV3Config() {
+  return Json::parse(R"({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+    "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61, "num_nextn_predict_layers": 1, "num_attention_heads": 128,
+    "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5,
+    "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
+    "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3, "norm_topk_prob": true,
+    "scoring_func": "sigmoid", "max_position_embeddings": 163840, "rms_norm_eps": 1e-06, "rope_theta": 10000,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": false})");
+}
+
+TEST(ModelSpecTest, ReadsDeepseekV3MlaYarnAndGroupRouting) {
+  auto s = Parse(DeepseekV3Config());
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->arch, Architecture::kDeepseekV3);
+  EXPECT_EQ(s->mla.q_lora_rank, 1536);
+  EXPECT_EQ(s->mla.kv_lora_rank, 512);
+  EXPECT_EQ(s->mla.latent_width(), 576);
+  EXPECT_EQ(s->head_dim, 192);  // qk_nope + qk_rope
+  EXPECT_EQ(s->rotary_dim, 64);
+  EXPECT_TRUE(s->mla.rope_interleave);  // transformers' default when the config says nothing
+  EXPECT_TRUE(s->uses_mla());
+  EXPECT_EQ(s->attention(0), AttentionKind::kMla);
+  EXPECT_EQ(s->attention(61), AttentionKind::kMla);  // the MTP layer
+  EXPECT_EQ(s->num_nextn_layers, 1);
+  EXPECT_EQ(s->rope_scaling.type, RopeType::kYarn);
+  EXPECT_FLOAT_EQ(s->rope_scaling.factor, 40.0f);
+  EXPECT_EQ(s->rope_scaling.original_max_position_embeddings, 4096);
+  EXPECT_FLOAT_EQ(s->rope_scaling.attention_factor, 1.0f);  // mscale / mscale_all_dim
+  // 192^-0.5 x (0.1 ln 40 + 1)^2
+  EXPECT_NEAR(s->attention_scale(), 0.1352337788608801, 1e-6);
+  EXPECT_EQ(s->routing.scoring, ScoringFunction::kSigmoid);
+  EXPECT_TRUE(s->routing.has_correction_bias);
+  EXPECT_EQ(s->routing.n_group, 8);
+  EXPECT_EQ(s->routing.topk_group, 4);
+  EXPECT_FLOAT_EQ(s->routing.routed_scaling_factor, 2.5f);
+  EXPECT_EQ(s->num_moe_layers(), 58);
+  EXPECT_FALSE(s->IsMoeLayer(2));
+  EXPECT_TRUE(s->IsMoeLayer(3));
+  EXPECT_EQ(s->shared_expert_intermediate_size, 2048);
+  Json kimi = DeepseekV3Config();  // Kimi-K2's checkpoints name their type kimi_k2: the same layers
+  kimi["model_type"] = "kimi_k2";
+  auto k = Parse(kimi);
+  ASSERT_TRUE(k.ok()) << k.status();
+  EXPECT_EQ(k->arch, Architecture::kDeepseekV3);
+  EXPECT_EQ(k->model_type, "kimi_k2");
+}
+
+// YaRN's frequencies for DeepSeek-V3 (rope 64, theta 1e4, x40 over 4096 positions), as transformers
+// computes them in fp32: the correction range is dimensions [10, 23]; below it the frequencies are
+// kept, above it divided by 40, and blended between.
+TEST(ModelSpecTest, YarnFrequenciesFollowTransformers) {
+  auto s = Parse(DeepseekV3Config());
+  ASSERT_TRUE(s.ok()) << s.status();
+  const std::vector<float> inv_freq = RopeInverseFrequencies(*s);
+  ASSERT_EQ(inv_freq.size(), 32u);
+  const std::pair<int, double> want[] = {{0, 1.0},
+                                         {10, 0.05623412877321243},
+                                         {11, 0.039006926119327545},
+                                         {15, 0.0083345090970397},
+                                         {20, 0.0007905694073997438},
+                                         {25, 1.8747354260995053e-05},
+                                         {31, 3.3338035336782923e-06}};
+  for (const auto& [i, f] : want) EXPECT_NEAR(inv_freq[i], f, 2e-7 * f) << "dimension pair " << i;
+}
+
+TEST(ModelSpecTest, ReadsTheDeepseekV3Fixture) {
+  auto s = LoadModelSpec(Fixture("deepseek_v3"));
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->mla.q_lora_rank, 64);
+  EXPECT_EQ(s->mla.kv_lora_rank, 32);
+  EXPECT_EQ(s->mla.qk_nope_head_dim, 32);
+  EXPECT_EQ(s->mla.qk_rope_head_dim, 16);
+  EXPECT_EQ(s->mla.v_head_dim, 32);
+  EXPECT_TRUE(s->mla.rope_interleave);
+  EXPECT_EQ(s->head_dim, 48);  // not config.json's head_dim (16), which is transformers' rope half
+  EXPECT_EQ(s->rope_scaling.type, RopeType::kDefault);
+  EXPECT_NEAR(s->attention_scale(), 1.0 / std::sqrt(48.0), 1e-7);
+}
+
+TEST(ModelSpecTest, DeepseekV3WithoutAQLoraUsesAPlainQProjection) {
+  Json j = DeepseekV3Config();
+  j["q_lora_rank"] = nullptr;  // DeepSeek-V2-Lite's way
+  auto s = Parse(j);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->mla.q_lora_rank, 0);
+  j.erase("q_lora_rank");
+  ASSERT_TRUE(Parse(j).ok());
+}
+
+TEST(ModelSpecTest, DeepseekV3MissingAnMlaWidthNamesIt) {
+  for (const char* key : {"kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"}) {
+    Json j = DeepseekV3Config();
+    j.erase(key);
+    auto s = Parse(j);
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(s.status().message(), HasSubstr(std::string("test/config.json: missing ") + key));
+  }
+  Json odd = DeepseekV3Config();
+  odd["qk_rope_head_dim"] = 63;
+  EXPECT_THAT(Parse(odd).status().message(), HasSubstr("qk_rope_head_dim=63 must be even"));
+  Json yarn = DeepseekV3Config();
+  yarn["rope_scaling"].erase("factor");
+  EXPECT_THAT(Parse(yarn).status().message(), HasSubstr("rope_scaling.type 'yarn' needs a factor"));
 }
 
 TEST(ModelSpecTest, ReportsMalformedAndMissingFiles) {

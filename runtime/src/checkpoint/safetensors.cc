@@ -120,7 +120,7 @@ absl::Status SafetensorsSource::AddFile(const std::string& path, const std::set<
     if (!type) {
       const std::string& shown = dtype.get_ref<const std::string&>();
       return where(absl::StrCat("dtype ", shown.size() > 16 ? absl::StrCat(shown.substr(0, 16), "...") : shown,
-                                " is not supported (BF16, F16, F32, I8, I32, I64)"));
+                                " is not supported (BF16, F16, F32, F8_E4M3, I8, I32, I64)"));
     }
     const std::string type_name = core::DTypeName(*type);
     if (!shape.is_array()) return where(absl::StrCat("shape must be a list, found ", core::DescribeJson(shape)));

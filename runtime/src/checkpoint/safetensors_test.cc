@@ -104,8 +104,8 @@ TEST_F(SafetensorsTest, BadHeadersAreErrors) {
               HasSubstr(path + " header: expected a JSON object at the top level, found a list of 1 value"));
   RewriteHeader(path, R"({"a": {"dtype": "BF16", "shape": [2, 3], "data_offsets": [0, 10]}})");
   EXPECT_THAT(OpenSafetensorsFile(path).status().message(), HasSubstr("hold 10 bytes but [2, 3] BF16 needs 12"));
-  RewriteHeader(path, R"({"a": {"dtype": "F8_E4M3", "shape": [2, 3], "data_offsets": [0, 6]}})");
-  EXPECT_THAT(OpenSafetensorsFile(path).status().message(), HasSubstr("dtype F8_E4M3 is not supported"));
+  RewriteHeader(path, R"({"a": {"dtype": "F8_E5M2", "shape": [2, 3], "data_offsets": [0, 6]}})");
+  EXPECT_THAT(OpenSafetensorsFile(path).status().message(), HasSubstr("dtype F8_E5M2 is not supported"));
   RewriteHeader(path, R"({"a": {"dtype": "BF16", "shape": [2, 3]}})");
   EXPECT_THAT(OpenSafetensorsFile(path).status().message(), HasSubstr("tensor a: bad header entry"));
 }

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "cpu/attention.h"
 #include "cpu/kernels.h"
+#include "cpu/mla_attention.h"
 #include "moe/comm/communicator.h"
 #include "moe/core/cpu_features.h"
 #include "moe/core/memory.h"
@@ -185,7 +186,7 @@ class CpuBackend : public Backend {
     if (use != WeightUse::kVector && host.dtype != DType::kF16) {
       return std::unique_ptr<DeviceWeight>(new CpuWeight(host.shape, host.dtype, host.data, {}));
     }
-    return Fused({host});
+    return Fused({host}, /*f32=*/use == WeightUse::kVector);
   }
 
   // GGUF Linears: the parts' blocks re-ordered for the kernels (experts/packed.h), as small as the
@@ -210,6 +211,35 @@ class CpuBackend : public Backend {
       rows += p.shape[0];
     }
     const int64_t cols = parts[0].shape[1];
+    // Row r of the stacked parts: its part and its row there.
+    const auto part_row = [&](int64_t r) -> std::pair<const WeightView*, int64_t> {
+      for (const WeightView& p : parts) {
+        if (r < p.shape[0]) return {&p, r};
+        r -= p.shape[0];
+      }
+      return {nullptr, 0};
+    };
+    if (stored.kind == WeightFormat::Kind::kBlockScaled) {
+      // fp8 codes and their block scales as they are (SupportsStoredWeight: a group fits the blocks).
+      const int group = Fp8Group(stored);
+      if (group == 0) return absl::InvalidArgumentError(absl::StrCat("no fp8 layout for ", stored.Name()));
+      MOE_ASSIGN_OR_RETURN(const experts::MatrixLayout layout,
+                           experts::MakeLayout(experts::ExpertFormat::kFp8, rows, cols, group));
+      MOE_ASSIGN_OR_RETURN(auto data, core::AlignedBuffer::Allocate(layout.bytes()));
+      experts::PackFp8Rows(
+          layout,
+          [&](int64_t r) {
+            const auto [p, pr] = part_row(r);
+            return p == nullptr ? nullptr : static_cast<const uint8_t*>(p->data) + pr * cols;
+          },
+          [&](int64_t r, int64_t g) {
+            const auto [p, pr] = part_row(r);
+            const int64_t scale_cols = p->scale_shape.size() == 2 ? p->scale_shape[1] : 1;
+            return p->Scale((pr / stored.scale_rows) * scale_cols + g * group / stored.scale_cols);
+          },
+          data.as<uint8_t>());
+      return std::unique_ptr<DeviceWeight>(CpuWeight::Packed(core::Shape{rows, cols}, layout, std::move(data)));
+    }
     MOE_ASSIGN_OR_RETURN(const experts::ExpertFormat format, experts::FormatForGgufType(stored.type_id));
     MOE_ASSIGN_OR_RETURN(const experts::MatrixLayout layout, experts::MakeLayout(format, rows, cols));
     MOE_ASSIGN_OR_RETURN(auto data, core::AlignedBuffer::Allocate(layout.bytes()));
@@ -217,11 +247,8 @@ class CpuBackend : public Backend {
     experts::PackGgufRows(
         layout,
         [&](int64_t r) -> const uint8_t* {
-          for (const WeightView& p : parts) {
-            if (r < p.shape[0]) return static_cast<const uint8_t*>(p.data) + r * row_bytes;
-            r -= p.shape[0];
-          }
-          return nullptr;
+          const auto [p, pr] = part_row(r);
+          return p == nullptr ? nullptr : static_cast<const uint8_t*>(p->data) + pr * row_bytes;
         },
         data.as<uint8_t>());
     return std::unique_ptr<DeviceWeight>(CpuWeight::Packed(core::Shape{rows, cols}, layout, std::move(data)));
@@ -441,6 +468,60 @@ class CpuBackend : public Backend {
     internal::PagedAttention(kv, queries, attention_isa_, loop, attention_scratch_);
   }
 
+  bool SupportsAttention(AttentionKind kind) const override {
+    return kind == AttentionKind::kGqa || kind == AttentionKind::kMla;
+  }
+
+  void AttentionMla(const MlaAttentionArgs& a, const StepTensors& step) override {
+    const StepInputs& in = *step.host;
+    const internal::MlaDims d{a.num_heads, a.mla.qk_nope_head_dim, a.mla.qk_rope_head_dim, a.mla.v_head_dim,
+                              a.mla.kv_lora_rank};
+    KvCache& cache = *a.cache;
+    const int bs = cache.shape().block_size;
+    const int64_t width = d.latent(), q_width = int64_t{d.heads} * d.qk();
+    const float* inv_freq = a.inv_freq->as<float>();
+    const float* kv_norm = AsCpu(*a.kv_norm).f32();
+    float* rows = static_cast<float*>(cache.k(a.layer));
+    // Per token: the latent normed, k_rope and each head's q_rope rotated, the row into the cache
+    // first, since a chunk's later tokens attend to its earlier ones.
+    For(step.num_tokens, [&](int64_t r) {
+      float* kv = a.kv.as<float>() + r * width;
+      const int32_t p = in.positions[r];
+      NormRow(kv, kv_norm, a.eps, d.lora, kv);
+      internal::RotateMla(kv + d.lora, d.rope, inv_freq, p, a.rope_attention_factor, a.mla.rope_interleave);
+      float* q = a.q.as<float>() + r * q_width;
+      for (int h = 0; h < d.heads; ++h) {
+        internal::RotateMla(q + int64_t{h} * d.qk() + d.nope, d.rope, inv_freq, p, a.rope_attention_factor,
+                            a.mla.rope_interleave);
+      }
+      const int block = in.block_table[static_cast<int64_t>(in.row_seq[r]) * in.max_blocks + p / bs];
+      std::memcpy(rows + (static_cast<int64_t>(block) * bs + p % bs) * width, kv, width * sizeof(float));
+    });
+    const internal::PagedLatent latent{rows, bs};
+    const internal::MlaQueries queries{a.q.as<float>(),     a.out.as<float>(),     a.scale,      in.positions.data(),
+                                       in.seq_start.data(), in.block_table.data(), in.max_blocks};
+    auto loop = [this](int64_t n, int64_t grain, absl::FunctionRef<void(int64_t, int64_t)> body) {
+      ParallelFor(n, grain, body);
+    };
+    const float* kv_b = AsCpu(*a.kv_b).f32();
+    auto absorb = [&](int s) {
+      const bool one_token = in.seq_start[s + 1] - in.seq_start[s] == 1;
+      return a.form == MlaForm::kAbsorbed || (a.form == MlaForm::kAuto && one_token);
+    };
+    // Runs of absorbed sequences (a decode batch is one) go to the blocked kernel together.
+    for (int s = 0; s < in.num_seqs();) {
+      if (!absorb(s)) {
+        internal::MlaAttendExpanded(d, kv_b, latent, queries, s++, loop);
+        continue;
+      }
+      int end = s + 1;
+      while (end < in.num_seqs() && absorb(end)) ++end;
+      internal::MlaAttendAbsorbed(d, kv_b, latent, queries, s, end - s, attention_isa_, loop, attention_scratch_,
+                                  &mla_queries_, &mla_outputs_);
+      s = end;
+    }
+  }
+
   void SiluMul(const Tensor& gate_up, const Tensor& out) override {
     const int64_t width = out.cols;
     For(out.rows, [&](int64_t r) {
@@ -621,6 +702,7 @@ class CpuBackend : public Backend {
     auto exists = [&](experts::KernelKind kind) { return experts::GetKernel(kind, f) != nullptr && usable(kind); };
     const experts::KernelKind kind = rows >= 16 && exists(experts::KernelKind::kAmx) ? experts::KernelKind::kAmx
                                      : exists(experts::KernelKind::kVnni)            ? experts::KernelKind::kVnni
+                                     : exists(experts::KernelKind::kAvx512Bf16)      ? experts::KernelKind::kAvx512Bf16
                                                                                      : experts::KernelKind::kPortable;
     // GGUF blocks group their scales by 16 or 32 columns; their kernels read sums per 16.
     const int sum_group = w.layout.gguf_type >= 0                  ? 16
@@ -647,7 +729,9 @@ class CpuBackend : public Backend {
     });
   }
 
-  absl::StatusOr<std::unique_ptr<DeviceWeight>> Fused(const std::vector<core::TensorView>& parts) {
+  // `parts` stacked into one owned copy: bf16 matrices stay bf16 unless `f32` (a kVector use, such
+  // as MLA's kv_b_proj, which the backend reads as floats); everything else becomes f32.
+  absl::StatusOr<std::unique_ptr<DeviceWeight>> Fused(const std::vector<core::TensorView>& parts, bool f32 = false) {
     bool all_bf16 = true;
     int64_t rows = 0, numel = 0;
     for (const auto& p : parts) {
@@ -656,7 +740,7 @@ class CpuBackend : public Backend {
       numel += p.numel();
     }
     const bool vector = parts[0].rank() == 1;
-    const DType dtype = all_bf16 && !vector ? DType::kBF16 : DType::kF32;
+    const DType dtype = all_bf16 && !vector && !f32 ? DType::kBF16 : DType::kF32;
     MOE_ASSIGN_OR_RETURN(auto owned, core::AlignedBuffer::Allocate(numel * core::DTypeSize(dtype)));
     int64_t at = 0;
     for (const auto& p : parts) {
@@ -697,6 +781,8 @@ class CpuBackend : public Backend {
   const WeightPolicy policy_;
   const internal::AttentionIsa attention_isa_ = internal::BestAttentionIsa();
   internal::AttentionScratch attention_scratch_;
+  // MLA's absorbed queries and latent outputs, [rows x heads x (kv_lora + rope)], grown to the largest step.
+  std::vector<float> mla_queries_, mla_outputs_;
 };
 
 }  // namespace

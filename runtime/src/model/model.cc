@@ -53,7 +53,9 @@ struct Model::StepBuffers {
   Tensor h;      // [T x hidden] activation dtype: the normed input of a block
   Tensor qkv;    // [T x (H + 2 KV) d]
   Tensor q;      // [T x H d]
-  Tensor attn;   // [T x H d]
+  Tensor attn;   // [T x H d] (MLA: its first T x H v_head_dim values)
+  Tensor mla_q_a;  // MLA with a q LoRA: [T x q_lora_rank]
+  Tensor mla_kv;   // MLA: [T x (kv_lora_rank + qk_rope_head_dim)]
   Tensor delta;  // [T x hidden] fp32: a block's output, added to x by the next norm
   FfnBuffers ffn;
   Tensor last_h;  // [L x hidden] activation dtype
@@ -76,6 +78,8 @@ absl::Status ForEachStepBuffer(const ModelSpec& s, DType act, int64_t t, int64_t
   const int64_t shard_rows = vocab_parts > 1 ? l : 0, shard_vocab = s.vocab_size / std::max(vocab_parts, 1);
   const int64_t hidden = s.hidden_size, q_width = int64_t{s.num_heads} * s.head_dim;
   const int64_t qkv_width = q_width + 2 * int64_t{s.num_kv_heads} * s.head_dim;
+  const bool mla = s.uses_mla();
+  const int64_t attn_width = std::max<int64_t>(q_width, mla ? int64_t{s.num_heads} * s.mla.v_head_dim : 0);
   const int64_t width = std::max<int64_t>({s.intermediate_size, s.shared_expert_intermediate_size, 1});
   const int64_t experts = std::max(s.routing.num_experts, 1), top_k = std::max(s.routing.top_k, 1);
   const struct {
@@ -87,7 +91,9 @@ absl::Status ForEachStepBuffer(const ModelSpec& s, DType act, int64_t t, int64_t
       {&buf->h, act, t, hidden},
       {&buf->qkv, act, t, qkv_width},
       {&buf->q, act, t, q_width},
-      {&buf->attn, act, t, q_width},
+      {&buf->attn, act, t, attn_width},
+      {&buf->mla_q_a, act, mla && s.mla.q_lora_rank > 0 ? t : 0, std::max(s.mla.q_lora_rank, 1)},
+      {&buf->mla_kv, act, mla ? t : 0, std::max(s.mla.latent_width(), 1)},
       {&buf->delta, DType::kF32, t, hidden},
       {&buf->ffn.gate_up, act, t, 2 * width},
       {&buf->ffn.act, act, t, width},
@@ -167,6 +173,32 @@ std::vector<float> RopeInverseFrequencies(const ModelSpec& spec) {
     const float exponent = static_cast<float>(2 * i) / static_cast<float>(spec.rotary_dim);
     inv_freq[i] = 1.0f / std::pow(spec.rope_theta, exponent);
   }
+  const RopeScaling& y = spec.rope_scaling;
+  if (y.type != RopeType::kYarn) return inv_freq;
+  // YaRN: dimensions that turn fewer than beta_slow times over the original context are
+  // interpolated (divided by the factor), those that turn more than beta_fast times are kept, and a
+  // linear ramp blends the ones between (transformers' _compute_yarn_parameters).
+  const double dim = spec.rotary_dim, base = spec.rope_theta;
+  const double original =
+      y.original_max_position_embeddings > 0 ? y.original_max_position_embeddings : spec.max_position_embeddings;
+  auto correction_dim = [&](double rotations) {
+    return dim * std::log(original / (rotations * 2 * M_PI)) / (2 * std::log(base));
+  };
+  double low = correction_dim(y.beta_fast), high = correction_dim(y.beta_slow);
+  if (y.truncate) {
+    low = std::floor(low);
+    high = std::ceil(high);
+  }
+  low = std::max(low, 0.0);
+  high = std::min(high, dim - 1);
+  if (low == high) high += 0.001;
+  for (int i = 0; i < half; ++i) {
+    const float ramp =
+        std::clamp((static_cast<float>(i) - static_cast<float>(low)) / static_cast<float>(high - low), 0.0f, 1.0f);
+    const float keep = 1.0f - ramp;  // the share of the original (extrapolated) frequency
+    const float interpolated = inv_freq[i] / y.factor;
+    inv_freq[i] = interpolated * (1.0f - keep) + inv_freq[i] * keep;
+  }
   return inv_freq;
 }
 
@@ -227,6 +259,11 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, cons
   model->backend_ = backend != nullptr ? std::move(backend)
                                        : std::shared_ptr<Backend>(CreateCpuBackend(options.threads, options.weights));
   Backend& b = *model->backend_;
+  if (spec.uses_mla() && !b.SupportsAttention(AttentionKind::kMla)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        spec.model_type, "'s multi-head latent attention (MLA) runs on the CPU backend in this build: ", b.name(),
+        " has no MLA kernels yet; use --device cpu"));
+  }
   MOE_ASSIGN_OR_RETURN(internal::LoadPlan plan, internal::PlanLoad(spec, options, model->layers_, b));
   model->pool_layers_ = plan.pool_layers;
   const std::vector<int>& pool_layers = model->pool_layers_;
@@ -245,6 +282,11 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, cons
   if (pool) {
     experts::ExpertPoolOptions pool_options = options.pool;
     if (options.pool_format_auto) pool_options.format = AutoPoolFormat(*model->checkpoint_);
+    // fp8 experts keep the checkpoint's scale groups (an explicit --expert-format fp8 of another
+    // checkpoint quantizes with --int4-group's).
+    if (pool_options.format == experts::ExpertFormat::kFp8 && Fp8ExpertGroup(*model->checkpoint_) > 0) {
+      pool_options.group = Fp8ExpertGroup(*model->checkpoint_);
+    }
     pool_options.linger_us = options.expert_linger_us.value_or(b.ComputesOnHostCores() ? 0 : pool_options.linger_us);
     MOE_ASSIGN_OR_RETURN(model->pool_, internal::CreatePool(*model->checkpoint_, pool_options, pool_layers));
     if (b.ComputesOnHostCores() && options.share_host_threads) b.UseHostThreads(&model->pool_->host_threads());
@@ -461,6 +503,69 @@ absl::StatusOr<Model::StepBuffers> Model::TakeBuffers(int64_t t, int64_t l) {
   return buf;
 }
 
+void Model::RunGqa(const StepTensors& step, const StepBuffers& buf, const internal::LayerWeights& lw,
+                   const Tensor& inv_freq, KvCache& cache, int layer) {
+  const ModelSpec& s = spec_;
+  Backend& b = *backend_;
+  b.Linear(buf.h, *lw.qkv, lw.qkv_bias.get(), buf.qkv);
+  if (tap_) tap_("qkv", layer, buf.qkv);
+  AttentionArgs args;
+  args.qkv = buf.qkv;
+  args.q = buf.q;
+  args.out = buf.attn;
+  args.num_heads = local_.num_heads;
+  args.num_kv_heads = local_.num_kv_heads;
+  args.head_dim = s.head_dim;
+  args.rotary_dim = s.rotary_dim;
+  args.scale = s.attention_scale();
+  args.eps = s.rms_norm_eps;
+  args.q_norm = lw.q_norm.get();
+  args.k_norm = lw.k_norm.get();
+  args.inv_freq = &inv_freq;
+  args.cache = &cache;
+  args.layer = layer - static_cast<int>(layers_.begin);  // the cache holds this stage's layers
+  b.Attention(args, step);
+}
+
+Tensor Model::RunMla(const StepTensors& step, const StepBuffers& buf, const internal::LayerWeights& lw,
+                     const Tensor& inv_freq, KvCache& cache, int layer) {
+  const ModelSpec& s = spec_;
+  const MlaSpec& m = s.mla;
+  Backend& b = *backend_;
+  const int64_t rows = buf.h.rows;
+  const int heads = local_.num_heads;
+  const Tensor q{buf.q.data, buf.q.dtype, rows, int64_t{heads} * m.qk_head_dim()};
+  if (lw.mla_q_a != nullptr) {  // q LoRA: down, normed, up
+    b.Linear(buf.h, *lw.mla_q_a, nullptr, buf.mla_q_a);
+    b.AddRmsNorm(buf.mla_q_a, nullptr, *lw.mla_q_a_norm, s.rms_norm_eps, buf.mla_q_a);
+    b.Linear(buf.mla_q_a, *lw.mla_q, nullptr, q);
+  } else {
+    b.Linear(buf.h, *lw.mla_q, nullptr, q);
+  }
+  b.Linear(buf.h, *lw.mla_kv_a, nullptr, buf.mla_kv);
+  if (tap_) {
+    tap_("mla_q", layer, q);
+    tap_("mla_kv", layer, buf.mla_kv);
+  }
+  MlaAttentionArgs args;
+  args.q = q;
+  args.kv = buf.mla_kv;
+  args.out = Tensor{buf.attn.data, buf.attn.dtype, rows, int64_t{heads} * m.v_head_dim};
+  args.num_heads = heads;
+  args.mla = m;
+  args.scale = s.attention_scale();
+  args.rope_attention_factor = s.rope_scaling.type == RopeType::kYarn ? s.rope_scaling.attention_factor : 1.0f;
+  args.eps = s.rms_norm_eps;
+  args.kv_norm = lw.mla_kv_a_norm.get();
+  args.kv_b = lw.mla_kv_b.get();
+  args.inv_freq = &inv_freq;
+  args.cache = &cache;
+  args.layer = layer - static_cast<int>(layers_.begin);
+  args.form = options_.mla_form;
+  b.AttentionMla(args, step);
+  return args.out;
+}
+
 absl::Status Model::RunLayers(const StepTensors& step, const StepBuffers& buf, KvCache& cache) {
   const ModelSpec& s = spec_;
   Backend& b = *backend_;
@@ -487,26 +592,15 @@ absl::Status Model::RunLayers(const StepTensors& step, const StepBuffers& buf, K
     b.AddRmsNorm(buf.x, pending, *lw.input_norm, s.rms_norm_eps, buf.h);
     tap("residual", layer, buf.x);
     tap("input_norm", layer, buf.h);
-    b.Linear(buf.h, *lw.qkv, lw.qkv_bias.get(), buf.qkv);
-    tap("qkv", layer, buf.qkv);
-    AttentionArgs args;
-    args.qkv = buf.qkv;
-    args.q = buf.q;
-    args.out = buf.attn;
-    args.num_heads = local_.num_heads;
-    args.num_kv_heads = local_.num_kv_heads;
-    args.head_dim = s.head_dim;
-    args.rotary_dim = s.rotary_dim;
-    args.scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim));
-    args.eps = s.rms_norm_eps;
-    args.q_norm = lw.q_norm.get();
-    args.k_norm = lw.k_norm.get();
-    args.inv_freq = &inv_freq;
-    args.cache = &cache;
-    args.layer = layer - static_cast<int>(layers_.begin);  // the cache holds this stage's layers
-    b.Attention(args, step);
-    tap("attention", layer, buf.attn);
-    b.Linear(buf.attn, *lw.o, nullptr, buf.delta);
+    if (s.attention(layer) == AttentionKind::kMla) {
+      const Tensor out = RunMla(step, buf, lw, inv_freq, cache, layer);
+      tap("attention", layer, out);
+      b.Linear(out, *lw.o, nullptr, buf.delta);
+    } else {
+      RunGqa(step, buf, lw, inv_freq, cache, layer);
+      tap("attention", layer, buf.attn);
+      b.Linear(buf.attn, *lw.o, nullptr, buf.delta);
+    }
     if (tensor) b.AllReduceSum(buf.delta, *comm);
     tap("o_proj", layer, buf.delta);
     // FFN block: routed experts (plus shared ones) or a dense SwiGLU.

@@ -172,10 +172,13 @@ class WeightLoader {
     }
     if (const WeightFormat& f = view->format; f.plain() && f.element != core::DType::kBF16 &&
                                               f.element != core::DType::kF16 && f.element != core::DType::kF32) {
-      return absl::InvalidArgumentError(absl::StrCat(name, ": dtype ", f.Name(), " in ",
-                                                     checkpoint_.source().FileOf(name), ", expected BF16, F16 or F32"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": dtype ", f.Name(), " in ", checkpoint_.source().FileOf(name),
+                       f.element == core::DType::kF8E4M3
+                           ? ", without scales (config.json has no quantization_config with quant_method fp8)"
+                           : ", expected BF16, F16 or F32"));
     }
-    if (const WeightFormat& f = view->format; !f.plain() && experts::FindGgufType(f.type_id) == nullptr) {
+    if (const WeightFormat& f = view->format; f.kind == WeightFormat::Kind::kBlocks && experts::FindGgufType(f.type_id) == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat(name, " in ", checkpoint_.source().FileOf(name), " is ", f.Name(),
                                                      ", a type moeserve does not read (types read: ",
                                                      experts::SupportedGgufTypeNames(), ")"));
@@ -279,6 +282,49 @@ class WeightLoader {
   std::set<std::string> used_;
   int64_t device_bytes_ = 0;
 };
+
+// An MLA layer's projections. `shard`: a tensor split's heads (rows of q_b or q, and of kv_b;
+// columns of o); the compressed projections and their norms are every rank's.
+absl::Status LoadMla(const ModelSpec& s, int layer, WeightLoader& w, LayerWeights& l,
+                     const std::optional<TensorShard>& shard) {
+  using I = TensorId;
+  const MlaSpec& m = s.mla;
+  const int64_t h = s.hidden_size, heads = s.num_heads, qk = m.qk_head_dim(), kv_b = m.qk_nope_head_dim + m.v_head_dim;
+  Slice q_rows, kv_b_rows, o_columns;
+  if (shard) {
+    const Range r = shard->q_heads;
+    q_rows = Slice::Rows({r.begin * qk, r.end * qk});
+    kv_b_rows = Slice::Rows({r.begin * kv_b, r.end * kv_b});
+    o_columns = Slice::Columns({r.begin * m.v_head_dim, r.end * m.v_head_dim});
+  }
+  const std::string q_why = absl::StrCat("num_attention_heads=", heads, " x (qk_nope_head_dim=", m.qk_nope_head_dim,
+                                         " + qk_rope_head_dim=", m.qk_rope_head_dim, ")");
+  if (m.q_lora_rank > 0) {
+    const std::string rank = absl::StrCat("q_lora_rank=", m.q_lora_rank);
+    MOE_ASSIGN_OR_RETURN(l.mla_q_a, w.Load({I::kMlaQA, layer}, {m.q_lora_rank, h}, rank));
+    MOE_ASSIGN_OR_RETURN(l.mla_q_a_norm, w.Load({I::kMlaQANorm, layer}, {m.q_lora_rank}, rank, WeightUse::kVector));
+    MOE_ASSIGN_OR_RETURN(l.mla_q, w.Load({I::kMlaQB, layer}, {heads * qk, m.q_lora_rank}, q_why + ", " + rank,
+                                         WeightUse::kMatrix, q_rows));
+  } else {
+    MOE_ASSIGN_OR_RETURN(l.mla_q, w.Load({I::kAttnQ, layer}, {heads * qk, h}, q_why + " (q_lora_rank null)",
+                                         WeightUse::kMatrix, q_rows));
+  }
+  const std::string latent = absl::StrCat("kv_lora_rank=", m.kv_lora_rank, " + qk_rope_head_dim=", m.qk_rope_head_dim);
+  MOE_ASSIGN_OR_RETURN(l.mla_kv_a, w.Load({I::kMlaKvA, layer}, {m.latent_width(), h}, latent));
+  const std::string rank = absl::StrCat("kv_lora_rank=", m.kv_lora_rank);
+  MOE_ASSIGN_OR_RETURN(l.mla_kv_a_norm, w.Load({I::kMlaKvANorm, layer}, {m.kv_lora_rank}, rank, WeightUse::kVector));
+  MOE_ASSIGN_OR_RETURN(l.mla_kv_b, w.Load({I::kMlaKvB, layer}, {heads * kv_b, m.kv_lora_rank},
+                                          absl::StrCat("num_attention_heads=", heads, " x (qk_nope_head_dim=",
+                                                       m.qk_nope_head_dim, " + v_head_dim=", m.v_head_dim, "), ", rank),
+                                          WeightUse::kVector, kv_b_rows));
+  MOE_ASSIGN_OR_RETURN(l.o, w.Load({I::kAttnO, layer}, {h, heads * m.v_head_dim},
+                                   absl::StrCat("num_attention_heads=", heads, " x v_head_dim=", m.v_head_dim),
+                                   WeightUse::kMatrix, o_columns));
+  const std::string hs = absl::StrCat("hidden_size=", h);
+  MOE_ASSIGN_OR_RETURN(l.input_norm, w.Load({I::kAttnNorm, layer}, {h}, hs, WeightUse::kVector));
+  MOE_ASSIGN_OR_RETURN(l.post_attention_norm, w.Load({I::kFfnNorm, layer}, {h}, hs, WeightUse::kVector));
+  return absl::OkStatus();
+}
 
 // `shard`: a tensor split's query and KV heads (rows of q, k, v and their biases; columns of o).
 absl::Status LoadAttention(const ModelSpec& s, int layer, WeightLoader& w, LayerWeights& l,
@@ -439,7 +485,11 @@ absl::StatusOr<std::unique_ptr<Model::Weights>> LoadWeights(const Checkpoint& ch
   weights->layers.resize(s.num_layers);
   for (int layer = static_cast<int>(share.layers.begin); layer < share.layers.end; ++layer) {
     LayerWeights& l = weights->layers[layer];
-    MOE_RETURN_IF_ERROR(LoadAttention(s, layer, w, l, shard));
+    if (s.attention(layer) == AttentionKind::kMla) {
+      MOE_RETURN_IF_ERROR(LoadMla(s, layer, w, l, shard));
+    } else {
+      MOE_RETURN_IF_ERROR(LoadAttention(s, layer, w, l, shard));
+    }
     if (s.IsMoeLayer(layer)) {
       MOE_RETURN_IF_ERROR(LoadMoe(s, layer, w, backend_experts[layer], backend, l, shard));
     } else {

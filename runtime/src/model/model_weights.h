@@ -28,6 +28,10 @@ struct LayerWeights {
   std::unique_ptr<DeviceWeight> qkv, o;           // q, k and v projections fused by rows
   std::unique_ptr<DeviceWeight> qkv_bias;         // when spec.qkv_bias
   std::unique_ptr<DeviceWeight> q_norm, k_norm;   // when spec.qk_norm
+  // MLA layers (in place of qkv): q_a_proj and its norm then q_b_proj, or q_proj alone (q_lora_rank
+  // 0: mla_q_a null); kv_a_proj_with_mqa, its norm, and kv_b_proj as fp32 (the CPU backend folds it
+  // into queries and outputs). A tensor split's rank holds its heads' rows of q and kv_b.
+  std::unique_ptr<DeviceWeight> mla_q_a, mla_q_a_norm, mla_q, mla_kv_a, mla_kv_a_norm, mla_kv_b;
   FfnWeights dense;                               // dense layers
   std::unique_ptr<DeviceWeight> router;           // [experts x hidden]
   std::unique_ptr<DeviceWeight> correction_bias;  // [experts], sigmoid routers

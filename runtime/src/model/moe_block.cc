@@ -308,16 +308,22 @@ absl::StatusOr<std::unique_ptr<experts::ExpertPool>> CreatePool(const Checkpoint
   return experts::ExpertPool::Create(
       shape, options, [&](int moe_layer, int expert) -> absl::StatusOr<experts::ExpertWeights> {
         const int layer = moe_layers[moe_layer];
-        // GGUF blocks go to the pool as stored: it keeps them (native or a GGUF format) or
-        // dequantizes them itself (bf16, int8, int4).
+        // GGUF blocks and fp8 codes go to the pool as stored: it keeps them (native, a GGUF
+        // format, fp8) or dequantizes them itself (bf16, int8, int4).
         experts::ExpertMatrix m[3];
         const TensorId ids[3] = {TensorId::kExpertGate, TensorId::kExpertUp, TensorId::kExpertDown};
         for (int i = 0; i < 3; ++i) {
           MOE_ASSIGN_OR_RETURN(const WeightView stored, checkpoint.Get({ids[i], layer, expert}));
           if (stored.format.plain()) {
             m[i] = stored.AsTensor();
-          } else if (experts::FindGgufType(stored.format.type_id) != nullptr && stored.rank() == 2) {
+          } else if (stored.format.kind == WeightFormat::Kind::kBlocks &&
+                     experts::FindGgufType(stored.format.type_id) != nullptr && stored.rank() == 2) {
             m[i] = experts::ExpertMatrix::Gguf(stored.data, stored.shape[0], stored.shape[1], stored.format.type_id);
+          } else if (stored.format.kind == WeightFormat::Kind::kBlockScaled &&
+                     stored.format.element == core::DType::kF8E4M3 && stored.rank() == 2) {
+            m[i] = experts::ExpertMatrix::Fp8(stored.data, stored.shape[0], stored.shape[1], stored.scales,
+                                              stored.format.scale_dtype, stored.format.scale_rows,
+                                              stored.format.scale_cols);
           } else {
             return absl::InvalidArgumentError(absl::StrCat(checkpoint.Describe({ids[i], layer, expert}), " is ",
                                                            stored.format.Name(), ", a type moeserve does not read"));

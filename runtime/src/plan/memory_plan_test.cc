@@ -208,6 +208,45 @@ int64_t LineBytes(const DevicePlan& d, const std::string& prefix) {
   return total;
 }
 
+// MLA caches one latent row a position per layer, whatever the heads: DeepSeek-V3's 61 layers x
+// (512 + 64) values, 2 bytes in bf16 = 70,272 bytes a position (a GQA cache of its 128 heads of
+// 192 would take 61 x 2 x 128 x 192 x 2 = 5,996,544); fp8 adds a 4-byte scale a row; the CPU
+// backend's fp32 cache doubles bf16; a tensor split's ranks each keep the whole latent.
+TEST(MemoryPlanTest, MlaKvBytesAreTheLatentRowsWorkedOutByHand) {
+  auto spec = ParseModelSpec(R"({"model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168,
+    "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+    "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5,
+    "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+    "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": true,
+    "max_position_embeddings": 163840, "rms_norm_eps": 1e-06, "rope_theta": 10000,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"}})",
+                             "deepseek-v3");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  const Range all{0, 61};
+  const CachePlan bf16 = PlanCache(*spec, all, CacheOptions{16, core::DType::kBF16});
+  ASSERT_EQ(bf16.groups.size(), 1u);
+  EXPECT_EQ(bf16.groups[0].kind, CacheKind::kPagedLatent);
+  EXPECT_EQ(bf16.BytesPerToken(), 70272);
+  EXPECT_EQ(bf16.BlockBytes(), 16 * 70272);
+  EXPECT_EQ(PlanCache(*spec, all, CacheOptions{16, core::DType::kF8E4M3}).BytesPerToken(), 61 * (576 + 4));
+  EXPECT_EQ(PlanCache(*spec, all, CacheOptions{16, core::DType::kF32}).BytesPerToken(), 140544);
+  ModelSpec rank = *spec;  // a rank of a tensor split of 8: 16 query heads, the same latent
+  rank.num_heads = rank.num_kv_heads = 16;
+  EXPECT_EQ(PlanCache(rank, all, CacheOptions{16, core::DType::kBF16}).BytesPerToken(), 70272);
+  EXPECT_EQ(PlanCache(*spec, Range{0, 16}, CacheOptions{16, core::DType::kBF16}).BytesPerToken(), 16 * 576 * 2);
+
+  MemoryPlanOptions o;
+  o.context = 32768;
+  o.max_seqs = 4;
+  o.gpu_free_bytes = 80 * kGiB;
+  o.host_format = experts::ExpertFormat::kInt8;
+  auto plan = PlanMemory(*spec, ExpertsOn(*spec, Device::Kind::kCpu), o);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->kv_bytes_per_token, 70272);
+  EXPECT_EQ(LineBytes(plan->gpu, "KV cache"), (4 * (32768 / 16) + 1) * 16 * int64_t{70272});
+}
+
 // Each real model on a 24 GB and an 80 GB GPU, all on the GPU and with --cpu-moe (int8 experts),
 // at a 32768-token context (or the model's) for 4 sequences: the plan's lines are the figures
 // above, and it fits exactly when their sum does.

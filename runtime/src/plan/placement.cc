@@ -161,10 +161,26 @@ std::vector<TensorInfo> ExpectedTensors(const ModelSpec& s, Container container)
   for (int l = 0; l < s.num_layers; ++l) {
     add({I::kAttnNorm, l}, h);
     add({I::kFfnNorm, l}, h);
-    add({I::kAttnQ, l}, qw, h);
-    add({I::kAttnK, l}, kvw, h);
-    add({I::kAttnV, l}, kvw, h);
-    add({I::kAttnO, l}, h, qw);
+    if (s.attention(l) == AttentionKind::kMla) {
+      const MlaSpec& m = s.mla;
+      const int64_t heads = s.num_heads;
+      if (m.q_lora_rank > 0) {
+        add({I::kMlaQA, l}, m.q_lora_rank, h);
+        add({I::kMlaQANorm, l}, m.q_lora_rank);
+        add({I::kMlaQB, l}, heads * m.qk_head_dim(), m.q_lora_rank);
+      } else {
+        add({I::kAttnQ, l}, heads * m.qk_head_dim(), h);
+      }
+      add({I::kMlaKvA, l}, m.latent_width(), h);
+      add({I::kMlaKvANorm, l}, m.kv_lora_rank);
+      add({I::kMlaKvB, l}, heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank);
+      add({I::kAttnO, l}, h, heads * m.v_head_dim);
+    } else {
+      add({I::kAttnQ, l}, qw, h);
+      add({I::kAttnK, l}, kvw, h);
+      add({I::kAttnV, l}, kvw, h);
+      add({I::kAttnO, l}, h, qw);
+    }
     if (s.qkv_bias) {
       add({I::kAttnQBias, l}, qw);
       add({I::kAttnKBias, l}, kvw);

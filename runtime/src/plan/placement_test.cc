@@ -61,7 +61,7 @@ TEST(PlacementTest, ClassifiesEveryFixtureTensor) {
   EXPECT_EQ(ClassifyTensor("model.layers.0.mlp.down_proj.weight").role, TensorRole::kDenseFfn);
   EXPECT_EQ(ClassifyTensor("model.layers.2.self_attn.q_norm.weight").role, TensorRole::kNorm);
   EXPECT_EQ(ClassifyTensor("model.layers.2.self_attn.k_proj.bias").role, TensorRole::kAttention);
-  for (const char* arch : {"qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"}) {
+  for (const char* arch : {"qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3"}) {
     const FixtureTensors c = Load(arch);
     for (const TensorInfo& t : c.tensors) {
       EXPECT_NE(ClassifyTensor(t.name).role, TensorRole::kOther) << arch << ": " << t.name;
@@ -233,7 +233,7 @@ namespace {
 
 // Planning from config.json alone lists the tensors the checkpoint holds, with their sizes.
 TEST(PlacementTest, ExpectedTensorsAreTheCheckpointsOwn) {
-  for (const std::string arch : {"qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"}) {
+  for (const std::string arch : {"qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3"}) {
     const FixtureTensors c = Load(arch);
     const std::vector<TensorInfo> expected = ExpectedTensors(c.spec);
     EXPECT_EQ(expected.size(), c.tensors.size()) << arch;

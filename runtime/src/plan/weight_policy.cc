@@ -46,7 +46,19 @@ std::string WeightPolicy::Describe() const {
   return s;
 }
 
+int Fp8Group(const WeightFormat& stored) {
+  if (stored.kind != WeightFormat::Kind::kBlockScaled || stored.element != core::DType::kF8E4M3) return 0;
+  for (int g : {128, 64, 32}) {
+    if (stored.scale_cols % g == 0) return g;
+  }
+  return 0;
+}
+
 bool SupportsStoredWeight(WeightHome home, const WeightFormat& stored, WeightUse use) {
+  if (stored.kind == WeightFormat::Kind::kBlockScaled) {
+    // The CPU backend keeps a Linear's fp8 codes and block scales, for the pool's fp8 kernels.
+    return home == WeightHome::kHost && use == WeightUse::kMatrix && Fp8Group(stored) > 0;
+  }
   if (stored.kind == WeightFormat::Kind::kBlocks) {
     // The CPU backend keeps a Linear's GGUF blocks as they are, for the expert pool's kernels.
     // An embedding's rows stay as stored and are dequantized as they are gathered.
@@ -63,6 +75,11 @@ int64_t DeviceWeightBytes(WeightHome home, const WeightPolicy& policy, const cor
   const int64_t elements = core::NumElements(shape);
   if (use == WeightUse::kVector) return elements * 4;
   if (home == WeightHome::kGpu) return elements * 2;  // bf16
+  if (stored.kind == WeightFormat::Kind::kBlockScaled && SupportsStoredWeight(home, stored, use) && shape.size() == 2) {
+    const absl::StatusOr<experts::MatrixLayout> layout =
+        experts::MakeLayout(experts::ExpertFormat::kFp8, shape[0], shape[1], Fp8Group(stored));
+    if (layout.ok()) return layout->bytes();  // fp8 codes and a scale per row and group
+  }
   if (!stored.plain() && SupportsStoredWeight(home, stored, use)) return stored.Bytes(shape);  // GGUF blocks
   if (use == WeightUse::kMatrix && shape.size() == 2) {
     const experts::ExpertFormat f = policy.MatrixFormat(role);

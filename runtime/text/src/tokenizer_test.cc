@@ -389,7 +389,7 @@ TEST(TokenizerTest, InvalidUtf8IsReplacedBeforeEncoding) {
 }
 
 TEST(TokenizerTest, FixtureModelsLoadAndRoundTrip) {
-  for (const char* arch : {"qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"}) {
+  for (const char* arch : {"qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3"}) {
     auto tokenizer = Tokenizer::FromModelDir(TestdataDir() + "/fixtures/" + arch);
     ASSERT_TRUE(tokenizer.ok()) << arch << ": " << tokenizer.status();
     for (const std::string text : {"Hello world", "  two  spaces\n\ttab", "\xE6\xB7\xB7\xE5\x90\x88 MoE 2026",

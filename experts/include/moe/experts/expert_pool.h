@@ -61,15 +61,38 @@ struct ExpertMatrix {
     return m;
   }
 
-  // The values (dtype bf16, f16 or f32), or for GGUF blocks their data and the shape in values.
+  // fp8 e4m3 codes (`tensor`, dtype kF8E4M3, [rows x cols]) with one scale per [scale_rows x
+  // scale_cols] block: `scales` [ceil(rows / scale_rows) x ceil(cols / scale_cols)], f32 or bf16
+  // (an FP8 checkpoint's weight and weight_scale_inv). Value = code * its block's scale.
+  static ExpertMatrix Fp8(const void* codes, int64_t rows, int64_t cols, const void* scales, core::DType scale_dtype,
+                          int scale_rows, int scale_cols) {
+    ExpertMatrix m;
+    m.tensor = core::TensorView{codes, core::DType::kF8E4M3, {rows, cols}};
+    m.scales = scales;
+    m.scale_dtype = scale_dtype;
+    m.scale_rows = scale_rows;
+    m.scale_cols = scale_cols;
+    return m;
+  }
+
+  // The values (dtype bf16, f16 or f32), or for GGUF blocks their data and the shape in values,
+  // or fp8 codes.
   core::TensorView tensor;
   int gguf_type = -1;  // ggml type id of GGUF blocks; -1: a tensor of values
+  // fp8: the block scales (null: not fp8).
+  const void* scales = nullptr;
+  core::DType scale_dtype = core::DType::kF32;
+  int scale_rows = 0, scale_cols = 0;
 
   bool is_gguf() const { return gguf_type >= 0; }
+  bool is_fp8() const { return scales != nullptr; }
+  // fp8: the scale of the block holding (row, col).
+  float Fp8Scale(int64_t row, int64_t col) const;
   const core::Shape& shape() const { return tensor.shape; }
-  // Bytes the source holds (for a GGUF matrix its blocks'; 0 for a type gguf_types.h lacks).
+  // Bytes the source holds (for a GGUF matrix its blocks'; 0 for a type gguf_types.h lacks; fp8:
+  // the codes and the scales).
   int64_t bytes() const;
-  // "Q4_K" or "bf16".
+  // "Q4_K", "F8_E4M3" or "BF16".
   std::string TypeName() const;
 };
 

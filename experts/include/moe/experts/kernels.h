@@ -11,6 +11,10 @@
 //                               scale); integer dot products; one fp32 scale per row (int8) or per
 //                               row and group (int4)
 //   int8, int4 (amx and vnni):  bitwise the same results
+//   fp8  portable:              fp32 activations times the codes' values, per group times its scale
+//   fp8  avx512bf16:            codes widened to bf16 in registers (exact), activations split in
+//                               hi and lo bf16 terms as amx's (vdpbf16ps), fp32 sums per group
+//                               times its scales
 //   GGUF formats (portable, vnni): int8 activations as int8's, with group sums of 16 columns;
 //                               each block decoded to int8 with its group scales and mins
 //                               (kernels_gguf.cc); the weights exactly llama.cpp's values
@@ -161,6 +165,8 @@ void SwiGluAmxInt4(const PackedMatrix& w, const Activations& a, int64_t b0, int6
 // GGUF formats (kernels_gguf.cc): every type, through one decoder per type.
 void MatmulGgufPortable(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, float* y, int64_t ldy);
 void MatmulGgufVnni(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, float* y, int64_t ldy);
+void MatmulFp8Portable(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, float* y, int64_t ldy);
+void MatmulFp8Avx512Bf16(const PackedMatrix& w, const Activations& a, int64_t b0, int64_t b1, float* y, int64_t ldy);
 float AbsMaxAvx512(const float* x, int64_t n);
 float SumAvx512(const float* x, int64_t n);
 void SiluMulAvx512(const float* gate, const float* up, int64_t n, float* out);

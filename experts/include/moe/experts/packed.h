@@ -28,6 +28,12 @@
 // So a matrix takes the file's bytes (plus at most 15 zero rows and 63 bytes per 16 rows), and a
 // kernel streams it in order, decoding a chunk of 16 rows to int8 in registers (gguf_blocks.h).
 // Their scales are inside the blocks: scale_bytes() is 0.
+//
+// fp8 (kFp8) keeps an FP8 checkpoint's e4m3 codes, one byte a value, in 64-byte lines of 16 rows
+// x 4 k as int8 does, the bytes of a line in the order fp8_lines.h gives (so that the kernel
+// widens them to bf16 pairs in registers); its scales are fp32, one per row and group of `group`
+// columns, stored [block][group][16 rows] as int4's: the checkpoint's [128 x 128] block scales
+// repeated over the block's rows, so a matrix takes its codes' bytes plus 1/32 (group 128).
 #pragma once
 
 #include <cstddef>
@@ -65,6 +71,9 @@ enum class ExpertFormat {
   kIQ1_M,
   kIQ4_NL,
   kIQ4_XS,
+  // fp8 e4m3 codes with one fp32 scale per row and group of `group` columns (an FP8 checkpoint's
+  // weights and block scales, kept as they are; see above).
+  kFp8,
   // Not a packed format: an ExpertPoolOptions::format that keeps each matrix in its GGUF type
   // ("native"; expert_pool.h).
   kNative,
@@ -89,6 +98,8 @@ struct FormatDescriptor {
 const FormatDescriptor& Describe(ExpertFormat f);
 // Every format the pool packs, in the order of ExpertFormat (kNative last, with no kernels).
 const std::vector<FormatDescriptor>& PackedFormats();
+// Formats whose kernels take the activations as floats (bf16 and fp8), not as int8.
+inline bool TakesFloatActivations(ExpertFormat f) { return f == ExpertFormat::kBF16 || f == ExpertFormat::kFp8; }
 // GGUF formats: the ones that keep a ggml block type.
 inline bool IsGgufFormat(ExpertFormat f) { return f >= ExpertFormat::kQ4_0 && f <= ExpertFormat::kIQ4_XS; }
 // The GGUF format for ggml type `type_id`, or kInvalidArgument naming the ones there are.
@@ -125,7 +136,7 @@ struct MatrixLayout {
   int64_t groups() const { return k_pad / group; }
 };
 
-// kInvalidArgument for a group that is not 32, 64 or 128 (int4; other formats ignore it), or for a
+// kInvalidArgument for a group that is not 32, 64 or 128 (int4, fp8; other formats ignore it), or for a
 // GGUF format whose block does not divide k, or kNative.
 absl::StatusOr<MatrixLayout> MakeLayout(ExpertFormat format, int64_t n, int64_t k, int group = 32);
 
@@ -154,6 +165,12 @@ void PackRows(const MatrixLayout& layout, const std::function<void(int64_t n, fl
 // between (where the CPU has AVX-512: bf16 bits go as they are, int8 and int4 are quantized from
 // floats in registers; otherwise through PackRows).
 void PackRowsBf16(const MatrixLayout& layout, const std::function<const uint16_t*(int64_t n)>& row, uint8_t* out);
+
+// fp8: packs e4m3 codes as they are: `codes(n)` gives the layout.k codes of row n < layout.n (or
+// null for a row of zeros), `scale(n, g)` the scale of row n's group g (columns [g * group,
+// (g + 1) * group)). A copy, re-ordered.
+void PackFp8Rows(const MatrixLayout& layout, const std::function<const uint8_t*(int64_t n)>& codes,
+                 const std::function<float(int64_t n, int64_t g)>& scale, uint8_t* out);
 
 // GGUF formats: packs rows of GGUF blocks as the file stores them: `row(n)` gives the
 // k / block_elements blocks of row n < layout.n, or null for a row of zeros. A copy, re-ordered.

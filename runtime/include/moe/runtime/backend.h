@@ -178,6 +178,31 @@ struct AttentionArgs {
   int layer = 0;
 };
 
+// How MLA attends: expanded (each head's K and V made from the cached latents by kv_b_proj, then
+// attention as written), or absorbed (kv_b_proj's K half folded into the query and its V half
+// applied to the output: attention over the latent rows themselves, as one head). kAuto absorbs
+// for one-token chunks (decode) and expands longer ones (prefill).
+enum class MlaForm { kAuto, kExpanded, kAbsorbed };
+
+// Multi-head latent attention of one layer (MlaSpec in model_spec.h): the q projection's and the
+// compressed KV projection's outputs in, the heads' values out (o_proj's input).
+struct MlaAttentionArgs {
+  Tensor q;           // [T x H * (nope + rope)] activation dtype; each head's rope half is rotated in place
+  Tensor kv;          // [T x (kv_lora + rope)] kv_a_proj_with_mqa's output; normed and rotated in place
+  Tensor out;         // [T x H * v_head_dim] activation dtype
+  int num_heads = 0;  // this rank's heads (a tensor split's share); the latent is every rank's
+  MlaSpec mla;
+  float scale = 1.0f;                  // the softmax scale (ModelSpec::attention_scale)
+  float rope_attention_factor = 1.0f;  // YaRN's multiplier of cos and sin
+  float eps = 1e-6f;
+  const DeviceWeight* kv_norm = nullptr;  // kv_a_layernorm [kv_lora], kVector
+  const DeviceWeight* kv_b = nullptr;     // kv_b_proj [H * (nope + v) x kv_lora] of these heads, kVector
+  const Tensor* inv_freq = nullptr;       // [1 x rope / 2] fp32
+  KvCache* cache = nullptr;               // a kPagedLatent cache: one row of kv_lora + rope a position
+  int layer = 0;
+  MlaForm form = MlaForm::kAuto;
+};
+
 // Routed experts computed on the host beside a device's stream (hybrid execution): the CPU expert
 // pool behind an interface the backend calls from a host thread, in stream order.
 class HostExpertCompute {
@@ -281,10 +306,11 @@ class Backend {
   // Whether the backend's attention reads a KV cache of `dtype`: its activation dtype, and on a GPU
   // fp8 e4m3 too (--kv-cache-dtype fp8).
   virtual bool SupportsKvDtype(core::DType dtype) const { return dtype == activation_dtype(); }
-  // The cache `plan` describes (PlanCache: its one kPagedKv group's K and V, fp8's scales too), with
-  // `num_blocks` blocks and a scratch block. kInvalidArgument for a non-positive size or a dtype
-  // SupportsKvDtype refuses; kUnimplemented for a plan of other kinds or of several groups;
-  // kResourceExhausted when it does not fit.
+  // The cache `plan` describes (PlanCache: its one paged group: a kPagedKv group's K and V, fp8's
+  // scales too; a kPagedLatent group's rows alone), with `num_blocks` blocks and a scratch block.
+  // kInvalidArgument for a non-positive size, a dtype SupportsKvDtype refuses or an fp8 latent;
+  // kUnimplemented for a plan of a recurrent group or of several groups; kResourceExhausted when it
+  // does not fit.
   absl::StatusOr<std::unique_ptr<KvCache>> CreateKvCache(const CachePlan& plan, int num_blocks);
   // ---- Step contexts: one per model on this backend ----
   // A new context (its arena unreserved). The backend starts in a default context of its own.
@@ -403,6 +429,12 @@ class Backend {
   virtual void Linear(const Tensor& x, const DeviceWeight& w, const DeviceWeight* bias, const Tensor& out) = 0;
   // q/k norm, RoPE, the new K and V into the cache, then causal paged attention (GQA).
   virtual void Attention(const AttentionArgs& args, const StepTensors& step) = 0;
+  // Whether the backend runs attention of `kind` (AttentionMla for kMla). The model refuses at
+  // load a model with layers of a kind its backend does not run.
+  virtual bool SupportsAttention(AttentionKind kind) const { return kind == AttentionKind::kGqa; }
+  // The latent's norm, RoPE of the rope halves, the new latent rows into the cache, then causal
+  // attention over the paged latents in args.form. Only where SupportsAttention(kMla).
+  virtual void AttentionMla(const MlaAttentionArgs& args, const StepTensors& step) {}
   // out[r][i] = silu(gate_up[r][i]) * gate_up[r][W + i], W = out.cols.
   virtual void SiluMul(const Tensor& gate_up, const Tensor& out) = 0;
   // Router logits [T x E] fp32 to ids [T x top_k] int32 and weights [T x top_k] fp32, as

@@ -78,9 +78,10 @@ struct CachePlan {
 };
 
 // The cache of the layers [layers.begin, layers.end) of a model whose (local: this rank's share of
-// a tensor split, so its KV heads) spec is `local_spec`. Every model today gets one kPagedKv
-// group with K and V of local_spec.num_kv_heads heads of head_dim, in options.dtype; fp8 (e4m3)
-// adds one fp32 scale per position, KV head and each of K and V.
+// a tensor split, so its KV heads) spec is `local_spec`. A GQA model gets one kPagedKv group with K
+// and V of local_spec.num_kv_heads heads of head_dim, in options.dtype; fp8 (e4m3) adds one fp32
+// scale per position, KV head and each of K and V. An MLA model (deepseek_v3) gets one
+// kPagedLatent group of one row of mla.latent_width() values a position (no V).
 CachePlan PlanCache(const ModelSpec& local_spec, Range layers, const CacheOptions& options);
 
 // Blocks needed to hold `positions` positions.
@@ -95,8 +96,14 @@ inline int64_t KvBytesPerPositionLayer(int kv_heads, int head_dim, core::DType d
          (head_dim * core::DTypeSize(dtype) + (dtype == core::DType::kF8E4M3 ? int64_t{4} : int64_t{0}));
 }
 
-// The shape of a kPagedKv group's buffers (CacheGroup::KvShape), as the attention kernels index
-// them.
+// Bytes one position takes in one layer's paged latent cache (MLA): kv_lora_rank + qk_rope_head_dim
+// values, `width`, in `dtype`; fp8 adds one fp32 scale. PlanCache's kPagedLatent rule.
+inline int64_t LatentBytesPerPositionLayer(int width, core::DType dtype) {
+  return int64_t{width} * core::DTypeSize(dtype) + (dtype == core::DType::kF8E4M3 ? int64_t{4} : int64_t{0});
+}
+
+// The shape of a paged group's buffers, as the attention kernels index them (a kPagedLatent group:
+// one head of the latent width).
 struct KvCacheShape {
   int num_layers = 0;
   int num_blocks = 0;  // blocks the scheduler may hand out; the cache holds one more (scratch)
@@ -107,7 +114,7 @@ struct KvCacheShape {
   int64_t elements_per_block_layer() const { return static_cast<int64_t>(block_size) * num_kv_heads * head_dim; }
 };
 
-// The buffers of a kPagedKv group of `num_blocks` blocks.
+// The buffers of a paged group of `num_blocks` blocks.
 KvCacheShape KvShapeOf(const CacheGroup& group, int num_blocks);
 
 // The paged KV cache (a kPagedKv group): fixed-size blocks of positions, each holding the keys and
@@ -118,7 +125,8 @@ KvCacheShape KvShapeOf(const CacheGroup& group, int num_blocks);
 // the last the scheduler hands out) is scratch: padded rows of a step write there. An fp8 cache
 // (e4m3) also holds one fp32 scale per position and KV head for each of K and V,
 // [layer][block][kv_head][slot]: a head's stored vector times its scale is the key or value.
-// Backend::CreateKvCache makes one from a CachePlan.
+// Backend::CreateKvCache makes one from a CachePlan. A kPagedLatent group's cache keeps its rows in
+// K alone (kind() says which): v() and the scales are null.
 class KvCache {
  public:
   KvCache(const KvCacheShape& shape, core::DType dtype, std::unique_ptr<DeviceBuffer> k,
@@ -128,6 +136,7 @@ class KvCache {
 
   const KvCacheShape& shape() const { return shape_; }
   core::DType dtype() const { return dtype_; }
+  CacheKind kind() const { return v_ == nullptr ? CacheKind::kPagedLatent : CacheKind::kPagedKv; }
   int scratch_block() const { return shape_.num_blocks; }
   // Layer `layer`'s K (or V) storage: [num_blocks + 1][kv_heads][block_size][head_dim].
   void* k(int layer) const;

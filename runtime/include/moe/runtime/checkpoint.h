@@ -197,6 +197,9 @@ class Checkpoint {
   // from the weights (the expert pool's shared arena).
   const std::string& id() const { return id_; }
   const TokenizerSource& tokenizer() const { return tokenizer_; }
+  // How a quantized Hugging Face checkpoint stores its weights ("fp8 e4m3, scale per 128x128
+  // block"), or "" (plain safetensors; a GGUF file's types are per tensor).
+  const std::string& quantization() const { return quantization_; }
 
   // The tensor `key` names, as stored; for a stacked tensor, the expert's slice. kNotFound naming
   // the tensor and where it was looked for; kInvalidArgument for a tensor whose stacked shape does
@@ -212,7 +215,7 @@ class Checkpoint {
   Checkpoint() = default;
   // Every member set by the opener.
   ModelSpec spec_;
-  std::string path_, id_;
+  std::string path_, id_, quantization_;
   const TensorNames* names_ = nullptr;
   std::unique_ptr<WeightSource> source_;
   TokenizerSource tokenizer_;
@@ -220,7 +223,7 @@ class Checkpoint {
 
 // A stored weight as plain values the backends read: bf16, f16 and f32 as they are (a view of the
 // same bytes); a GGUF block type dequantized to f32 into `storage` (bit-identical to llama.cpp's
-// dequantization), which must outlive the view. kInvalidArgument for a type moeserve does not read,
+// dequantization), or fp8 codes times their block's scale in fp32, which must outlive the view. kInvalidArgument for a type moeserve does not read,
 // naming it and the types it reads; the caller adds the tensor's name.
 absl::StatusOr<core::TensorView> ExpandToFloats(const WeightView& stored, std::vector<float>* storage);
 
@@ -228,8 +231,11 @@ absl::StatusOr<core::TensorView> ExpandToFloats(const WeightView& stored, std::v
 // from its first MoE layer's expert 0.
 bool ExpertsAreBlockQuantized(const Checkpoint& checkpoint);
 // The expert pool's format for --expert-format auto: native (the file's types) for block-quantized
-// experts, bf16 otherwise.
+// experts, fp8 for an FP8 checkpoint's experts (kept as stored: Fp8ExpertGroup), bf16 otherwise.
 experts::ExpertFormat AutoPoolFormat(const Checkpoint& checkpoint);
+// For an FP8 checkpoint whose experts the pool keeps as stored, the pool's fp8 group (128 for
+// 128 x 128 blocks: the largest of 32, 64, 128 that divides the scale blocks' columns); else 0.
+int Fp8ExpertGroup(const Checkpoint& checkpoint);
 
 // Whether `path` names a GGUF model: a .gguf file (or a file starting with GGUF's magic), or a
 // folder without config.json that holds .gguf files.

@@ -31,6 +31,7 @@ namespace moe::runtime {
 
 namespace internal {
 class HeldExpertsPolicy;
+struct LayerWeights;
 }  // namespace internal
 
 // One sequence's slice of a batch: its new tokens are consecutive rows of the batch.
@@ -169,6 +170,9 @@ struct ModelOptions {
   std::optional<core::DType> kv_cache_dtype;
   // Decode steps replayed as CUDA graphs on backends that have them (off: eager, for debugging).
   bool graphs = true;
+  // How MLA layers attend (backend.h): absorbed for decode, expanded for prefill by default; one
+  // form throughout for tests that compare them.
+  MlaForm mla_form = MlaForm::kAuto;
   // Loading progress (bytes, GB/s) on stderr.
   bool progress = false;
   // Several ranks (parallel.h): this model is rank `parallel.rank`'s share. A tensor split holds a
@@ -285,6 +289,12 @@ class Model {
   StepInputs BuildInputs(const ForwardBatch& batch, const KvCache& cache, int pad_to, int kv_bucket) const;
   absl::StatusOr<StepBuffers> TakeBuffers(int64_t rows, int64_t logit_rows);
   absl::Status RunLayers(const StepTensors& step, const StepBuffers& b, KvCache& cache);
+  // One layer's attention into b.attn: grouped-query, or multi-head latent (whose output, a view of
+  // b.attn's first values, it returns).
+  void RunGqa(const StepTensors& step, const StepBuffers& b, const internal::LayerWeights& lw, const Tensor& inv_freq,
+              KvCache& cache, int layer);
+  Tensor RunMla(const StepTensors& step, const StepBuffers& b, const internal::LayerWeights& lw, const Tensor& inv_freq,
+                KvCache& cache, int layer);
 
   ModelSpec spec_;
   // This rank's share of the model (a split's local head counts and FFN widths), the full spec

@@ -19,7 +19,7 @@ namespace moe::runtime {
 inline constexpr int64_t kMaxLayers = 1024;
 inline constexpr int64_t kMaxVocab = int64_t{1} << 24;
 
-enum class Architecture { kQwen3Moe, kQwen2Moe, kMixtral, kGlm4Moe };
+enum class Architecture { kQwen3Moe, kQwen2Moe, kMixtral, kGlm4Moe, kDeepseekV3 };
 
 // The `model_type` values moeserve can load, in the order they were added.
 const std::vector<std::string>& SupportedModelTypes();
@@ -48,6 +48,43 @@ struct RoutingSpec {
 enum class AttentionKind { kGqa, kMla, kGatedDeltaNet };
 std::string_view AttentionKindName(AttentionKind kind);
 
+// How RoPE's frequencies are made: 1/theta^(2i/d) (default), or YaRN's blend of those and the
+// same divided by `factor`, by a ramp over the dimensions between the corrections for beta_fast
+// and beta_slow rotations in original_max_position_embeddings (DeepSeek-V3's context extension).
+// YaRN also scales cos and sin by attention_factor, and MLA's softmax by mscale(mscale_all_dim)^2.
+enum class RopeType { kDefault, kYarn };
+struct RopeScaling {
+  RopeType type = RopeType::kDefault;
+  float factor = 1.0f;
+  int original_max_position_embeddings = 0;
+  float beta_fast = 32.0f;
+  float beta_slow = 1.0f;
+  float mscale = 0.0f;            // 0: not given
+  float mscale_all_dim = 0.0f;    // 0: not given
+  float attention_factor = 1.0f;  // the multiplier of cos and sin, as transformers derives it
+  bool truncate = true;           // the correction range rounded outwards to whole dimensions
+};
+// YaRN's magnitude correction: 0.1 * mscale * ln(scale) + 1 above scale 1, else 1.
+float YarnMscale(float scale, float mscale);
+
+// Multi-head latent attention (deepseek_v3). Queries: q_a_proj to q_lora_rank, its RMSNorm, then
+// q_b_proj to every head's [nope | rope] (q_proj straight from the hidden state when q_lora_rank
+// is 0). Keys and values: kv_a_proj_with_mqa to one [latent (kv_lora_rank) | k_rope] row per
+// token, the latent RMSNormed (kv_a_layernorm), then kv_b_proj to every head's [k_nope | v]. The
+// rope halves are rotated (in pairs of neighbours when rope_interleave, else NeoX halves); k_rope
+// is shared by every head. The cache keeps the normed latent and the rotated k_rope.
+struct MlaSpec {
+  int q_lora_rank = 0;  // 0: a plain q_proj
+  int kv_lora_rank = 0;
+  int qk_nope_head_dim = 0;
+  int qk_rope_head_dim = 0;
+  int v_head_dim = 0;
+  bool rope_interleave = false;
+  int qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
+  // One cached row: the latent and the rotated k_rope.
+  int latent_width() const { return kv_lora_rank + qk_rope_head_dim; }
+};
+
 struct ModelSpec {
   Architecture arch = Architecture::kQwen3Moe;
   std::string model_type;
@@ -60,6 +97,8 @@ struct ModelSpec {
   int head_dim = 0;
   int rotary_dim = 0;  // head_dim * partial_rotary_factor; the rest of each head is not rotated
   float rope_theta = 10000.0f;
+  RopeScaling rope_scaling;
+  MlaSpec mla;  // when layers attend by kMla (head_dim is then qk_head_dim, rotary_dim the rope half)
   float rms_norm_eps = 1e-6f;
   bool qkv_bias = false;  // q/k/v projections carry a bias
   bool qk_norm = false;   // per-head RMSNorm of q and k before RoPE
@@ -92,6 +131,10 @@ struct ModelSpec {
     return layer < static_cast<int>(layer_attention.size()) ? layer_attention[layer] : AttentionKind::kGqa;
   }
   int num_moe_layers() const;
+  bool uses_mla() const;
+  // The softmax scale of attention: head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 for MLA
+  // under YaRN.
+  float attention_scale() const;
   // One line: "qwen3_moe: 48 layers, hidden 2048, 32/4 heads x 128, 128 experts top-8 ..."
   std::string Summary() const;
 };

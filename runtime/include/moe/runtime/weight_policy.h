@@ -51,8 +51,12 @@ enum class WeightHome { kHost, kGpu };
 
 // Whether a backend keeping weights at `home` reads a weight stored as `stored` for `use`: the
 // loader converts on the host what it does not. Every backend reads bf16, f16 and f32; the CPU
-// backend also keeps a Linear's GGUF blocks as stored (PrepareStoredWeight).
+// backend also keeps a Linear's GGUF blocks, and its fp8 codes with their block scales, as stored
+// (PrepareStoredWeight).
 bool SupportsStoredWeight(WeightHome home, const WeightFormat& stored, WeightUse use);
+// The expert pool's fp8 group (128, 64 or 32) for fp8 weights stored with `stored`'s scale
+// blocks: the largest that lies inside one block's columns; 0 when none does or `stored` is not fp8.
+int Fp8Group(const WeightFormat& stored);
 
 // Bytes a weight of `shape`, stored as `stored`, is read from on a backend at `home` with `policy`
 // (what DeviceWeight::bytes() reports once it is prepared): on a GPU matrices, routers and

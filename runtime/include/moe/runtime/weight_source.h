@@ -60,6 +60,8 @@ struct WeightView {
   core::Shape scale_shape;
 
   int64_t bytes() const { return format.Bytes(shape); }
+  // kBlockScaled: scale i of scale_shape, row-major, as a float.
+  float Scale(int64_t i) const;
   int64_t numel() const { return core::NumElements(shape); }
   int rank() const { return static_cast<int>(shape.size()); }
   // The same bytes as a plain TensorView; only for a plain format.

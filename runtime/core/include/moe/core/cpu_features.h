@@ -14,6 +14,7 @@ struct CpuFeatures {
   bool avx512bw = false;
   bool avx512vl = false;
   bool avx512_vnni = false;
+  bool avx512_vbmi = false;  // byte permutes across a register pair (vpermi2b)
   bool avx512_bf16 = false;
   bool amx_tile = false;
   bool amx_int8 = false;

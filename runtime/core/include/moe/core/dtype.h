@@ -8,8 +8,8 @@
 
 namespace moe::core {
 
-// kF8E4M3 (OCP fp8 e4m3, "fn": no infinities, max 448) holds only what moeserve quantizes itself
-// (the KV cache with --kv-cache-dtype fp8); checkpoints in it are not read.
+// kF8E4M3 (OCP fp8 e4m3, "fn": no infinities, max 448): the KV cache with --kv-cache-dtype fp8,
+// and FP8 checkpoints' weights (read with their block scales: runtime's fp8_source.h).
 enum class DType { kBF16, kF16, kF32, kI8, kI32, kI64, kF8E4M3 };
 
 // Bytes per element.
@@ -30,8 +30,7 @@ constexpr int64_t DTypeSize(DType t) {
   return 0;
 }
 
-// The safetensors spelling: "BF16", "F16", "F32", "I8", "I32", "I64" ("F8_E4M3" is named but not
-// parsed: checkpoints in fp8 are not read).
+// The safetensors spelling: "BF16", "F16", "F32", "I8", "I32", "I64", "F8_E4M3".
 const char* DTypeName(DType t);
 std::optional<DType> DTypeFromName(std::string_view name);
 
