@@ -38,7 +38,7 @@ namespace pb = ::moeserve::v1;
 using ::nlohmann::json;
 using ::testing::HasSubstr;
 
-const char* const kArchitectures[] = {"qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"};
+const char* const kArchitectures[] = {"qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3"};
 
 std::unique_ptr<runtime::Model> LoadFixture(const std::string& arch) {
   runtime::ModelOptions options;
