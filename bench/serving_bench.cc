@@ -39,6 +39,7 @@ struct RequestRecord {
   int output_tokens = 0;
   double ttft_ms = 0, tpot_ms = 0, e2e_ms = 0;
   std::vector<double> itl_ms;
+  int spec_drafts = 0, draft_tokens = 0, accepted_draft_tokens = 0;
   bool ok = false;
 };
 
@@ -64,7 +65,10 @@ absl::StatusOr<ServingBenchResult> RunServingBench(const ServingBenchOptions& o)
       std::mt19937 rng(1000 + c);
       for (int i; (i = next++) < o.requests;) {
         moeserve::v1::GenerateRequest request;
-        for (int t = 0; t < o.prompt_len; ++t) request.add_token_ids(static_cast<int32_t>(rng() % o.vocab));
+        for (int t = 0; t < o.prompt_len; ++t) {
+          const bool repeat = o.prompt_period > 0 && t >= o.prompt_period;
+          request.add_token_ids(repeat ? request.token_ids(t - o.prompt_period) : static_cast<int32_t>(rng() % o.vocab));
+        }
         request.mutable_stopping()->set_max_new_tokens(o.output_len);
         request.mutable_stopping()->set_ignore_eos(true);
         request.set_response_format(o.response_format);
@@ -81,6 +85,11 @@ absl::StatusOr<ServingBenchResult> RunServingBench(const ServingBenchOptions& o)
           if (last) r.itl_ms.push_back(Ms(now - *last));
           last = now;
           r.output_tokens += msg.token_ids_size();
+        }
+        if (msg.has_usage()) {
+          r.spec_drafts = msg.usage().spec_drafts();
+          r.draft_tokens = msg.usage().draft_tokens();
+          r.accepted_draft_tokens = msg.usage().accepted_draft_tokens();
         }
         const grpc::Status status = reader->Finish();
         const auto t1 = Clock::now();
@@ -109,6 +118,9 @@ absl::StatusOr<ServingBenchResult> RunServingBench(const ServingBenchOptions& o)
       continue;
     }
     tokens += r.output_tokens;
+    result.spec_drafts += r.spec_drafts;
+    result.draft_tokens += r.draft_tokens;
+    result.accepted_draft_tokens += r.accepted_draft_tokens;
     ttft.push_back(r.ttft_ms);
     tpot.push_back(r.tpot_ms);
     e2e.push_back(r.e2e_ms);
@@ -240,13 +252,26 @@ absl::Status RunServingSweep(ServingBenchOptions o, const std::vector<int>& conc
                       {"ttft_ms", stats(r->ttft_ms)},
                       {"tpot_ms", stats(r->tpot_ms)},
                       {"itl_ms", stats(r->itl_ms)},
-                      {"e2e_ms", stats(r->e2e_ms)}});
+                      {"e2e_ms", stats(r->e2e_ms)},
+                      {"spec_drafts", r->spec_drafts},
+                      {"draft_tokens", r->draft_tokens},
+                      {"accepted_draft_tokens", r->accepted_draft_tokens}});
     } else {
       out << absl::StrFormat(
           "concurrency %3d: %8.1f output tokens/s | TTFT ms mean %.1f p50 %.1f p99 %.1f | TPOT ms mean %.2f p50 %.2f "
           "p99 %.2f | ITL ms mean %.2f p50 %.2f p99 %.2f | %d requests, %d failed\n",
           c, r->output_tokens_per_second, r->ttft_ms.mean, r->ttft_ms.p50, r->ttft_ms.p99, r->tpot_ms.mean,
           r->tpot_ms.p50, r->tpot_ms.p99, r->itl_ms.mean, r->itl_ms.p50, r->itl_ms.p99, r->requests, r->failed);
+      if (r->draft_tokens > 0) {
+        // Acceptance rate, and tokens per verify step (vLLM's mean acceptance length).
+        out << absl::StrFormat(
+            "                 drafts: %d of %d kept (%.2f), mean acceptance length %.2f over %d verify steps "
+            "(per position: the server's /metrics)\n",
+            r->accepted_draft_tokens, r->draft_tokens,
+            static_cast<double>(r->accepted_draft_tokens) / static_cast<double>(r->draft_tokens),
+            1.0 + static_cast<double>(r->accepted_draft_tokens) / static_cast<double>(std::max<int64_t>(r->spec_drafts, 1)),
+            r->spec_drafts);
+      }
     }
   }
   if (json) out << rows.dump() << std::endl;

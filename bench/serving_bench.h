@@ -20,6 +20,9 @@ struct ServingBenchOptions {
   int prompt_len = 32;
   int output_len = 32;
   int vocab = 512;        // prompt token ids are drawn below this
+  // Prompts that repeat a random run of this many tokens (text that repeats itself, where n-gram
+  // drafts pay); 0: random throughout.
+  int prompt_period = 0;
   std::string csv;        // per-request rows, when set
   // Structured outputs: GenerateRequest.response_format (OpenAI's object as JSON text), "" for none.
   std::string response_format;
@@ -36,6 +39,8 @@ struct ServingBenchResult {
   double seconds = 0;
   double output_tokens_per_second = 0;
   LatencyStats ttft_ms, tpot_ms, itl_ms, e2e_ms;
+  // Speculative decoding, from the final messages' usage: verify steps with drafts, drafts, kept.
+  int64_t spec_drafts = 0, draft_tokens = 0, accepted_draft_tokens = 0;
 };
 
 absl::StatusOr<ServingBenchResult> RunServingBench(const ServingBenchOptions& options);

@@ -186,6 +186,7 @@ struct ServeBenchFlags {
   std::string response_format;  // a file: a response_format object or a bare JSON schema
   ExpertFlags experts;
   DeviceFlags device;
+  SpecFlags spec;
   bool json = false;
 };
 
@@ -214,8 +215,23 @@ int BenchServe(const ServeBenchFlags& flags) {
     if (absl::Status s = CheckListenAddress(flags.target, "target"); !s.ok()) return Fail(s, 2);
     o.target = flags.target;
   }
-  std::unique_ptr<runtime::Model> model;
+  std::unique_ptr<runtime::Model> model, draft_model;
   std::unique_ptr<scheduler::Frontend> frontend;
+  if (flags.spec.type == "mtp" && !flags.model.empty()) {
+    return Fail(CheckMtpHead(flags.model, "--spec-type mtp"), 2);
+  }
+  auto spec_config = flags.spec.Config();
+  if (!spec_config.ok()) return Fail(spec_config.status(), 2);
+  const runtime::SpeculativeConfig speculative = *spec_config;
+  if (speculative.type != runtime::SpecType::kOff && flags.model.empty()) {
+    return Fail(absl::InvalidArgumentError("--spec-type sets the speculative decoding of the server --model starts; "
+                                           "a --target server takes it from its own serve flags"),
+                2);
+  }
+  if (speculative.type == runtime::SpecType::kDraft) {
+    if (absl::Status s = CheckDraftVocabulary(flags.model, speculative.draft_model); !s.ok()) return Fail(s, 2);
+  }
+  runtime::ModelOptions model_options;
   // With --model, a server in this process: the prefix cache on or off.
   auto start_server = [&](bool prefix_cache) -> absl::Status {
     if (frontend) frontend->Shutdown();
@@ -227,9 +243,18 @@ int BenchServe(const ServeBenchFlags& flags) {
     fo.scheduler.max_seqs = 64;
     fo.scheduler.context = model->spec().max_position_embeddings;
     fo.scheduler.prefix_cache = prefix_cache;
+    fo.scheduler.max_draft = speculative.max_draft();
+    fo.scheduler.draft_type = speculative.type;
+    fo.scheduler.draft_adaptive = speculative.adaptive;
     auto executor = runtime::ModelExecutor::Create(*model, /*num_blocks=*/4096, fo.scheduler.block_size);
     if (!executor.ok()) return executor.status();
-    auto started = scheduler::Frontend::Start(*std::move(executor), fo);
+    std::unique_ptr<runtime::Executor> serving = *std::move(executor);
+    if (speculative.type == runtime::SpecType::kDraft) {
+      auto drafting = WithDraftModel(std::move(serving), speculative, model_options, fo.scheduler.max_seqs, &draft_model);
+      if (!drafting.ok()) return drafting.status();
+      serving = *std::move(drafting);
+    }
+    auto started = scheduler::Frontend::Start(std::move(serving), fo);
     if (!started.ok()) return started.status();
     frontend = std::move(*started);
     o.target = absl::StrCat("127.0.0.1:", frontend->port());
@@ -237,10 +262,9 @@ int BenchServe(const ServeBenchFlags& flags) {
   };
   if (!flags.model.empty()) {
     if (absl::Status s = CheckModelFlags(flags.device, flags.experts, "bench serve"); !s.ok()) return Fail(s, 2);
-    runtime::ModelOptions model_options;
     model_options.pool.progress = false;
     model_options.max_step_tokens = flags.max_batch_tokens;
-    model_options.max_logit_rows = 64;  // the scheduler's max_seqs below
+    model_options.max_logit_rows = MaxLogitRows(64, flags.max_batch_tokens, speculative);  // max_seqs below
     auto loaded = LoadModelForCommand(flags.model, flags.device, flags.experts, model_options, 0, "bench serve");
     if (!loaded.ok()) return Fail(loaded.status(), 1);
     model = std::move(*loaded);
@@ -333,6 +357,11 @@ void AddBenchServe(CLI::App& bench, CommandRun* selected) {
   app->add_option("--prompt-len", f->options.prompt_len, "prompt tokens (random ids)")
       ->check(IntIn(1, 1 << 20))
       ->capture_default_str();
+  app->add_option("--prompt-period", f->options.prompt_period,
+                  "prompts that repeat a random run of this many tokens (text that repeats itself, where "
+                  "--spec-type ngram pays); 0: random throughout")
+      ->check(IntIn(0, 1 << 20))
+      ->capture_default_str();
   app->add_option("--output-len", f->options.output_len, "tokens generated per request")
       ->check(IntIn(1, 1 << 20))
       ->capture_default_str();
@@ -355,6 +384,7 @@ void AddBenchServe(CLI::App& bench, CommandRun* selected) {
   app->add_option("--csv", f->options.csv, "append one row per request");
   f->experts.Add(app);
   f->device.Add(app);
+  f->spec.Add(app);
   app->add_flag("--json", f->json, "print one JSON array of rows");
 }
 

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "flags.h"
+#include "model_loading.h"
 #include "moe/comm/tcp_socket.h"
 #include "moe/core/status.h"
 #include "moe/experts/packed.h"
@@ -233,6 +234,35 @@ absl::Status ReadScheduler(const Reader& r, const YAML::Node& s, ClusterConfig* 
   }
   MOE_RETURN_IF_ERROR(r.GetIn(s, w, "drain_seconds", &c->drain_seconds, 0, 3600));
   MOE_RETURN_IF_ERROR(r.Get(s, w, "prefix_cache", &c->prefix_cache));
+  return absl::OkStatus();
+}
+
+absl::Status ReadSpeculative(const Reader& r, const YAML::Node& s, ClusterConfig* c) {
+  if (!s.IsDefined() || s.IsNull()) return absl::OkStatus();
+  const std::string w = "speculative";
+  MOE_RETURN_IF_ERROR(r.Keys(s, w, {"type", "n_max", "adaptive", "model", "device"}));
+  runtime::SpeculativeConfig& spec = c->speculative;
+  std::string type = "off";
+  MOE_RETURN_IF_ERROR(r.Get(s, w, "type", &type));
+  auto parsed = runtime::ParseSpecType(type);
+  if (!parsed.ok()) return r.Error(s["type"], w + ".type", std::string(parsed.status().message()));
+  spec.type = *parsed;
+  MOE_RETURN_IF_ERROR(r.GetIn(s, w, "n_max", &spec.n_max, 1, runtime::kMaxDraftTokens));
+  MOE_RETURN_IF_ERROR(r.Get(s, w, "adaptive", &spec.adaptive));
+  MOE_RETURN_IF_ERROR(r.Get(s, w, "model", &spec.draft_model));
+  MOE_RETURN_IF_ERROR(r.Get(s, w, "device", &spec.draft_device));
+  if (spec.type == runtime::SpecType::kMtp) {
+    return r.Error(s["type"], w + ".type", std::string(CheckMtpHead(c->model, "type mtp").message()));
+  }
+  if (spec.type == runtime::SpecType::kDraft) {
+    return r.Error(s["type"], w + ".type",
+                   "a draft model is served by one process (serve --model DIR --spec-type draft --draft-model DIR) "
+                   "for now, not by a deployment; use ngram here");
+  }
+  if (absl::Status v = spec.Validate(); !v.ok()) {
+    const YAML::Node at = s[v.message().find("n_max") == 0 ? "n_max" : "type"];
+    return r.Error(at.IsDefined() ? at : s, w, std::string(v.message()));
+  }
   return absl::OkStatus();
 }
 
@@ -458,11 +488,8 @@ absl::StatusOr<ClusterConfig> LoadClusterConfig(const std::string& path) {
                                 : root.IsSequence() ? "a list"
                                                     : absl::StrCat("'", root.Scalar(), "'")));
   }
-  if (root["speculative"].IsDefined()) {
-    return r.Error(root["speculative"], "speculative", "speculative decoding is not built yet; remove the key");
-  }
-  MOE_RETURN_IF_ERROR(
-      r.Keys(root, "", {"model", "nodes", "parallel", "experts", "scheduler", "server", "comm", "supervisor"}));
+  MOE_RETURN_IF_ERROR(r.Keys(
+      root, "", {"model", "nodes", "parallel", "experts", "scheduler", "speculative", "server", "comm", "supervisor"}));
   if (!root["model"].IsDefined()) {
     return r.Error(root, "model", "missing: the model every worker loads (a Hugging Face folder or a GGUF file)");
   }
@@ -474,6 +501,7 @@ absl::StatusOr<ClusterConfig> LoadClusterConfig(const std::string& path) {
   MOE_RETURN_IF_ERROR(ReadParallel(r, root["parallel"], &c));
   MOE_RETURN_IF_ERROR(ReadExperts(r, root["experts"], &c));
   MOE_RETURN_IF_ERROR(ReadScheduler(r, root["scheduler"], &c));
+  MOE_RETURN_IF_ERROR(ReadSpeculative(r, root["speculative"], &c));
   MOE_RETURN_IF_ERROR(ReadServer(r, root["server"], &c));
   MOE_RETURN_IF_ERROR(ReadControl(r, root["comm"], root["supervisor"], &c));
   MOE_RETURN_IF_ERROR(CheckPlan(r, root, &c));

@@ -15,6 +15,7 @@
 //     defer: 0
 //     gpu_cache: {per_layer: 32, refresh_steps: 256, profile: FILE}   # beside GPUs
 //   scheduler: {max_batch_tokens: 2048, max_seqs: 64, max_queue: 256, ctx: 32768, kv_cache_mb: 1024}
+//   speculative: {type: ngram, n_max: 3, adaptive: true}   # or mtp, or {type: draft, model: DIR, device: cpu}
 //   server: {listen: 127.0.0.1:50051, http: 127.0.0.1:8080}   # and api_key_file, tls_cert, tls_key, ...
 #pragma once
 
@@ -25,6 +26,7 @@
 
 #include "absl/status/statusor.h"
 #include "moe/runtime/parallel.h"
+#include "moe/runtime/speculative.h"
 
 namespace moe::deploy {
 
@@ -65,6 +67,9 @@ struct ClusterConfig {
   std::string kv_cache_dtype = "auto";
   bool prefix_cache = true;
   int drain_seconds = 10;
+  // speculative decoding: the frontend's scheduler drafts and the workers verify the rows the step
+  // plan carries, so workers need no setting of their own beyond the logit rows a step may ask for
+  runtime::SpeculativeConfig speculative;
   // server
   std::string listen = "127.0.0.1:50051";
   std::string http = "127.0.0.1:8080";

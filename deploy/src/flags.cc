@@ -2,6 +2,7 @@
 
 #include <sched.h>
 
+#include <algorithm>
 #include <cmath>
 #include <iostream>
 #include <thread>
@@ -243,6 +244,54 @@ absl::Status ExpertFlags::Apply(runtime::ModelOptions* options, const std::strin
   if (prefill_offload_tokens) options->prefill_offload_tokens = *prefill_offload_tokens;
   options->defer_experts = defer_experts;
   return absl::OkStatus();
+}
+
+void SpecFlags::Add(CLI::App* app) {
+  app->add_option("--spec-type", type,
+                  "speculative decoding: ngram (drafts from n-grams of the prompt and output: no model, pays on code "
+                  "edits and text that repeats itself), mtp (the checkpoint's nextn layers) or draft (--draft-model), "
+                  "or off. A step verifies each sequence's drafts with the model's own sampler, so the tokens are "
+                  "the same as with off, at any temperature and seed; only the tokens per step change")
+      ->check(CLI::IsMember({"mtp", "draft", "ngram", "off"}))
+      ->capture_default_str();
+  app->add_option("--spec-n-max", n_max,
+                  "drafts a sequence carries per step, at most (a request's speculative.n_max may lower it)")
+      ->check(IntIn(1, runtime::kMaxDraftTokens))
+      ->capture_default_str();
+  app->add_option("--spec-adaptive", adaptive,
+                  "on: each sequence's draft length is chosen every step, from 0 to --spec-n-max, to serve the most "
+                  "tokens per second, from the measured step time by rows and what the sequence accepted so far "
+                  "(so prose, high concurrency and costly verify steps turn drafting off; a probe now and then turns "
+                  "it back on); off: always --spec-n-max")
+      ->check(CLI::IsMember({"on", "off"}))
+      ->capture_default_str();
+  app->add_option("--draft-model", draft_model,
+                  "with --spec-type draft: the draft model, a checkpoint with the target's tokenizer");
+  app->add_option("--draft-device", draft_device, "with --spec-type draft: where the draft model runs: cpu or cuda:N");
+}
+
+absl::StatusOr<runtime::SpeculativeConfig> SpecFlags::Config() const {
+  runtime::SpeculativeConfig c;
+  auto parsed = runtime::ParseSpecType(type);
+  if (!parsed.ok()) return core::Annotate(parsed.status(), "--spec-type");
+  c.type = *parsed;
+  c.n_max = n_max;
+  c.adaptive = adaptive == "on";
+  c.draft_model = draft_model;
+  c.draft_device = draft_device;
+  if (c.type != runtime::SpecType::kDraft && (!draft_model.empty() || !draft_device.empty())) {
+    return absl::InvalidArgumentError(absl::StrCat(!draft_model.empty() ? "--draft-model" : "--draft-device",
+                                                   " needs --spec-type draft (got --spec-type ", type, ")"));
+  }
+  if (absl::Status s = c.Validate(); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("--spec-type ", type, ": ", s.message()));
+  }
+  return c;
+}
+
+int MaxLogitRows(int max_seqs, int max_batch_tokens, const runtime::SpeculativeConfig& speculative) {
+  const int64_t rows = static_cast<int64_t>(max_seqs) * (speculative.max_draft() + 1);
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(rows, std::max(max_batch_tokens, max_seqs))));
 }
 
 }  // namespace moe::deploy

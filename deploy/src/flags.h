@@ -12,6 +12,7 @@
 #include "CLI/CLI.hpp"
 #include "absl/status/statusor.h"
 #include "moe/runtime/model.h"
+#include "moe/runtime/speculative.h"
 
 namespace moe::deploy {
 
@@ -79,5 +80,22 @@ struct ExpertFlags {
   // kInvalidArgument naming the flag for a value the pool cannot take.
   absl::Status Apply(runtime::ModelOptions* options, const std::string& command) const;
 };
+
+// Speculative decoding's flags, shared by serve, generate and bench serve: --spec-type,
+// --spec-n-max, --spec-adaptive, --draft-model, --draft-device.
+struct SpecFlags {
+  std::string type = "off";
+  int n_max = 3;
+  std::string adaptive = "on";
+  std::string draft_model, draft_device;
+
+  void Add(CLI::App* app);
+  // The settings the flags give; kInvalidArgument naming the flag for a bad combination,
+  // kFailedPrecondition for a method this build cannot run (mtp, draft).
+  absl::StatusOr<runtime::SpeculativeConfig> Config() const;
+};
+
+// Logit rows a step may ask for: one per running sequence, and one more per draft it carries.
+int MaxLogitRows(int max_seqs, int max_batch_tokens, const runtime::SpeculativeConfig& speculative);
 
 }  // namespace moe::deploy

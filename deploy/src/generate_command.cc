@@ -50,6 +50,7 @@ struct GenerateFlags {
   bool ignore_eos = false, json = false;
   ExpertFlags experts;
   DeviceFlags device;
+  SpecFlags spec;
 };
 
 int RunGenerate(const GenerateFlags& flags);
@@ -88,6 +89,7 @@ void AddGenerateCommand(CLI::App& root, CommandRun* selected) {
       ->capture_default_str();
   flags->experts.Add(app);
   flags->device.Add(app);
+  flags->spec.Add(app);
   app->add_flag("--ignore-eos", flags->ignore_eos, "keep generating after an end-of-sequence token");
   app->add_flag("--json", flags->json, "print one JSON object: generated_ids, token counts, timings");
   app->add_option("--dump-logits", flags->dump_logits,
@@ -110,6 +112,15 @@ int RunGenerate(const GenerateFlags& flags) {
   options.stop_at_eos = !flags.ignore_eos;
   options.prompt_logits = !flags.dump_logits.empty();
   if (absl::Status s = options.sampling.Validate(); !s.ok()) return Fail(s, 2);
+  if (flags.spec.type == "mtp") return Fail(CheckMtpHead(flags.model, "--spec-type mtp"), 2);
+  auto speculative = flags.spec.Config();
+  if (!speculative.ok()) return Fail(speculative.status(), 2);
+  if (speculative->type != runtime::SpecType::kOff && speculative->type != runtime::SpecType::kNgram) {
+    return Fail(absl::FailedPreconditionError(absl::StrCat("--spec-type ", flags.spec.type,
+                                                           ": generate drafts with ngram only; serve runs the others")),
+                2);
+  }
+  options.speculative = *speculative;
   WarnIfMoreThreadsThanCores(flags.threads, "threads", "generate");
 
   const auto load_start = std::chrono::steady_clock::now();
@@ -139,6 +150,10 @@ int RunGenerate(const GenerateFlags& flags) {
                                 {"decode_seconds", result->decode_seconds},
                                 {"prefill_tokens_per_s", prefill_tps},
                                 {"decode_tokens_per_s", decode_tps},
+                                {"decode_steps", result->decode_steps},
+                                {"spec_drafts", result->spec_drafts},
+                                {"draft_tokens", result->draft_tokens},
+                                {"accepted_draft_tokens", result->accepted_draft_tokens},
                                 {"backend", (*model)->backend().name()}};
     std::cout << j.dump() << std::endl;
     return 0;
@@ -155,6 +170,12 @@ int RunGenerate(const GenerateFlags& flags) {
                                result->prefill_seconds * 1e3, prefill_tps)
             << absl::StrFormat("decode: %.0f tokens in %.1f ms (%.1f tokens/s)\n", decode_tokens,
                                result->decode_seconds * 1e3, decode_tps);
+  if (options.speculative.type != runtime::SpecType::kOff) {
+    std::cout << absl::StrFormat(
+        "speculative (%s): %d of %d drafts kept over %d verify steps; %d decode steps for %.0f tokens\n",
+        runtime::SpecTypeName(options.speculative.type), result->accepted_draft_tokens, result->draft_tokens,
+        result->spec_drafts, result->decode_steps, decode_tokens);
+  }
   return 0;
 }
 

@@ -20,6 +20,7 @@
 #include "model_loading.h"
 #include "moe/core/status.h"
 #include "moe/experts/expert_pool.h"
+#include "moe/runtime/cache.h"
 #include "moe/runtime/checkpoint.h"
 #include "moe/runtime/device.h"
 #include "moe/runtime/memory_plan.h"
@@ -50,8 +51,33 @@ struct InspectFlags {
   std::optional<double> read_gbps;
   std::string device = "cuda";
   std::string kv_cache_dtype = "bf16";
+  std::string draft_model;  // serve's --spec-type draft --draft-model
   bool json = false;
 };
+
+// The draft model of --spec-type draft, beside the plan: it runs on the CPU backend, its weights and
+// its KV cache (fp32, following every target position: context x sequences) in host memory.
+struct DraftPlan {
+  std::string summary;
+  int64_t weight_bytes = 0;
+  int64_t kv_bytes_per_token = 0;
+  int64_t kv_bytes = 0;
+};
+
+absl::StatusOr<DraftPlan> PlanDraft(const InspectFlags& f, int64_t context) {
+  MOE_RETURN_IF_ERROR(CheckDraftVocabulary(f.model, f.draft_model));
+  auto spec = runtime::ReadCheckpointSpec(f.draft_model);
+  if (!spec.ok()) return core::Annotate(spec.status(), absl::StrCat("--draft-model ", f.draft_model));
+  DraftPlan d;
+  d.summary = spec->Summary();
+  auto weights = GpuWeightBytes(f.draft_model);
+  if (weights.ok()) d.weight_bytes = *weights;
+  d.kv_bytes_per_token = runtime::PlanCache(*spec, runtime::Range{0, spec->num_layers},
+                                            runtime::CacheOptions{16, core::DType::kF32})
+                             .BytesPerToken();
+  d.kv_bytes = d.kv_bytes_per_token * context * f.max_seqs;
+  return d;
+}
 
 // "GPU" or "CPU" for a placement, with the rule that put a routed expert on the CPU.
 std::string Where(const runtime::TensorPlace& t) {
@@ -243,6 +269,12 @@ int RunInspect(const InspectFlags& f) {
   }
   auto plan = runtime::PlanMemory(*spec, *placement, plan_options);
   if (!plan.ok()) return FailCommand(command, plan.status(), 2);
+  std::optional<DraftPlan> draft;
+  if (!f.draft_model.empty()) {
+    auto planned = PlanDraft(f, plan_options.context > 0 ? plan_options.context : spec->max_position_embeddings);
+    if (!planned.ok()) return FailCommand(command, planned.status(), 2);
+    draft = *std::move(planned);
+  }
 
   // The decode bound at batch 1: the routed experts on the CPU stream from host memory.
   double read_gbps = 0;
@@ -281,6 +313,12 @@ int RunInspect(const InspectFlags& f) {
                    {"bound_tokens_per_s", bound}};
     j["kv_bytes_per_token"] = plan->kv_bytes_per_token;
     if (spec->uses_mla()) j["mla_note"] = MlaNote(*spec);
+    if (draft.has_value()) {
+      j["draft_model"] = {{"model", draft->summary},
+                          {"host_weight_bytes", draft->weight_bytes},
+                          {"kv_bytes_per_token", draft->kv_bytes_per_token},
+                          {"kv_bytes", draft->kv_bytes}};
+    }
     j["refusal"] = plan->refusal;
     std::cout << j.dump() << std::endl;
   } else {
@@ -302,6 +340,12 @@ int RunInspect(const InspectFlags& f) {
     PrintDevice(plan->host, "host");
     std::cout << "  KV cache: " << plan->kv_bytes_per_token << " bytes a position\n";
     if (spec->uses_mla()) std::cout << "note: " << MlaNote(*spec) << "\n";
+    if (draft.has_value()) {
+      std::cout << "draft model (--spec-type draft, on the CPU backend): " << draft->summary << "\n"
+                << "  host: weights " << MiB(draft->weight_bytes) << " as stored, KV cache "
+                << draft->kv_bytes_per_token << " bytes a position (fp32, following the target's): "
+                << MiB(draft->kv_bytes) << "\n";
+    }
     std::cout << "decode at batch 1, per token: " << MiB(plan->gpu_read_per_token) << " of weights read on the GPU";
     if (plan->host_read_per_token > 0) {
       std::cout << ", " << MiB(plan->host_read_per_token) << " of routed experts from host memory ("
@@ -359,6 +403,9 @@ void AddInspectCommand(CLI::App& root, CommandRun* selected) {
                   "bytes)")
       ->check(CLI::IsMember({"bf16", "fp8"}))
       ->capture_default_str();
+  app->add_option("--draft-model", f->draft_model,
+                  "with serve's --spec-type draft: also plan this draft model (its vocabulary checked against "
+                  "--model's, its weights and KV cache in host memory)");
   app->add_flag("--json", f->json, "print one JSON object");
 }
 

@@ -321,7 +321,7 @@ pb::InitRequest Launcher::InitFor(int rank, int generation, const std::string& n
   pl->set_n_cpu_moe(c_.n_cpu_moe);
   for (const std::string& rule : c_.override_tensor) pl->add_override_tensor(rule);
   pl->set_max_step_tokens(c_.max_batch_tokens);
-  pl->set_max_logit_rows(c_.max_seqs);
+  pl->set_max_logit_rows(MaxLogitRows(c_.max_seqs, c_.max_batch_tokens, c_.speculative));
   pl->set_max_context(static_cast<int32_t>(c_.ctx.value_or(0)));
   pl->set_graphs(true);
   pl->set_kv_cache_dtype(c_.kv_cache_dtype);
@@ -579,6 +579,10 @@ int Launcher::Run() {
   sc.max_batch_tokens = c_.max_batch_tokens;
   sc.prefix_cache = c_.prefix_cache;
   sc.prefix_cache_salt = scheduler::PrefixCacheSalt(c_.kv_cache_dtype);
+  // The frontend drafts (n-grams) and plans the verify rows; every worker runs them as any rows.
+  sc.max_draft = c_.speculative.max_draft();
+  sc.draft_type = c_.speculative.type;
+  sc.draft_adaptive = c_.speculative.adaptive;
   const int64_t positions = int64_t{eo.kv.num_blocks} * eo.kv.block_size;
   sc.context = static_cast<int>(std::min<int64_t>(
       {c_.ctx.value_or(eo.info.max_position_embeddings), eo.info.max_position_embeddings, positions}));

@@ -4,14 +4,18 @@
 #include <iostream>
 #include <optional>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "moe/core/status.h"
 #include "moe/runtime/checkpoint.h"
+#include "moe/runtime/draft_model_executor.h"
 #include "moe/runtime/memory_plan.h"
 #include "moe/runtime/model_spec.h"
 #include "moe/runtime/routing_profile.h"
 #include "moe/runtime/weight_policy.h"
+#include "moe/text/tokenizer.h"
 
 namespace moe::deploy {
 void DeviceFlags::Add(CLI::App* app) {
@@ -238,6 +242,77 @@ absl::StatusOr<std::unique_ptr<runtime::Model>> LoadModelForCommand(
     std::cerr << "moeserve " << command << ": " << (*model)->prefill_offload_note() << "\n";
   }
   return model;
+}
+
+absl::Status CheckDraftVocabulary(const std::string& target_dir, const std::string& draft_dir) {
+  auto target = text::Tokenizer::FromModelDir(target_dir);
+  auto draft = text::Tokenizer::FromModelDir(draft_dir);
+  for (const auto& [tokenizer, dir] : {std::pair{&target, &target_dir}, std::pair{&draft, &draft_dir}}) {
+    if (!tokenizer->ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("--draft-model: the vocabularies cannot be compared: ", tokenizer->status().message(),
+                       " (a draft model needs the target's tokenizer.json, and so does the target)"));
+    }
+  }
+  const int target_size = (*target)->vocab_size(), draft_size = (*draft)->vocab_size();
+  for (int32_t id = 0; id < std::max(target_size, draft_size); ++id) {
+    const std::string a = id < target_size ? (*target)->IdToToken(id) : "(none)";
+    const std::string b = id < draft_size ? (*draft)->IdToToken(id) : "(none)";
+    if (a == b) continue;
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--draft-model ", draft_dir, ": token ", id, " is '", absl::CEscape(b), "' in its tokenizer.json and '",
+        absl::CEscape(a), "' in the target's (", target_dir,
+        "); a draft model must have the target's vocabulary, token for token"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<runtime::Executor>> WithDraftModel(std::unique_ptr<runtime::Executor> target,
+                                                                  const runtime::SpeculativeConfig& speculative,
+                                                                  const runtime::ModelOptions& target_options,
+                                                                  int max_seqs, std::unique_ptr<runtime::Model>* draft) {
+  runtime::ModelOptions options;
+  options.threads = target_options.threads;
+  options.max_step_tokens = target_options.max_step_tokens;
+  options.max_logit_rows = std::max(max_seqs, 1);
+  options.max_context = target_options.max_context;
+  options.pool.progress = false;
+  auto model = runtime::Model::Load(speculative.draft_model, options);
+  if (!model.ok()) return core::Annotate(model.status(), absl::StrCat("--draft-model ", speculative.draft_model));
+  auto executor = runtime::DraftModelExecutor::Create(std::move(target), **model, max_seqs);
+  if (!executor.ok()) {
+    return core::Annotate(executor.status(), absl::StrCat("--draft-model ", speculative.draft_model));
+  }
+  *draft = *std::move(model);
+  return std::unique_ptr<runtime::Executor>(*std::move(executor));
+}
+
+absl::Status CheckMtpHead(const std::string& model_dir, const std::string& what) {
+  auto checkpoint = runtime::OpenCheckpoint(model_dir);
+  if (!checkpoint.ok()) return core::Annotate(checkpoint.status(), what);
+  const runtime::ModelSpec& spec = (*checkpoint)->spec();
+  if (spec.num_nextn_layers == 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        what, ": ", model_dir, " has no MTP (nextn) layer: its config.json's num_nextn_predict_layers is 0 (",
+        spec.model_type, "); use ngram drafts, or a draft model"));
+  }
+  std::vector<std::string> missing;
+  for (const runtime::TensorId id : {runtime::TensorId::kNextnEmbedNorm, runtime::TensorId::kNextnHiddenNorm,
+                                     runtime::TensorId::kNextnProj, runtime::TensorId::kAttnQ,
+                                     runtime::TensorId::kRouter}) {
+    const runtime::TensorKey key{id, spec.num_layers};
+    if (!(*checkpoint)->Has(key)) missing.push_back((*checkpoint)->Describe(key));
+  }
+  if (!missing.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        what, ": ", model_dir, " declares ", spec.num_nextn_layers,
+        " MTP (nextn) layer(s) (num_nextn_predict_layers) but its weights lack layer ", spec.num_layers, "'s ",
+        absl::StrJoin(missing, ", "), " (a checkpoint saved without its MTP layer); use ngram drafts"));
+  }
+  return absl::FailedPreconditionError(
+      absl::StrCat(what, ": ", model_dir,
+                   " has its MTP (nextn) layer, but drafting with it is not built yet; use ngram drafts, or a "
+                   "smaller draft model"));
 }
 
 }  // namespace moe::deploy

@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "flags.h"
 #include "moe/runtime/device.h"
+#include "moe/runtime/executor.h"
 #include "moe/runtime/model.h"
 #include "moe/runtime/placement.h"
 
@@ -64,5 +65,23 @@ using BeforeLoad = std::function<absl::Status(runtime::Backend& backend, runtime
 absl::StatusOr<std::unique_ptr<runtime::Model>> LoadModelForCommand(
     const std::string& model_dir, const DeviceFlags& device, const ExpertFlags& experts, runtime::ModelOptions options,
     int64_t extra_bytes, const std::string& command, const BeforeLoad& before_load = nullptr);
+
+// Speculative decoding with a draft model: kFailedPrecondition unless `draft_dir`'s tokenizer.json
+// has the target's vocabulary, the same text for every id (naming the first id that differs, its
+// text in each, and both files), or when either folder has no tokenizer.json to compare.
+absl::Status CheckDraftVocabulary(const std::string& target_dir, const std::string& draft_dir);
+
+// The draft model of --spec-type draft, loaded on the CPU backend beside the target, with the
+// target's step limits; wraps `target` in the executor that drafts with it. `draft` receives the
+// model, which must outlive the executor.
+absl::StatusOr<std::unique_ptr<runtime::Executor>> WithDraftModel(std::unique_ptr<runtime::Executor> target,
+                                                                  const runtime::SpeculativeConfig& speculative,
+                                                                  const runtime::ModelOptions& target_options,
+                                                                  int max_seqs, std::unique_ptr<runtime::Model>* draft);
+
+// --spec-type mtp (`what`: the flag or key, for messages): kFailedPrecondition naming what `model_dir` lacks for an MTP head (config.json's
+// num_nextn_predict_layers, or the nextn layer's tensors), else saying that drafting with the head
+// is not built yet.
+absl::Status CheckMtpHead(const std::string& model_dir, const std::string& what);
 
 }  // namespace moe::deploy

@@ -49,6 +49,7 @@ struct ServeFlags {
   bool api_key_protect_metrics = false;
   ExpertFlags experts;
   DeviceFlags device;
+  SpecFlags spec;
   std::string config;  // a cluster file: the launcher
   int node = 0;
   const CLI::App* app = nullptr;  // the command, to ask which flags were given
@@ -95,6 +96,11 @@ const std::map<std::string, std::string>& ClusterKeyOfFlag() {
       {"--gpu-experts-refresh-steps", "experts.gpu_cache.refresh_steps"},
       {"--expert-profile", "experts.gpu_cache.profile"},
       {"--device", "nodes[].gpus"},
+      {"--spec-type", "speculative.type"},
+      {"--spec-n-max", "speculative.n_max"},
+      {"--spec-adaptive", "speculative.adaptive"},
+      {"--draft-model", "speculative.model"},
+      {"--draft-device", "speculative.device"},
   };
   return *keys;
 }
@@ -244,9 +250,17 @@ int RunServe(const ServeFlags& flags) {
   model_options.threads = flags.threads;
   WarnIfMoreThreadsThanCores(flags.threads, "threads", "serve");
   if (absl::Status s = CheckModelFlags(flags.device, flags.experts, "serve"); !s.ok()) return Fail(s, 2);
-  // The largest step: the token budget, and a logit row for each sequence at most.
+  if (flags.spec.type == "mtp") return Fail(CheckMtpHead(flags.model, "--spec-type mtp"), 2);
+  auto speculative = flags.spec.Config();
+  if (!speculative.ok()) return Fail(speculative.status(), 2);
+  if (speculative->type == runtime::SpecType::kDraft) {
+    if (absl::Status s = CheckDraftVocabulary(flags.model, speculative->draft_model); !s.ok()) return Fail(s, 2);
+  }
+  // Declared before the frontend, which ends the executor that reads it.
+  std::unique_ptr<runtime::Model> draft_model;
+  // The largest step: the token budget, and a logit row for each sequence and draft at most.
   model_options.max_step_tokens = flags.max_batch_tokens;
-  model_options.max_logit_rows = flags.max_seqs;
+  model_options.max_logit_rows = MaxLogitRows(flags.max_seqs, flags.max_batch_tokens, *speculative);
   if (flags.ctx) model_options.max_context = static_cast<int>(*flags.ctx);
 
   scheduler::FrontendOptions options;
@@ -297,6 +311,9 @@ int RunServe(const ServeFlags& flags) {
   sc.max_batch_tokens = flags.max_batch_tokens;
   sc.prefix_cache = flags.prefix_cache == "on";
   sc.prefix_cache_salt = scheduler::PrefixCacheSalt(flags.device.kv_cache_dtype);
+  sc.max_draft = speculative->max_draft();
+  sc.draft_type = speculative->type;
+  sc.draft_adaptive = speculative->adaptive;
   if (absl::Status s = PlanKvCache(flags, spec, **model, &sc); !s.ok()) return Fail(s, 2);
   options.placement = (*model)->expert_pool() != nullptr
                           ? (*model)->expert_pool()->Describe()
@@ -306,15 +323,26 @@ int RunServe(const ServeFlags& flags) {
   // outlives it: Drain below ends the engine, and the executor with it.
   auto executor = runtime::ModelExecutor::Create(**model, sc.num_blocks, sc.block_size);
   if (!executor.ok()) return Fail(executor.status(), 1);
-  const runtime::KvCapacity kv = (*executor)->kv_capacity();
+  std::unique_ptr<runtime::Executor> serving = *std::move(executor);
+  if (speculative->type == runtime::SpecType::kDraft) {
+    auto drafting = WithDraftModel(std::move(serving), *speculative, model_options, flags.max_seqs, &draft_model);
+    if (!drafting.ok()) return Fail(drafting.status(), 1);
+    serving = *std::move(drafting);
+  }
+  const runtime::KvCapacity kv = serving->kv_capacity();
   (*frontend)->set_scheduler(sc, options.placement);
-  if (absl::Status s = (*frontend)->Serve(*std::move(executor)); !s.ok()) {
+  if (absl::Status s = (*frontend)->Serve(std::move(serving)); !s.ok()) {
     return Fail(s, s.code() == absl::StatusCode::kInvalidArgument ? 2 : 1);
   }
   std::cerr << absl::StrFormat(
       "moeserve serve: %s\nmoeserve serve: %s; KV cache %d blocks of %d positions; context %d\n", spec.Summary(),
       options.placement, kv.num_blocks, kv.block_size, sc.context);
   std::cerr << "moeserve serve: text: " << (*frontend)->DescribeText() << "\n";
+  if (speculative->type != runtime::SpecType::kOff) {
+    std::cerr << absl::StrFormat("moeserve serve: speculative decoding: %s, up to %d drafts a step, adaptive %s\n",
+                                 runtime::SpecTypeName(speculative->type), speculative->n_max,
+                                 speculative->adaptive ? "on" : "off");
+  }
   std::cout << "serving on port " << (*frontend)->port() << std::endl;
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
@@ -422,6 +450,7 @@ void AddServeCommand(CLI::App& root, CommandRun* selected) {
                   "type's; 'none' leaves it in the content");
   f->experts.Add(app);
   f->device.Add(app);
+  f->spec.Add(app);
   f->app = app;
 }
 

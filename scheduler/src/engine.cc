@@ -15,6 +15,7 @@ void Stream::Push(Output out, Clock::time_point step_start, Clock::time_point no
     admitted_ = step_start;
     if (metrics != nullptr) metrics->queue_seconds.Observe(seconds(step_start - arrival_));
   }
+  if (metrics != nullptr) metrics->CountDrafts(out.step_drafts);
   if (!out.new_tokens.empty()) {
     if (metrics != nullptr) {
       metrics->generated_tokens += out.new_tokens.size();

@@ -205,6 +205,7 @@ class GenerationService final : public pb::Generation::Service {
     std::shared_ptr<Stream> stream;  // set once the engine took the request
     int completion_tokens = 0;
     int cached_tokens = 0;
+    DraftCounts drafts;
     std::string finish_reason;
   };
 
@@ -219,6 +220,11 @@ class GenerationService final : public pb::Generation::Service {
         {"prompt_tokens", in.token_ids_size()},
         {"output_tokens", served.completion_tokens},
         {"cached_tokens", served.cached_tokens}};
+    if (served.drafts.drafts > 0) {
+      line["spec_drafts"] = served.drafts.drafts;
+      line["draft_tokens"] = served.drafts.draft_tokens;
+      line["accepted_draft_tokens"] = served.drafts.accepted;
+    }
     if (!status.ok()) line["error"] = status.error_message();
     if (served.stream != nullptr) {
       line["queue_ms"] = Ms(served.stream->admitted(), arrival);
@@ -253,6 +259,13 @@ class GenerationService final : public pb::Generation::Service {
     request.stopping.min_new_tokens = st.min_new_tokens();
     request.stopping.stop_token_ids.assign(st.stop_token_ids().begin(), st.stop_token_ids().end());
     request.stopping.ignore_eos = st.ignore_eos();
+    if (in.has_speculative()) {
+      if (in.speculative().off()) {
+        request.max_draft = 0;
+      } else if (in.speculative().has_n_max()) {
+        request.max_draft = in.speculative().n_max();
+      }
+    }
     // The call's deadline, on the scheduler's clock.
     const auto deadline = context->deadline();
     if (deadline != std::chrono::system_clock::time_point::max()) {
@@ -370,6 +383,7 @@ class GenerationService final : public pb::Generation::Service {
       if (!out.finished) continue;
       served->finish_reason = stopped_by_string ? "stop_string" : FinishReasonName(*out.finished);
       served->cached_tokens = out.cached_tokens;
+      served->drafts = out.drafts;
       if (aborted_by_client) return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client");
       if (stopped_by_string) return grpc::Status::OK;
       // The error of a failed request, a passed deadline, or a shutdown; none for an ending or an Abort.
@@ -463,6 +477,9 @@ class GenerationService final : public pb::Generation::Service {
     msg->mutable_usage()->set_prompt_tokens(out.prompt_tokens);
     msg->mutable_usage()->set_completion_tokens(completion);
     msg->mutable_usage()->set_cached_tokens(out.cached_tokens);
+    msg->mutable_usage()->set_spec_drafts(out.drafts.drafts);
+    msg->mutable_usage()->set_draft_tokens(out.drafts.draft_tokens);
+    msg->mutable_usage()->set_accepted_draft_tokens(out.drafts.accepted);
     pb::Timings* t = msg->mutable_timings();
     const Clock::time_point now = Clock::now();
     if (auto admitted = stream.admitted()) t->set_queue_seconds(Seconds(*admitted - stream.arrival()));

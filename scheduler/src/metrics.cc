@@ -1,5 +1,7 @@
 #include "moe/scheduler/metrics.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
@@ -41,6 +43,18 @@ Metrics::Metrics()
       request_seconds(LatencyBounds()),
       step_seconds(LatencyBounds()) {}
 
+void Metrics::CountDrafts(const DraftCounts& step) {
+  if (step.draft_tokens <= 0) return;
+  spec_drafts += step.drafts;
+  spec_draft_tokens += step.draft_tokens;
+  spec_accepted_tokens += step.accepted;
+  for (int i = 0; i < std::min(step.accepted, runtime::kMaxDraftTokens); ++i) ++spec_accepted_per_pos[i];
+  int seen = spec_positions.load();
+  const int positions = std::min(step.draft_tokens, runtime::kMaxDraftTokens);
+  while (seen < positions && !spec_positions.compare_exchange_weak(seen, positions)) {
+  }
+}
+
 void Metrics::CountRejected(absl::StatusCode code) {
   const int i = static_cast<int>(code);
   if (i >= 0 && i < kCodes) ++rejected_[i];
@@ -70,6 +84,20 @@ std::string Metrics::Render(const SchedulerStats& stats) const {
   counter("moeserve_requests_finished_total", "Requests that ended normally.", requests_finished.load());
   counter("moeserve_requests_aborted_total", "Requests aborted or past their deadline.", requests_aborted.load());
   counter("moeserve_requests_failed_total", "Requests that ended in an error.", requests_failed.load());
+  counter("moeserve_spec_decode_num_drafts", "Speculative decoding: verify steps of a sequence that carried drafts.",
+          spec_drafts.load());
+  counter("moeserve_spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.",
+          spec_draft_tokens.load());
+  counter("moeserve_spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens kept.",
+          spec_accepted_tokens.load());
+  absl::StrAppend(&out,
+                  "# HELP moeserve_spec_decode_num_accepted_tokens_per_pos Speculative decoding: draft tokens kept at "
+                  "each position of a draft (0 is the first).\n"
+                  "# TYPE moeserve_spec_decode_num_accepted_tokens_per_pos counter\n");
+  for (int i = 0; i < spec_positions.load(); ++i) {
+    absl::StrAppend(&out, "moeserve_spec_decode_num_accepted_tokens_per_pos{position=\"", i, "\"} ",
+                    spec_accepted_per_pos[i].load(), "\n");
+  }
   absl::StrAppend(&out,
                   "# HELP moeserve_requests_rejected_total Requests refused before they ran, by status code.\n"
                   "# TYPE moeserve_requests_rejected_total counter\n");

@@ -268,6 +268,30 @@ struct Parsed {
 #define MOE_API_TRY(expr)                              \
   if (std::optional<ApiError> e_ = (expr); e_) return *e_
 
+// `speculative`: "off", or {"n_max": N} (N in 0..16; 0 is off) to limit this request's drafts.
+std::optional<ApiError> ReadSpeculative(const json& body, Request* request) {
+  const json* spec = Field(body, "speculative");
+  if (spec == nullptr) return std::nullopt;
+  const char* kShape = "speculative: expected \"off\" or {\"n_max\": N} with N in 0..16";
+  if (spec->is_string()) {
+    if (spec->get<std::string>() != "off") return BadParam("speculative", kShape);
+    request->max_draft = 0;
+    return std::nullopt;
+  }
+  if (!spec->is_object()) return BadParam("speculative", kShape);
+  for (const auto& [key, value] : spec->items()) {
+    if (key != "n_max") return BadParam("speculative", absl::StrCat("speculative.", key, ": unknown; ", kShape));
+  }
+  if (const json* n = Field(*spec, "n_max")) {
+    if (!n->is_number_integer() || n->get<int64_t>() < 0 || n->get<int64_t>() > runtime::kMaxDraftTokens) {
+      return BadParam("speculative", absl::StrCat("speculative.n_max: ", n->dump(), " is not an integer in 0..",
+                                                  runtime::kMaxDraftTokens));
+    }
+    request->max_draft = n->get<int>();
+  }
+  return std::nullopt;
+}
+
 // Fields other servers take that would change the output here if they were honoured: refused
 // while they carry a value, never ignored.
 std::optional<ApiError> RefuseUnsupported(const json& body) {
@@ -392,6 +416,7 @@ std::optional<ApiError> ParseCommon(const json& body, const std::string& model_i
   MOE_API_TRY(ReadBool(body, "include_stop_str_in_output", &p->text.include_stop_str_in_output));
   MOE_API_TRY(ReadBool(body, "skip_special_tokens", &p->text.skip_special_tokens));
   MOE_API_TRY(ReadBool(body, "return_token_ids", &p->return_token_ids));
+  MOE_API_TRY(ReadSpeculative(body, &p->request));
   return std::nullopt;
 }
 
@@ -592,12 +617,17 @@ std::optional<ApiError> ParseChat(const json& body, const TextModel& text, int c
 
 #undef MOE_API_TRY
 
-// OpenAI's usage; prompt_tokens_details.cached_tokens: prompt tokens the prefix cache held.
-json Usage(int prompt, int completion, int cached) {
+// OpenAI's usage; prompt_tokens_details.cached_tokens: prompt tokens the prefix cache held;
+// completion_tokens_details: speculative decoding's drafts kept (accepted_prediction_tokens) and
+// thrown away (rejected_prediction_tokens).
+json Usage(int prompt, int completion, int cached, const DraftCounts& drafts) {
   return {{"prompt_tokens", prompt},
           {"completion_tokens", completion},
           {"total_tokens", prompt + completion},
-          {"prompt_tokens_details", {{"cached_tokens", cached}}}};
+          {"prompt_tokens_details", {{"cached_tokens", cached}}},
+          {"completion_tokens_details",
+           {{"accepted_prediction_tokens", drafts.accepted},
+            {"rejected_prediction_tokens", drafts.draft_tokens - drafts.accepted}}}};
 }
 
 // JSON has no infinities: an impossible token's log-probability is written as vLLM writes it.
@@ -671,6 +701,7 @@ class Generation {
       if (!stopped_) piece->error = out.error;
       prompt_tokens_ = out.prompt_tokens;
       cached_tokens_ = out.cached_tokens;
+      drafts_ = out.drafts;
     }
     return true;
   }
@@ -684,6 +715,7 @@ class Generation {
   int prompt_tokens() const { return prompt_tokens_; }
   int cached_tokens() const { return cached_tokens_; }
   int completion_tokens() const { return completion_tokens_; }
+  const DraftCounts& drafts() const { return drafts_; }
 
  private:
   Engine& engine_;
@@ -695,6 +727,7 @@ class Generation {
   int prompt_tokens_ = 0;
   int cached_tokens_ = 0;
   int completion_tokens_ = 0;
+  DraftCounts drafts_;
 };
 
 // Builds the JSON of responses and chunks for one request, in the shapes OpenAI sends.
@@ -772,11 +805,11 @@ class ResponseWriter {
   }
 
   // Streaming: the last chunk, with the usage and no choices, when the client asked for it.
-  std::optional<json> UsageChunk(int prompt, int completion, int cached) const {
+  std::optional<json> UsageChunk(int prompt, int completion, int cached, const DraftCounts& drafts) const {
     if (!include_usage_) return std::nullopt;
     json chunk = Header();
     chunk["choices"] = json::array();
-    chunk["usage"] = Usage(prompt, completion, cached);
+    chunk["usage"] = Usage(prompt, completion, cached, drafts);
     return chunk;
   }
 
@@ -788,7 +821,7 @@ class ResponseWriter {
     if (piece.finished) all_.finish_reason = piece.finish_reason;
   }
 
-  json Whole(int prompt, int completion, int cached) const {
+  json Whole(int prompt, int completion, int cached, const DraftCounts& drafts) const {
     if (chat_ && !enforced_tools_.empty()) {
       if (json calls = EnforcedCalls(all_.text.content); !calls.is_null()) {
         json body = Header();
@@ -799,7 +832,7 @@ class ResponseWriter {
                        {"finish_reason", all_.finish_reason == "stop" ? "tool_calls" : all_.finish_reason}};
         if (token_ids_) choice["message"]["token_ids"] = all_.tokens;
         body["choices"] = json::array({choice});
-        body["usage"] = Usage(prompt, completion, cached);
+        body["usage"] = Usage(prompt, completion, cached, drafts);
         return body;
       }
     }
@@ -832,7 +865,7 @@ class ResponseWriter {
     choice["logprobs"] = lp;
     choice["finish_reason"] = all_.finish_reason;
     body["choices"] = json::array({choice});
-    body["usage"] = Usage(prompt, completion, cached);
+    body["usage"] = Usage(prompt, completion, cached, drafts);
     return body;
   }
 
@@ -939,6 +972,11 @@ struct RequestRecord {
       line["prompt_tokens"] = generation->prompt_tokens();
       line["cached_tokens"] = generation->cached_tokens();
       line["output_tokens"] = generation->completion_tokens();
+      if (generation->drafts().drafts > 0) {
+        line["spec_drafts"] = generation->drafts().drafts;
+        line["draft_tokens"] = generation->drafts().draft_tokens;
+        line["accepted_draft_tokens"] = generation->drafts().accepted;
+      }
       line["queue_ms"] = MsSince(generation->stream()->admitted(), arrival);
       line["ttft_ms"] = MsSince(generation->stream()->first_token(), arrival);
     }
@@ -981,7 +1019,7 @@ class EventStream {
       if (!Write(sink, Event(error))) return false;
     }
     if (auto usage = writer_.UsageChunk(generation_->prompt_tokens(), generation_->completion_tokens(),
-                                           generation_->cached_tokens())) {
+                                           generation_->cached_tokens(), generation_->drafts())) {
       if (!Write(sink, Event(*usage))) return false;
     }
     if (!Write(sink, "data: [DONE]\n\n")) return false;
@@ -1146,7 +1184,9 @@ void OpenAiApi::Generate(Kind kind, const httplib::Request& request, httplib::Re
     return SetError(response, e);
   }
   record.Write(200, piece.finish_reason, "", generation.get());
-  response.set_content(writer.Whole(generation->prompt_tokens(), generation->completion_tokens(), generation->cached_tokens()).dump(
+  response.set_content(writer.Whole(generation->prompt_tokens(), generation->completion_tokens(), generation->cached_tokens(),
+                                    generation->drafts())
+                           .dump(
                            -1, ' ', false, json::error_handler_t::replace),
                        "application/json");
 }

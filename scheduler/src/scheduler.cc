@@ -6,6 +6,7 @@
 #include "moe/runtime/cache.h"
 #include "moe/scheduler/structured_output.h"
 
+#include <chrono>
 #include <future>
 #include <optional>
 
@@ -65,7 +66,17 @@ struct Scheduler::Sequence {
   bool send_prefix = false;
   // Structured outputs: where the tokens so far leave the request's grammar.
   std::optional<GrammarMatcher> matcher;
+  // Speculative decoding: what the sequence's drafts were worth so far, and its counts.
+  runtime::AcceptanceHistory acceptance;
+  DraftCounts drafts;
+  // Drafts this sequence may carry in a step: the request's limit within the server's.
+  int max_draft = 0;
 };
+
+void NgramProposer::Propose(const std::string& id, std::span<const int32_t> tokens, int max_draft,
+                            std::vector<int32_t>* draft) {
+  runtime::NgramDraft(tokens, max_draft, draft, options_);
+}
 
 namespace {
 
@@ -81,7 +92,12 @@ Output& OutputOf(const std::string& id, std::vector<Output>* outputs) {
 }  // namespace
 
 Scheduler::Scheduler(const SchedulerConfig& config)
-    : config_(config), blocks_(config.num_blocks), seeds_(std::random_device{}()) {}
+    : config_(config),
+      blocks_(config.num_blocks),
+      seeds_(std::random_device{}()),
+      controller_({.n_max = std::max(config.max_draft, 0), .adaptive = config.draft_adaptive}) {
+  if (config_.draft_type == runtime::SpecType::kNgram) proposer_ = &ngram_;
+}
 Scheduler::~Scheduler() = default;
 
 Scheduler::Sequence* Scheduler::Find(const std::string& id) {
@@ -132,6 +148,10 @@ absl::Status Scheduler::Add(Request r) {
     return absl::InvalidArgumentError(absl::StrCat("sampling.top_k must be at most the vocabulary size (",
                                                    config_.vocab_size, "), got ", r.sampling.top_k));
   }
+  if (r.max_draft.has_value() && (*r.max_draft < 0 || *r.max_draft > runtime::kMaxDraftTokens)) {
+    return absl::InvalidArgumentError(absl::StrCat("speculative.n_max: must be between 0 and ",
+                                                   runtime::kMaxDraftTokens, ", got ", *r.max_draft));
+  }
   if (r.logprobs < 0 || r.logprobs > kMaxLogprobs) {
     return absl::InvalidArgumentError(
         absl::StrCat("logprobs: must be between 0 and ", kMaxLogprobs, ", got ", r.logprobs));
@@ -157,6 +177,7 @@ absl::Status Scheduler::Add(Request r) {
   auto seq = std::make_unique<Sequence>();
   if (r.grammar != nullptr) seq->matcher = r.grammar->NewMatcher();
   seq->tokens = r.prompt;
+  seq->max_draft = std::clamp(r.max_draft.value_or(config_.max_draft), 0, std::max(config_.max_draft, 0));
   seq->request = std::move(r);
   waiting_.push_back(seq.get());
   sequences_[seq->request.id] = std::move(seq);
@@ -190,6 +211,7 @@ void Scheduler::Finish(Sequence* seq, FinishReason reason, absl::Status error, s
   out->prompt_tokens = static_cast<int>(seq->request.prompt.size());
   out->completion_tokens = seq->generated;
   out->cached_tokens = seq->cached_tokens;
+  out->drafts = seq->drafts;
   // A failed sequence's cache may hold what made it fail (non-finite values): never share it.
   if (reason != FinishReason::kError) CommitFullBlocks(seq);
   blocks_.Release(&seq->blocks);
@@ -319,15 +341,18 @@ void Scheduler::EndAbortedAndLate(Clock::time_point now, std::vector<Output>* ou
   }
 }
 
-int Scheduler::ProposeDrafts(Sequence* seq, int budget) {
+int Scheduler::ProposeDrafts(Sequence* seq, int budget, int rows, int tokens) {
   seq->draft.clear();
   std::vector<int32_t> proposed = std::move(seq->proposed);
   seq->proposed.clear();
   const int64_t pending = static_cast<int64_t>(seq->tokens.size()) - seq->computed;
-  if (config_.max_draft <= 0 || pending != 1 || seq->matcher.has_value()) return 0;
+  if (seq->max_draft <= 0 || pending != 1 || seq->matcher.has_value()) return 0;
   // Never past max_new_tokens: the bonus token of a step whose drafts are all kept is the last.
   const int room = seq->request.stopping.max_new_tokens - seq->generated - 1;
-  const int most = std::min({config_.max_draft, room, budget - 1});
+  int most = std::min({seq->max_draft, room, budget - 1});
+  if (most <= 0) return 0;
+  // Only as many as pay for the rows they add to the step.
+  most = controller_.Choose(&seq->acceptance, rows, tokens, most);
   if (most <= 0) return 0;
   // The executor's drafter's proposal first; the scheduler's proposer when it made none.
   if (!proposed.empty()) {
@@ -348,11 +373,34 @@ int Scheduler::ProposeDrafts(Sequence* seq, int budget) {
 std::vector<Scheduler::Scheduled> Scheduler::Schedule(std::vector<Output>* outputs) {
   std::vector<Scheduled> scheduled;
   int budget = config_.max_batch_tokens;
-  auto schedule = [&](Sequence* seq, bool may_preempt) {
+  // For the draft-length controller: the step's rows and served tokens without drafts are about
+  // the rows planned so far and one for each running sequence not yet planned.
+  int unplanned = static_cast<int>(running_.size());
+  // Blocks the running sequences from index i on need for their own pending tokens: drafts take
+  // only the free blocks beyond those, so that they never cost another sequence its step or its
+  // place (a preemption).
+  std::vector<int> own_need(running_.size() + 1, 0);
+  for (size_t i = running_.size(); i-- > 0;) {
+    const Sequence* r = running_[i];
+    const int need = runtime::BlocksFor(static_cast<int64_t>(r->tokens.size()), config_.block_size) -
+                     static_cast<int>(r->blocks.size());
+    own_need[i] = own_need[i + 1] + std::max(need, 0);
+  }
+  auto schedule = [&](Sequence* seq, bool may_preempt, int reserve) {
     const int64_t pending = static_cast<int64_t>(seq->tokens.size()) - seq->computed;
     const int32_t count = static_cast<int32_t>(std::min<int64_t>(pending, budget));
     if (count <= 0) return false;
-    const int num_draft = count == pending ? ProposeDrafts(seq, budget) : 0;
+    const int rows = config_.max_batch_tokens - budget + std::max(unplanned, 1);
+    int num_draft =
+        count == pending ? ProposeDrafts(seq, budget, rows, std::max(static_cast<int>(running_.size()), 1)) : 0;
+    if (num_draft > 0) {
+      const int need = runtime::BlocksFor(seq->computed + count + num_draft, config_.block_size) -
+                       static_cast<int>(seq->blocks.size());
+      if (need > blocks_.num_free() - reserve) {
+        seq->draft.clear();
+        num_draft = 0;
+      }
+    }
     if (!EnsureBlocks(seq, seq->computed + count + num_draft, may_preempt)) {
       seq->draft.clear();
       return false;
@@ -363,12 +411,15 @@ std::vector<Scheduler::Scheduled> Scheduler::Schedule(std::vector<Output>* outpu
   };
   // Running sequences first (decode tokens, then unfinished prefills), oldest first; a sequence
   // preempted on the way drops out of this step.
-  for (size_t i = 0; i < running_.size() && budget > 0; ++i) schedule(running_[i], /*may_preempt=*/true);
+  for (size_t i = 0; i < running_.size() && budget > 0; ++i) {
+    schedule(running_[i], /*may_preempt=*/true, own_need[std::min(i + 1, running_.size())]);
+    --unplanned;
+  }
   // Then new requests, first come first served, while blocks and slots last (no preemption).
   while (!waiting_.empty() && budget > 0 && static_cast<int>(running_.size()) < config_.max_seqs) {
     Sequence* seq = waiting_.front();
     TakeCachedPrefix(seq);
-    if (!schedule(seq, /*may_preempt=*/false)) {
+    if (!schedule(seq, /*may_preempt=*/false, /*reserve=*/0)) {
       // It waits on: the cached blocks it took go back (still cached) until it can start.
       blocks_.Release(&seq->blocks);
       seq->computed = 0;
@@ -420,7 +471,7 @@ runtime::StepPlan Scheduler::BuildPlan(const std::vector<Scheduled>& scheduled) 
     // The chunk that reaches the last token samples the next one, and one more per draft; an
     // executor with a drafter proposes the next step's drafts.
     if (s.first + fed == static_cast<int64_t>(seq.tokens.size())) {
-      chunk.want_drafts = config_.max_draft;
+      chunk.want_drafts = seq.matcher.has_value() ? 0 : seq.max_draft;
       const int32_t end = static_cast<int32_t>(plan.batch.token_ids.size());
       for (int i = 0; i <= s.num_draft; ++i) {
         plan.batch.logit_rows.push_back(end - s.num_draft - 1 + i);
@@ -462,6 +513,26 @@ bool Scheduler::Accept(Sequence* seq, runtime::SequenceResult& result, std::vect
   return true;
 }
 
+void Scheduler::CountVerify(Sequence* seq, int drafted, int accepted, std::vector<Output>* outputs) {
+  controller_.ObserveVerify(&seq->acceptance, drafted, accepted);
+  ++seq->drafts.drafts;
+  seq->drafts.draft_tokens += drafted;
+  seq->drafts.accepted += accepted;
+  Output& out = OutputOf(seq->request.id, outputs);
+  out.step_drafts = {1, drafted, accepted};
+}
+
+void Scheduler::TrimBlocks(Sequence* seq) {
+  // The next step writes from the bonus token on, so the blocks up to it stay; those past it held
+  // only rejected drafts (never committed: a committed block is full of computed tokens).
+  const size_t keep = static_cast<size_t>(runtime::BlocksFor(static_cast<int64_t>(seq->tokens.size()),
+                                                             config_.block_size));
+  if (seq->blocks.size() <= keep) return;
+  std::vector<int32_t> tail(seq->blocks.begin() + keep, seq->blocks.end());
+  seq->blocks.resize(keep);
+  blocks_.Release(&tail);
+}
+
 void Scheduler::Apply(const std::vector<Scheduled>& scheduled, runtime::StepResult& result,
                       std::vector<Output>* outputs) {
   size_t next = 0;
@@ -483,11 +554,14 @@ void Scheduler::Apply(const std::vector<Scheduled>& scheduled, runtime::StepResu
     }
     runtime::SequenceResult& r = result.sequences[next++];
     // The cache holds the sequence's own tokens and the drafts kept; the bonus token is fed next.
-    seq->computed = end + std::clamp(r.accepted, 0, s.num_draft);
+    const int accepted = std::clamp(r.accepted, 0, s.num_draft);
+    seq->computed = end + accepted;
+    if (s.num_draft > 0) CountVerify(seq, s.num_draft, accepted, outputs);
     std::vector<int32_t> proposed = std::move(r.drafts);
     if (Accept(seq, r, outputs)) {
       seq->proposed = std::move(proposed);
       CommitFullBlocks(seq);
+      TrimBlocks(seq);
     }
   }
 }
@@ -504,7 +578,12 @@ std::vector<Output> Scheduler::Step(runtime::Executor& executor, Clock::time_poi
   const std::vector<Scheduled> scheduled = Schedule(&outputs);
   if (scheduled.empty()) return outputs;
   const runtime::StepPlan plan = BuildPlan(scheduled);
+  const auto start = std::chrono::steady_clock::now();
   absl::StatusOr<runtime::StepResult> result = executor.Execute(plan);
+  if (result.ok()) {
+    controller_.ObserveStep(static_cast<int>(plan.batch.token_ids.size()),
+                            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
   // Masks still being computed (an executor that failed before sampling) end before the matchers
   // they read move on.
   for (const runtime::SampleRow& row : plan.samples) {

@@ -44,6 +44,14 @@ absl::StatusOr<GenerateResult> Generate(Model& model, const std::vector<int32_t>
     return absl::InvalidArgumentError(absl::StrCat("max_new_tokens must be >= 0, got ", options.max_new_tokens));
   }
   MOE_RETURN_IF_ERROR(options.sampling.Validate());
+  const bool drafting = options.speculative.type != SpecType::kOff && !options.step_logits;
+  if (drafting) {
+    MOE_RETURN_IF_ERROR(options.speculative.Validate());
+    if (options.speculative.type != SpecType::kNgram) {
+      return absl::FailedPreconditionError(absl::StrCat("speculative type ", SpecTypeName(options.speculative.type),
+                                                        ": Generate drafts from n-grams only"));
+    }
+  }
   const int64_t total = static_cast<int64_t>(prompt.size()) + options.max_new_tokens;
   if (total > spec.max_position_embeddings) {
     return absl::InvalidArgumentError(
@@ -72,12 +80,20 @@ absl::StatusOr<GenerateResult> Generate(Model& model, const std::vector<int32_t>
   const int prompt_len = static_cast<int>(prompt.size());
   std::vector<int32_t> tokens = prompt;  // the sequence so far
   std::vector<float> logits;
-  // Runs `plan` (sampled on the host, the logits kept) and returns the last token it drew.
-  auto run = [&](const StepPlan& plan) -> absl::StatusOr<int32_t> {
+  // Runs `plan` (sampled on the host, the logits kept) and returns what the sequence gained.
+  auto run_step = [&](const StepPlan& plan) -> absl::StatusOr<SequenceResult> {
     MOE_ASSIGN_OR_RETURN(StepResult step, executor->ExecuteOnHost(plan, &logits));
-    if (step.sequences.empty()) return -1;
+    if (step.sequences.empty()) {
+      SequenceResult none;
+      none.tokens = {-1};
+      return none;
+    }
     SequenceResult& r = step.sequences.back();
     if (!r.error.ok()) return r.error;
+    return std::move(r);
+  };
+  auto run = [&](const StepPlan& plan) -> absl::StatusOr<int32_t> {
+    MOE_ASSIGN_OR_RETURN(SequenceResult r, run_step(plan));
     return r.tokens.back();
   };
 
@@ -106,24 +122,54 @@ absl::StatusOr<GenerateResult> Generate(Model& model, const std::vector<int32_t>
   }
   result.prefill_seconds = SecondsSince(start);
 
-  // Decode: one token per step, reading the cache.
+  // Decode, reading the cache: one token per step, or with drafts the drafts kept and one more.
+  DraftController controller({.n_max = drafting ? options.speculative.n_max : 0,
+                              .adaptive = options.speculative.adaptive});
+  AcceptanceHistory acceptance;
   start = std::chrono::steady_clock::now();
-  for (int step = 0; step < options.max_new_tokens; ++step) {
-    if (options.step_logits) result.step_logits.emplace_back(logits.end() - vocab, logits.end());
-    result.generated_ids.push_back(next);
-    tokens.push_back(next);
-    if (options.stop_at_eos &&
-        std::find(spec.eos_token_ids.begin(), spec.eos_token_ids.end(), next) != spec.eos_token_ids.end()) {
-      break;
+  std::vector<int32_t> fresh = {next};  // sampled, not yet appended
+  bool done = options.max_new_tokens == 0;
+  while (!done) {
+    for (const int32_t token : fresh) {
+      if (options.step_logits) result.step_logits.emplace_back(logits.end() - vocab, logits.end());
+      result.generated_ids.push_back(token);
+      tokens.push_back(token);
+      done = (options.stop_at_eos &&
+              std::find(spec.eos_token_ids.begin(), spec.eos_token_ids.end(), token) != spec.eos_token_ids.end()) ||
+             static_cast<int>(result.generated_ids.size()) == options.max_new_tokens;
+      if (done) break;
     }
-    if (step + 1 == options.max_new_tokens) break;
+    if (done) break;
     const int64_t position = static_cast<int64_t>(tokens.size()) - 1;
+    std::vector<int32_t> draft;
+    if (drafting) {
+      const int room = options.max_new_tokens - static_cast<int>(result.generated_ids.size()) - 1;
+      const int k = controller.Choose(&acceptance, 1, 1, room);
+      NgramDraft(tokens, k, &draft);
+    }
+    const int k = static_cast<int>(draft.size());
+    std::vector<int32_t> fed = tokens;  // what the draft rows' penalties read
+    fed.insert(fed.end(), draft.begin(), draft.end());
     StepPlan plan;
-    plan.batch.token_ids = {next};
-    plan.batch.sequences = {SequenceChunk{position, 1, table}};
-    plan.batch.logit_rows = {0};
-    plan.samples = {RowAt(options.sampling, seed, tokens, position + 1, prompt_len)};
-    MOE_ASSIGN_OR_RETURN(next, run(plan));
+    plan.batch.token_ids = {tokens.back()};
+    plan.batch.token_ids.insert(plan.batch.token_ids.end(), draft.begin(), draft.end());
+    plan.batch.sequences = {SequenceChunk{position, 1 + k, table}};
+    plan.batch.sequences[0].num_draft = k;
+    for (int i = 0; i <= k; ++i) {
+      plan.batch.logit_rows.push_back(i);
+      plan.samples.push_back(RowAt(options.sampling, seed, fed, position + 1 + i, prompt_len));
+    }
+    const auto step_start = std::chrono::steady_clock::now();
+    MOE_ASSIGN_OR_RETURN(SequenceResult r, run_step(plan));
+    controller.ObserveStep(1 + k, SecondsSince(step_start));
+    ++result.decode_steps;
+    if (k > 0) {
+      controller.ObserveVerify(&acceptance, k, r.accepted);
+      ++result.spec_drafts;
+      result.draft_tokens += k;
+      result.accepted_draft_tokens += r.accepted;
+    }
+    fresh = std::move(r.tokens);
   }
   result.decode_seconds = SecondsSince(start);
   return result;

@@ -8,6 +8,7 @@
 
 #include "absl/status/statusor.h"
 #include "moe/runtime/model.h"
+#include "moe/runtime/speculative.h"
 #include "moe/runtime/sampler.h"
 
 namespace moe::runtime {
@@ -19,6 +20,10 @@ struct GenerateOptions {
   bool prompt_logits = false;      // return the logits of every prompt position
   bool step_logits = false;        // return the logits each new token was sampled from
   int block_size = 16;
+  // Speculative decoding: kNgram drafts from the sequence's own n-grams (mtp and draft need an
+  // executor with a drafter, which Generate has not). The tokens are those of decoding without
+  // drafts; only the steps taken change. Off while step_logits is asked for.
+  SpeculativeConfig speculative;
 };
 
 struct GenerateResult {
@@ -27,6 +32,10 @@ struct GenerateResult {
   std::vector<std::vector<float>> step_logits;    // [generated][vocab] if asked
   double prefill_seconds = 0;
   double decode_seconds = 0;  // for generated tokens after the first
+  int decode_steps = 0;       // steps after the prefill
+  int spec_drafts = 0;        // of them, steps that carried drafts
+  int draft_tokens = 0;       // drafts carried
+  int accepted_draft_tokens = 0;
 };
 
 // kInvalidArgument for an empty prompt, a token outside the vocabulary, bad sampling

@@ -39,6 +39,15 @@ struct Metrics {
   std::atomic<uint64_t> requests_finished{0};
   std::atomic<uint64_t> requests_aborted{0};
   std::atomic<uint64_t> requests_failed{0};
+  // Speculative decoding, as vLLM names them: verify steps with drafts, drafts carried, drafts
+  // kept, and drafts kept at each position (position i counts a step whose first i+1 drafts were
+  // kept).
+  std::atomic<uint64_t> spec_drafts{0};
+  std::atomic<uint64_t> spec_draft_tokens{0};
+  std::atomic<uint64_t> spec_accepted_tokens{0};
+  std::atomic<uint64_t> spec_accepted_per_pos[runtime::kMaxDraftTokens] = {};
+  std::atomic<int> spec_positions{0};  // positions drafted so far (rendered)
+  void CountDrafts(const DraftCounts& step);
   Histogram queue_seconds, first_token_seconds, inter_token_seconds, request_seconds, step_seconds;
 
   // A request refused before it ran (bad request, full queue, missing API key, shutting down),

@@ -34,6 +34,16 @@ struct Request {
   // Structured outputs: every token follows this grammar, and the request ends when its bytes are
   // a whole sentence that cannot go on (null: unconstrained). Such a request carries no drafts.
   std::shared_ptr<const TokenGrammar> grammar;
+  // Speculative decoding for this request: at most this many drafts a step (0: none); unset: the
+  // server's setting. Never more than the server's n_max (SchedulerConfig::max_draft).
+  std::optional<int> max_draft;
+};
+
+// Speculative decoding's counts, for one step of a request or its whole life.
+struct DraftCounts {
+  int drafts = 0;        // verify steps that carried drafts
+  int draft_tokens = 0;  // drafts carried
+  int accepted = 0;      // of them, kept (each a token served without a step of its own)
 };
 
 // kStopString: the text pipeline matched a stop string and ended the request (Engine::Finish).
@@ -51,6 +61,8 @@ struct Output {
   int completion_tokens = 0;
   int cached_tokens = 0;  // prompt tokens found in the prefix cache when the request started
   bool admitted = false;  // this step started working on the request (for queue-time metrics)
+  DraftCounts step_drafts;  // this step's verify (at most one per request and step)
+  DraftCounts drafts;       // with `finished`: the request's whole life
 };
 
 inline Output OutputFor(std::string id) {

@@ -15,7 +15,13 @@
 // tokens do not depend on which executor or process samples them. With a DraftProposer, a decoding
 // sequence carries up to max_draft drafts a step; the executor keeps those its sampler agrees with
 // (executor.h: SequenceResult), the stop conditions are checked after each token kept, and the
-// next step starts after the kept ones (the rejected positions are written again).
+// next step starts after the kept ones (the rejected positions are written again, and blocks
+// taken for rejected drafts go back the same step). Drafts take only the free blocks beyond those
+// the other running sequences need for their own tokens: a sequence without room for its drafts
+// decodes without them rather than cost another a preemption. With draft_type kNgram and no DraftProposer
+// set, the scheduler drafts from n-grams of each sequence's prompt and output itself; with
+// draft_adaptive, a DraftController (moe/runtime/speculative.h) picks each sequence's draft length
+// per step from the measured step times and the sequence's acceptance, down to none.
 //
 // Thread-safety: none; the caller serializes every call (the engine's loop thread).
 #pragma once
@@ -31,6 +37,7 @@
 
 #include "absl/status/statusor.h"
 #include "moe/runtime/executor.h"
+#include "moe/runtime/speculative.h"
 #include "moe/scheduler/block_pool.h"
 #include "moe/scheduler/request.h"
 
@@ -65,6 +72,10 @@ struct SchedulerConfig {
   // Drafts a decoding sequence may carry in one step (0: none): those the executor's own drafter
   // proposed in the step before (SequenceChunk::want_drafts asks for them), else a DraftProposer's.
   int max_draft = 0;
+  // kNgram: the scheduler's own n-gram drafter proposes (when no DraftProposer is set).
+  runtime::SpecType draft_type = runtime::SpecType::kOff;
+  // Each sequence's draft length is chosen per step, up to max_draft (else always max_draft).
+  bool draft_adaptive = false;
   // Automatic prefix caching (see above).
   bool prefix_cache = true;
   // Folded into every sequence's first block hash: whatever else changes what a block holds for the
@@ -89,6 +100,18 @@ struct SchedulerStats {
   int64_t prefix_hit_tokens = 0;
 };
 
+// Drafts n-grams of a sequence's own prompt and output (runtime::NgramDraft): no model, good for
+// code edits, retrieval and any text that repeats itself.
+class NgramProposer : public DraftProposer {
+ public:
+  explicit NgramProposer(runtime::NgramOptions options = {}) : options_(options) {}
+  void Propose(const std::string& id, std::span<const int32_t> tokens, int max_draft,
+               std::vector<int32_t>* draft) override;
+
+ private:
+  runtime::NgramOptions options_;
+};
+
 class Scheduler {
  public:
   explicit Scheduler(const SchedulerConfig& config);
@@ -107,6 +130,8 @@ class Scheduler {
   std::vector<Output> Step(runtime::Executor& executor, Clock::time_point now = Clock::now());
   // Drafts for decoding sequences from now on (null: none); not owned, must outlive its use.
   void set_proposer(DraftProposer* proposer) { proposer_ = proposer; }
+  // The draft-length controller (its step-time measurements), for tests.
+  const runtime::DraftController& draft_controller() const { return controller_; }
 
   bool idle() const { return running_.empty() && waiting_.empty(); }
   SchedulerStats stats() const;
@@ -132,7 +157,13 @@ class Scheduler {
   // the sequence ended (it is gone then).
   bool Accept(Sequence* seq, runtime::SequenceResult& result, std::vector<Output>* outputs);
   // Fills seq->draft for a sequence that decodes this step, within `budget` tokens; its size.
-  int ProposeDrafts(Sequence* seq, int budget);
+  // `rows` and `tokens`: the rows and served tokens the step is expected to have without its drafts
+  // (for the draft-length controller).
+  int ProposeDrafts(Sequence* seq, int budget, int rows, int tokens);
+  // Gives back the blocks past what seq's committed tokens need (those taken for rejected drafts).
+  void TrimBlocks(Sequence* seq);
+  // Records a verify's outcome: the sequence's counts and acceptance, and its step's output.
+  void CountVerify(Sequence* seq, int drafted, int accepted, std::vector<Output>* outputs);
   void Finish(Sequence* seq, FinishReason reason, absl::Status error, std::vector<Output>* outputs);
   // Makes sure `seq` has blocks for `positions` positions, preempting newer sequences if needed.
   bool EnsureBlocks(Sequence* seq, int64_t positions, bool may_preempt);
@@ -161,6 +192,8 @@ class Scheduler {
   uint64_t cache_generation_ = 0;  // the executor's when the last step began
   uint64_t last_seq_id_ = 0;
   DraftProposer* proposer_ = nullptr;
+  NgramProposer ngram_;  // the proposer when draft_type is kNgram and none is set
+  runtime::DraftController controller_;
   std::vector<uint64_t> released_;  // ids of sequences released since the last plan
 };
 
