@@ -89,7 +89,9 @@ test('completion of token ids, whole and streamed, with usage', async () => {
   assert.equal(whole.choices.length, 1);
   assert.equal(whole.choices[0].finish_reason, 'length');
   assert.deepEqual(whole.usage, { prompt_tokens: 5, completion_tokens: 6, total_tokens: 11,
-                                  prompt_tokens_details: { cached_tokens: 0 } });
+                                  prompt_tokens_details: { cached_tokens: 0 },
+                                  completion_tokens_details: { accepted_prediction_tokens: 0,
+                                                               rejected_prediction_tokens: 0 } });
   const stream = await client.completions.create({ model: MODEL, prompt: PROMPT_IDS, max_tokens: 6, temperature: 0,
                                                    ignore_eos: true, return_token_ids: true, stream: true,
                                                    stream_options: { include_usage: true } });
