@@ -392,5 +392,114 @@ TEST(MtpDecodeTest, TheOpenAiApiServesTheSameTokensWithTheHead) {
   (*frontend)->Shutdown();
 }
 
+// Runs the plans on `inner`, keeping each step's plan and result.
+class RecordingExecutor final : public runtime::Executor {
+ public:
+  explicit RecordingExecutor(std::unique_ptr<runtime::Executor> inner) : inner_(std::move(inner)) {}
+  absl::StatusOr<runtime::StepResult> Execute(const runtime::StepPlan& plan) override {
+    auto result = inner_->Execute(plan);
+    if (result.ok()) steps.emplace_back(plan, *result);
+    return result;
+  }
+  runtime::KvCapacity kv_capacity() const override { return inner_->kv_capacity(); }
+  const runtime::ModelInfo& model_info() const override { return inner_->model_info(); }
+  std::string Describe() const override { return inner_->Describe(); }
+  std::vector<std::pair<runtime::StepPlan, runtime::StepResult>> steps;
+
+ private:
+  std::unique_ptr<runtime::Executor> inner_;
+};
+
+// The head's KV cache follows the target's sequence across steps (a prompt prefilled in chunks,
+// then verify steps with drafts kept and rejected): every step's first two drafts are what the
+// head gives when it is run from scratch over the whole sequence, the target's hidden states from
+// one full forward.
+TEST(MtpDecodeTest, TheHeadsCacheFollowsTheSequenceAcrossSteps) {
+  testing::ScratchDir dir;
+  const std::string path = dir / "glm";
+  WriteGlmWithMtpHead(path, true);
+  auto target = runtime::Model::Load(path, Options(false));
+  ASSERT_TRUE(target.ok()) << target.status();
+  auto head = runtime::Model::Load(path, Options(true));
+  ASSERT_TRUE(head.ok()) << head.status();
+  const int64_t h = (*target)->spec().hidden_size;
+  const int vocab = (*target)->spec().vocab_size;
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 30; ++i) prompt.push_back((i * 37 + 11) % 200 + 3);
+  scheduler::SchedulerConfig c;
+  c.num_blocks = 64;
+  c.block_size = 4;
+  c.max_batch_tokens = 8;  // the prompt takes four chunks
+  c.max_seqs = 2;
+  c.vocab_size = vocab;
+  c.context = 256;
+  c.max_draft = 3;
+  c.draft_type = runtime::SpecType::kMtp;
+  c.draft_adaptive = false;
+  auto executor = runtime::ModelExecutor::Create(**target, c.num_blocks, c.block_size);
+  ASSERT_TRUE(executor.ok());
+  auto drafting = runtime::MtpExecutor::Create(*std::move(executor), **head, c.max_seqs);
+  ASSERT_TRUE(drafting.ok()) << drafting.status();
+  RecordingExecutor recording(*std::move(drafting));
+  scheduler::Scheduler s(c);
+  scheduler::Request q;
+  q.id = "r";
+  q.prompt = prompt;
+  q.sampling = Sampling(true, 5);
+  q.stopping.max_new_tokens = 16;
+  q.stopping.ignore_eos = true;
+  ASSERT_TRUE(s.Add(q).ok());
+  RunToEnd(s, recording, "", 0);
+  // The head from scratch over `seq`: its greedy token after the last position, and after that
+  // token fed back with the head's own hidden state. Each is checked by its logit being the
+  // largest within fp32 rounding of a different summation order.
+  std::vector<int32_t> seq = prompt;
+  int checked = 0;
+  for (const auto& [plan, result] : recording.steps) {
+    if (result.sequences.empty()) continue;
+    const runtime::SequenceResult& r = result.sequences[0];
+    seq.insert(seq.end(), r.tokens.begin(), r.tokens.end());
+    if (r.drafts.size() < 2) continue;
+    const int n = static_cast<int>(seq.size());
+    std::vector<int32_t> table;
+    for (int b = 0; b < 32; ++b) table.push_back(b);
+    auto target_cache = (*target)->NewKvCache(32, 4);
+    auto head_cache = (*head)->NewKvCache(32, 4);
+    ASSERT_TRUE(target_cache.ok() && head_cache.ok());
+    runtime::ForwardBatch full;
+    full.token_ids.assign(seq.begin(), seq.end() - 1);
+    full.sequences.push_back(runtime::SequenceChunk{0, n - 1, table});
+    full.want_all_hidden = true;
+    auto out = (*target)->ForwardOnDevice(full, **target_cache);
+    ASSERT_TRUE(out.ok()) << out.status();
+    const std::vector<float> hidden(out->hidden.as<float>(), out->hidden.as<float>() + (n - 1) * h);
+    runtime::ForwardBatch step;
+    step.token_ids.assign(seq.begin() + 1, seq.end());
+    step.sequences.push_back(runtime::SequenceChunk{0, n - 1, table});
+    step.logit_rows = {n - 2};
+    step.head_hidden = hidden.data();
+    step.want_hidden = true;
+    auto first = (*head)->ForwardOnDevice(step, **head_cache);
+    ASSERT_TRUE(first.ok()) << first.status();
+    auto expect_greedy = [&](const runtime::Tensor& logits, int32_t draft, const std::string& what) {
+      const float* l = logits.as<float>();
+      const float best = *std::max_element(l, l + vocab);
+      EXPECT_NEAR(l[draft], best, 1e-3f * std::max(1.0f, std::abs(best))) << what << " at length " << n;
+    };
+    expect_greedy(first->logits, r.drafts[0], "first draft");
+    const std::vector<float> own(first->hidden.as<float>(), first->hidden.as<float>() + h);
+    runtime::ForwardBatch chained;
+    chained.token_ids = {r.drafts[0]};
+    chained.sequences.push_back(runtime::SequenceChunk{n - 1, 1, table});
+    chained.logit_rows = {0};
+    chained.head_hidden = own.data();
+    auto second = (*head)->ForwardOnDevice(chained, **head_cache);
+    ASSERT_TRUE(second.ok()) << second.status();
+    expect_greedy(second->logits, r.drafts[1], "second draft");
+    ++checked;
+  }
+  EXPECT_GT(checked, 5);
+}
+
 }  // namespace
 }  // namespace moe

@@ -792,9 +792,10 @@ TEST(SpecDecodeCliTest, ADraftModelWithAnotherVocabularyIsRefused) {
 }
 
 // A copy of the glm4_moe fixture with the nextn layer its config declares (layer 4: the last
-// decoder layer's tensors under its id, and the head's norms and projection, zero): the head is
-// found, and drafting with it is refused as not built.
-TEST(SpecDecodeCliTest, AnMtpHeadThatIsPresentIsRefusedAsNotBuilt) {
+// decoder layer's tensors under its id, and the head's norms and projection, zero): `bench serve`
+// starts its server drafting with the head, and every request completes with drafts verified;
+// `generate` drafts with n-grams only and says so. (mtp_test checks the tokens and the head's math.)
+TEST(SpecDecodeCliTest, AnMtpHeadThatIsPresentDraftsInServe) {
   testing::ScratchDir dir;
   const std::string model = dir / "glm";
   testing::CopyFixture("glm4_moe", model);
@@ -844,7 +845,15 @@ TEST(SpecDecodeCliTest, AnMtpHeadThatIsPresentIsRefusedAsNotBuilt) {
   const testing::CommandResult r = testing::RunMoeserve({"generate", "--model", model, "--prompt-ids", "1,2",
                                                          "--spec-type", "mtp"});
   EXPECT_EQ(r.exit_code, 2) << r.err;
-  EXPECT_THAT(r.err, HasSubstr("has its MTP (nextn) layer, but drafting with it is not built yet")) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("--spec-type mtp: generate drafts with ngram only; serve runs the others")) << r.err;
+  const testing::CommandResult bench = testing::RunMoeserve(
+      {"bench", "serve", "--model", model, "--spec-type", "mtp", "--spec-adaptive", "off", "--concurrency", "2",
+       "--requests", "4", "--prompt-len", "24", "--output-len", "16", "--json"});
+  ASSERT_EQ(bench.exit_code, 0) << bench.err;
+  const json rows = json::parse(bench.out.substr(bench.out.find('[')));
+  ASSERT_EQ(rows.size(), 1u) << bench.out;
+  EXPECT_EQ(rows[0]["failed"], 0);
+  EXPECT_GT(rows[0]["draft_tokens"].get<int>(), 0) << bench.out;
 }
 
 TEST(SpecDecodeClusterTest, BadSpeculativeKeysNameTheLineAndKey) {

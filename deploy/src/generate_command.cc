@@ -112,7 +112,9 @@ int RunGenerate(const GenerateFlags& flags) {
   options.stop_at_eos = !flags.ignore_eos;
   options.prompt_logits = !flags.dump_logits.empty();
   if (absl::Status s = options.sampling.Validate(); !s.ok()) return Fail(s, 2);
-  if (flags.spec.type == "mtp") return Fail(CheckMtpHead(flags.model, "--spec-type mtp"), 2);
+  if (flags.spec.type == "mtp") {
+    if (absl::Status s = CheckMtpHead(flags.model, "--spec-type mtp"); !s.ok()) return Fail(s, 2);
+  }
   auto speculative = flags.spec.Config();
   if (!speculative.ok()) return Fail(speculative.status(), 2);
   if (speculative->type != runtime::SpecType::kOff && speculative->type != runtime::SpecType::kNgram) {

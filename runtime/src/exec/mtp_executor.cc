@@ -87,6 +87,11 @@ absl::Status MtpExecutor::Propose(const StepPlan& plan, StepResult* result) {
   // target's hidden state there; the newest position's row starts the sequence's chain.
   ForwardBatch first;
   std::vector<float> first_hidden;
+  std::map<std::pair<int32_t, int64_t>, std::vector<float>> waiting;
+  auto block_of = [&](const SequenceChunk& c, int64_t position) {
+    const int64_t b = position / block_size;
+    return b < static_cast<int64_t>(c.block_table.size()) ? c.block_table[b] : -1;
+  };
   size_t next = 0;
   int64_t row0 = 0;
   for (size_t s = 0; s < batch.sequences.size(); ++s) {
@@ -96,11 +101,23 @@ absl::Status MtpExecutor::Propose(const StepPlan& plan, StepResult* result) {
     const int64_t p = c.first_position;
     const bool sampled = r != nullptr && r->error.ok() && !r->tokens.empty();
     const int64_t end = sampled ? p + c.num_tokens - c.num_draft + r->accepted : p + c.num_tokens - 1;
-    if (end > p) {
+    if (!sampled) {  // the chunk's last position waits for the next chunk's first token
+      const int64_t last = p + c.num_tokens - 1;
+      const int64_t row = row0 + c.num_tokens - 1;
+      waiting[{block_of(c, last), last}].assign(hidden.begin() + row * h, hidden.begin() + (row + 1) * h);
+    }
+    // The position before the chunk, when the step before left it waiting.
+    auto before = p > 0 ? waiting_.find({block_of(c, p - 1), p - 1}) : waiting_.end();
+    const int64_t start = before != waiting_.end() ? p - 1 : p;
+    if (end > start) {
       SequenceChunk& chunk = first.sequences.emplace_back();
-      chunk.first_position = p;
-      chunk.num_tokens = static_cast<int32_t>(end - p);
+      chunk.first_position = start;
+      chunk.num_tokens = static_cast<int32_t>(end - start);
       chunk.block_table = c.block_table;
+      if (before != waiting_.end()) {
+        first.token_ids.push_back(batch.token_ids[row0]);
+        first_hidden.insert(first_hidden.end(), before->second.begin(), before->second.end());
+      }
       for (int64_t i = p; i < end; ++i) {
         const int64_t row = row0 + (i - p);
         first.token_ids.push_back(i + 1 < end || !sampled ? batch.token_ids[row + 1] : r->tokens.back());
@@ -121,6 +138,7 @@ absl::Status MtpExecutor::Propose(const StepPlan& plan, StepResult* result) {
     }
     row0 += c.num_tokens;
   }
+  waiting_ = std::move(waiting);
   if (first.sequences.empty()) return absl::OkStatus();
   first.head_hidden = first_hidden.data();
   first.want_hidden = true;

@@ -9,15 +9,17 @@
 // sampler decides what is kept, so the tokens served are those of decoding without drafts.
 //
 // The head runs on the CPU backend (Model loaded with ModelOptions::nextn_head), its routed experts
-// on the backend. A chunked prefill's chunk boundary leaves the head's entry at the chunk's last
-// position unwritten until that position is written again (drafts only read it; nothing served
-// depends on it).
+// on the backend. A prefill chunk's last position waits for the next chunk's first token: its
+// hidden state is kept for one step (found by the block and position it belongs to), and written
+// with the next chunk.
 //
 // Thread-safety: as Executor (one Execute at a time).
 #pragma once
 
+#include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "moe/runtime/cache.h"
@@ -54,6 +56,10 @@ class MtpExecutor final : public Executor {
   int scratch_first_;    // the first scratch block of the head's cache
   int scratch_per_seq_;  // scratch blocks each proposing sequence may use
   int max_seqs_;
+  // The target's hidden state at the last position of each prefill chunk of the step before, by
+  // (the block holding that position, the position): a block's ids and contents at a position
+  // are one sequence's prefix, or a prefix shared token for token.
+  std::map<std::pair<int32_t, int64_t>, std::vector<float>> waiting_;
 };
 
 }  // namespace moe::runtime
