@@ -325,7 +325,7 @@ absl::StatusOr<std::unique_ptr<runtime::Executor>> WithMtpHead(std::unique_ptr<r
   }
   runtime::ModelOptions options;
   options.threads = target_options.threads;
-  options.max_step_tokens = target_options.max_step_tokens;
+  options.max_step_tokens = target_options.max_step_tokens + std::max(max_seqs, 1);  // and each chunk's waiting row
   options.max_logit_rows = std::max(max_seqs, 1);
   options.max_context = target_options.max_context;
   options.pool.progress = false;

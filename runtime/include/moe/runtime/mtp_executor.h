@@ -32,7 +32,8 @@ class MtpExecutor final : public Executor {
  public:
   // `target` runs the plans on a host backend and holds the KV capacity the scheduler plans with;
   // `head` (a Model loaded with nextn_head from the target's checkpoint) is not owned and must
-  // outlive the executor. `max_seqs`: sequences that may ask for drafts in one step.
+  // outlive the executor, and take steps of the target's largest plus one row per sequence (a
+  // prefill chunk's waiting row). `max_seqs`: sequences that may ask for drafts in one step.
   // kInvalidArgument when the head is not one, or not of this target's shape.
   static absl::StatusOr<std::unique_ptr<MtpExecutor>> Create(std::unique_ptr<ModelExecutor> target, Model& head,
                                                              int max_seqs);
