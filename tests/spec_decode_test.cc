@@ -792,9 +792,11 @@ TEST(SpecDecodeCliTest, ADraftModelWithAnotherVocabularyIsRefused) {
 }
 
 // A copy of the glm4_moe fixture with the nextn layer its config declares (layer 4: the last
-// decoder layer's tensors under its id, and the head's norms and projection, zero): the head is
-// found, and drafting with it is refused as not built.
-TEST(SpecDecodeCliTest, AnMtpHeadThatIsPresentIsRefusedAsNotBuilt) {
+// decoder layer's tensors under its id, and the head's norms and projection, zero): `bench serve`
+// starts its server drafting with the head, and every request completes with drafts verified;
+// `generate` prints the tokens it prints without drafts, greedy and seeded. (mtp_test checks the
+// tokens through the scheduler and the OpenAI API, and the head's math.)
+TEST(SpecDecodeCliTest, AnMtpHeadThatIsPresentDraftsInGenerateAndServe) {
   testing::ScratchDir dir;
   const std::string model = dir / "glm";
   testing::CopyFixture("glm4_moe", model);
@@ -841,10 +843,31 @@ TEST(SpecDecodeCliTest, AnMtpHeadThatIsPresentIsRefusedAsNotBuilt) {
     for (size_t i = 0; i < entries.size(); ++i) std::memcpy(writer->data(i), bytes[i].data(), bytes[i].size());
     ASSERT_TRUE(writer->Finish().ok());
   }
-  const testing::CommandResult r = testing::RunMoeserve({"generate", "--model", model, "--prompt-ids", "1,2",
-                                                         "--spec-type", "mtp"});
-  EXPECT_EQ(r.exit_code, 2) << r.err;
-  EXPECT_THAT(r.err, HasSubstr("has its MTP (nextn) layer, but drafting with it is not built yet")) << r.err;
+  int drafted = 0;
+  for (const std::vector<std::string>& sampling :
+       {std::vector<std::string>{}, std::vector<std::string>{"--temperature", "0.7", "--top-p", "0.9", "--seed", "5"}}) {
+    std::vector<std::string> args = {"generate", "--model", model, "--prompt-ids", "3,17,250,9,41,5,3,17",
+                                     "--max-new-tokens", "24", "--ignore-eos", "--json", "--threads", "2"};
+    args.insert(args.end(), sampling.begin(), sampling.end());
+    const testing::CommandResult off = testing::RunMoeserve(args);
+    ASSERT_EQ(off.exit_code, 0) << off.err;
+    args.insert(args.end(), {"--spec-type", "mtp", "--spec-n-max", "3", "--spec-adaptive", "off"});
+    const testing::CommandResult on = testing::RunMoeserve(args);
+    ASSERT_EQ(on.exit_code, 0) << on.err;
+    const json a = json::parse(off.out), b = json::parse(on.out);
+    EXPECT_EQ(a["generated_ids"], b["generated_ids"]);
+    EXPECT_EQ(b["decode_steps"].get<int>() + b["accepted_draft_tokens"].get<int>(), a["decode_steps"].get<int>());
+    drafted += b["draft_tokens"].get<int>();
+  }
+  EXPECT_GT(drafted, 0);
+  const testing::CommandResult bench = testing::RunMoeserve(
+      {"bench", "serve", "--model", model, "--spec-type", "mtp", "--spec-adaptive", "off", "--concurrency", "2",
+       "--requests", "4", "--prompt-len", "24", "--output-len", "16", "--json"});
+  ASSERT_EQ(bench.exit_code, 0) << bench.err;
+  const json rows = json::parse(bench.out.substr(bench.out.find('[')));
+  ASSERT_EQ(rows.size(), 1u) << bench.out;
+  EXPECT_EQ(rows[0]["failed"], 0);
+  EXPECT_GT(rows[0]["draft_tokens"].get<int>(), 0) << bench.out;
 }
 
 TEST(SpecDecodeClusterTest, BadSpeculativeKeysNameTheLineAndKey) {

@@ -218,7 +218,7 @@ int BenchServe(const ServeBenchFlags& flags) {
   std::unique_ptr<runtime::Model> model, draft_model;
   std::unique_ptr<scheduler::Frontend> frontend;
   if (flags.spec.type == "mtp" && !flags.model.empty()) {
-    return Fail(CheckMtpHead(flags.model, "--spec-type mtp"), 2);
+    if (absl::Status s = CheckMtpHead(flags.model, "--spec-type mtp"); !s.ok()) return Fail(s, 2);
   }
   auto spec_config = flags.spec.Config();
   if (!spec_config.ok()) return Fail(spec_config.status(), 2);
@@ -248,7 +248,14 @@ int BenchServe(const ServeBenchFlags& flags) {
     fo.scheduler.draft_adaptive = speculative.adaptive;
     auto executor = runtime::ModelExecutor::Create(*model, /*num_blocks=*/4096, fo.scheduler.block_size);
     if (!executor.ok()) return executor.status();
-    std::unique_ptr<runtime::Executor> serving = *std::move(executor);
+    std::unique_ptr<runtime::Executor> serving;
+    if (speculative.type == runtime::SpecType::kMtp) {
+      auto drafting = WithMtpHead(*std::move(executor), flags.model, model_options, fo.scheduler.max_seqs, &draft_model);
+      if (!drafting.ok()) return drafting.status();
+      serving = *std::move(drafting);
+    } else {
+      serving = *std::move(executor);
+    }
     if (speculative.type == runtime::SpecType::kDraft) {
       auto drafting = WithDraftModel(std::move(serving), speculative, model_options, fo.scheduler.max_seqs, &draft_model);
       if (!drafting.ok()) return drafting.status();

@@ -252,7 +252,11 @@ absl::Status ReadSpeculative(const Reader& r, const YAML::Node& s, ClusterConfig
   MOE_RETURN_IF_ERROR(r.Get(s, w, "model", &spec.draft_model));
   MOE_RETURN_IF_ERROR(r.Get(s, w, "device", &spec.draft_device));
   if (spec.type == runtime::SpecType::kMtp) {
-    return r.Error(s["type"], w + ".type", std::string(CheckMtpHead(c->model, "type mtp").message()));
+    const absl::Status head = CheckMtpHead(c->model, "type mtp");
+    return r.Error(s["type"], w + ".type",
+                   head.ok() ? "an MTP head is served by one process (serve --model DIR --spec-type mtp) for now, not "
+                               "by a deployment; use ngram here"
+                             : std::string(head.message()));
   }
   if (spec.type == runtime::SpecType::kDraft) {
     return r.Error(s["type"], w + ".type",

@@ -112,12 +112,18 @@ int RunGenerate(const GenerateFlags& flags) {
   options.stop_at_eos = !flags.ignore_eos;
   options.prompt_logits = !flags.dump_logits.empty();
   if (absl::Status s = options.sampling.Validate(); !s.ok()) return Fail(s, 2);
-  if (flags.spec.type == "mtp") return Fail(CheckMtpHead(flags.model, "--spec-type mtp"), 2);
+  if (flags.spec.type == "mtp") {
+    if (absl::Status s = CheckMtpHead(flags.model, "--spec-type mtp"); !s.ok()) return Fail(s, 2);
+  }
   auto speculative = flags.spec.Config();
   if (!speculative.ok()) return Fail(speculative.status(), 2);
-  if (speculative->type != runtime::SpecType::kOff && speculative->type != runtime::SpecType::kNgram) {
+  if (speculative->type == runtime::SpecType::kDraft) {
     return Fail(absl::FailedPreconditionError(absl::StrCat("--spec-type ", flags.spec.type,
-                                                           ": generate drafts with ngram only; serve runs the others")),
+                                                           ": generate drafts with ngram or mtp; serve runs draft")),
+                2);
+  }
+  if (speculative->type == runtime::SpecType::kMtp && !flags.dump_logits.empty()) {
+    return Fail(absl::InvalidArgumentError("--dump-logits: the prompt's logits are not returned with --spec-type mtp"),
                 2);
   }
   options.speculative = *speculative;
@@ -129,6 +135,25 @@ int RunGenerate(const GenerateFlags& flags) {
   if (absl::Status s = CheckModelFlags(flags.device, flags.experts, "generate"); !s.ok()) return Fail(s, 2);
   auto model = LoadModelForCommand(flags.model, flags.device, flags.experts, model_options, 0, "generate");
   if (!model.ok()) return Fail(model.status());
+  std::unique_ptr<runtime::Model> head;
+  if (speculative->type == runtime::SpecType::kMtp) {
+    if (!(*model)->backend().HostAddressable()) {
+      return Fail(absl::FailedPreconditionError(absl::StrCat("--spec-type mtp: the MTP head drafts beside a target on ",
+                                                             "the CPU backend for now (--device cpu), not on ",
+                                                             (*model)->backend().name())),
+                  2);
+    }
+    runtime::ModelOptions head_options;
+    head_options.threads = flags.threads;
+    head_options.max_step_tokens = (*model)->options().max_step_tokens + 1;  // and a chunk's waiting row
+    head_options.max_logit_rows = 1;
+    head_options.pool.progress = false;
+    head_options.nextn_head = true;
+    auto loaded = runtime::Model::Load(flags.model, head_options);
+    if (!loaded.ok()) return Fail(core::Annotate(loaded.status(), "--spec-type mtp"));
+    head = *std::move(loaded);
+    options.mtp_head = head.get();
+  }
   const double load_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count();
 
   auto result = runtime::Generate(**model, *prompt, options);

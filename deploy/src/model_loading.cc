@@ -12,6 +12,8 @@
 #include "moe/runtime/checkpoint.h"
 #include "moe/runtime/draft_model_executor.h"
 #include "moe/runtime/memory_plan.h"
+#include "moe/runtime/model_executor.h"
+#include "moe/runtime/mtp_executor.h"
 #include "moe/runtime/model_spec.h"
 #include "moe/runtime/routing_profile.h"
 #include "moe/runtime/weight_policy.h"
@@ -309,10 +311,31 @@ absl::Status CheckMtpHead(const std::string& model_dir, const std::string& what)
         " MTP (nextn) layer(s) (num_nextn_predict_layers) but its weights lack layer ", spec.num_layers, "'s ",
         absl::StrJoin(missing, ", "), " (a checkpoint saved without its MTP layer); use ngram drafts"));
   }
-  return absl::FailedPreconditionError(
-      absl::StrCat(what, ": ", model_dir,
-                   " has its MTP (nextn) layer, but drafting with it is not built yet; use ngram drafts, or a "
-                   "smaller draft model"));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<runtime::Executor>> WithMtpHead(std::unique_ptr<runtime::ModelExecutor> target,
+                                                               const std::string& model_dir,
+                                                               const runtime::ModelOptions& target_options,
+                                                               int max_seqs, std::unique_ptr<runtime::Model>* head) {
+  if (!target->model().backend().HostAddressable()) {
+    return absl::FailedPreconditionError(absl::StrCat("--spec-type mtp: the MTP head drafts beside a target on the CPU ",
+                                                      "backend for now (--device cpu), not on ",
+                                                      target->model().backend().name()));
+  }
+  runtime::ModelOptions options;
+  options.threads = target_options.threads;
+  options.max_step_tokens = target_options.max_step_tokens + std::max(max_seqs, 1);  // and each chunk's waiting row
+  options.max_logit_rows = std::max(max_seqs, 1);
+  options.max_context = target_options.max_context;
+  options.pool.progress = false;
+  options.nextn_head = true;
+  auto model = runtime::Model::Load(model_dir, options);
+  if (!model.ok()) return core::Annotate(model.status(), "--spec-type mtp");
+  auto executor = runtime::MtpExecutor::Create(std::move(target), **model, max_seqs);
+  if (!executor.ok()) return core::Annotate(executor.status(), "--spec-type mtp");
+  *head = *std::move(model);
+  return std::unique_ptr<runtime::Executor>(*std::move(executor));
 }
 
 }  // namespace moe::deploy

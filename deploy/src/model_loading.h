@@ -15,6 +15,7 @@
 #include "moe/runtime/device.h"
 #include "moe/runtime/executor.h"
 #include "moe/runtime/model.h"
+#include "moe/runtime/model_executor.h"
 #include "moe/runtime/placement.h"
 
 namespace moe::deploy {
@@ -80,8 +81,16 @@ absl::StatusOr<std::unique_ptr<runtime::Executor>> WithDraftModel(std::unique_pt
                                                                   int max_seqs, std::unique_ptr<runtime::Model>* draft);
 
 // --spec-type mtp (`what`: the flag or key, for messages): kFailedPrecondition naming what `model_dir` lacks for an MTP head (config.json's
-// num_nextn_predict_layers, or the nextn layer's tensors), else saying that drafting with the head
-// is not built yet.
+// num_nextn_predict_layers, or the nextn layer's tensors); OK when it has one.
 absl::Status CheckMtpHead(const std::string& model_dir, const std::string& what);
+
+// The MTP head of --spec-type mtp: the first nextn layer of the target's checkpoint `model_dir`,
+// loaded on the CPU backend with the target's step limits; wraps `target` in the executor that
+// drafts with it. `head` receives the model, which must outlive the executor. kFailedPrecondition
+// for a target that is not on the CPU backend (the head reads its hidden states on the host).
+absl::StatusOr<std::unique_ptr<runtime::Executor>> WithMtpHead(std::unique_ptr<runtime::ModelExecutor> target,
+                                                               const std::string& model_dir,
+                                                               const runtime::ModelOptions& target_options,
+                                                               int max_seqs, std::unique_ptr<runtime::Model>* head);
 
 }  // namespace moe::deploy

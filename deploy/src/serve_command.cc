@@ -250,7 +250,9 @@ int RunServe(const ServeFlags& flags) {
   model_options.threads = flags.threads;
   WarnIfMoreThreadsThanCores(flags.threads, "threads", "serve");
   if (absl::Status s = CheckModelFlags(flags.device, flags.experts, "serve"); !s.ok()) return Fail(s, 2);
-  if (flags.spec.type == "mtp") return Fail(CheckMtpHead(flags.model, "--spec-type mtp"), 2);
+  if (flags.spec.type == "mtp") {
+    if (absl::Status s = CheckMtpHead(flags.model, "--spec-type mtp"); !s.ok()) return Fail(s, 2);
+  }
   auto speculative = flags.spec.Config();
   if (!speculative.ok()) return Fail(speculative.status(), 2);
   if (speculative->type == runtime::SpecType::kDraft) {
@@ -323,7 +325,14 @@ int RunServe(const ServeFlags& flags) {
   // outlives it: Drain below ends the engine, and the executor with it.
   auto executor = runtime::ModelExecutor::Create(**model, sc.num_blocks, sc.block_size);
   if (!executor.ok()) return Fail(executor.status(), 1);
-  std::unique_ptr<runtime::Executor> serving = *std::move(executor);
+  std::unique_ptr<runtime::Executor> serving;
+  if (speculative->type == runtime::SpecType::kMtp) {
+    auto drafting = WithMtpHead(*std::move(executor), flags.model, model_options, flags.max_seqs, &draft_model);
+    if (!drafting.ok()) return Fail(drafting.status(), 1);
+    serving = *std::move(drafting);
+  } else {
+    serving = *std::move(executor);
+  }
   if (speculative->type == runtime::SpecType::kDraft) {
     auto drafting = WithDraftModel(std::move(serving), *speculative, model_options, flags.max_seqs, &draft_model);
     if (!drafting.ok()) return Fail(drafting.status(), 1);

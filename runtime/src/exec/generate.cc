@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "moe/core/status.h"
 #include "moe/runtime/model_executor.h"
+#include "moe/runtime/mtp_executor.h"
 
 namespace moe::runtime {
 namespace {
@@ -47,9 +48,13 @@ absl::StatusOr<GenerateResult> Generate(Model& model, const std::vector<int32_t>
   const bool drafting = options.speculative.type != SpecType::kOff && !options.step_logits;
   if (drafting) {
     MOE_RETURN_IF_ERROR(options.speculative.Validate());
-    if (options.speculative.type != SpecType::kNgram) {
+    const bool mtp = options.speculative.type == SpecType::kMtp && options.mtp_head != nullptr;
+    if (options.speculative.type != SpecType::kNgram && !mtp) {
       return absl::FailedPreconditionError(absl::StrCat("speculative type ", SpecTypeName(options.speculative.type),
-                                                        ": Generate drafts from n-grams only"));
+                                                        ": Generate drafts from n-grams, or an MTP head it is given"));
+    }
+    if (mtp && options.prompt_logits) {
+      return absl::InvalidArgumentError("the prompt's logits are not returned while an MTP head drafts");
     }
   }
   const int64_t total = static_cast<int64_t>(prompt.size()) + options.max_new_tokens;
@@ -69,6 +74,13 @@ absl::StatusOr<GenerateResult> Generate(Model& model, const std::vector<int32_t>
   // and one way of sampling for both.
   const int blocks = std::max(1, BlocksFor(total, options.block_size));
   MOE_ASSIGN_OR_RETURN(auto executor, ModelExecutor::Create(model, blocks, options.block_size));
+  // With an MTP head, the steps run through its executor, which drafts after each of them.
+  std::unique_ptr<MtpExecutor> head;
+  if (drafting && options.speculative.type == SpecType::kMtp) {
+    MOE_ASSIGN_OR_RETURN(head, MtpExecutor::Create(std::move(executor), *options.mtp_head, 1));
+  }
+  const int want_drafts = head != nullptr ? options.speculative.n_max : 0;
+  std::vector<int32_t> head_drafts;  // the head's drafts after the newest token
   std::vector<int32_t> table(blocks);
   std::iota(table.begin(), table.end(), 0);
 
@@ -82,7 +94,12 @@ absl::StatusOr<GenerateResult> Generate(Model& model, const std::vector<int32_t>
   std::vector<float> logits;
   // Runs `plan` (sampled on the host, the logits kept) and returns what the sequence gained.
   auto run_step = [&](const StepPlan& plan) -> absl::StatusOr<SequenceResult> {
-    MOE_ASSIGN_OR_RETURN(StepResult step, executor->ExecuteOnHost(plan, &logits));
+    StepResult step;
+    if (head != nullptr) {
+      MOE_ASSIGN_OR_RETURN(step, head->Execute(plan));
+    } else {
+      MOE_ASSIGN_OR_RETURN(step, executor->ExecuteOnHost(plan, &logits));
+    }
     if (step.sequences.empty()) {
       SequenceResult none;
       none.tokens = {-1};
@@ -90,6 +107,7 @@ absl::StatusOr<GenerateResult> Generate(Model& model, const std::vector<int32_t>
     }
     SequenceResult& r = step.sequences.back();
     if (!r.error.ok()) return r.error;
+    head_drafts = r.drafts;
     return std::move(r);
   };
   auto run = [&](const StepPlan& plan) -> absl::StatusOr<int32_t> {
@@ -108,6 +126,7 @@ absl::StatusOr<GenerateResult> Generate(Model& model, const std::vector<int32_t>
     StepPlan plan;
     plan.batch.token_ids.assign(prompt.begin() + first, prompt.begin() + first + n);
     plan.batch.sequences = {SequenceChunk{first, n, table}};
+    plan.batch.sequences[0].want_drafts = want_drafts;
     for (int i = options.prompt_logits ? 0 : n - 1; i < n; ++i) {
       if (!options.prompt_logits && first + n != prompt_len) break;
       plan.batch.logit_rows.push_back(i);
@@ -145,7 +164,11 @@ absl::StatusOr<GenerateResult> Generate(Model& model, const std::vector<int32_t>
     if (drafting) {
       const int room = options.max_new_tokens - static_cast<int>(result.generated_ids.size()) - 1;
       const int k = controller.Choose(&acceptance, 1, 1, room);
-      NgramDraft(tokens, k, &draft);
+      if (head != nullptr) {
+        draft.assign(head_drafts.begin(), head_drafts.begin() + std::min<size_t>(k, head_drafts.size()));
+      } else {
+        NgramDraft(tokens, k, &draft);
+      }
     }
     const int k = static_cast<int>(draft.size());
     std::vector<int32_t> fed = tokens;  // what the draft rows' penalties read
@@ -155,6 +178,7 @@ absl::StatusOr<GenerateResult> Generate(Model& model, const std::vector<int32_t>
     plan.batch.token_ids.insert(plan.batch.token_ids.end(), draft.begin(), draft.end());
     plan.batch.sequences = {SequenceChunk{position, 1 + k, table}};
     plan.batch.sequences[0].num_draft = k;
+    plan.batch.sequences[0].want_drafts = want_drafts;
     for (int i = 0; i <= k; ++i) {
       plan.batch.logit_rows.push_back(i);
       plan.samples.push_back(RowAt(options.sampling, seed, fed, position + 1 + i, prompt_len));

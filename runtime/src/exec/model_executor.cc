@@ -83,7 +83,19 @@ absl::StatusOr<StepResult> ModelExecutor::ExecuteOnHost(const StepPlan& plan, st
 absl::StatusOr<StepResult> ModelExecutor::Run(const StepPlan& plan, std::vector<float>* host_logits) {
   MOE_RETURN_IF_ERROR(CheckSampleRows(plan));
   MOE_RETURN_IF_ERROR(CheckDrafts(plan));
-  MOE_ASSIGN_OR_RETURN(StepOutputs out, model_.ForwardOnDevice(plan.batch, *cache_));
+  const ForwardBatch* batch = &plan.batch;
+  ForwardBatch with_hidden;
+  if (keep_hidden_) {
+    with_hidden = plan.batch;
+    with_hidden.want_all_hidden = true;
+    batch = &with_hidden;
+  }
+  MOE_ASSIGN_OR_RETURN(StepOutputs out, model_.ForwardOnDevice(*batch, *cache_));
+  if (keep_hidden_) {
+    hidden_.resize(static_cast<size_t>(out.hidden.numel()));
+    if (out.hidden) model_.backend().CopyToHost(out.hidden, hidden_.data());
+    MOE_RETURN_IF_ERROR(model_.backend().Synchronize());
+  }
   if (!model_.parallel().answers()) {
     // A layer split's stage before the last, or a tensor split's rank above 0: its share of the
     // step is done once it is queued; the answering rank samples.

@@ -41,10 +41,8 @@ absl::Status SpeculativeConfig::Validate() const {
   switch (type) {
     case SpecType::kOff:
     case SpecType::kNgram:
+    case SpecType::kMtp:  // the checkpoint's head is checked where it is loaded
       return absl::OkStatus();
-    case SpecType::kMtp:
-      return absl::FailedPreconditionError(
-          "type mtp: drafting with the checkpoint's nextn (MTP) layers is not built yet; use ngram, or off");
     case SpecType::kDraft:
       if (draft_model.empty()) return absl::InvalidArgumentError("type draft needs a draft model (--draft-model DIR)");
       if (!draft_device.empty() && draft_device != "cpu") {

@@ -256,6 +256,21 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, cons
     model->options_.max_context = spec.max_position_embeddings;
   }
   MOE_RETURN_IF_ERROR(model->PlanShare());
+  if (options.nextn_head) {
+    if (spec.num_nextn_layers == 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          path, " has no MTP (nextn) layer: its config.json's num_nextn_predict_layers is 0 (", spec.model_type, ")"));
+    }
+    if (options.parallel.split()) {
+      return absl::FailedPreconditionError("an MTP head runs in one process: a split does not hold it");
+    }
+    model->layers_ = Range{spec.num_layers, spec.num_layers + 1};
+    model->options_.experts = RoutedExpertsMode::kBackend;
+    model->options_.pool_layers.reset();
+    model->options_.backend_experts.clear();
+    model->options_.held_experts_per_layer = 0;
+    model->options_.defer_experts = 0;
+  }
   model->backend_ = backend != nullptr ? std::move(backend)
                                        : std::shared_ptr<Backend>(CreateCpuBackend(options.threads, options.weights));
   Backend& b = *model->backend_;
@@ -264,7 +279,16 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, cons
         spec.model_type, "'s multi-head latent attention (MLA) runs on the CPU backend in this build: ", b.name(),
         " has no MLA kernels yet; use --device cpu"));
   }
-  MOE_ASSIGN_OR_RETURN(internal::LoadPlan plan, internal::PlanLoad(spec, options, model->layers_, b));
+  if (options.nextn_head && !b.HostAddressable()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the MTP (nextn) head runs on the CPU backend in this build, not on ", b.name()));
+  }
+  MOE_ASSIGN_OR_RETURN(internal::LoadPlan plan, internal::PlanLoad(spec, model->options_, model->layers_, b));
+  if (options.nextn_head) {  // the head's routed experts run on the backend, every one
+    std::vector<int>& all = plan.backend_experts.emplace_back(spec.routing.num_experts);
+    std::iota(all.begin(), all.end(), 0);
+    plan.backend_experts.resize(spec.num_all_layers(), all);
+  }
   model->pool_layers_ = plan.pool_layers;
   const std::vector<int>& pool_layers = model->pool_layers_;
   const bool pool = !pool_layers.empty();
@@ -274,7 +298,7 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, cons
   if (tensor) share.tensor = model->shard_;
   MOE_ASSIGN_OR_RETURN(model->weights_,
                        internal::LoadWeights(*model->checkpoint_, b, plan.backend_experts, options.progress, share));
-  if (options.held_experts_per_layer > 0) {
+  if (model->options_.held_experts_per_layer > 0) {
     MOE_ASSIGN_OR_RETURN(model->held_,
                          internal::HeldExpertsPolicy::Start(b, *model->checkpoint_, *model->weights_, pool_layers,
                                                             options.held_experts_refresh_steps));
@@ -292,7 +316,7 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, cons
     if (b.ComputesOnHostCores() && options.share_host_threads) b.UseHostThreads(&model->pool_->host_threads());
   }
   model->routed_experts_ = internal::MakeRoutedExperts(b, *model->weights_, spec, model->pool_.get(), pool_layers,
-                                                       options.defer_experts, tensor ? &model->shard_ : nullptr);
+                                                       model->options_.defer_experts, tensor ? &model->shard_ : nullptr);
   MOE_RETURN_IF_ERROR(model->ReserveStep());
   if (pool && !b.HostAddressable() && options.prefill_offload_tokens != 0) {
     MOE_RETURN_IF_ERROR(model->SetUpStreamedExperts());
@@ -445,6 +469,9 @@ absl::Status Model::CheckBatch(const ForwardBatch& batch, const KvCache& cache) 
     if (r < 0 || r >= rows)
       return absl::InvalidArgumentError(absl::StrCat("logit row ", r, " outside [0, ", rows, ")"));
   }
+  if (options_.nextn_head && batch.head_hidden == nullptr) {
+    return absl::InvalidArgumentError("a step of an MTP head needs each row's hidden state (head_hidden), got none");
+  }
   if (batch.want_hidden && static_cast<int64_t>(batch.logit_rows.size()) > rows) {
     return absl::InvalidArgumentError(
         absl::StrCat("hidden states of ", batch.logit_rows.size(), " logit rows asked of a step of ", rows, " tokens"));
@@ -579,13 +606,25 @@ absl::Status Model::RunLayers(const StepTensors& step, const StepBuffers& buf, K
   const ParallelConfig& par = options_.parallel;
   comm::Communicator* comm = par.split() ? par.comm : nullptr;
   const bool tensor = comm != nullptr && par.mode == ParallelMode::kTensor;
+  const Tensor* pending = nullptr;  // the last block's output, not yet added to the residual
   if (layers_.begin == 0) {
     b.Embed(*w.embed, step, buf.x);
+  } else if (options_.nextn_head) {
+    // z = eh_proj [enorm(embed(token)); hnorm(hidden)]: the two halves of eh_proj, summed as the
+    // first block's pending output.
+    b.Embed(*w.embed, step, buf.x);
+    b.AddRmsNorm(buf.x, nullptr, *w.nextn_enorm, s.rms_norm_eps, buf.h);
+    const Tensor given{const_cast<float*>(head_hidden_), DType::kF32, buf.x.rows, buf.x.cols};
+    const Tensor normed = buf.ffn.split_out.Rows(0, buf.x.rows);
+    b.AddRmsNorm(given, nullptr, *w.nextn_hnorm, s.rms_norm_eps, normed);
+    b.Linear(buf.h, *w.nextn_proj_embed, nullptr, buf.x);
+    b.Linear(normed, *w.nextn_proj_hidden, nullptr, buf.delta);
+    pending = &buf.delta;
+    tap("nextn_input", -1, buf.delta);
   } else {
     b.RecvTensor(buf.x, par.rank - 1, *comm);
   }
   tap("embed", -1, buf.x);
-  const Tensor* pending = nullptr;  // the last block's output, not yet added to the residual
   for (int layer = static_cast<int>(layers_.begin); layer < layers_.end; ++layer) {
     const LayerWeights& lw = w.layers[layer];
     // Attention block.
@@ -633,7 +672,10 @@ absl::Status Model::RunLayers(const StepTensors& step, const StepBuffers& buf, K
     return absl::OkStatus();
   }
   // Only the rows that want logits go through the final norm and the LM head.
-  if (buf.logits.rows == 0) return absl::OkStatus();
+  if (buf.logits.rows == 0) {
+    if (all_hidden_ && pending != nullptr) b.AddSharedExpert(buf.x, *pending, nullptr);  // x: every row's
+    return absl::OkStatus();
+  }
   b.AddRmsNorm(buf.x, pending, *w.final_norm, s.rms_norm_eps, buf.h);
   tap("final_norm", -1, buf.h);
   if (buf.hidden) b.GatherRows(buf.x, step.logit_rows, buf.hidden);
@@ -660,7 +702,13 @@ absl::StatusOr<StepOutputs> Model::ForwardOnDevice(const ForwardBatch& batch, Kv
   if (held_ != nullptr) MOE_RETURN_IF_ERROR(held_->BeforeStep());
   const int rows = static_cast<int>(batch.token_ids.size());
   // A decode step (one token per sequence, each wanting logits) is replayed from a graph.
-  bool decode = options_.graphs && !tap_ && b.SupportsGraphs() && batch.logit_rows.size() == batch.token_ids.size();
+  if (batch.want_all_hidden && !b.HostAddressable()) {
+    return absl::UnimplementedError(absl::StrCat("every row's hidden state is gathered on a host backend, not ", b.name()));
+  }
+  head_hidden_ = batch.head_hidden;
+  all_hidden_ = batch.want_all_hidden && holds_logits();
+  bool decode = options_.graphs && !tap_ && b.SupportsGraphs() && !all_hidden_ &&
+                batch.logit_rows.size() == batch.token_ids.size();
   for (size_t i = 0; decode && i < batch.sequences.size(); ++i) {
     decode = batch.sequences[i].num_tokens == 1 && batch.logit_rows[i] == static_cast<int32_t>(i);
   }
@@ -676,7 +724,7 @@ absl::StatusOr<StepOutputs> Model::ForwardOnDevice(const ForwardBatch& batch, Kv
   inputs_ = BuildInputs(batch, cache, bucket, kv_bucket);
   MOE_ASSIGN_OR_RETURN(StepTensors step, b.BeginStep(inputs_));
   MOE_ASSIGN_OR_RETURN(StepBuffers buf, TakeBuffers(step.num_tokens, static_cast<int64_t>(inputs_.logit_rows.size())));
-  const bool want_hidden = batch.want_hidden && holds_logits();
+  const bool want_hidden = batch.want_hidden && holds_logits() && !all_hidden_;
   if (want_hidden) buf.hidden = buf.delta.Rows(0, buf.logits.rows);
   if (bucket > 0) {
     const GraphCache target{cache.k(0), cache.v(0), cache.shape().num_blocks, cache.shape().block_size};
@@ -699,6 +747,7 @@ absl::StatusOr<StepOutputs> Model::ForwardOnDevice(const ForwardBatch& batch, Kv
   const int64_t rows_out = static_cast<int64_t>(batch.logit_rows.size());
   out.logits = buf.logits.Rows(0, rows_out);
   if (want_hidden) out.hidden = buf.hidden.Rows(0, rows_out);
+  if (all_hidden_) out.hidden = buf.x.Rows(0, rows);
   return out;
 }
 

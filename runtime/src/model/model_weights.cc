@@ -482,7 +482,30 @@ absl::StatusOr<std::unique_ptr<Model::Weights>> LoadWeights(const Checkpoint& ch
       weights->lm_head = weights->lm_head_owned.get();
     }
   }
-  weights->layers.resize(s.num_layers);
+  // An MTP head: the share is its layer; it embeds, and its shared_head ends it.
+  const bool head = share.layers.begin >= s.num_layers;
+  if (head) {
+    const int n = static_cast<int>(share.layers.begin);
+    const std::string hs = absl::StrCat("hidden_size=", h);
+    const I embedding = checkpoint.Has({I::kNextnEmbedding, n}) ? I::kNextnEmbedding : I::kEmbedding;
+    const int embedding_layer = embedding == I::kNextnEmbedding ? n : -1;
+    MOE_ASSIGN_OR_RETURN(weights->embed, w.Load({embedding, embedding_layer}, {vocab, h}, vh, WeightUse::kEmbedding));
+    MOE_ASSIGN_OR_RETURN(weights->nextn_enorm, w.Load({I::kNextnEmbedNorm, n}, {h}, hs, WeightUse::kVector));
+    MOE_ASSIGN_OR_RETURN(weights->nextn_hnorm, w.Load({I::kNextnHiddenNorm, n}, {h}, hs, WeightUse::kVector));
+    const std::string proj = absl::StrCat("eh_proj: [hidden_size x 2 hidden_size], hidden_size=", h);
+    MOE_ASSIGN_OR_RETURN(weights->nextn_proj_embed, w.Load({I::kNextnProj, n}, {h, 2 * h}, proj, WeightUse::kMatrix,
+                                                           Slice::Columns(Range{0, h})));
+    MOE_ASSIGN_OR_RETURN(weights->nextn_proj_hidden, w.Load({I::kNextnProj, n}, {h, 2 * h}, proj, WeightUse::kMatrix,
+                                                            Slice::Columns(Range{h, 2 * h})));
+    MOE_ASSIGN_OR_RETURN(weights->final_norm, w.Load({I::kNextnHeadNorm, n}, {h}, hs, WeightUse::kVector));
+    if (checkpoint.Has({I::kNextnHead, n})) {
+      MOE_ASSIGN_OR_RETURN(weights->lm_head_owned, w.Load({I::kNextnHead, n}, {vocab, h}, vh));
+    } else {
+      MOE_ASSIGN_OR_RETURN(weights->lm_head_owned, w.Load({tied ? I::kEmbedding : I::kLmHead}, {vocab, h}, vh));
+    }
+    weights->lm_head = weights->lm_head_owned.get();
+  }
+  weights->layers.resize(s.num_all_layers());
   for (int layer = static_cast<int>(share.layers.begin); layer < share.layers.end; ++layer) {
     LayerWeights& l = weights->layers[layer];
     if (s.attention(layer) == AttentionKind::kMla) {
@@ -502,7 +525,7 @@ absl::StatusOr<std::unique_ptr<Model::Weights>> LoadWeights(const Checkpoint& ch
   if (reporter) reporter->Finish();
   weights->bytes = w.device_bytes();
   // A rank of a split leaves the other ranks' tensors unused on purpose.
-  if (first && last && !shard) w.WarnUnused(s);
+  if (first && last && !shard && !head) w.WarnUnused(s);
   return weights;
 }
 

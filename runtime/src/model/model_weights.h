@@ -71,6 +71,9 @@ struct Model::Weights {
   const DeviceWeight* lm_head = nullptr;
   int64_t bytes = 0;                           // on the backend
   std::vector<internal::LayerWeights> layers;  // every layer's; empty outside a layer split's stage
+  // An MTP head (ModelOptions::nextn_head): its norms, and eh_proj's halves (the columns that take
+  // the embedding, and those that take the hidden state). final_norm is then shared_head.norm.
+  std::unique_ptr<DeviceWeight> nextn_enorm, nextn_hnorm, nextn_proj_embed, nextn_proj_hidden;
   // Host copies of column slices (a tensor split's o_proj and down projections), which the CPU
   // backend's weights may point into.
   std::vector<std::vector<uint8_t>> slices;

@@ -29,7 +29,7 @@ class RoutedExpertsDispatch : public RoutedExperts, public HostExpertCompute {
       : backend_(backend),
         weights_(weights),
         pool_(pool),
-        pool_index_(spec.num_layers, -1),
+        pool_index_(spec.num_all_layers(), -1),  // an MTP head's layer follows the model's
         top_k_(spec.routing.top_k),
         hidden_(spec.hidden_size),
         defer_(defer),

@@ -20,10 +20,13 @@ struct GenerateOptions {
   bool prompt_logits = false;      // return the logits of every prompt position
   bool step_logits = false;        // return the logits each new token was sampled from
   int block_size = 16;
-  // Speculative decoding: kNgram drafts from the sequence's own n-grams (mtp and draft need an
-  // executor with a drafter, which Generate has not). The tokens are those of decoding without
-  // drafts; only the steps taken change. Off while step_logits is asked for.
+  // Speculative decoding: kNgram drafts from the sequence's own n-grams, kMtp from `mtp_head`
+  // (draft needs an executor with a draft model, which Generate has not). The tokens are those of
+  // decoding without drafts; only the steps taken change. Off while step_logits is asked for.
   SpeculativeConfig speculative;
+  // With kMtp: the model's MTP head (a Model loaded with ModelOptions::nextn_head from the same
+  // checkpoint), not owned. Not with prompt_logits.
+  Model* mtp_head = nullptr;
 };
 
 struct GenerateResult {

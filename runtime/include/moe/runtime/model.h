@@ -75,13 +75,22 @@ struct ForwardBatch {
   // Also return the logit rows' hidden states (StepOutputs::hidden), for an MTP head or a drafter
   // that reads the target's. Needs no more logit rows than tokens. Off: nothing is gathered.
   bool want_hidden = false;
+  // Return every row's hidden state instead (StepOutputs::hidden [rows x hidden_size]): what an
+  // MTP head's KV cache takes to follow the target's sequences. Host backends only (no graphs).
+  bool want_all_hidden = false;
+  // A model loaded as an MTP head (ModelOptions::nextn_head) reads, for each row, the target's
+  // hidden state of the position before (the residual before the final norm, or the head's own
+  // for a chained draft): [rows x hidden_size] fp32 in host memory, read during the step. The
+  // row's token is the one that followed it. Ignored by other models.
+  const float* head_hidden = nullptr;
 };
 
 // What a step leaves in the backend's step arena, valid until the next step.
 struct StepOutputs {
   Tensor logits;  // [logit_rows x vocab] fp32; no rows on a rank that holds no logits
   // [logit_rows x hidden_size] fp32 when ForwardBatch::want_hidden: the residual stream of each
-  // logit row after the last layer, before the final norm (what an MTP layer takes in). Else empty.
+  // logit row after the last layer, before the final norm (what an MTP layer takes in); every
+  // row's with want_all_hidden. Else empty.
   Tensor hidden;
 };
 
@@ -175,6 +184,13 @@ struct ModelOptions {
   MlaForm mla_form = MlaForm::kAuto;
   // Loading progress (bytes, GB/s) on stderr.
   bool progress = false;
+  // Load the checkpoint's first MTP (nextn) layer as a model of its own: a step embeds each row's
+  // token (the layer's embed_tokens, or the model's), normalises it (enorm) and the hidden state
+  // it is given (ForwardBatch::head_hidden, hnorm), projects the two concatenated (eh_proj), runs
+  // the decoder layer with its own KV cache, then shared_head.norm and the head (shared_head.head,
+  // or the model's LM head). On a host backend (the CPU's), its routed experts on the backend.
+  // kFailedPrecondition for a checkpoint without the layer.
+  bool nextn_head = false;
   // Several ranks (parallel.h): this model is rank `parallel.rank`'s share. A tensor split holds a
   // share of every layer (heads, FFN columns, its routed experts, LM-head rows) and sums the
   // shares with one all-reduce after attention and one after the FFN or MoE block; a layer split
@@ -320,6 +336,9 @@ class Model {
   std::unique_ptr<internal::HeldExpertsPolicy> held_;
   std::unique_ptr<RoutedExperts> routed_experts_;  // per layer, the backend's or the pool's
   StepTap tap_;
+  // The step in flight's ForwardBatch::head_hidden and want_all_hidden (holds_logits too).
+  const float* head_hidden_ = nullptr;
+  bool all_hidden_ = false;
   // The KV cache the backend's decode graphs were recorded on (they hold its addresses): a step
   // on another cache records them anew.
   struct GraphCache {

@@ -32,6 +32,13 @@ class ModelExecutor final : public Executor {
   KvCapacity kv_capacity() const override;
   const ModelInfo& model_info() const override { return info_; }
   std::string Describe() const override { return description_; }
+  // Keeps every row's hidden state of each step (the residual after the last layer, before the
+  // final norm), for a drafter that reads them (an MTP head): hidden() is the last Execute's,
+  // [rows x hidden_size] fp32, rows as the plan's batch. Host backends only (the step fails
+  // otherwise).
+  void set_keep_hidden(bool on) { keep_hidden_ = on; }
+  const std::vector<float>& hidden() const { return hidden_; }
+  Model& model() { return model_; }
 
  private:
   ModelExecutor(Model& model, std::unique_ptr<KvCache> cache);
@@ -53,6 +60,8 @@ class ModelExecutor final : public Executor {
   std::vector<float> logits_;
   std::vector<float> penalized_;
   std::vector<float> masked_;
+  bool keep_hidden_ = false;
+  std::vector<float> hidden_;
 };
 
 // The ModelInfo of a model with this spec.

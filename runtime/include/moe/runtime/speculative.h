@@ -40,8 +40,8 @@ struct SpeculativeConfig {
   // Drafts a sequence carries at most: n_max with a method, 0 when off.
   int max_draft() const { return type == SpecType::kOff ? 0 : n_max; }
   // kInvalidArgument naming the field for an n_max out of range or draft settings that do not
-  // belong to the method; kFailedPrecondition for what this build cannot run (mtp; a draft model
-  // on a GPU).
+  // belong to the method; kFailedPrecondition for what this build cannot run (a draft model on a
+  // GPU). Whether a checkpoint has an MTP head is checked where the head is loaded.
   absl::Status Validate() const;
 };
 
