@@ -105,6 +105,9 @@ int64_t WeightFormat::RowBytes(int64_t cols) const {
 
 int64_t WeightFormat::Bytes(const core::Shape& shape) const {
   if (shape.empty()) return RowBytes(1);
+  for (int64_t d : shape) {
+    if (d == 0) return 0;  // no values, whatever the other dimensions (a row's bytes are not formed)
+  }
   const int64_t cols = shape.back();
   int64_t rows = 1;
   for (size_t i = 0; i + 1 < shape.size(); ++i) rows *= shape[i];

@@ -363,7 +363,11 @@ absl::Status GgufFile::ParseAll() {
       return r.Error(dims_at, absl::StrCat("tensor ", t.name, ": its rows of ", t.ne[0], " values are not whole ",
                                            t.type->name, " blocks of ", t.type->block_elements));
     }
-    uint64_t bytes = static_cast<uint64_t>(t.ne[0]) / t.type->block_elements * t.type->block_bytes;
+    uint64_t bytes = 0;
+    if (__builtin_mul_overflow(static_cast<uint64_t>(t.ne[0]) / t.type->block_elements,
+                               static_cast<uint64_t>(t.type->block_bytes), &bytes)) {
+      return r.Error(dims_at, absl::StrCat("tensor ", t.name, ": its byte count overflows"));
+    }
     for (size_t d = 1; d < t.ne.size(); ++d) {
       if (__builtin_mul_overflow(bytes, static_cast<uint64_t>(t.ne[d]), &bytes)) {
         return r.Error(dims_at, absl::StrCat("tensor ", t.name, ": its byte count overflows"));

@@ -204,6 +204,11 @@ class GgufSource final : public WeightSource {
                                                      " are not [heads, kv_lora, nope] and [heads, v, kv_lora]"));
     }
     const int64_t heads = k.shape[0], lora = k.shape[1], nope = k.shape[2], v_dim = v.shape[1];
+    if (heads < 1 || lora < 1 || nope < 1 || v_dim < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(k_name, " ", core::ShapeString(k.shape), " and ", v_name, " ",
+                                                     core::ShapeString(v.shape), " in ", FileOf(k_name),
+                                                     " hold no values (every dimension must be at least 1)"));
+    }
     std::lock_guard<std::mutex> lock(mu_);
     auto it = unpermuted_.find(name);
     if (it == unpermuted_.end()) {
